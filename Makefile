@@ -1,0 +1,40 @@
+# The single entry point: `make run` and `make test` are what a fresh machine needs; CI runs
+# `make test` through .ci/run. Everything a target needs is installed or built here.
+
+CARGO ?= cargo
+DATA_DIR ?= ./ferrite-data
+VOLUME ?= demo
+VOLUME_SIZE ?= 2G
+
+.PHONY: run test build release fmt lint tidy unit deps help
+
+help:
+	@echo "make run    build (release), start a single-node cluster in $(DATA_DIR), create volume"
+	@echo "            '$(VOLUME)', run the five standard workloads over NVMe/TCP, keep serving"
+	@echo "make test   the whole test suite (format, lints, tidy, unit, integration, end to end)"
+
+release:
+	$(CARGO) build --release --locked --bin ferrite
+
+run: release
+	DATA_DIR=$(DATA_DIR) VOLUME=$(VOLUME) VOLUME_SIZE=$(VOLUME_SIZE) scripts/run.sh
+
+# System packages the tests use (fio for the raw-file peer in benchmarks). Installed only when
+# missing, so a developer machine that has them is not touched.
+deps:
+	@scripts/deps.sh
+
+fmt:
+	$(CARGO) fmt --all -- --check
+
+lint:
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+tidy:
+	$(CARGO) xtask tidy
+
+unit:
+	$(CARGO) test --workspace --locked
+
+test: deps fmt lint tidy unit
+	@echo "make test: all checks passed"

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the test suite and benchmarks rely on, only if they are missing.
+# Runs as root in CI (a fresh clone on a machine that may lack them); elsewhere it says what to do.
+set -euo pipefail
+needed=()
+command -v fio >/dev/null 2>&1 || needed+=(fio)
+if [ ${#needed[@]} -eq 0 ]; then
+    exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+    echo "deps: missing packages: ${needed[*]}; install them with: sudo apt-get install ${needed[*]}" >&2
+    exit 1
+fi
+echo "deps: installing ${needed[*]}"
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${needed[@]}" >/dev/null
