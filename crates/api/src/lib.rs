@@ -1,1 +1,29 @@
-//! placeholder
+//! The Ferrite REST API: its paths, its request and response bodies, and a blocking client.
+//!
+//! This is the only crate that defines what goes over HTTP. The node's server (`node::http`)
+//! answers with these types; the CLI, tests and later the CSI driver call it through [`Client`].
+//! Keeping both sides on one set of types means they cannot drift apart.
+//!
+//! Errors travel as [`ErrorBody`] with a stable [`ErrorCode`] string that scripts may match on;
+//! the `error` text is for humans and may change.
+
+mod client;
+mod format;
+mod wire;
+
+pub use client::{Client, ClientError, REQUEST_TIMEOUT_MS, RESPONSE_SIZE_BYTES_MAX};
+pub use format::{format_uuid, rfc3339_utc};
+pub use wire::*;
+
+/// The paths the node serves. `{name}` is a volume name, percent-encoded as a path segment.
+pub mod paths {
+    pub const VOLUMES: &str = "/v1/volumes";
+    pub const VOLUME: &str = "/v1/volumes/{name}";
+    pub const VOLUME_RESIZE: &str = "/v1/volumes/{name}/resize";
+    pub const NODE: &str = "/v1/node";
+    pub const METRICS: &str = "/metrics";
+    pub const HEALTHZ: &str = "/healthz";
+}
+
+/// The API URL the CLI uses when neither `--api` nor `FERRITE_API` is given.
+pub const DEFAULT_API_URL: &str = "http://127.0.0.1:8080";

@@ -1,1 +1,201 @@
-fn main() {}
+//! `ferrite`, the one binary: parses the command line, calls `node` or the REST API through
+//! `api::Client`, and prints. Anything that decides lives in those crates, not here.
+
+mod print;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use std::io::{IsTerminal as _, Write as _};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use types::ByteSize;
+
+const ROOT_EXAMPLES: &str = "\
+Examples:
+  Start a single-node cluster in ./ferrite-data, then make a volume and attach it:
+    ferrite up
+    ferrite volume create db --size 10G
+    ferrite volume show db          # prints the `nvme connect` line to run on a Linux host
+
+  Talk to a node elsewhere:
+    ferrite volume list --api http://10.0.0.5:8080
+    FERRITE_API=http://10.0.0.5:8080 ferrite volume list";
+
+const UP_EXAMPLES: &str = "\
+Examples:
+  ferrite up
+      4 sparse drive files of 16 GiB in ./ferrite-data, NVMe/TCP on 127.0.0.1:4420,
+      REST API on 127.0.0.1:8080.
+  ferrite up --data-dir /var/lib/ferrite --drives 8 --drive-size 100G
+  ferrite up --nvme-listen 0.0.0.0:4420 --api-listen 127.0.0.1:9000
+
+Drives are created on the first start in DATA-DIR; later starts reuse them and keep every
+volume, so --drives and --drive-size matter only the first time. Stop with Ctrl-C or SIGTERM.";
+
+const VOLUME_EXAMPLES: &str = "\
+Examples:
+  ferrite volume create db --size 10G
+  ferrite volume list
+  ferrite volume show db
+  ferrite volume resize db 20G
+  ferrite volume delete db
+  ferrite volume list --json | jq '.volumes[].name'
+
+Sizes take binary units: 512M, 10G, 1T (also MiB, GiB, TiB), or plain bytes.";
+
+/// Ferrite: block storage served over NVMe/TCP.
+#[derive(Parser)]
+#[command(name = "ferrite", version, after_long_help = ROOT_EXAMPLES, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a single-node cluster in the foreground.
+    ///
+    /// Runs a node with its metadata in DATA-DIR/meta.redb and its drives in DATA-DIR/drives,
+    /// serving volumes over NVMe/TCP and the REST API that `ferrite volume` uses.
+    #[command(after_long_help = UP_EXAMPLES)]
+    Up(UpArgs),
+    /// Create, list, show, resize and delete volumes.
+    ///
+    /// Every command talks to a running node's REST API (see --api).
+    #[command(after_long_help = VOLUME_EXAMPLES)]
+    Volume(VolumeArgs),
+}
+
+#[derive(Args)]
+struct UpArgs {
+    /// Where the node keeps its metadata and drives.
+    #[arg(long, value_name = "DIR", default_value = node::config::DEFAULT_DATA_DIR)]
+    data_dir: PathBuf,
+    /// Drives to create on the first start [default: 4].
+    #[arg(long, value_name = "N")]
+    drives: Option<u16>,
+    /// Size of each drive file (sparse) on the first start, such as 16G [default: 16GiB].
+    #[arg(long, value_name = "SIZE")]
+    drive_size: Option<ByteSize>,
+    /// Address to serve NVMe/TCP on.
+    #[arg(long, value_name = "ADDR", default_value_t = node::config::DEFAULT_NVME_LISTEN)]
+    nvme_listen: SocketAddr,
+    /// Address to serve the REST API on.
+    #[arg(long, value_name = "ADDR", default_value_t = node::config::DEFAULT_API_LISTEN)]
+    api_listen: SocketAddr,
+}
+
+#[derive(Args)]
+struct VolumeArgs {
+    /// The node's REST API.
+    #[arg(long, global = true, value_name = "URL", env = "FERRITE_API", default_value = api::DEFAULT_API_URL)]
+    api: String,
+    /// Print JSON instead of tables, for scripts.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: VolumeCommand,
+}
+
+#[derive(Subcommand)]
+enum VolumeCommand {
+    /// Create a volume.
+    ///
+    /// Hosts find it as the NVMe subsystem nqn.2024-01.io.ferrite:vol:NAME; `ferrite volume
+    /// show NAME` prints the `nvme connect` line.
+    #[command(after_long_help = "Example:\n  ferrite volume create db --size 10G")]
+    Create {
+        /// 1 to 63 characters from a-z, 0-9, '-' and '_', starting with a letter or digit.
+        name: String,
+        /// A multiple of 4 KiB from 1 MiB to 1 PiB, such as 10G or 512M.
+        #[arg(long, value_name = "SIZE")]
+        size: ByteSize,
+    },
+    /// List every volume.
+    #[command(after_long_help = "Examples:\n  ferrite volume list\n  ferrite volume list --json")]
+    List,
+    /// Show a volume and how a host attaches it.
+    #[command(after_long_help = "Example:\n  ferrite volume show db")]
+    Show { name: String },
+    /// Delete a volume and its data.
+    ///
+    /// Hosts still connected lose the volume; disconnect them first.
+    #[command(after_long_help = "Example:\n  ferrite volume delete db")]
+    Delete { name: String },
+    /// Grow a volume to a new size; volumes never shrink.
+    ///
+    /// Connected hosts may need `nvme ns-rescan` to see the new size.
+    #[command(after_long_help = "Example:\n  ferrite volume resize db 20G")]
+    Resize {
+        name: String,
+        /// The new size, larger than the current one, such as 20G.
+        size: ByteSize,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Up(args) => up(args),
+        Command::Volume(args) => volume(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn up(args: UpArgs) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    let config = node::NodeConfig {
+        data_dir: args.data_dir,
+        drive_count: args.drives,
+        drive_size_bytes: args.drive_size.map(ByteSize::bytes),
+        nvme_listen: args.nvme_listen,
+        api_listen: args.api_listen,
+        stop_on_signals: true,
+    };
+    let node = node::Node::start(config)?;
+    print::started(&node);
+    std::io::stdout().flush().context("write to stdout")?;
+    node.wait_for_stop();
+    node.stop()?;
+    println!("stopped cleanly");
+    Ok(())
+}
+
+fn volume(args: VolumeArgs) -> anyhow::Result<()> {
+    let client = api::Client::new(&args.api)?;
+    let json = args.json;
+    match args.command {
+        VolumeCommand::Create { name, size } => {
+            let request = api::CreateVolume { name, size_bytes: size.bytes() };
+            let volume = client.create_volume(&request)?;
+            print::volume_changed(json, "created", &volume)
+        }
+        VolumeCommand::List => {
+            let volumes = client.list_volumes()?;
+            print::volume_list(json, volumes)
+        }
+        VolumeCommand::Show { name } => print::volume(json, &client.volume(&name)?),
+        VolumeCommand::Delete { name } => {
+            let volume = client.delete_volume(&name)?;
+            print::volume_changed(json, "deleted", &volume)
+        }
+        VolumeCommand::Resize { name, size } => {
+            let volume = client.resize_volume(&name, size.bytes())?;
+            print::volume_changed(json, "resized", &volume)
+        }
+    }
+}

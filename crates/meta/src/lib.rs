@@ -1,1 +1,116 @@
-//! placeholder
+//! Cluster metadata behind one trait, so the control plane does not care where it is kept.
+//!
+//! A single node keeps its metadata in an embedded redb file ([`EmbeddedStore`]); a cluster will
+//! keep it in etcd. Both implement [`MetaStore`], and both must pass the same conformance suite,
+//! [`testing::check_store`].
+//!
+//! What is stored: one [`NodeRecord`] (who this node is and how its drives were formatted) and one
+//! [`VolumeRecord`] per volume, keyed by name. Every call is one transaction: it either happens
+//! completely and durably or not at all. Every write transaction advances the store's revision, a
+//! counter that lets a reader tell whether anything changed.
+//!
+//! Records are serialised by this crate ([`record`]), each with a format version; a record with a
+//! version this build does not know is refused with an error, never guessed at.
+
+mod embedded;
+pub mod record;
+pub mod testing;
+
+pub use embedded::{EmbeddedStore, META_FILE_NAME};
+
+use std::path::PathBuf;
+use types::VolumeName;
+
+/// A chunk of drive space given to a volume: `(drive index, chunk index on that drive)`.
+///
+/// This is the engine's `ChunkId` as a plain pair, so `meta` does not depend on `engine`.
+pub type Chunk = (u16, u32);
+
+/// Everything the cluster remembers about one volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeRecord {
+    /// Unique for the life of the store, never reused; allocated by
+    /// [`MetaStore::allocate_volume_id`].
+    pub id: u64,
+    pub name: VolumeName,
+    pub size_bytes: u64,
+    /// The volume's UUID, also its NVMe namespace UUID.
+    pub uuid: [u8; 16],
+    pub created_unix_ms: u64,
+    /// The engine chunks that hold the volume, in volume order.
+    pub chunks: Vec<Chunk>,
+}
+
+/// Who this node is. Written once, on the node's first start, after its drives are formatted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeRecord {
+    pub uuid: [u8; 16],
+    pub drive_count: u16,
+    pub drive_size_bytes: u64,
+    pub created_unix_ms: u64,
+}
+
+/// Why a metadata operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MetaError {
+    #[error("volume {0} already exists")]
+    VolumeExists(VolumeName),
+    #[error("volume {0} does not exist")]
+    VolumeNotFound(VolumeName),
+    #[error(
+        "the metadata store {} is in use by another process; is another `ferrite up` running \
+         on this data dir?",
+        path.display()
+    )]
+    InUse { path: PathBuf },
+    #[error("cannot open the metadata store {}: {detail}", path.display())]
+    Open { path: PathBuf, detail: String },
+    #[error("metadata store failed: {detail}")]
+    Backend { detail: String },
+    #[error("metadata record {key:?} is corrupt: {detail}")]
+    RecordCorrupt { key: String, detail: String },
+    #[error(
+        "metadata record {key:?} has format version {version}, but this build reads only \
+         version {supported}; run a newer ferrite"
+    )]
+    RecordVersionUnsupported { key: String, version: u64, supported: u32 },
+}
+
+/// The store of cluster metadata. Every method is one transaction, durable when it returns `Ok`.
+///
+/// Writers return the store's revision after their transaction. Readers see a consistent
+/// snapshot. Implementations serialise writers; callers that need read-then-write consistency
+/// across calls (the volume service) serialise themselves.
+pub trait MetaStore: Send + Sync {
+    /// The revision of the last committed write transaction; 0 for an empty store.
+    fn revision(&self) -> Result<u64, MetaError>;
+
+    /// This node's record, or `None` before the node's first start completed.
+    fn node(&self) -> Result<Option<NodeRecord>, MetaError>;
+
+    /// Writes this node's record, replacing any previous one.
+    fn put_node(&self, node: &NodeRecord) -> Result<u64, MetaError>;
+
+    /// Allocates a volume id in its own transaction: every call returns a larger id than any
+    /// call before it, across restarts. An id whose volume was never created is simply skipped.
+    fn allocate_volume_id(&self) -> Result<u64, MetaError>;
+
+    /// The volume named `name`, if any.
+    fn volume(&self, name: &VolumeName) -> Result<Option<VolumeRecord>, MetaError>;
+
+    /// Every volume, sorted by name.
+    fn volumes(&self) -> Result<Vec<VolumeRecord>, MetaError>;
+
+    /// Stores a new volume. Fails with [`MetaError::VolumeExists`] if the name is taken.
+    ///
+    /// The record's id must come from [`MetaStore::allocate_volume_id`] on this store.
+    fn create_volume(&self, record: &VolumeRecord) -> Result<u64, MetaError>;
+
+    /// Replaces an existing volume's record. Fails with [`MetaError::VolumeNotFound`] unless a
+    /// volume with this name and this id exists (a volume deleted and created again under the
+    /// same name is a different volume).
+    fn update_volume(&self, record: &VolumeRecord) -> Result<u64, MetaError>;
+
+    /// Deletes a volume and returns its last record. Fails with [`MetaError::VolumeNotFound`].
+    fn delete_volume(&self, name: &VolumeName) -> Result<VolumeRecord, MetaError>;
+}

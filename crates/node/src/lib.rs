@@ -1,1 +1,398 @@
-//! placeholder
+//! A Ferrite node: wires the metadata store, the data path and the REST API together, and owns
+//! the node's sockets, threads and signals.
+//!
+//! [`Node::start`] brings a node up from a [`NodeConfig`]:
+//!
+//! 1. Create the data dir and open the embedded metadata store in it (its file lock keeps a
+//!    second node off the same data dir).
+//! 2. First start (no node record yet): pick a node UUID, format the drives through the
+//!    [`DataPathBuilder`] seam, then write the node record. A crash before the record is written
+//!    makes the next start a first start again. Later starts: check the configuration against
+//!    the recorded drive geometry.
+//! 3. Start the control plane's tokio runtime and bind the REST API socket.
+//! 4. Start the data path with every volume record (it rebuilds its allocator from them).
+//! 5. Serve the API until [`Node::stop`], a [`StopHandle`], or (with
+//!    [`NodeConfig::stop_on_signals`]) SIGINT or SIGTERM.
+//!
+//! Stopping drains the API (in-flight requests finish), then shuts the data path down, then
+//! closes the metadata store.
+
+pub mod config;
+pub mod control;
+pub mod data_plane;
+pub mod http;
+pub mod metrics;
+
+pub use config::{ConfigError, NodeConfig};
+pub use data_plane::{
+    Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet, NoDataPath,
+};
+
+use control::VolumeService;
+use meta::{EmbeddedStore, MetaError, MetaStore, NodeRecord};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// How long the REST API may take to finish in-flight requests when the node stops.
+pub const API_SHUTDOWN_TIMEOUT_MS: u64 = 10_000;
+/// Threads tokio may start for blocking volume-service calls (metadata commits).
+pub const CONTROL_BLOCKING_THREADS_MAX: usize = 4;
+
+/// Why a node could not start or stop cleanly. Messages say what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot create the data dir {}: {source}", path.display())]
+    DataDir { path: PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    #[error(
+        "the data dir {} holds a node with {recorded}, but {requested} was asked for; drives \
+         cannot change after the first start: drop --drives/--drive-size, or use another \
+         --data-dir",
+        data_dir.display()
+    )]
+    DrivesChanged { data_dir: PathBuf, recorded: String, requested: String },
+    #[error("cannot format the drives in {}: {source}", dir.display())]
+    FormatDrives { dir: PathBuf, source: DataPlaneError },
+    #[error("cannot start the data path: {0}")]
+    StartDataPath(DataPlaneError),
+    #[error("cannot start the control plane runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("cannot listen for the REST API on {addr}: {source}; pass another --api-listen, or stop whatever uses it")]
+    ApiListen { addr: SocketAddr, source: std::io::Error },
+    #[error("cannot watch for SIGINT and SIGTERM: {0}")]
+    Signals(std::io::Error),
+    #[error("the REST API server failed: {0}")]
+    ApiServer(std::io::Error),
+    #[error("the REST API did not finish its requests within {API_SHUTDOWN_TIMEOUT_MS} ms")]
+    ApiShutdownTimeout,
+}
+
+/// Requests a node to stop; cheap to clone, usable from any thread.
+#[derive(Clone)]
+pub struct StopHandle(Arc<watch::Sender<bool>>);
+
+impl StopHandle {
+    pub fn stop(&self) {
+        self.0.send_replace(true);
+    }
+}
+
+/// A running node.
+pub struct Node {
+    runtime: Option<tokio::runtime::Runtime>,
+    server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    stop: StopHandle,
+    data_plane: Arc<dyn DataPlane>,
+    data_plane_running: bool,
+    api_addr: SocketAddr,
+    nvme_advertised: SocketAddr,
+    nvme_serving: bool,
+    record: NodeRecord,
+    first_start: bool,
+    data_dir: PathBuf,
+}
+
+impl Node {
+    /// Starts a node with this build's data path.
+    pub fn start(config: NodeConfig) -> Result<Self, NodeError> {
+        Self::start_with(config, Box::new(NoDataPath))
+    }
+
+    /// Starts a node with the given data path.
+    pub fn start_with(
+        config: NodeConfig,
+        mut data_path: Box<dyn DataPathBuilder>,
+    ) -> Result<Self, NodeError> {
+        config.validate()?;
+        std::fs::create_dir_all(&config.data_dir)
+            .map_err(|source| NodeError::DataDir { path: config.data_dir.clone(), source })?;
+        let meta = Arc::new(EmbeddedStore::open_in(&config.data_dir)?);
+
+        let (record, first_start) = match meta.node()? {
+            Some(record) => {
+                check_drives(&config, &record)?;
+                (record, false)
+            }
+            None => {
+                let record = NodeRecord {
+                    uuid: control::new_uuid(),
+                    drive_count: config.drive_count.unwrap_or(config::DEFAULT_DRIVE_COUNT),
+                    drive_size_bytes: config
+                        .drive_size_bytes
+                        .unwrap_or(config::DEFAULT_DRIVE_SIZE_BYTES),
+                    created_unix_ms: control::now_unix_ms(),
+                };
+                let drives = drive_set(&config, &record);
+                data_path.format_drives(&drives).map_err(|source| NodeError::FormatDrives {
+                    dir: drives.dir.clone(),
+                    source,
+                })?;
+                meta.put_node(&record)?;
+                tracing::info!(
+                    node_uuid = %api::format_uuid(&record.uuid),
+                    drives = record.drive_count,
+                    drive_size = %types::ByteSize(record.drive_size_bytes),
+                    "first start: created the node"
+                );
+                (record, true)
+            }
+        };
+
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(CONTROL_BLOCKING_THREADS_MAX)
+            .thread_name("ferrite-control")
+            .enable_all()
+            .build()
+            .map_err(NodeError::Runtime)?;
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind(config.api_listen))
+            .map_err(|source| NodeError::ApiListen { addr: config.api_listen, source })?;
+        let api_addr = listener
+            .local_addr()
+            .map_err(|source| NodeError::ApiListen { addr: config.api_listen, source })?;
+        let (stop_sender, stop_receiver) = watch::channel(false);
+        let stop = StopHandle(Arc::new(stop_sender));
+        if config.stop_on_signals {
+            // Registered before the API serves, so a signal can never find the default action.
+            let _entered = runtime.enter();
+            let signals = StopSignals::install().map_err(NodeError::Signals)?;
+            runtime.spawn(signals.forward_to(stop.clone()));
+        }
+
+        let volumes = meta.volumes()?;
+        let metrics = Arc::new(metrics::Registry::new());
+        for volume in &volumes {
+            metrics.register_volume(volume.id, &volume.name);
+        }
+        let context = DataPathContext {
+            drives: drive_set(&config, &record),
+            nvme_listen: config.nvme_listen,
+            volumes,
+            metrics: Arc::clone(&metrics),
+        };
+        let data_plane = data_path.start(context).map_err(NodeError::StartDataPath)?;
+        let nvme_serving = data_plane.nvme_addr().is_some();
+        let nvme_advertised = advertised(data_plane.nvme_addr().unwrap_or(config.nvme_listen));
+
+        let service = Arc::new(VolumeService::new(
+            meta as Arc<dyn MetaStore>,
+            Arc::clone(&data_plane),
+            Arc::clone(&metrics),
+        ));
+        let view = http::NodeView { record: record.clone(), nvme_advertised, nvme_serving };
+        let router = http::router(service, metrics, view);
+        let server_stop = stop.clone();
+        let server = runtime.spawn(async move {
+            let result =
+                axum::serve(listener, router).with_graceful_shutdown(stopped(stop_receiver)).await;
+            // If serving ends on its own (an accept loop failure), the node stops too.
+            server_stop.stop();
+            result
+        });
+        tracing::info!(api = %api_addr, nvme = %nvme_advertised, nvme_serving, "node started");
+
+        Ok(Self {
+            runtime: Some(runtime),
+            server: Some(server),
+            stop,
+            data_plane,
+            data_plane_running: true,
+            api_addr,
+            nvme_advertised,
+            nvme_serving,
+            record,
+            first_start,
+            data_dir: config.data_dir,
+        })
+    }
+
+    /// The address the REST API listens on (the real port when configured with port 0).
+    pub fn api_addr(&self) -> SocketAddr {
+        self.api_addr
+    }
+
+    /// The REST API's base URL, for `--api` and `api::Client::new`.
+    pub fn api_url(&self) -> String {
+        format!("http://{}", advertised(self.api_addr))
+    }
+
+    /// The NVMe/TCP address hosts are told to connect to.
+    pub fn nvme_addr(&self) -> SocketAddr {
+        self.nvme_advertised
+    }
+
+    /// Whether the data path serves volumes over NVMe/TCP.
+    pub fn nvme_serving(&self) -> bool {
+        self.nvme_serving
+    }
+
+    pub fn record(&self) -> &NodeRecord {
+        &self.record
+    }
+
+    /// Whether this start created the node (and its drives).
+    pub fn first_start(&self) -> bool {
+        self.first_start
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// The embedded metadata store's file.
+    pub fn meta_path(&self) -> PathBuf {
+        self.data_dir.join(meta::META_FILE_NAME)
+    }
+
+    /// Where the drive files live.
+    pub fn drives_dir(&self) -> PathBuf {
+        self.data_dir.join(config::DRIVES_DIR_NAME)
+    }
+
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// Blocks until the node is asked to stop: by a signal (if configured), a [`StopHandle`],
+    /// or the API server failing. Call [`Node::stop`] next.
+    pub fn wait_for_stop(&self) {
+        let Some(runtime) = &self.runtime else { return };
+        let mut receiver = self.stop.0.subscribe();
+        runtime.block_on(async move {
+            // Only fails if the sender is gone, and `self` holds it.
+            let _ = receiver.wait_for(|stopping| *stopping).await;
+        });
+    }
+
+    /// Stops the node: drains the API, shuts the data path down, closes the metadata store.
+    pub fn stop(mut self) -> Result<(), NodeError> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<(), NodeError> {
+        self.stop.stop();
+        let mut result = Ok(());
+        if let (Some(runtime), Some(server)) = (&self.runtime, self.server.take()) {
+            let timeout = Duration::from_millis(API_SHUTDOWN_TIMEOUT_MS);
+            result = match runtime.block_on(async { tokio::time::timeout(timeout, server).await }) {
+                Ok(Ok(Ok(()))) => Ok(()),
+                Ok(Ok(Err(error))) => Err(NodeError::ApiServer(error)),
+                Ok(Err(join_error)) => Err(NodeError::ApiServer(std::io::Error::other(join_error))),
+                Err(_elapsed) => Err(NodeError::ApiShutdownTimeout),
+            };
+        }
+        if self.data_plane_running {
+            self.data_plane_running = false;
+            self.data_plane.shutdown();
+        }
+        if let Some(runtime) = self.runtime.take() {
+            // Blocking calls still running hold the metadata store; give them a moment.
+            runtime.shutdown_timeout(Duration::from_millis(API_SHUTDOWN_TIMEOUT_MS));
+        }
+        if result.is_ok() {
+            tracing::info!("node stopped");
+        }
+        result
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if self.runtime.is_some() {
+            if let Err(error) = self.shutdown() {
+                tracing::error!(%error, "the node did not stop cleanly");
+            }
+        }
+    }
+}
+
+fn drive_set(config: &NodeConfig, record: &NodeRecord) -> DriveSet {
+    DriveSet {
+        dir: config.drives_dir(),
+        node_uuid: record.uuid,
+        count: record.drive_count,
+        size_bytes: record.drive_size_bytes,
+    }
+}
+
+fn check_drives(config: &NodeConfig, record: &NodeRecord) -> Result<(), NodeError> {
+    let count = config.drive_count.unwrap_or(record.drive_count);
+    let size_bytes = config.drive_size_bytes.unwrap_or(record.drive_size_bytes);
+    if count == record.drive_count && size_bytes == record.drive_size_bytes {
+        return Ok(());
+    }
+    let describe =
+        |count: u16, size_bytes: u64| format!("{count} drives of {}", types::ByteSize(size_bytes));
+    Err(NodeError::DrivesChanged {
+        data_dir: config.data_dir.clone(),
+        recorded: describe(record.drive_count, record.drive_size_bytes),
+        requested: describe(count, size_bytes),
+    })
+}
+
+/// The address to tell clients: a wildcard listen address is advertised as loopback, the one
+/// address certain to reach a single-node cluster from its own host.
+fn advertised(addr: SocketAddr) -> SocketAddr {
+    if addr.ip().is_unspecified() {
+        let loopback = match addr.ip() {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        };
+        SocketAddr::new(loopback, addr.port())
+    } else {
+        addr
+    }
+}
+
+async fn stopped(mut receiver: watch::Receiver<bool>) {
+    // Only fails if every sender is gone, which also means stop.
+    let _ = receiver.wait_for(|stopping| *stopping).await;
+}
+
+/// SIGINT and SIGTERM, registered with tokio.
+struct StopSignals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    /// Must run inside the runtime. Replaces the default action (exit) of both signals.
+    fn install() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self {
+            interrupt: signal(SignalKind::interrupt())?,
+            terminate: signal(SignalKind::terminate())?,
+        })
+    }
+
+    async fn forward_to(mut self, stop: StopHandle) {
+        let name = tokio::select! {
+            _ = self.interrupt.recv() => "SIGINT",
+            _ = self.terminate.recv() => "SIGTERM",
+        };
+        tracing::info!(signal = name, "stopping");
+        stop.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcard_addresses_are_advertised_as_loopback() {
+        let check = |listen: &str, expect: &str| {
+            assert_eq!(advertised(listen.parse().unwrap()).to_string(), expect);
+        };
+        check("0.0.0.0:4420", "127.0.0.1:4420");
+        check("[::]:4420", "[::1]:4420");
+        check("10.0.0.5:4420", "10.0.0.5:4420");
+    }
+}

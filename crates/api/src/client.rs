@@ -1,0 +1,348 @@
+//! A small blocking client of the REST API, for the CLI and tests.
+//!
+//! Blocking on purpose: the CLI makes one request and exits, so an async runtime would only add
+//! weight. Every failure becomes a [`ClientError`] whose `Display` text is the message a user
+//! sees, so callers print it as is.
+
+use crate::wire::{
+    CreateVolume, ErrorBody, ErrorCode, NodeInfo, ResizeVolume, VolumeInfo, VolumeList,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::io::Read;
+use std::time::Duration;
+
+/// How long to wait for a TCP connection to the API.
+pub const CONNECT_TIMEOUT_MS: u64 = 2_000;
+/// How long one request may take, end to end.
+pub const REQUEST_TIMEOUT_MS: u64 = 30_000;
+/// The largest response body the client reads; larger responses are refused, not truncated.
+pub const RESPONSE_SIZE_BYTES_MAX: u64 = 16 << 20;
+/// The largest error body the client reads for its message.
+const ERROR_BODY_SIZE_BYTES_MAX: u64 = 64 << 10;
+
+/// Why an API call failed. The `Display` text is the user-facing message.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("invalid API URL {url:?}: {reason}")]
+    InvalidUrl { url: String, reason: String },
+    /// No HTTP exchange happened: nothing listens there, or the network failed.
+    #[error("cannot reach the Ferrite API at {url}: {reason}; is `ferrite up` running?")]
+    Unreachable { url: String, reason: String },
+    /// The node answered with an error; `message` says what happened and what to do.
+    #[error("{message}")]
+    Api { status: u16, code: String, message: String },
+    /// The server answered with something that is not the Ferrite API.
+    #[error("the server at {url} did not answer as the Ferrite API does: {reason}")]
+    InvalidResponse { url: String, reason: String },
+}
+
+impl ClientError {
+    /// The API error code, if the node answered with a known one.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Self::Api { code, .. } => ErrorCode::parse(code),
+            _ => None,
+        }
+    }
+}
+
+/// A client of one node's REST API.
+#[derive(Clone)]
+pub struct Client {
+    agent: ureq::Agent,
+    base_url: String,
+}
+
+impl Client {
+    /// A client of the API at `base_url`, such as `http://127.0.0.1:8080`. No request is made.
+    pub fn new(base_url: &str) -> Result<Self, ClientError> {
+        let invalid = |reason: &str| ClientError::InvalidUrl {
+            url: base_url.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let trimmed = base_url.trim().trim_end_matches('/');
+        let Some(rest) = trimmed.strip_prefix("http://") else {
+            return Err(invalid("it must start with http://, for example http://127.0.0.1:8080"));
+        };
+        if rest.is_empty() || rest.contains(['/', '?', '#']) {
+            return Err(invalid(
+                "give only the scheme, host and port, for example http://127.0.0.1:8080",
+            ));
+        }
+        let agent = ureq::AgentBuilder::new()
+            .timeout_connect(Duration::from_millis(CONNECT_TIMEOUT_MS))
+            .timeout(Duration::from_millis(REQUEST_TIMEOUT_MS))
+            .redirects(0)
+            .user_agent(concat!("ferrite/", env!("CARGO_PKG_VERSION")))
+            .build();
+        Ok(Self { agent, base_url: trimmed.to_owned() })
+    }
+
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    /// Succeeds when the node is up and serving its API.
+    pub fn health(&self) -> Result<(), ClientError> {
+        self.send("GET", crate::paths::HEALTHZ, None).map(drop)
+    }
+
+    pub fn node(&self) -> Result<NodeInfo, ClientError> {
+        self.call("GET", crate::paths::NODE, None)
+    }
+
+    /// Every volume, sorted by name.
+    pub fn list_volumes(&self) -> Result<Vec<VolumeInfo>, ClientError> {
+        let list: VolumeList = self.call("GET", crate::paths::VOLUMES, None)?;
+        Ok(list.volumes)
+    }
+
+    pub fn volume(&self, name: &str) -> Result<VolumeInfo, ClientError> {
+        self.call("GET", &volume_path(name, ""), None)
+    }
+
+    pub fn create_volume(&self, request: &CreateVolume) -> Result<VolumeInfo, ClientError> {
+        self.call("POST", crate::paths::VOLUMES, Some(json(request)))
+    }
+
+    /// Grows a volume to `size_bytes`. The node refuses to shrink.
+    pub fn resize_volume(&self, name: &str, size_bytes: u64) -> Result<VolumeInfo, ClientError> {
+        let body = json(&ResizeVolume { size_bytes });
+        self.call("POST", &volume_path(name, "/resize"), Some(body))
+    }
+
+    /// Deletes a volume and returns what it was.
+    pub fn delete_volume(&self, name: &str) -> Result<VolumeInfo, ClientError> {
+        self.call("DELETE", &volume_path(name, ""), None)
+    }
+
+    /// The Prometheus text exposition of the node's metrics.
+    pub fn metrics(&self) -> Result<String, ClientError> {
+        let response = self.send("GET", crate::paths::METRICS, None)?;
+        let bytes = self.read_body(response)?;
+        String::from_utf8(bytes).map_err(|_| self.invalid_response("metrics are not UTF-8"))
+    }
+
+    fn call<T: DeserializeOwned>(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<T, ClientError> {
+        let response = self.send(method, path, body)?;
+        let bytes = self.read_body(response)?;
+        serde_json::from_slice(&bytes).map_err(|error| self.invalid_response(error))
+    }
+
+    fn send(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<ureq::Response, ClientError> {
+        let request = self.agent.request(method, &format!("{}{path}", self.base_url));
+        let result = match body {
+            Some(body) => request.set("Content-Type", "application/json").send_bytes(&body),
+            None => request.call(),
+        };
+        match result {
+            Ok(response) => Ok(response),
+            Err(ureq::Error::Status(status, response)) => Err(self.api_error(status, response)),
+            Err(ureq::Error::Transport(transport)) => Err(self.transport_error(&transport)),
+        }
+    }
+
+    fn read_body(&self, response: ureq::Response) -> Result<Vec<u8>, ClientError> {
+        let mut bytes = Vec::new();
+        response
+            .into_reader()
+            .take(RESPONSE_SIZE_BYTES_MAX + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|error| self.unreachable(io_reason(&error)))?;
+        if bytes.len() as u64 > RESPONSE_SIZE_BYTES_MAX {
+            return Err(self.invalid_response(format!(
+                "the response is larger than {RESPONSE_SIZE_BYTES_MAX} bytes"
+            )));
+        }
+        Ok(bytes)
+    }
+
+    fn api_error(&self, status: u16, response: ureq::Response) -> ClientError {
+        let status_text = response.status_text().to_owned();
+        let mut bytes = Vec::new();
+        let read = response.into_reader().take(ERROR_BODY_SIZE_BYTES_MAX).read_to_end(&mut bytes);
+        match (read, serde_json::from_slice::<ErrorBody>(&bytes)) {
+            (Ok(_), Ok(body)) => ClientError::Api { status, code: body.code, message: body.error },
+            _ => ClientError::Api {
+                status,
+                code: String::new(),
+                message: format!(
+                    "the server at {} answered HTTP {status} {status_text} without a Ferrite \
+                     error body; is --api pointing at a Ferrite node?",
+                    self.base_url
+                ),
+            },
+        }
+    }
+
+    fn transport_error(&self, transport: &ureq::Transport) -> ClientError {
+        match transport.kind() {
+            ureq::ErrorKind::InvalidUrl | ureq::ErrorKind::UnknownScheme => {
+                ClientError::InvalidUrl {
+                    url: self.base_url.clone(),
+                    reason: transport.to_string(),
+                }
+            }
+            ureq::ErrorKind::Dns => self.unreachable("cannot resolve the host name".to_owned()),
+            ureq::ErrorKind::BadStatus | ureq::ErrorKind::BadHeader => {
+                self.invalid_response("the answer is not HTTP/1.1")
+            }
+            _ => {
+                let reason = io_source(transport)
+                    .map(io_reason)
+                    .or_else(|| transport.message().map(str::to_owned))
+                    .unwrap_or_else(|| transport.to_string());
+                self.unreachable(reason)
+            }
+        }
+    }
+
+    fn unreachable(&self, reason: String) -> ClientError {
+        ClientError::Unreachable { url: self.base_url.clone(), reason }
+    }
+
+    fn invalid_response(&self, reason: impl std::fmt::Display) -> ClientError {
+        ClientError::InvalidResponse { url: self.base_url.clone(), reason: reason.to_string() }
+    }
+}
+
+fn json(body: &impl Serialize) -> Vec<u8> {
+    // The API's request types hold only strings and integers, which always serialise.
+    serde_json::to_vec(body).expect("API request bodies always serialise")
+}
+
+/// The path of one volume's endpoint, with the name percent-encoded as one path segment so that
+/// no name, however odd, can address another endpoint.
+fn volume_path(name: &str, suffix: &str) -> String {
+    let mut path = String::from(crate::paths::VOLUMES);
+    path.push('/');
+    for byte in name.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'_' | b'.' | b'~') {
+            path.push(char::from(byte));
+        } else {
+            path.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    path.push_str(suffix);
+    path
+}
+
+/// The I/O error under a ureq transport error, if there is one.
+fn io_source(transport: &ureq::Transport) -> Option<&std::io::Error> {
+    let mut source = std::error::Error::source(transport);
+    // Error chains are short; the bound only guards against a cyclic chain.
+    for _ in 0..8 {
+        let error = source?;
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            return Some(io);
+        }
+        source = error.source();
+    }
+    None
+}
+
+fn io_reason(error: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    match error.kind() {
+        ErrorKind::ConnectionRefused => "connection refused".to_owned(),
+        ErrorKind::TimedOut | ErrorKind::WouldBlock => "the connection timed out".to_owned(),
+        ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted => {
+            "the connection was reset".to_owned()
+        }
+        ErrorKind::UnexpectedEof => "the connection closed before the answer ended".to_owned(),
+        _ => error.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::net::TcpListener;
+
+    /// A base URL on which nothing listens: a port the OS just gave out and took back.
+    fn closed_url() -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        format!("http://127.0.0.1:{port}")
+    }
+
+    /// Serves one canned HTTP response on a fresh port, in a thread.
+    fn serve_once(status_line: &str, body: &str) -> String {
+        let response = format!(
+            "HTTP/1.1 {status_line}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request).unwrap();
+            stream.write_all(response.as_bytes()).unwrap();
+        });
+        url
+    }
+
+    #[test]
+    fn unreachable_message_tells_what_to_do() {
+        let url = closed_url();
+        let error = Client::new(&url).unwrap().list_volumes().unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "cannot reach the Ferrite API at {url}: connection refused; is `ferrite up` running?"
+            )
+        );
+    }
+
+    #[test]
+    fn invalid_urls() {
+        for url in ["127.0.0.1:8080", "https://x", "http://", "http://h/v1", "ftp://h"] {
+            assert!(matches!(Client::new(url), Err(ClientError::InvalidUrl { .. })), "{url}");
+        }
+        assert_eq!(Client::new("http://h:1/").unwrap().base_url(), "http://h:1");
+    }
+
+    #[test]
+    fn api_errors_carry_code_and_message() {
+        let url = serve_once(
+            "409 Conflict",
+            r#"{"error":"volume db already exists","code":"volume_exists"}"#,
+        );
+        let error = Client::new(&url).unwrap().volume("db").unwrap_err();
+        assert_eq!(error.to_string(), "volume db already exists");
+        assert_eq!(error.code(), Some(ErrorCode::VolumeExists));
+        assert!(matches!(error, ClientError::Api { status: 409, .. }));
+    }
+
+    #[test]
+    fn foreign_servers_are_named() {
+        let url = serve_once("502 Bad Gateway", "oops");
+        let error = Client::new(&url).unwrap().volume("db").unwrap_err();
+        assert!(error.to_string().contains("answered HTTP 502 Bad Gateway"), "{error}");
+        assert_eq!(error.code(), None);
+
+        let url = serve_once("200 OK", "nope");
+        let error = Client::new(&url).unwrap().node().unwrap_err();
+        assert!(matches!(error, ClientError::InvalidResponse { .. }), "{error}");
+    }
+
+    #[test]
+    fn volume_paths_are_one_segment() {
+        assert_eq!(volume_path("db-1", ""), "/v1/volumes/db-1");
+        assert_eq!(volume_path("a/../b c", "/resize"), "/v1/volumes/a%2F..%2Fb%20c/resize");
+    }
+}

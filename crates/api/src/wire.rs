@@ -1,0 +1,232 @@
+//! Request and response bodies of the REST API, as JSON.
+//!
+//! Sizes are plain byte counts (`size_bytes`); parsing `10G` is the client's job. UUIDs are
+//! lowercase hyphenated strings, times are Unix milliseconds. Fields are only ever added, never
+//! renamed, so older clients keep working; unknown fields are ignored when reading.
+
+use serde::{Deserialize, Serialize};
+
+/// `POST /v1/volumes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateVolume {
+    pub name: String,
+    pub size_bytes: u64,
+}
+
+/// `POST /v1/volumes/{name}/resize`. Volumes only grow.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResizeVolume {
+    pub size_bytes: u64,
+}
+
+/// A volume, as returned by every volume endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeInfo {
+    pub name: String,
+    pub id: u64,
+    pub size_bytes: u64,
+    /// The NVMe subsystem NQN that exposes the volume.
+    pub nqn: String,
+    /// The volume's UUID, also its NVMe namespace UUID.
+    pub uuid: String,
+    pub created_unix_ms: u64,
+    /// The address hosts connect to over NVMe/TCP.
+    pub nvme_host: String,
+    pub nvme_port: u16,
+}
+
+impl VolumeInfo {
+    /// The command a Linux host runs to attach this volume with nvme-cli.
+    pub fn nvme_connect_command(&self) -> String {
+        format!("nvme connect -t tcp -a {} -s {} -n {}", self.nvme_host, self.nvme_port, self.nqn)
+    }
+}
+
+/// `GET /v1/volumes`: every volume, sorted by name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeList {
+    pub volumes: Vec<VolumeInfo>,
+}
+
+/// Space on the node's drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capacity {
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    /// The unit in which drive space is given to volumes; 0 when no data path allocates space.
+    pub chunk_size_bytes: u64,
+}
+
+/// `GET /v1/node`: the node and its capacity.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub node_uuid: String,
+    /// The version of the `ferrite` build serving the API.
+    pub version: String,
+    pub drive_count: u16,
+    pub drive_size_bytes: u64,
+    pub created_unix_ms: u64,
+    pub nvme_host: String,
+    pub nvme_port: u16,
+    /// Whether the node serves volumes over NVMe/TCP (false while no data path is attached).
+    pub nvme_serving: bool,
+    pub volume_count: u64,
+    /// The metadata store's revision: it changes whenever any metadata changes.
+    pub meta_revision: u64,
+    pub capacity: Capacity,
+}
+
+/// The body of every error response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// What happened, to what, and what to do; shown to users as is.
+    pub error: String,
+    /// A stable [`ErrorCode`] string for scripts.
+    pub code: String,
+}
+
+impl ErrorBody {
+    pub fn new(code: ErrorCode, error: impl Into<String>) -> Self {
+        Self { error: error.into(), code: code.as_str().to_owned() }
+    }
+}
+
+/// The stable error codes of the API, with the HTTP status each is sent with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    /// 409: a volume with this name exists.
+    VolumeExists,
+    /// 404: no volume has this name.
+    VolumeNotFound,
+    /// 400: the size is not a multiple of 4 KiB between 1 MiB and 1 PiB.
+    InvalidSize,
+    /// 400: the name is not a valid volume name.
+    InvalidName,
+    /// 507: the drives have no room for the request.
+    NoSpace,
+    /// 409: a resize asked for a smaller size; volumes only grow.
+    ShrinkRefused,
+    /// 400: the body is not the JSON the endpoint expects.
+    InvalidRequest,
+    /// 413: the body is larger than the server accepts.
+    RequestTooLarge,
+    /// 404: no such endpoint.
+    NotFound,
+    /// 405: the endpoint does not take this method.
+    MethodNotAllowed,
+    /// 503: too many requests in flight; retry.
+    Busy,
+    /// 500: the node failed; the message says how.
+    Internal,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 12] = [
+        Self::VolumeExists,
+        Self::VolumeNotFound,
+        Self::InvalidSize,
+        Self::InvalidName,
+        Self::NoSpace,
+        Self::ShrinkRefused,
+        Self::InvalidRequest,
+        Self::RequestTooLarge,
+        Self::NotFound,
+        Self::MethodNotAllowed,
+        Self::Busy,
+        Self::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::VolumeExists => "volume_exists",
+            Self::VolumeNotFound => "volume_not_found",
+            Self::InvalidSize => "invalid_size",
+            Self::InvalidName => "invalid_name",
+            Self::NoSpace => "no_space",
+            Self::ShrinkRefused => "shrink_refused",
+            Self::InvalidRequest => "invalid_request",
+            Self::RequestTooLarge => "request_too_large",
+            Self::NotFound => "not_found",
+            Self::MethodNotAllowed => "method_not_allowed",
+            Self::Busy => "busy",
+            Self::Internal => "internal",
+        }
+    }
+
+    pub fn http_status(self) -> u16 {
+        match self {
+            Self::VolumeExists | Self::ShrinkRefused => 409,
+            Self::VolumeNotFound | Self::NotFound => 404,
+            Self::InvalidSize | Self::InvalidName | Self::InvalidRequest => 400,
+            Self::NoSpace => 507,
+            Self::RequestTooLarge => 413,
+            Self::MethodNotAllowed => 405,
+            Self::Busy => 503,
+            Self::Internal => 500,
+        }
+    }
+
+    pub fn parse(code: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|known| known.as_str() == code)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_codes_are_stable_and_distinct() {
+        let codes: Vec<&str> = ErrorCode::ALL.iter().map(|code| code.as_str()).collect();
+        assert_eq!(
+            codes,
+            [
+                "volume_exists",
+                "volume_not_found",
+                "invalid_size",
+                "invalid_name",
+                "no_space",
+                "shrink_refused",
+                "invalid_request",
+                "request_too_large",
+                "not_found",
+                "method_not_allowed",
+                "busy",
+                "internal"
+            ]
+        );
+        for code in ErrorCode::ALL {
+            assert_eq!(ErrorCode::parse(code.as_str()), Some(code));
+            assert!((400..600).contains(&code.http_status()));
+        }
+        assert_eq!(ErrorCode::parse("nope"), None);
+    }
+
+    #[test]
+    fn connect_command() {
+        let info = VolumeInfo {
+            name: "db".to_owned(),
+            id: 1,
+            size_bytes: 1 << 30,
+            nqn: "nqn.2024-01.io.ferrite:vol:db".to_owned(),
+            uuid: "00000000-0000-4000-8000-000000000000".to_owned(),
+            created_unix_ms: 0,
+            nvme_host: "127.0.0.1".to_owned(),
+            nvme_port: 4420,
+        };
+        assert_eq!(
+            info.nvme_connect_command(),
+            "nvme connect -t tcp -a 127.0.0.1 -s 4420 -n nqn.2024-01.io.ferrite:vol:db"
+        );
+        let json = serde_json::to_value(&info).unwrap();
+        assert_eq!(json["size_bytes"], 1u64 << 30);
+        assert_eq!(serde_json::from_value::<VolumeInfo>(json).unwrap(), info);
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored() {
+        let body: ErrorBody =
+            serde_json::from_str(r#"{"error":"x","code":"internal","added_later":1}"#).unwrap();
+        assert_eq!(body, ErrorBody::new(ErrorCode::Internal, "x"));
+    }
+}

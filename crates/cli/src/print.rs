@@ -1,0 +1,105 @@
+//! What the CLI prints: aligned tables and key-value blocks for people, the API's JSON for
+//! scripts (`--json` prints exactly what the API returned).
+
+use api::VolumeInfo;
+use types::ByteSize;
+
+pub fn started(node: &node::Node) {
+    let record = node.record();
+    let drives = format!(
+        "{} x {} in {}",
+        record.drive_count,
+        ByteSize(record.drive_size_bytes),
+        node.drives_dir().display()
+    );
+    println!(
+        "Ferrite node {} {}",
+        api::format_uuid(&record.uuid),
+        if node.first_start() { "created" } else { "started" }
+    );
+    println!("  REST API:  {}", node.api_url());
+    if node.nvme_serving() {
+        println!("  NVMe/TCP:  {}", node.nvme_addr());
+        println!("  drives:    {drives}");
+    } else {
+        println!("  NVMe/TCP:  {} (not served: this build has no data path yet)", node.nvme_addr());
+        println!("  drives:    {drives} (not created: this build has no data path yet)");
+    }
+    println!("  metadata:  {}", node.meta_path().display());
+    println!("Stop with Ctrl-C.");
+}
+
+pub fn volume_changed(json: bool, verb: &str, volume: &VolumeInfo) -> anyhow::Result<()> {
+    if json {
+        return print_json(volume);
+    }
+    println!("{verb} volume {} ({})", volume.name, ByteSize(volume.size_bytes));
+    if verb != "deleted" {
+        println!("  connect: {}", volume.nvme_connect_command());
+    }
+    Ok(())
+}
+
+pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
+    if json {
+        return print_json(volume);
+    }
+    let rows = [
+        ("name", volume.name.clone()),
+        ("id", volume.id.to_string()),
+        ("size", format!("{} ({} bytes)", ByteSize(volume.size_bytes), volume.size_bytes)),
+        ("uuid", volume.uuid.clone()),
+        ("created", api::rfc3339_utc(volume.created_unix_ms)),
+        ("nqn", volume.nqn.clone()),
+        ("address", format!("tcp {}:{}", volume.nvme_host, volume.nvme_port)),
+        ("connect", volume.nvme_connect_command()),
+    ];
+    for (key, value) in rows {
+        println!("{:<9}{value}", format!("{key}:"));
+    }
+    Ok(())
+}
+
+pub fn volume_list(json: bool, volumes: Vec<VolumeInfo>) -> anyhow::Result<()> {
+    if json {
+        return print_json(&api::VolumeList { volumes });
+    }
+    if volumes.is_empty() {
+        println!("no volumes; create one with `ferrite volume create NAME --size SIZE`");
+        return Ok(());
+    }
+    let header = ["NAME", "SIZE", "ID", "CREATED", "NQN"].map(str::to_owned);
+    let rows: Vec<[String; 5]> = volumes
+        .iter()
+        .map(|volume| {
+            [
+                volume.name.clone(),
+                ByteSize(volume.size_bytes).to_string(),
+                volume.id.to_string(),
+                api::rfc3339_utc(volume.created_unix_ms),
+                volume.nqn.clone(),
+            ]
+        })
+        .collect();
+    print_table(&header, &rows);
+    Ok(())
+}
+
+fn print_table<const COLUMNS: usize>(header: &[String; COLUMNS], rows: &[[String; COLUMNS]]) {
+    let mut widths = header.clone().map(|cell| cell.len());
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.len());
+        }
+    }
+    for row in std::iter::once(header).chain(rows) {
+        let cells: Vec<String> =
+            row.iter().zip(widths).map(|(cell, width)| format!("{cell:<width$}")).collect();
+        println!("{}", cells.join("  ").trim_end());
+    }
+}
+
+fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}

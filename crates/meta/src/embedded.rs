@@ -1,0 +1,292 @@
+//! The single-node metadata store: one redb file, `DATA-DIR/meta.redb`.
+//!
+//! redb gives ACID transactions with a durable commit (its default durability fsyncs before
+//! `commit` returns), and takes an exclusive lock on the file, so two nodes cannot share a data
+//! dir. Tables:
+//!
+//! | table | key | value |
+//! |---|---|---|
+//! | `volumes` | volume name | [`crate::record`] volume record |
+//! | `node` | `"node"` | [`crate::record`] node record |
+//! | `counters` | `"revision"`, `"next_volume_id"` | u64 |
+
+use crate::record::{decode_node, decode_volume, encode_node, encode_volume};
+use crate::{MetaError, MetaStore, NodeRecord, VolumeRecord};
+use redb::{Database, ReadableTable, TableDefinition, WriteTransaction};
+use std::path::{Path, PathBuf};
+use types::VolumeName;
+
+/// The file name of the embedded store inside a node's data dir.
+pub const META_FILE_NAME: &str = "meta.redb";
+
+const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
+const NODE: TableDefinition<&str, &[u8]> = TableDefinition::new("node");
+const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
+
+const NODE_KEY: &str = "node";
+const REVISION_KEY: &str = "revision";
+const NEXT_VOLUME_ID_KEY: &str = "next_volume_id";
+/// Volume ids start at 1 so that 0 never names a volume.
+const FIRST_VOLUME_ID: u64 = 1;
+
+/// The embedded metadata store of a single node.
+pub struct EmbeddedStore {
+    database: Database,
+    path: PathBuf,
+}
+
+impl EmbeddedStore {
+    /// Opens the store at `path`, creating it (and its tables) if it does not exist.
+    pub fn open(path: &Path) -> Result<Self, MetaError> {
+        let database = Database::create(path).map_err(|error| match error {
+            redb::DatabaseError::DatabaseAlreadyOpen => MetaError::InUse { path: path.to_owned() },
+            other => MetaError::Open { path: path.to_owned(), detail: other.to_string() },
+        })?;
+        let store = Self { database, path: path.to_owned() };
+        store.write(|txn| {
+            txn.open_table(VOLUMES).map_err(backend)?;
+            txn.open_table(NODE).map_err(backend)?;
+            txn.open_table(COUNTERS).map_err(backend)?;
+            Ok(())
+        })?;
+        Ok(store)
+    }
+
+    /// Opens the store in `data_dir` under its standard name, [`META_FILE_NAME`].
+    pub fn open_in(data_dir: &Path) -> Result<Self, MetaError> {
+        Self::open(&data_dir.join(META_FILE_NAME))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `body` in one write transaction without advancing the revision.
+    fn write<T>(
+        &self,
+        body: impl FnOnce(&WriteTransaction) -> Result<T, MetaError>,
+    ) -> Result<T, MetaError> {
+        let txn = self.database.begin_write().map_err(backend)?;
+        // On error the transaction is dropped, which aborts it.
+        let value = body(&txn)?;
+        txn.commit().map_err(backend)?;
+        Ok(value)
+    }
+
+    /// Runs `body` in one write transaction that advances the revision; returns what `body`
+    /// returned and the new revision.
+    fn write_revision<T>(
+        &self,
+        body: impl FnOnce(&WriteTransaction) -> Result<T, MetaError>,
+    ) -> Result<(T, u64), MetaError> {
+        self.write(|txn| {
+            let value = body(txn)?;
+            let mut counters = txn.open_table(COUNTERS).map_err(backend)?;
+            let revision =
+                counters.get(REVISION_KEY).map_err(backend)?.map_or(0, |value| value.value()) + 1;
+            counters.insert(REVISION_KEY, revision).map_err(backend)?;
+            Ok((value, revision))
+        })
+    }
+
+    fn read_counter(&self, key: &str) -> Result<Option<u64>, MetaError> {
+        let txn = self.database.begin_read().map_err(backend)?;
+        let counters = txn.open_table(COUNTERS).map_err(backend)?;
+        let value = counters.get(key).map_err(backend)?.map(|value| value.value());
+        Ok(value)
+    }
+}
+
+impl MetaStore for EmbeddedStore {
+    fn revision(&self) -> Result<u64, MetaError> {
+        Ok(self.read_counter(REVISION_KEY)?.unwrap_or(0))
+    }
+
+    fn node(&self) -> Result<Option<NodeRecord>, MetaError> {
+        let txn = self.database.begin_read().map_err(backend)?;
+        let table = txn.open_table(NODE).map_err(backend)?;
+        let value = table.get(NODE_KEY).map_err(backend)?;
+        value.map(|bytes| decode_node(NODE_KEY, bytes.value())).transpose()
+    }
+
+    fn put_node(&self, node: &NodeRecord) -> Result<u64, MetaError> {
+        let bytes = encode_node(node);
+        self.write_revision(|txn| {
+            let mut table = txn.open_table(NODE).map_err(backend)?;
+            table.insert(NODE_KEY, bytes.as_slice()).map_err(backend)?;
+            Ok(())
+        })
+        .map(|((), revision)| revision)
+    }
+
+    fn allocate_volume_id(&self) -> Result<u64, MetaError> {
+        self.write(|txn| {
+            let mut counters = txn.open_table(COUNTERS).map_err(backend)?;
+            let id = counters
+                .get(NEXT_VOLUME_ID_KEY)
+                .map_err(backend)?
+                .map_or(FIRST_VOLUME_ID, |value| value.value());
+            let next = id.checked_add(1).ok_or_else(|| MetaError::Backend {
+                detail: "volume ids are exhausted".to_owned(),
+            })?;
+            counters.insert(NEXT_VOLUME_ID_KEY, next).map_err(backend)?;
+            Ok(id)
+        })
+    }
+
+    fn volume(&self, name: &VolumeName) -> Result<Option<VolumeRecord>, MetaError> {
+        let txn = self.database.begin_read().map_err(backend)?;
+        let table = txn.open_table(VOLUMES).map_err(backend)?;
+        let value = table.get(name.as_str()).map_err(backend)?;
+        value.map(|bytes| decode_volume(name.as_str(), bytes.value())).transpose()
+    }
+
+    fn volumes(&self) -> Result<Vec<VolumeRecord>, MetaError> {
+        let txn = self.database.begin_read().map_err(backend)?;
+        let table = txn.open_table(VOLUMES).map_err(backend)?;
+        let mut records = Vec::new();
+        // redb iterates in key order, so the list comes out sorted by name.
+        for entry in table.iter().map_err(backend)? {
+            let (key, value) = entry.map_err(backend)?;
+            records.push(decode_volume(key.value(), value.value())?);
+        }
+        Ok(records)
+    }
+
+    fn create_volume(&self, record: &VolumeRecord) -> Result<u64, MetaError> {
+        let bytes = encode_volume(record);
+        self.write_revision(|txn| {
+            let next_id = txn
+                .open_table(COUNTERS)
+                .map_err(backend)?
+                .get(NEXT_VOLUME_ID_KEY)
+                .map_err(backend)?
+                .map_or(FIRST_VOLUME_ID, |value| value.value());
+            if !(FIRST_VOLUME_ID..next_id).contains(&record.id) {
+                return Err(MetaError::Backend {
+                    detail: format!("volume id {} was not allocated by this store", record.id),
+                });
+            }
+            let mut table = txn.open_table(VOLUMES).map_err(backend)?;
+            if table.get(record.name.as_str()).map_err(backend)?.is_some() {
+                return Err(MetaError::VolumeExists(record.name.clone()));
+            }
+            table.insert(record.name.as_str(), bytes.as_slice()).map_err(backend)?;
+            Ok(())
+        })
+        .map(|((), revision)| revision)
+    }
+
+    fn update_volume(&self, record: &VolumeRecord) -> Result<u64, MetaError> {
+        let bytes = encode_volume(record);
+        self.write_revision(|txn| {
+            let mut table = txn.open_table(VOLUMES).map_err(backend)?;
+            let existing = table
+                .get(record.name.as_str())
+                .map_err(backend)?
+                .map(|value| decode_volume(record.name.as_str(), value.value()))
+                .transpose()?;
+            match existing {
+                Some(existing) if existing.id == record.id => {}
+                _ => return Err(MetaError::VolumeNotFound(record.name.clone())),
+            }
+            table.insert(record.name.as_str(), bytes.as_slice()).map_err(backend)?;
+            Ok(())
+        })
+        .map(|((), revision)| revision)
+    }
+
+    fn delete_volume(&self, name: &VolumeName) -> Result<VolumeRecord, MetaError> {
+        self.write_revision(|txn| {
+            let mut table = txn.open_table(VOLUMES).map_err(backend)?;
+            let removed = table
+                .remove(name.as_str())
+                .map_err(backend)?
+                .map(|value| decode_volume(name.as_str(), value.value()))
+                .transpose()?;
+            removed.ok_or_else(|| MetaError::VolumeNotFound(name.clone()))
+        })
+        .map(|(record, _revision)| record)
+    }
+}
+
+fn backend(error: impl Into<redb::Error>) -> MetaError {
+    MetaError::Backend { detail: error.into().to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conformance() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open_in(dir.path()).unwrap();
+        crate::testing::check_store(&store);
+    }
+
+    #[test]
+    fn survives_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let name = VolumeName::new("kept").unwrap();
+        let (record, revision) = {
+            let store = EmbeddedStore::open_in(dir.path()).unwrap();
+            let id = store.allocate_volume_id().unwrap();
+            let record = VolumeRecord {
+                id,
+                name: name.clone(),
+                size_bytes: 1 << 20,
+                uuid: [3; 16],
+                created_unix_ms: 9,
+                chunks: vec![(1, 2)],
+            };
+            store.create_volume(&record).unwrap();
+            let node = NodeRecord {
+                uuid: [4; 16],
+                drive_count: 2,
+                drive_size_bytes: 1 << 30,
+                created_unix_ms: 8,
+            };
+            let revision = store.put_node(&node).unwrap();
+            (record, revision)
+        };
+        let store = EmbeddedStore::open_in(dir.path()).unwrap();
+        assert_eq!(store.volume(&name).unwrap(), Some(record.clone()));
+        assert_eq!(store.node().unwrap().unwrap().drive_count, 2);
+        assert_eq!(store.revision().unwrap(), revision);
+        assert!(store.allocate_volume_id().unwrap() > record.id, "ids are not reused after reopen");
+    }
+
+    #[test]
+    fn second_open_is_refused_while_in_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let _first = EmbeddedStore::open_in(dir.path()).unwrap();
+        let error = EmbeddedStore::open_in(dir.path()).err().unwrap();
+        assert!(matches!(error, MetaError::InUse { .. }), "{error}");
+    }
+
+    #[test]
+    fn unreadable_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(META_FILE_NAME);
+        std::fs::write(&path, b"this is not a redb file at all, not even close").unwrap();
+        let error = EmbeddedStore::open(&path).err().unwrap();
+        assert!(matches!(error, MetaError::Open { .. }), "{error}");
+    }
+
+    #[test]
+    fn record_with_unknown_version_is_refused_on_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open_in(dir.path()).unwrap();
+        store
+            .write(|txn| {
+                let mut table = txn.open_table(VOLUMES).map_err(backend)?;
+                table.insert("future", br#"{"version":99}"#.as_slice()).map_err(backend)?;
+                Ok(())
+            })
+            .unwrap();
+        let name = VolumeName::new("future").unwrap();
+        assert!(matches!(store.volume(&name), Err(MetaError::RecordVersionUnsupported { .. })));
+        assert!(matches!(store.volumes(), Err(MetaError::RecordVersionUnsupported { .. })));
+    }
+}

@@ -1,0 +1,486 @@
+//! The volume service: the control plane's rules for creating, growing and deleting volumes.
+//!
+//! Each mutation validates its input into domain types, then runs in a fixed order against the
+//! metadata store and the data plane so that a failure at any step leaves both consistent:
+//!
+//! - create: check the name is free, allocate an id, reserve chunks, write the record (or cancel
+//!   the reservation), publish.
+//! - resize: read the record, refuse to shrink, reserve the extra chunks, write the grown record
+//!   (or cancel), publish.
+//! - delete: delete the record, then tell the data plane to free the chunks. Freed after the
+//!   record is gone, so a crash in between leaks the chunks only until the next start, when the
+//!   allocator is rebuilt from the records; the other order could hand out chunks a record
+//!   still names.
+//!
+//! Mutations are serialised by one lock: they are rare, and serialising them makes each
+//! reserve-write-publish sequence atomic with respect to the others. Reads do not take it.
+//! Every method blocks (metadata commits fsync); the HTTP layer calls them off the runtime.
+
+use crate::data_plane::{Capacity, DataPlane, DataPlaneError};
+use crate::metrics::Registry;
+use meta::{MetaError, MetaStore, VolumeRecord};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
+use types::{ByteSize, InvalidInput, VolumeName};
+
+/// Why a volume operation failed. Messages are shown to users as is.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error(transparent)]
+    InvalidName(InvalidInput),
+    #[error(transparent)]
+    InvalidSize(InvalidInput),
+    #[error("volume {0} already exists; pick another name, or delete it first")]
+    VolumeExists(VolumeName),
+    #[error("volume {0} does not exist")]
+    VolumeNotFound(VolumeName),
+    #[error(
+        "volume {name} is {} and cannot shrink to {}: volumes only grow",
+        ByteSize(*current_bytes), ByteSize(*requested_bytes)
+    )]
+    ShrinkRefused { name: VolumeName, current_bytes: u64, requested_bytes: u64 },
+    #[error(
+        "not enough free space for volume {name}: it needs {} more and {} is free; delete \
+         volumes or start the node with larger drives",
+        ByteSize(*requested_bytes), ByteSize(*free_bytes)
+    )]
+    NoSpace { name: VolumeName, requested_bytes: u64, free_bytes: u64 },
+    #[error("the data path failed on volume {name}: {source}")]
+    DataPlane { name: VolumeName, source: DataPlaneError },
+    #[error(transparent)]
+    Meta(MetaError),
+}
+
+impl ControlError {
+    fn from_meta(error: MetaError) -> Self {
+        match error {
+            MetaError::VolumeExists(name) => Self::VolumeExists(name),
+            MetaError::VolumeNotFound(name) => Self::VolumeNotFound(name),
+            other => Self::Meta(other),
+        }
+    }
+
+    fn from_data_plane(name: &VolumeName, error: DataPlaneError) -> Self {
+        match error {
+            DataPlaneError::NoSpace { requested_bytes, free_bytes } => {
+                Self::NoSpace { name: name.clone(), requested_bytes, free_bytes }
+            }
+            source => Self::DataPlane { name: name.clone(), source },
+        }
+    }
+}
+
+/// Creates, grows, deletes and lists volumes. Shared by every API request.
+pub struct VolumeService {
+    meta: Arc<dyn MetaStore>,
+    data_plane: Arc<dyn DataPlane>,
+    metrics: Arc<Registry>,
+    /// Serialises create, resize and delete (see the module comment).
+    mutations: Mutex<()>,
+}
+
+impl VolumeService {
+    pub fn new(
+        meta: Arc<dyn MetaStore>,
+        data_plane: Arc<dyn DataPlane>,
+        metrics: Arc<Registry>,
+    ) -> Self {
+        Self { meta, data_plane, metrics, mutations: Mutex::new(()) }
+    }
+
+    pub fn create(&self, name: &str, size_bytes: u64) -> Result<VolumeRecord, ControlError> {
+        let name = parse_name(name)?;
+        let size_bytes =
+            types::validate_volume_size(size_bytes).map_err(ControlError::InvalidSize)?;
+        let _serialised = self.lock_mutations();
+
+        // Checked first so that a duplicate does not use up an id; the store checks again.
+        if self.meta.volume(&name).map_err(ControlError::from_meta)?.is_some() {
+            return Err(ControlError::VolumeExists(name));
+        }
+        let id = self.meta.allocate_volume_id().map_err(ControlError::from_meta)?;
+        let chunks = self
+            .data_plane
+            .reserve_create(id, size_bytes)
+            .map_err(|error| ControlError::from_data_plane(&name, error))?;
+        let record = VolumeRecord {
+            id,
+            name,
+            size_bytes,
+            uuid: new_uuid(),
+            created_unix_ms: now_unix_ms(),
+            chunks,
+        };
+        if let Err(error) = self.meta.create_volume(&record) {
+            self.data_plane.cancel(&record);
+            return Err(ControlError::from_meta(error));
+        }
+        self.metrics.register_volume(id, &record.name);
+        self.data_plane.publish(&record);
+        tracing::info!(volume = %record.name, id, size = %ByteSize(size_bytes), "created volume");
+        Ok(record)
+    }
+
+    pub fn volume(&self, name: &str) -> Result<VolumeRecord, ControlError> {
+        let name = parse_name(name)?;
+        match self.meta.volume(&name).map_err(ControlError::from_meta)? {
+            Some(record) => Ok(record),
+            None => Err(ControlError::VolumeNotFound(name)),
+        }
+    }
+
+    /// Every volume, sorted by name.
+    pub fn volumes(&self) -> Result<Vec<VolumeRecord>, ControlError> {
+        self.meta.volumes().map_err(ControlError::from_meta)
+    }
+
+    /// Grows a volume to `size_bytes`. Asking for its current size changes nothing.
+    pub fn resize(&self, name: &str, size_bytes: u64) -> Result<VolumeRecord, ControlError> {
+        let name = parse_name(name)?;
+        let size_bytes =
+            types::validate_volume_size(size_bytes).map_err(ControlError::InvalidSize)?;
+        let _serialised = self.lock_mutations();
+
+        let current = match self.meta.volume(&name).map_err(ControlError::from_meta)? {
+            Some(record) => record,
+            None => return Err(ControlError::VolumeNotFound(name)),
+        };
+        if size_bytes < current.size_bytes {
+            return Err(ControlError::ShrinkRefused {
+                name,
+                current_bytes: current.size_bytes,
+                requested_bytes: size_bytes,
+            });
+        }
+        if size_bytes == current.size_bytes {
+            return Ok(current);
+        }
+        let chunks = self
+            .data_plane
+            .reserve_grow(&current, size_bytes)
+            .map_err(|error| ControlError::from_data_plane(&name, error))?;
+        assert!(
+            chunks.starts_with(&current.chunks),
+            "growing volume {name} must keep its chunks in place"
+        );
+        let grown = VolumeRecord { size_bytes, chunks, ..current.clone() };
+        if let Err(error) = self.meta.update_volume(&grown) {
+            self.data_plane.cancel(&grown);
+            return Err(ControlError::from_meta(error));
+        }
+        self.data_plane.publish(&grown);
+        tracing::info!(
+            volume = %grown.name,
+            from = %ByteSize(current.size_bytes),
+            to = %ByteSize(size_bytes),
+            "grew volume"
+        );
+        Ok(grown)
+    }
+
+    /// Deletes a volume and returns its last record.
+    pub fn delete(&self, name: &str) -> Result<VolumeRecord, ControlError> {
+        let name = parse_name(name)?;
+        let _serialised = self.lock_mutations();
+        let record = self.meta.delete_volume(&name).map_err(ControlError::from_meta)?;
+        self.data_plane.remove(&record);
+        self.metrics.remove_volume(record.id);
+        tracing::info!(volume = %record.name, id = record.id, "deleted volume");
+        Ok(record)
+    }
+
+    pub fn capacity(&self) -> Capacity {
+        self.data_plane.capacity()
+    }
+
+    pub fn meta_revision(&self) -> Result<u64, ControlError> {
+        self.meta.revision().map_err(ControlError::from_meta)
+    }
+
+    fn lock_mutations(&self) -> std::sync::MutexGuard<'_, ()> {
+        // The lock guards no data, only ordering; a panic while holding it leaves nothing broken.
+        self.mutations.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn parse_name(name: &str) -> Result<VolumeName, ControlError> {
+    VolumeName::new(name).map_err(ControlError::InvalidName)
+}
+
+/// A random (version 4) UUID.
+pub fn new_uuid() -> [u8; 16] {
+    let mut uuid: [u8; 16] = rand::random();
+    uuid[6] = (uuid[6] & 0x0f) | 0x40;
+    uuid[8] = (uuid[8] & 0x3f) | 0x80;
+    uuid
+}
+
+/// Wall-clock time in Unix milliseconds; 0 if the clock is set before 1970.
+pub fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data_plane::DataPlane;
+    use meta::{Chunk, EmbeddedStore, NodeRecord};
+    use std::collections::BTreeSet;
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    const CHUNK_SIZE_BYTES: u64 = 1 << 20;
+
+    /// Test fixture: a data plane that hands out 1 MiB chunks from one drive of `chunk_count`
+    /// chunks and remembers what is reserved, published and removed.
+    struct FixtureDataPlane {
+        state: Mutex<FixtureState>,
+        chunk_count: u32,
+    }
+
+    #[derive(Default)]
+    struct FixtureState {
+        free: BTreeSet<u32>,
+        reserved: BTreeSet<u32>,
+        published: BTreeSet<u64>,
+    }
+
+    impl FixtureDataPlane {
+        fn new(chunk_count: u32) -> Self {
+            let state = FixtureState { free: (0..chunk_count).collect(), ..Default::default() };
+            Self { state: Mutex::new(state), chunk_count }
+        }
+
+        fn take(&self, size_bytes: u64) -> Result<Vec<Chunk>, DataPlaneError> {
+            let mut state = self.state.lock().unwrap();
+            let needed = size_bytes.div_ceil(CHUNK_SIZE_BYTES) as usize;
+            if needed > state.free.len() {
+                return Err(DataPlaneError::NoSpace {
+                    requested_bytes: size_bytes,
+                    free_bytes: state.free.len() as u64 * CHUNK_SIZE_BYTES,
+                });
+            }
+            let taken: Vec<u32> = state.free.iter().copied().take(needed).collect();
+            for index in &taken {
+                state.free.remove(index);
+                state.reserved.insert(*index);
+            }
+            Ok(taken.into_iter().map(|index| (0, index)).collect())
+        }
+
+        fn free_chunks(&self) -> usize {
+            self.state.lock().unwrap().free.len()
+        }
+    }
+
+    impl DataPlane for FixtureDataPlane {
+        fn reserve_create(&self, _id: u64, size_bytes: u64) -> Result<Vec<Chunk>, DataPlaneError> {
+            self.take(size_bytes)
+        }
+
+        fn reserve_grow(
+            &self,
+            volume: &VolumeRecord,
+            size_bytes: u64,
+        ) -> Result<Vec<Chunk>, DataPlaneError> {
+            let mut chunks = volume.chunks.clone();
+            chunks.extend(self.take(size_bytes - volume.size_bytes)?);
+            Ok(chunks)
+        }
+
+        fn cancel(&self, proposed: &VolumeRecord) {
+            let mut state = self.state.lock().unwrap();
+            for (_, index) in &proposed.chunks {
+                if state.reserved.remove(index) {
+                    state.free.insert(*index);
+                } else {
+                    assert!(!state.free.contains(index), "cancel of a chunk not reserved");
+                }
+            }
+        }
+
+        fn publish(&self, volume: &VolumeRecord) {
+            let mut state = self.state.lock().unwrap();
+            for (_, index) in &volume.chunks {
+                state.reserved.remove(index);
+            }
+            state.published.insert(volume.id);
+        }
+
+        fn remove(&self, volume: &VolumeRecord) {
+            let mut state = self.state.lock().unwrap();
+            assert!(state.published.remove(&volume.id), "remove of a volume never published");
+            for (_, index) in &volume.chunks {
+                state.free.insert(*index);
+            }
+        }
+
+        fn capacity(&self) -> Capacity {
+            Capacity {
+                total_bytes: u64::from(self.chunk_count) * CHUNK_SIZE_BYTES,
+                free_bytes: self.free_chunks() as u64 * CHUNK_SIZE_BYTES,
+                chunk_size_bytes: CHUNK_SIZE_BYTES,
+            }
+        }
+
+        fn nvme_addr(&self) -> Option<SocketAddr> {
+            None
+        }
+
+        fn shutdown(&self) {}
+    }
+
+    /// Test fixture: a metadata store whose volume writes fail while `failing` is set.
+    struct FlakyStore {
+        inner: EmbeddedStore,
+        failing: AtomicBool,
+    }
+
+    impl FlakyStore {
+        fn check(&self) -> Result<(), MetaError> {
+            if self.failing.load(Ordering::Relaxed) {
+                return Err(MetaError::Backend { detail: "injected failure".to_owned() });
+            }
+            Ok(())
+        }
+    }
+
+    impl MetaStore for FlakyStore {
+        fn revision(&self) -> Result<u64, MetaError> {
+            self.inner.revision()
+        }
+        fn node(&self) -> Result<Option<NodeRecord>, MetaError> {
+            self.inner.node()
+        }
+        fn put_node(&self, node: &NodeRecord) -> Result<u64, MetaError> {
+            self.inner.put_node(node)
+        }
+        fn allocate_volume_id(&self) -> Result<u64, MetaError> {
+            self.inner.allocate_volume_id()
+        }
+        fn volume(&self, name: &VolumeName) -> Result<Option<VolumeRecord>, MetaError> {
+            self.inner.volume(name)
+        }
+        fn volumes(&self) -> Result<Vec<VolumeRecord>, MetaError> {
+            self.inner.volumes()
+        }
+        fn create_volume(&self, record: &VolumeRecord) -> Result<u64, MetaError> {
+            self.check()?;
+            self.inner.create_volume(record)
+        }
+        fn update_volume(&self, record: &VolumeRecord) -> Result<u64, MetaError> {
+            self.check()?;
+            self.inner.update_volume(record)
+        }
+        fn delete_volume(&self, name: &VolumeName) -> Result<VolumeRecord, MetaError> {
+            self.check()?;
+            self.inner.delete_volume(name)
+        }
+    }
+
+    struct Setup {
+        service: VolumeService,
+        data_plane: Arc<FixtureDataPlane>,
+        meta: Arc<FlakyStore>,
+        metrics: Arc<Registry>,
+        _dir: tempfile::TempDir,
+    }
+
+    fn setup(chunk_count: u32) -> Setup {
+        let dir = tempfile::tempdir().unwrap();
+        let meta = Arc::new(FlakyStore {
+            inner: EmbeddedStore::open_in(dir.path()).unwrap(),
+            failing: AtomicBool::new(false),
+        });
+        let data_plane = Arc::new(FixtureDataPlane::new(chunk_count));
+        let metrics = Arc::new(Registry::new());
+        let service = VolumeService::new(meta.clone(), data_plane.clone(), metrics.clone());
+        Setup { service, data_plane, meta, metrics, _dir: dir }
+    }
+
+    #[test]
+    fn create_resize_delete() {
+        let setup = setup(16);
+        let service = &setup.service;
+        let created = service.create("db", 2 << 20).unwrap();
+        assert_eq!(created.chunks, vec![(0, 0), (0, 1)]);
+        assert_eq!(created.uuid[6] >> 4, 4, "a version 4 UUID");
+        assert_eq!(service.volume("db").unwrap(), created);
+        assert_eq!(setup.data_plane.free_chunks(), 14);
+
+        let grown = service.resize("db", 3 << 20).unwrap();
+        assert_eq!(grown.chunks, vec![(0, 0), (0, 1), (0, 2)]);
+        assert_eq!(grown.id, created.id);
+        assert_eq!(service.volume("db").unwrap(), grown);
+        assert_eq!(service.resize("db", 3 << 20).unwrap(), grown, "same size is a no-op");
+
+        let other = service.create("other", 1 << 20).unwrap();
+        assert!(other.id > created.id);
+        let names: Vec<String> =
+            service.volumes().unwrap().iter().map(|v| v.name.to_string()).collect();
+        assert_eq!(names, ["db", "other"]);
+
+        assert_eq!(service.delete("db").unwrap(), grown);
+        assert_eq!(setup.data_plane.free_chunks(), 15);
+        assert!(matches!(service.volume("db"), Err(ControlError::VolumeNotFound(_))));
+        assert!(!setup.metrics.render(&Default::default()).contains("volume=\"db\""));
+        assert!(setup.metrics.render(&Default::default()).contains("volume=\"other\""));
+    }
+
+    #[test]
+    fn refusals() {
+        let setup = setup(4);
+        let service = &setup.service;
+        service.create("db", 2 << 20).unwrap();
+        let check = |result: Result<VolumeRecord, ControlError>, expect: &str| {
+            let error = result.unwrap_err();
+            assert!(error.to_string().contains(expect), "{error} does not contain {expect:?}");
+        };
+        check(service.create("db", 1 << 20), "volume db already exists");
+        check(service.create("Bad Name", 1 << 20), "invalid volume name");
+        check(service.create("x", 4097), "invalid volume size 4097 bytes");
+        check(service.create("x", 0), "invalid volume size");
+        check(service.create("x", 3 << 20), "needs 3MiB more and 2MiB is free");
+        check(service.resize("db", 1 << 20), "volume db is 2MiB and cannot shrink to 1MiB");
+        check(service.resize("db", 5 << 20), "needs 3MiB more and 2MiB is free");
+        check(service.resize("nope", 8 << 20), "volume nope does not exist");
+        check(service.resize("db", (2 << 20) + 1), "invalid volume size");
+        check(service.delete("nope"), "volume nope does not exist");
+        check(service.volume("nope"), "volume nope does not exist");
+        check(service.volume("../x"), "invalid volume name");
+        assert_eq!(setup.data_plane.free_chunks(), 2, "refusals reserve nothing");
+    }
+
+    #[test]
+    fn failed_meta_writes_cancel_reservations() {
+        let setup = setup(8);
+        let service = &setup.service;
+        service.create("db", 1 << 20).unwrap();
+        setup.meta.failing.store(true, Ordering::Relaxed);
+        assert!(matches!(service.create("new", 2 << 20), Err(ControlError::Meta(_))));
+        assert!(matches!(service.resize("db", 4 << 20), Err(ControlError::Meta(_))));
+        assert!(matches!(service.delete("db"), Err(ControlError::Meta(_))));
+        assert_eq!(setup.data_plane.free_chunks(), 7, "every reservation was cancelled");
+        assert!(setup.data_plane.state.lock().unwrap().reserved.is_empty());
+
+        setup.meta.failing.store(false, Ordering::Relaxed);
+        assert_eq!(service.volume("db").unwrap().size_bytes, 1 << 20);
+        assert!(matches!(service.volume("new"), Err(ControlError::VolumeNotFound(_))));
+        service.create("new", 2 << 20).unwrap();
+    }
+
+    #[test]
+    fn concurrent_creates_of_one_name_make_one_volume() {
+        let setup = setup(64);
+        let service = &setup.service;
+        let successes = std::thread::scope(|scope| {
+            let handles: Vec<_> =
+                (0..8).map(|_| scope.spawn(|| service.create("same", 1 << 20).is_ok())).collect();
+            handles.into_iter().map(|handle| handle.join().unwrap()).filter(|ok| *ok).count()
+        });
+        assert_eq!(successes, 1);
+        assert_eq!(setup.data_plane.free_chunks(), 63);
+    }
+}

@@ -1,0 +1,227 @@
+//! The seam between the control plane and the data path (drives, chunk allocation, NVMe/TCP).
+//!
+//! The control plane decides what volumes exist; the data path stores and serves them. They meet
+//! here, in two traits:
+//!
+//! - [`DataPathBuilder`] runs once at start: it formats the drives on the node's first start
+//!   (`io::format_drives`), then opens them (`io::open_drives`), rebuilds the chunk allocator
+//!   from the volume records, starts the data-path threads and returns the running
+//!   [`DataPlane`].
+//! - [`DataPlane`] is the running data path as the volume service sees it. Space is reserved in
+//!   two phases around the metadata write: `reserve_*` before it, then `publish` once the record
+//!   is durable, or `cancel` if the write failed. This follows `engine::Volumes` one to one
+//!   (`reserve_create`/`reserve_grow` -> `publish` | `cancel`, `remove`), with records in place of
+//!   `VolumeLayout`s: `VolumeLayout { volume: VolumeId(record.id), size_bytes, chunks }`. A crash between the two leaks nothing: the
+//!   allocator is rebuilt from the durable records at the next start, and a reservation that
+//!   never reached a record is simply not there.
+//!
+//! [`NoDataPath`] is the builder `Node::start` uses until the NVMe/TCP data path is wired in: it
+//! creates no drive files and serves no I/O, and says so in the log and in `GET /v1/node`. It
+//! still accounts for space, so a volume larger than the configured drives is refused as it
+//! will be once chunks are really allocated.
+
+use crate::metrics::Registry;
+use meta::{Chunk, VolumeRecord};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// Space on the node's drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capacity {
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    /// The unit in which drive space is given to volumes; 0 when nothing allocates chunks.
+    pub chunk_size_bytes: u64,
+}
+
+/// Why the data path refused or failed an operation.
+#[derive(Debug, thiserror::Error)]
+pub enum DataPlaneError {
+    /// The drives have no room: an expected condition, reported to the user as `no_space`.
+    #[error("not enough free space: {requested_bytes} bytes requested, {free_bytes} bytes free")]
+    NoSpace { requested_bytes: u64, free_bytes: u64 },
+    /// Anything else; reported to the user as an internal error.
+    #[error(transparent)]
+    Failed(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl DataPlaneError {
+    pub fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Failed(error.into())
+    }
+}
+
+/// The node's drives: where they live, whose they are, and their geometry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriveSet {
+    /// `DATA-DIR/drives`.
+    pub dir: PathBuf,
+    pub node_uuid: [u8; 16],
+    pub count: u16,
+    pub size_bytes: u64,
+}
+
+/// What the data path needs to start.
+pub struct DataPathContext {
+    pub drives: DriveSet,
+    /// Where to serve NVMe/TCP.
+    pub nvme_listen: SocketAddr,
+    /// Every volume in the metadata store: the allocator is rebuilt from their chunks and each is
+    /// served from the start. The volume service publishes only later changes.
+    pub volumes: Vec<VolumeRecord>,
+    /// Where to record per-volume I/O metrics; every volume in `volumes` is registered already.
+    pub metrics: Arc<Registry>,
+}
+
+/// Brings up the data path of a node. Used once, by `Node::start_with`.
+pub trait DataPathBuilder: Send {
+    /// Creates the node's drives on its first start.
+    ///
+    /// Called before the node record is written, so if the node crashes in here the next start
+    /// is a first start again: formatting must overwrite whatever a partial format left.
+    fn format_drives(&mut self, drives: &DriveSet) -> Result<(), DataPlaneError>;
+
+    /// Opens the drives, loads the volumes and starts serving.
+    fn start(
+        self: Box<Self>,
+        context: DataPathContext,
+    ) -> Result<Arc<dyn DataPlane>, DataPlaneError>;
+}
+
+/// The running data path, as the control plane drives it.
+///
+/// The volume service calls the mutating methods one at a time (it serialises create, resize and
+/// delete), from a blocking thread of the control plane; they may block briefly.
+pub trait DataPlane: Send + Sync {
+    /// Reserves the chunks of a new volume `id` of `size_bytes` and returns them, in volume
+    /// order. They are not yet the volume's: [`DataPlane::publish`] or [`DataPlane::cancel`]
+    /// follows. May do I/O (zeroing the chunks a deleted volume left behind); on failure it
+    /// keeps nothing reserved.
+    fn reserve_create(&self, id: u64, size_bytes: u64) -> Result<Vec<Chunk>, DataPlaneError>;
+
+    /// Reserves what `volume` needs to grow to `size_bytes` (larger than its size) and returns
+    /// its complete chunk list after growing: `volume.chunks` followed by the new chunks.
+    fn reserve_grow(
+        &self,
+        volume: &VolumeRecord,
+        size_bytes: u64,
+    ) -> Result<Vec<Chunk>, DataPlaneError>;
+
+    /// The metadata write of `proposed` failed: give back what its `reserve_*` reserved.
+    /// `proposed` is exactly the record built from that reservation (the new volume, or the
+    /// volume grown to its new size and chunk list).
+    fn cancel(&self, proposed: &VolumeRecord);
+
+    /// The volume's record, created or grown, is durable: serve it as it now is.
+    fn publish(&self, volume: &VolumeRecord);
+
+    /// The volume's record is deleted: stop serving it and free its chunks.
+    fn remove(&self, volume: &VolumeRecord);
+
+    fn capacity(&self) -> Capacity;
+
+    /// The address NVMe/TCP is served on, or `None` if this data path serves no I/O.
+    fn nvme_addr(&self) -> Option<SocketAddr>;
+
+    /// Stops serving and joins the data-path threads. Called once, when the node stops, after
+    /// the REST API stopped.
+    fn shutdown(&self);
+}
+
+/// The data path of a node that has none yet: no drives, no I/O, only space accounting.
+#[derive(Debug, Default)]
+pub struct NoDataPath;
+
+impl DataPathBuilder for NoDataPath {
+    fn format_drives(&mut self, drives: &DriveSet) -> Result<(), DataPlaneError> {
+        tracing::warn!(
+            dir = %drives.dir.display(),
+            "no data path in this build: drive files are not created"
+        );
+        Ok(())
+    }
+
+    fn start(
+        self: Box<Self>,
+        context: DataPathContext,
+    ) -> Result<Arc<dyn DataPlane>, DataPlaneError> {
+        tracing::warn!(
+            nvme_listen = %context.nvme_listen,
+            "no data path in this build: volumes are recorded but not served over NVMe/TCP"
+        );
+        let total_bytes = u64::from(context.drives.count) * context.drives.size_bytes;
+        let sizes = context.volumes.iter().map(|volume| (volume.id, volume.size_bytes)).collect();
+        Ok(Arc::new(SpaceAccount { total_bytes, sizes: Mutex::new(sizes) }))
+    }
+}
+
+/// [`NoDataPath`]'s data plane: counts each published volume's full size against the drives.
+struct SpaceAccount {
+    total_bytes: u64,
+    /// Size of every published volume, by id.
+    sizes: Mutex<BTreeMap<u64, u64>>,
+}
+
+impl SpaceAccount {
+    fn free_bytes(&self) -> u64 {
+        let sizes = self.sizes.lock().unwrap_or_else(PoisonError::into_inner);
+        self.total_bytes.saturating_sub(sizes.values().sum())
+    }
+
+    fn check_room(&self, requested_bytes: u64) -> Result<(), DataPlaneError> {
+        let free_bytes = self.free_bytes();
+        if requested_bytes > free_bytes {
+            return Err(DataPlaneError::NoSpace { requested_bytes, free_bytes });
+        }
+        Ok(())
+    }
+}
+
+impl DataPlane for SpaceAccount {
+    fn reserve_create(&self, _id: u64, size_bytes: u64) -> Result<Vec<Chunk>, DataPlaneError> {
+        // The volume service serialises reservations with their publish or cancel, so checking
+        // now and counting at publish cannot oversubscribe.
+        self.check_room(size_bytes)?;
+        Ok(Vec::new())
+    }
+
+    fn reserve_grow(
+        &self,
+        volume: &VolumeRecord,
+        size_bytes: u64,
+    ) -> Result<Vec<Chunk>, DataPlaneError> {
+        assert!(size_bytes > volume.size_bytes, "reserve_grow must grow");
+        self.check_room(size_bytes - volume.size_bytes)?;
+        Ok(volume.chunks.clone())
+    }
+
+    fn cancel(&self, proposed: &VolumeRecord) {
+        assert!(proposed.chunks.is_empty(), "this data plane never hands out chunks");
+    }
+
+    fn publish(&self, volume: &VolumeRecord) {
+        let mut sizes = self.sizes.lock().unwrap_or_else(PoisonError::into_inner);
+        sizes.insert(volume.id, volume.size_bytes);
+    }
+
+    fn remove(&self, volume: &VolumeRecord) {
+        let mut sizes = self.sizes.lock().unwrap_or_else(PoisonError::into_inner);
+        sizes.remove(&volume.id);
+    }
+
+    fn capacity(&self) -> Capacity {
+        Capacity {
+            total_bytes: self.total_bytes,
+            free_bytes: self.free_bytes(),
+            chunk_size_bytes: 0,
+        }
+    }
+
+    fn nvme_addr(&self) -> Option<SocketAddr> {
+        None
+    }
+
+    fn shutdown(&self) {}
+}

@@ -1,0 +1,264 @@
+//! The REST API server: routes `api::paths` to the volume service and maps its errors to JSON.
+//!
+//! Every error answer is an `api::ErrorBody` with a stable code, including malformed requests,
+//! unknown paths and wrong methods, so clients never have to parse text. Limits: request bodies
+//! are capped at [`REQUEST_BODY_SIZE_BYTES_MAX`], and at most [`REQUESTS_INFLIGHT_MAX`] requests
+//! run at once; more are answered `503 busy` at once rather than queued without bound. Volume
+//! service calls block (metadata commits fsync), so they run on tokio's blocking pool.
+
+use crate::control::{ControlError, VolumeService};
+use crate::metrics::{NodeGauges, Registry};
+use api::{ErrorBody, ErrorCode, VolumeInfo};
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use meta::{NodeRecord, VolumeRecord};
+use serde::de::DeserializeOwned;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::sync::Semaphore;
+
+/// The largest request body accepted; API requests are a few hundred bytes.
+pub const REQUEST_BODY_SIZE_BYTES_MAX: usize = 64 << 10;
+/// Requests served at once; the rest are refused with `busy`.
+pub const REQUESTS_INFLIGHT_MAX: usize = 64;
+
+const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// What the API reports about the node itself.
+#[derive(Debug, Clone)]
+pub struct NodeView {
+    pub record: NodeRecord,
+    /// The NVMe/TCP address hosts are told to connect to.
+    pub nvme_advertised: SocketAddr,
+    pub nvme_serving: bool,
+}
+
+#[derive(Clone)]
+struct ApiState {
+    service: Arc<VolumeService>,
+    metrics: Arc<Registry>,
+    node: Arc<NodeView>,
+    inflight: Arc<Semaphore>,
+}
+
+/// The API's router, ready for `axum::serve`.
+pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeView) -> Router {
+    let state = ApiState {
+        service,
+        metrics,
+        node: Arc::new(node),
+        inflight: Arc::new(Semaphore::new(REQUESTS_INFLIGHT_MAX)),
+    };
+    Router::new()
+        .route(api::paths::VOLUMES, get(list_volumes).post(create_volume))
+        .route(api::paths::VOLUME, get(show_volume).delete(delete_volume))
+        .route(api::paths::VOLUME_RESIZE, post(resize_volume))
+        .route(api::paths::NODE, get(node_info))
+        .route(api::paths::METRICS, get(render_metrics))
+        .route(api::paths::HEALTHZ, get(healthz))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(REQUEST_BODY_SIZE_BYTES_MAX))
+        .with_state(state)
+}
+
+/// An error answer: a code (which fixes the HTTP status) and a message for humans.
+#[derive(Debug)]
+struct ApiError {
+    code: ErrorCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self { code, message: message.into() }
+    }
+}
+
+impl From<ControlError> for ApiError {
+    fn from(error: ControlError) -> Self {
+        let code = match &error {
+            ControlError::InvalidName(_) => ErrorCode::InvalidName,
+            ControlError::InvalidSize(_) => ErrorCode::InvalidSize,
+            ControlError::VolumeExists(_) => ErrorCode::VolumeExists,
+            ControlError::VolumeNotFound(_) => ErrorCode::VolumeNotFound,
+            ControlError::ShrinkRefused { .. } => ErrorCode::ShrinkRefused,
+            ControlError::NoSpace { .. } => ErrorCode::NoSpace,
+            ControlError::DataPlane { .. } | ControlError::Meta(_) => {
+                tracing::error!(%error, "volume operation failed");
+                ErrorCode::Internal
+            }
+        };
+        Self::new(code, error.to_string())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.code.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, Json(ErrorBody::new(self.code, self.message))).into_response()
+    }
+}
+
+/// Runs a volume service call on the blocking pool, within the in-flight limit.
+async fn call<T: Send + 'static>(
+    state: &ApiState,
+    work: impl FnOnce(&VolumeService) -> Result<T, ControlError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let permit = Arc::clone(&state.inflight).try_acquire_owned().map_err(|_| {
+        ApiError::new(ErrorCode::Busy, "the node is serving too many API requests; retry shortly")
+    })?;
+    let service = Arc::clone(&state.service);
+    let joined = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        work(&service)
+    })
+    .await;
+    match joined {
+        Ok(result) => result.map_err(ApiError::from),
+        Err(error) => {
+            tracing::error!(%error, "an API request handler panicked");
+            Err(ApiError::new(ErrorCode::Internal, "the request failed inside the node"))
+        }
+    }
+}
+
+fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let bytes = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                ErrorCode::RequestTooLarge,
+                format!("the request body is larger than {REQUEST_BODY_SIZE_BYTES_MAX} bytes"),
+            )
+        } else {
+            ApiError::new(ErrorCode::InvalidRequest, rejection.body_text())
+        }
+    })?;
+    serde_json::from_slice(&bytes).map_err(|error| {
+        ApiError::new(ErrorCode::InvalidRequest, format!("the request body is not valid: {error}"))
+    })
+}
+
+fn parse_name(path: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    path.map(|Path(name)| name)
+        .map_err(|rejection| ApiError::new(ErrorCode::InvalidName, rejection.body_text()))
+}
+
+fn volume_info(record: &VolumeRecord, node: &NodeView) -> VolumeInfo {
+    VolumeInfo {
+        name: record.name.to_string(),
+        id: record.id,
+        size_bytes: record.size_bytes,
+        nqn: record.name.subsystem_nqn().to_string(),
+        uuid: api::format_uuid(&record.uuid),
+        created_unix_ms: record.created_unix_ms,
+        nvme_host: node.nvme_advertised.ip().to_string(),
+        nvme_port: node.nvme_advertised.port(),
+    }
+}
+
+async fn list_volumes(State(state): State<ApiState>) -> Result<Json<api::VolumeList>, ApiError> {
+    let records = call(&state, |service| service.volumes()).await?;
+    let volumes = records.iter().map(|record| volume_info(record, &state.node)).collect();
+    Ok(Json(api::VolumeList { volumes }))
+}
+
+async fn create_volume(
+    State(state): State<ApiState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<VolumeInfo>), ApiError> {
+    let request: api::CreateVolume = parse_body(body)?;
+    let record =
+        call(&state, move |service| service.create(&request.name, request.size_bytes)).await?;
+    Ok((StatusCode::CREATED, Json(volume_info(&record, &state.node))))
+}
+
+async fn show_volume(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<VolumeInfo>, ApiError> {
+    let name = parse_name(path)?;
+    let record = call(&state, move |service| service.volume(&name)).await?;
+    Ok(Json(volume_info(&record, &state.node)))
+}
+
+async fn delete_volume(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<VolumeInfo>, ApiError> {
+    let name = parse_name(path)?;
+    let record = call(&state, move |service| service.delete(&name)).await?;
+    Ok(Json(volume_info(&record, &state.node)))
+}
+
+async fn resize_volume(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<VolumeInfo>, ApiError> {
+    let name = parse_name(path)?;
+    let request: api::ResizeVolume = parse_body(body)?;
+    let record = call(&state, move |service| service.resize(&name, request.size_bytes)).await?;
+    Ok(Json(volume_info(&record, &state.node)))
+}
+
+async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>, ApiError> {
+    let (volume_count, meta_revision, capacity) = call(&state, |service| {
+        let volume_count = service.volumes()?.len() as u64;
+        Ok((volume_count, service.meta_revision()?, service.capacity()))
+    })
+    .await?;
+    let node = &state.node;
+    Ok(Json(api::NodeInfo {
+        node_uuid: api::format_uuid(&node.record.uuid),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        drive_count: node.record.drive_count,
+        drive_size_bytes: node.record.drive_size_bytes,
+        created_unix_ms: node.record.created_unix_ms,
+        nvme_host: node.nvme_advertised.ip().to_string(),
+        nvme_port: node.nvme_advertised.port(),
+        nvme_serving: node.nvme_serving,
+        volume_count,
+        meta_revision,
+        capacity: api::Capacity {
+            total_bytes: capacity.total_bytes,
+            free_bytes: capacity.free_bytes,
+            chunk_size_bytes: capacity.chunk_size_bytes,
+        },
+    }))
+}
+
+async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
+    let gauges = call(&state, |service| {
+        let capacity = service.capacity();
+        Ok(NodeGauges {
+            volumes: service.volumes()?.len() as u64,
+            capacity_total_bytes: capacity.total_bytes,
+            capacity_free_bytes: capacity.free_bytes,
+        })
+    })
+    .await?;
+    let text = state.metrics.render(&gauges);
+    Ok(([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], text).into_response())
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(ErrorCode::NotFound, format!("no API endpoint {method} {}", uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        ErrorCode::MethodNotAllowed,
+        format!("the API endpoint {} does not take {method}", uri.path()),
+    )
+}

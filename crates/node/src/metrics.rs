@@ -1,0 +1,464 @@
+//! Prometheus metrics: cheap to record on the data path, rendered only when scraped.
+//!
+//! Hot path: `VolumeMetrics::record_*` run on every I/O command, from any data-path thread. They
+//! touch only relaxed atomic counters in a per-volume struct the caller already holds an `Arc`
+//! to: no lock, no allocation, no syscall. The [`Registry`]'s lock is taken only when a volume is
+//! registered or removed and when `/metrics` is scraped.
+//!
+//! Rendering writes the Prometheus text exposition format (version 0.0.4) by hand: a few
+//! counters, gauges and fixed-bucket histograms do not justify a metrics framework.
+//!
+//! Families:
+//! - `ferrite_volumes` (gauge), `ferrite_capacity_total_bytes`, `ferrite_capacity_free_bytes`
+//! - `ferrite_volume_operations_total{volume,volume_id,op}` (counter), `op` one of `read`,
+//!   `write`, `flush`, `write_zeroes`, `deallocate`
+//! - `ferrite_volume_bytes_total{volume,volume_id,op}` (counter), all but `flush`
+//! - `ferrite_volume_latency_seconds{volume,volume_id,op}` (histogram), `op` `read` or `write`
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use types::VolumeName;
+
+/// Upper bounds of the latency histogram buckets, in microseconds; a last `+Inf` bucket follows.
+/// From local NVMe (tens of microseconds) to a stalled drive (a second).
+pub const LATENCY_BUCKET_BOUNDS_US: [u64; 14] = [
+    25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
+];
+const BUCKET_COUNT: usize = LATENCY_BUCKET_BOUNDS_US.len() + 1;
+
+const _: () = {
+    let mut index = 1;
+    while index < LATENCY_BUCKET_BOUNDS_US.len() {
+        assert!(LATENCY_BUCKET_BOUNDS_US[index - 1] < LATENCY_BUCKET_BOUNDS_US[index]);
+        index += 1;
+    }
+};
+
+/// The I/O operations counted per volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    Read,
+    Write,
+    Flush,
+    WriteZeroes,
+    Deallocate,
+}
+
+impl Operation {
+    pub const ALL: [Operation; 5] =
+        [Self::Read, Self::Write, Self::Flush, Self::WriteZeroes, Self::Deallocate];
+
+    /// The `op` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Read => "read",
+            Self::Write => "write",
+            Self::Flush => "flush",
+            Self::WriteZeroes => "write_zeroes",
+            Self::Deallocate => "deallocate",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    fn moves_bytes(self) -> bool {
+        self != Self::Flush
+    }
+}
+
+/// A latency histogram with fixed buckets; each bucket counts the samples that fell into it
+/// alone, and rendering accumulates them as Prometheus wants.
+#[derive(Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; BUCKET_COUNT],
+    sum_us: AtomicU64,
+}
+
+impl Histogram {
+    pub fn record(&self, latency_us: u64) {
+        let index = LATENCY_BUCKET_BOUNDS_US.partition_point(|&bound| bound < latency_us);
+        self.buckets[index].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(latency_us, Ordering::Relaxed);
+    }
+
+    /// Cumulative counts per bucket (the last is `+Inf`, the total count) and the sum in µs.
+    pub fn snapshot(&self) -> ([u64; BUCKET_COUNT], u64) {
+        let mut cumulative = [0; BUCKET_COUNT];
+        let mut total = 0u64;
+        for (slot, bucket) in cumulative.iter_mut().zip(&self.buckets) {
+            total = total.wrapping_add(bucket.load(Ordering::Relaxed));
+            *slot = total;
+        }
+        (cumulative, self.sum_us.load(Ordering::Relaxed))
+    }
+}
+
+/// The counters of one volume. The data path holds an `Arc` to it and records every command.
+#[derive(Default)]
+pub struct VolumeMetrics {
+    operations: [AtomicU64; Operation::ALL.len()],
+    bytes: [AtomicU64; Operation::ALL.len()],
+    read_latency: Histogram,
+    write_latency: Histogram,
+}
+
+impl VolumeMetrics {
+    pub fn record_read(&self, bytes: u64, latency_us: u64) {
+        self.count(Operation::Read, bytes);
+        self.read_latency.record(latency_us);
+    }
+
+    pub fn record_write(&self, bytes: u64, latency_us: u64) {
+        self.count(Operation::Write, bytes);
+        self.write_latency.record(latency_us);
+    }
+
+    pub fn record_flush(&self) {
+        self.count(Operation::Flush, 0);
+    }
+
+    pub fn record_write_zeroes(&self, bytes: u64) {
+        self.count(Operation::WriteZeroes, bytes);
+    }
+
+    pub fn record_deallocate(&self, bytes: u64) {
+        self.count(Operation::Deallocate, bytes);
+    }
+
+    pub fn operations(&self, operation: Operation) -> u64 {
+        self.operations[operation.index()].load(Ordering::Relaxed)
+    }
+
+    pub fn bytes(&self, operation: Operation) -> u64 {
+        self.bytes[operation.index()].load(Ordering::Relaxed)
+    }
+
+    pub fn read_latency(&self) -> &Histogram {
+        &self.read_latency
+    }
+
+    pub fn write_latency(&self) -> &Histogram {
+        &self.write_latency
+    }
+
+    fn count(&self, operation: Operation, bytes: u64) {
+        self.operations[operation.index()].fetch_add(1, Ordering::Relaxed);
+        if bytes != 0 {
+            self.bytes[operation.index()].fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Node-wide values read from the control plane at scrape time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NodeGauges {
+    pub volumes: u64,
+    pub capacity_total_bytes: u64,
+    pub capacity_free_bytes: u64,
+}
+
+struct Entry {
+    /// Known once the control plane registers the volume; unnamed entries render without it.
+    name: Option<VolumeName>,
+    metrics: Arc<VolumeMetrics>,
+}
+
+/// Every volume's metrics, by volume id.
+#[derive(Default)]
+pub struct Registry {
+    volumes: Mutex<BTreeMap<u64, Entry>>,
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers volume `id` under its name and returns its metrics (the existing ones if the
+    /// data path asked for them first).
+    pub fn register_volume(&self, id: u64, name: &VolumeName) -> Arc<VolumeMetrics> {
+        let mut volumes = self.lock();
+        let entry =
+            volumes.entry(id).or_insert_with(|| Entry { name: None, metrics: Arc::default() });
+        entry.name = Some(name.clone());
+        Arc::clone(&entry.metrics)
+    }
+
+    /// The metrics of volume `id`, created if the volume is not registered yet. Called by the
+    /// data path once per volume, not per command: it takes the registry's lock.
+    pub fn volume(&self, id: u64) -> Arc<VolumeMetrics> {
+        let mut volumes = self.lock();
+        let entry =
+            volumes.entry(id).or_insert_with(|| Entry { name: None, metrics: Arc::default() });
+        Arc::clone(&entry.metrics)
+    }
+
+    /// Stops exporting volume `id`. Holders of its `Arc` may keep recording into it, unseen.
+    pub fn remove_volume(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    /// The text exposition of every metric.
+    pub fn render(&self, node: &NodeGauges) -> String {
+        let volumes: Vec<(u64, Option<VolumeName>, Arc<VolumeMetrics>)> = self
+            .lock()
+            .iter()
+            .map(|(id, entry)| (*id, entry.name.clone(), Arc::clone(&entry.metrics)))
+            .collect();
+        let mut out = String::new();
+        render_gauge(&mut out, "ferrite_volumes", "Volumes on this node.", node.volumes);
+        render_gauge(
+            &mut out,
+            "ferrite_capacity_total_bytes",
+            "Drive space of this node.",
+            node.capacity_total_bytes,
+        );
+        render_gauge(
+            &mut out,
+            "ferrite_capacity_free_bytes",
+            "Drive space not given to any volume.",
+            node.capacity_free_bytes,
+        );
+
+        family(&mut out, "ferrite_volume_operations_total", "counter", "I/O commands completed.");
+        for (id, name, metrics) in &volumes {
+            for operation in Operation::ALL {
+                let labels = labels(*id, name.as_ref(), operation, None);
+                let value = metrics.operations(operation);
+                let _ = writeln!(out, "ferrite_volume_operations_total{{{labels}}} {value}");
+            }
+        }
+
+        family(&mut out, "ferrite_volume_bytes_total", "counter", "Bytes moved by I/O commands.");
+        for (id, name, metrics) in &volumes {
+            for operation in Operation::ALL.into_iter().filter(|op| op.moves_bytes()) {
+                let labels = labels(*id, name.as_ref(), operation, None);
+                let value = metrics.bytes(operation);
+                let _ = writeln!(out, "ferrite_volume_bytes_total{{{labels}}} {value}");
+            }
+        }
+
+        const LATENCY: &str = "ferrite_volume_latency_seconds";
+        family(&mut out, LATENCY, "histogram", "I/O command latency, from receipt to completion.");
+        for (id, name, metrics) in &volumes {
+            let histograms = [
+                (Operation::Read, &metrics.read_latency),
+                (Operation::Write, &metrics.write_latency),
+            ];
+            for (operation, histogram) in histograms {
+                let (cumulative, sum_us) = histogram.snapshot();
+                let bounds = LATENCY_BUCKET_BOUNDS_US.iter().map(|&us| Some(us)).chain([None]);
+                for (bound_us, count) in bounds.zip(cumulative) {
+                    let le = match bound_us {
+                        Some(us) => seconds(us),
+                        None => "+Inf".to_owned(),
+                    };
+                    let labels = labels(*id, name.as_ref(), operation, Some(&le));
+                    let _ = writeln!(out, "{LATENCY}_bucket{{{labels}}} {count}");
+                }
+                let labels = labels(*id, name.as_ref(), operation, None);
+                let _ = writeln!(out, "{LATENCY}_sum{{{labels}}} {}", seconds(sum_us));
+                let count = cumulative[BUCKET_COUNT - 1];
+                let _ = writeln!(out, "{LATENCY}_count{{{labels}}} {count}");
+            }
+        }
+        out
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Entry>> {
+        // The map holds no invariant a panicking holder could break halfway.
+        self.volumes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+fn render_gauge(out: &mut String, name: &str, help: &str, value: u64) {
+    family(out, name, "gauge", help);
+    let _ = writeln!(out, "{name} {value}");
+}
+
+fn labels(id: u64, name: Option<&VolumeName>, operation: Operation, le: Option<&str>) -> String {
+    let mut labels = String::new();
+    if let Some(name) = name {
+        labels.push_str("volume=\"");
+        escape_label_value(&mut labels, name.as_str());
+        labels.push_str("\",");
+    }
+    let _ = write!(labels, "volume_id=\"{id}\",op=\"{}\"", operation.as_str());
+    if let Some(le) = le {
+        let _ = write!(labels, ",le=\"{le}\"");
+    }
+    labels
+}
+
+/// Escapes a label value as the exposition format requires (backslash, quote, newline).
+/// Volume names never contain these, but the format must hold whatever a name becomes.
+fn escape_label_value(out: &mut String, value: &str) {
+    for character in value.chars() {
+        match character {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            other => out.push(other),
+        }
+    }
+}
+
+/// Microseconds as decimal seconds, exactly: `250` -> `0.00025`, `2_000_000` -> `2`.
+fn seconds(microseconds: u64) -> String {
+    let whole = microseconds / 1_000_000;
+    let fraction = microseconds % 1_000_000;
+    if fraction == 0 {
+        return whole.to_string();
+    }
+    let digits = format!("{fraction:06}");
+    format!("{whole}.{}", digits.trim_end_matches('0'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(text: &str, series: &str) -> u64 {
+        let line = text
+            .lines()
+            .find(|line| line.starts_with(series) && line[series.len()..].starts_with(' '))
+            .unwrap_or_else(|| panic!("no series {series} in\n{text}"));
+        line[series.len() + 1..].parse().unwrap()
+    }
+
+    #[test]
+    fn seconds_are_exact() {
+        let check = |us: u64, expect: &str| assert_eq!(seconds(us), expect);
+        check(0, "0");
+        check(25, "0.000025");
+        check(250, "0.00025");
+        check(1_000_000, "1");
+        check(2_500_001, "2.500001");
+    }
+
+    #[test]
+    fn histogram_buckets_are_cumulative_and_inclusive() {
+        let histogram = Histogram::default();
+        for latency_us in [0, 25, 26, 1_000_000, 1_000_001, u64::MAX / 4] {
+            histogram.record(latency_us);
+        }
+        let (cumulative, _) = histogram.snapshot();
+        assert_eq!(cumulative[0], 2, "le=25us holds 0 and 25");
+        assert_eq!(cumulative[1], 3, "le=50us adds 26");
+        assert_eq!(cumulative[BUCKET_COUNT - 2], 4, "le=1s adds 1s");
+        assert_eq!(cumulative[BUCKET_COUNT - 1], 6, "+Inf holds everything");
+    }
+
+    #[test]
+    fn concurrent_recording_loses_nothing() {
+        const THREADS: u64 = 4;
+        const COMMANDS: u64 = 10_000;
+        let registry = Registry::new();
+        let metrics = registry.register_volume(7, &VolumeName::new("db").unwrap());
+        std::thread::scope(|scope| {
+            for _ in 0..THREADS {
+                scope.spawn(|| {
+                    for command in 0..COMMANDS {
+                        metrics.record_read(4096, command % 2000);
+                        metrics.record_write(8192, 30);
+                    }
+                });
+            }
+        });
+        assert!(Arc::ptr_eq(&metrics, &registry.volume(7)));
+        let text = registry.render(&NodeGauges::default());
+        let labels = "volume=\"db\",volume_id=\"7\"";
+        let reads = THREADS * COMMANDS;
+        assert_eq!(
+            value(&text, &format!("ferrite_volume_operations_total{{{labels},op=\"read\"}}")),
+            reads
+        );
+        assert_eq!(
+            value(&text, &format!("ferrite_volume_bytes_total{{{labels},op=\"write\"}}")),
+            reads * 8192
+        );
+        assert_eq!(
+            value(&text, &format!("ferrite_volume_latency_seconds_count{{{labels},op=\"read\"}}")),
+            reads
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!(
+                    "ferrite_volume_latency_seconds_bucket{{{labels},op=\"write\",le=\"0.00005\"}}"
+                )
+            ),
+            reads
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!("ferrite_volume_latency_seconds_bucket{{{labels},op=\"write\",le=\"0.000025\"}}")
+            ),
+            0
+        );
+    }
+
+    #[test]
+    fn exposition_is_well_formed() {
+        let registry = Registry::new();
+        registry.register_volume(1, &VolumeName::new("a").unwrap()).record_flush();
+        registry.volume(2).record_deallocate(1 << 20);
+        registry.register_volume(3, &VolumeName::new("gone").unwrap());
+        registry.remove_volume(3);
+        let gauges =
+            NodeGauges { volumes: 2, capacity_total_bytes: 1 << 30, capacity_free_bytes: 1 << 29 };
+        let text = registry.render(&gauges);
+
+        assert_eq!(value(&text, "ferrite_volumes"), 2);
+        assert_eq!(value(&text, "ferrite_capacity_free_bytes"), 1 << 29);
+        assert_eq!(
+            value(
+                &text,
+                "ferrite_volume_operations_total{volume=\"a\",volume_id=\"1\",op=\"flush\"}"
+            ),
+            1
+        );
+        assert_eq!(
+            value(&text, "ferrite_volume_bytes_total{volume_id=\"2\",op=\"deallocate\"}"),
+            1 << 20
+        );
+        assert!(!text.contains("gone"), "removed volumes are not exported");
+        assert!(!text.contains("op=\"flush\",le"), "flush has no histogram");
+
+        let mut families = std::collections::HashSet::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let name = rest.split(' ').next().unwrap();
+                assert!(families.insert(name.to_owned()), "family {name} declared twice");
+            } else if !line.starts_with("# HELP ") {
+                let (series, value) = line.rsplit_once(' ').unwrap();
+                assert!(value.parse::<f64>().is_ok(), "bad value in {line:?}");
+                let name = series.split('{').next().unwrap();
+                let family = name
+                    .strip_suffix("_bucket")
+                    .or_else(|| name.strip_suffix("_sum"))
+                    .or_else(|| name.strip_suffix("_count"))
+                    .filter(|family| families.contains(*family))
+                    .unwrap_or(name);
+                assert!(families.contains(family), "series {series} before its TYPE line");
+                assert_eq!(series.matches('{').count(), series.matches('}').count(), "{line}");
+            }
+        }
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        let mut out = String::new();
+        escape_label_value(&mut out, "a\"b\\c\nd");
+        assert_eq!(out, "a\\\"b\\\\c\\nd");
+    }
+}

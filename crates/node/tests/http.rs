@@ -1,0 +1,389 @@
+//! The REST API end to end, in process: a real node on 127.0.0.1:0 with a real metadata store,
+//! driven through the real `api::Client`, with a test data plane in place of the NVMe/TCP one.
+
+use api::{Client, ClientError, CreateVolume, ErrorCode};
+use meta::{Chunk, VolumeRecord};
+use node::metrics::Registry;
+use node::{
+    Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet, Node,
+    NodeConfig, NodeError,
+};
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+const MIB: u64 = 1 << 20;
+/// The fixture's chunk: 1 MiB, so sizes map to chunk counts directly.
+const CHUNK_SIZE_BYTES: u64 = MIB;
+
+/// What a test can see and steer of its fixture data path.
+#[derive(Default)]
+struct Probe {
+    formats: AtomicUsize,
+    started_with: Mutex<Vec<String>>,
+    fail_reservations: AtomicBool,
+    shut_down: AtomicBool,
+    metrics: Mutex<Option<Arc<Registry>>>,
+}
+
+/// Test fixture: a data path that allocates 1 MiB chunks from a set, serves nothing, and
+/// reports what happens to it through a [`Probe`].
+struct FixturePath {
+    probe: Arc<Probe>,
+    nvme_addr: SocketAddr,
+}
+
+struct FixturePlane {
+    probe: Arc<Probe>,
+    chunk_count: u32,
+    free: Mutex<BTreeSet<u32>>,
+    nvme_addr: SocketAddr,
+}
+
+impl DataPathBuilder for FixturePath {
+    fn format_drives(&mut self, drives: &DriveSet) -> Result<(), DataPlaneError> {
+        assert!(!drives.dir.exists(), "the fixture creates no drive files");
+        self.probe.formats.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn start(
+        self: Box<Self>,
+        context: DataPathContext,
+    ) -> Result<Arc<dyn DataPlane>, DataPlaneError> {
+        let chunk_count =
+            (u64::from(context.drives.count) * context.drives.size_bytes / CHUNK_SIZE_BYTES) as u32;
+        let mut free: BTreeSet<u32> = (0..chunk_count).collect();
+        for volume in &context.volumes {
+            for (_, index) in &volume.chunks {
+                assert!(free.remove(index), "chunk {index} is held by two volumes");
+            }
+        }
+        *self.probe.started_with.lock().unwrap() =
+            context.volumes.iter().map(|volume| volume.name.to_string()).collect();
+        *self.probe.metrics.lock().unwrap() = Some(context.metrics);
+        Ok(Arc::new(FixturePlane {
+            probe: self.probe,
+            chunk_count,
+            free: Mutex::new(free),
+            nvme_addr: self.nvme_addr,
+        }))
+    }
+}
+
+impl FixturePlane {
+    fn take(&self, size_bytes: u64) -> Result<Vec<Chunk>, DataPlaneError> {
+        if self.probe.fail_reservations.load(Ordering::Relaxed) {
+            return Err(DataPlaneError::failed("injected drive failure"));
+        }
+        let mut free = self.free.lock().unwrap();
+        let needed = size_bytes.div_ceil(CHUNK_SIZE_BYTES) as usize;
+        if needed > free.len() {
+            return Err(DataPlaneError::NoSpace {
+                requested_bytes: size_bytes,
+                free_bytes: free.len() as u64 * CHUNK_SIZE_BYTES,
+            });
+        }
+        let taken: Vec<u32> = free.iter().copied().take(needed).collect();
+        for index in &taken {
+            free.remove(index);
+        }
+        Ok(taken.into_iter().map(|index| (0, index)).collect())
+    }
+}
+
+impl DataPlane for FixturePlane {
+    fn reserve_create(&self, _id: u64, size_bytes: u64) -> Result<Vec<Chunk>, DataPlaneError> {
+        self.take(size_bytes)
+    }
+
+    fn reserve_grow(
+        &self,
+        volume: &VolumeRecord,
+        size_bytes: u64,
+    ) -> Result<Vec<Chunk>, DataPlaneError> {
+        let mut chunks = volume.chunks.clone();
+        chunks.extend(self.take(size_bytes - volume.size_bytes)?);
+        Ok(chunks)
+    }
+
+    fn cancel(&self, _proposed: &VolumeRecord) {
+        panic!("no metadata write fails in these tests");
+    }
+
+    fn publish(&self, _volume: &VolumeRecord) {}
+
+    fn remove(&self, volume: &VolumeRecord) {
+        self.free.lock().unwrap().extend(volume.chunks.iter().map(|(_, index)| *index));
+    }
+
+    fn capacity(&self) -> Capacity {
+        Capacity {
+            total_bytes: u64::from(self.chunk_count) * CHUNK_SIZE_BYTES,
+            free_bytes: self.free.lock().unwrap().len() as u64 * CHUNK_SIZE_BYTES,
+            chunk_size_bytes: CHUNK_SIZE_BYTES,
+        }
+    }
+
+    fn nvme_addr(&self) -> Option<SocketAddr> {
+        Some(self.nvme_addr)
+    }
+
+    fn shutdown(&self) {
+        self.probe.shut_down.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A config for a node in `dir` on free ports, with one 64 MiB drive (64 fixture chunks).
+fn config(dir: &Path) -> NodeConfig {
+    NodeConfig {
+        data_dir: dir.join("data"),
+        drive_count: Some(1),
+        drive_size_bytes: Some(64 * MIB),
+        nvme_listen: "127.0.0.1:0".parse().unwrap(),
+        api_listen: "127.0.0.1:0".parse().unwrap(),
+        stop_on_signals: false,
+    }
+}
+
+fn start(dir: &Path, probe: &Arc<Probe>) -> Node {
+    let fixture =
+        FixturePath { probe: Arc::clone(probe), nvme_addr: "127.0.0.1:4420".parse().unwrap() };
+    Node::start_with(config(dir), Box::new(fixture)).unwrap()
+}
+
+fn create(client: &Client, name: &str, size_bytes: u64) -> Result<api::VolumeInfo, ClientError> {
+    client.create_volume(&CreateVolume { name: name.to_owned(), size_bytes })
+}
+
+#[track_caller]
+fn assert_api_error<T: std::fmt::Debug>(
+    result: Result<T, ClientError>,
+    code: ErrorCode,
+    message: &str,
+) {
+    match result {
+        Err(ClientError::Api { status, code: got, message: text }) => {
+            assert_eq!(got, code.as_str(), "{text}");
+            assert_eq!(status, code.http_status(), "{text}");
+            assert!(text.contains(message), "{text:?} does not contain {message:?}");
+        }
+        other => panic!("expected API error {code:?}, got {other:?}"),
+    }
+}
+
+#[test]
+fn volume_lifecycle_through_the_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = Arc::new(Probe::default());
+    let node = start(dir.path(), &probe);
+    let client = Client::new(&node.api_url()).unwrap();
+    client.health().unwrap();
+    assert!(client.list_volumes().unwrap().is_empty());
+
+    let created = create(&client, "db-1", 8 * MIB).unwrap();
+    assert_eq!(created.name, "db-1");
+    assert_eq!(created.size_bytes, 8 * MIB);
+    assert_eq!(created.nqn, "nqn.2024-01.io.ferrite:vol:db-1");
+    assert_eq!(
+        created.nvme_connect_command(),
+        "nvme connect -t tcp -a 127.0.0.1 -s 4420 -n nqn.2024-01.io.ferrite:vol:db-1"
+    );
+    assert_eq!(created.uuid.len(), 36);
+    let other = create(&client, "a-first", MIB).unwrap();
+    assert!(other.id > created.id);
+
+    assert_eq!(client.volume("db-1").unwrap(), created);
+    let names: Vec<String> = client.list_volumes().unwrap().into_iter().map(|v| v.name).collect();
+    assert_eq!(names, ["a-first", "db-1"]);
+
+    let grown = client.resize_volume("db-1", 16 * MIB).unwrap();
+    assert_eq!(grown.size_bytes, 16 * MIB);
+    assert_eq!(grown.id, created.id);
+    assert_eq!(client.volume("db-1").unwrap().size_bytes, 16 * MIB);
+
+    let info = client.node().unwrap();
+    assert_eq!(info.volume_count, 2);
+    assert!(info.nvme_serving);
+    assert_eq!(info.drive_count, 1);
+    assert_eq!(info.capacity.total_bytes, 64 * MIB);
+    assert_eq!(info.capacity.free_bytes, (64 - 17) * MIB);
+    assert_eq!(info.capacity.chunk_size_bytes, CHUNK_SIZE_BYTES);
+
+    // The data path records into the registry it was given; the scrape shows it.
+    let registry = probe.metrics.lock().unwrap().clone().unwrap();
+    registry.volume(created.id).record_read(4096, 120);
+    let metrics = client.metrics().unwrap();
+    assert!(metrics.contains("ferrite_volumes 2\n"), "{metrics}");
+    assert!(metrics.contains(&format!("ferrite_capacity_free_bytes {}\n", 47 * MIB)), "{metrics}");
+    let read_count = format!(
+        "ferrite_volume_operations_total{{volume=\"db-1\",volume_id=\"{}\",op=\"read\"}} 1\n",
+        created.id
+    );
+    assert!(metrics.contains(&read_count), "{metrics}");
+
+    let deleted = client.delete_volume("db-1").unwrap();
+    assert_eq!(deleted.size_bytes, 16 * MIB);
+    assert_api_error(
+        client.volume("db-1"),
+        ErrorCode::VolumeNotFound,
+        "volume db-1 does not exist",
+    );
+    assert_eq!(client.node().unwrap().capacity.free_bytes, 63 * MIB);
+    assert!(!client.metrics().unwrap().contains("volume=\"db-1\""));
+
+    node.stop().unwrap();
+    assert!(probe.shut_down.load(Ordering::Relaxed));
+}
+
+#[test]
+fn every_error_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = Arc::new(Probe::default());
+    let node = start(dir.path(), &probe);
+    let client = Client::new(&node.api_url()).unwrap();
+    create(&client, "db", 4 * MIB).unwrap();
+
+    assert_api_error(
+        create(&client, "db", MIB),
+        ErrorCode::VolumeExists,
+        "volume db already exists",
+    );
+    assert_api_error(
+        client.volume("nope"),
+        ErrorCode::VolumeNotFound,
+        "volume nope does not exist",
+    );
+    assert_api_error(client.delete_volume("nope"), ErrorCode::VolumeNotFound, "does not exist");
+    assert_api_error(client.resize_volume("nope", 8 * MIB), ErrorCode::VolumeNotFound, "nope");
+    assert_api_error(
+        create(&client, "x", 4097),
+        ErrorCode::InvalidSize,
+        "invalid volume size 4097",
+    );
+    assert_api_error(create(&client, "x", 0), ErrorCode::InvalidSize, "invalid volume size 0");
+    assert_api_error(client.resize_volume("db", 1 << 60), ErrorCode::InvalidSize, "1 PiB");
+    assert_api_error(create(&client, "Bad", MIB), ErrorCode::InvalidName, "invalid volume name");
+    assert_api_error(client.volume("a/../db"), ErrorCode::InvalidName, "invalid volume name");
+    assert_api_error(client.volume("db%"), ErrorCode::InvalidName, "invalid volume name");
+    assert_api_error(
+        create(&client, "big", 61 * MIB),
+        ErrorCode::NoSpace,
+        "needs 61MiB more and 60MiB is free",
+    );
+    assert_api_error(client.resize_volume("db", 65 * MIB), ErrorCode::NoSpace, "needs 61MiB more");
+    assert_api_error(
+        client.resize_volume("db", 2 * MIB),
+        ErrorCode::ShrinkRefused,
+        "volume db is 4MiB and cannot shrink to 2MiB: volumes only grow",
+    );
+    probe.fail_reservations.store(true, Ordering::Relaxed);
+    assert_api_error(create(&client, "new", MIB), ErrorCode::Internal, "injected drive failure");
+    probe.fail_reservations.store(false, Ordering::Relaxed);
+    assert_eq!(client.list_volumes().unwrap().len(), 1, "no refusal created anything");
+
+    // Requests the typed client cannot make.
+    let raw = |method: &str, path: &str, body: &[u8]| -> (u16, api::ErrorBody) {
+        let url = format!("{}{path}", node.api_url());
+        let response = match ureq::request(method, &url).send_bytes(body) {
+            Ok(response) => panic!("{method} {path} succeeded: {}", response.status()),
+            Err(ureq::Error::Status(status, response)) => (status, response),
+            Err(error) => panic!("{method} {path}: {error}"),
+        };
+        (response.0, response.1.into_json().unwrap())
+    };
+    let check = |method: &str, path: &str, body: &[u8], code: ErrorCode| {
+        let (status, error) = raw(method, path, body);
+        assert_eq!(error.code, code.as_str(), "{method} {path}: {}", error.error);
+        assert_eq!(status, code.http_status(), "{method} {path}");
+        assert!(!error.error.is_empty());
+    };
+    check("POST", "/v1/volumes", b"{not json", ErrorCode::InvalidRequest);
+    check("POST", "/v1/volumes", br#"{"name":"x"}"#, ErrorCode::InvalidRequest);
+    check("POST", "/v1/volumes", br#"{"name":"x","size_bytes":-1}"#, ErrorCode::InvalidRequest);
+    check("POST", "/v1/volumes/db/resize", b"", ErrorCode::InvalidRequest);
+    let huge = vec![b' '; node::http::REQUEST_BODY_SIZE_BYTES_MAX + 1];
+    check("POST", "/v1/volumes", &huge, ErrorCode::RequestTooLarge);
+    check("GET", "/v2/volumes", b"", ErrorCode::NotFound);
+    check("PUT", "/v1/volumes/db", b"", ErrorCode::MethodNotAllowed);
+    check("DELETE", "/v1/volumes", b"", ErrorCode::MethodNotAllowed);
+
+    node.stop().unwrap();
+}
+
+#[test]
+fn restart_keeps_volumes_and_drives() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = Arc::new(Probe::default());
+    let node = start(dir.path(), &probe);
+    assert!(node.first_start());
+    let uuid = node.record().uuid;
+    let client = Client::new(&node.api_url()).unwrap();
+    let kept = create(&client, "kept", 2 * MIB).unwrap();
+    create(&client, "gone", MIB).unwrap();
+    client.resize_volume("kept", 3 * MIB).unwrap();
+    client.delete_volume("gone").unwrap();
+
+    // A second node on the same data dir is refused while the first runs.
+    let fixture = FixturePath { probe: Arc::default(), nvme_addr: "127.0.0.1:1".parse().unwrap() };
+    let error = Node::start_with(config(dir.path()), Box::new(fixture)).err().unwrap();
+    assert!(error.to_string().contains("is another `ferrite up` running"), "{error}");
+    node.stop().unwrap();
+
+    let probe_again = Arc::new(Probe::default());
+    let node = start(dir.path(), &probe_again);
+    assert!(!node.first_start());
+    assert_eq!(node.record().uuid, uuid);
+    assert_eq!(probe.formats.load(Ordering::Relaxed), 1);
+    assert_eq!(probe_again.formats.load(Ordering::Relaxed), 0, "drives are formatted once");
+    assert_eq!(*probe_again.started_with.lock().unwrap(), ["kept"]);
+    let client = Client::new(&node.api_url()).unwrap();
+    let volumes = client.list_volumes().unwrap();
+    assert_eq!(volumes.len(), 1);
+    assert_eq!(volumes[0].size_bytes, 3 * MIB);
+    assert_eq!(volumes[0].uuid, kept.uuid);
+    let next = create(&client, "next", MIB).unwrap();
+    assert!(next.id > kept.id + 1, "ids are not reused across restarts");
+    node.stop().unwrap();
+
+    // Drive geometry is fixed at the first start.
+    let mut changed = config(dir.path());
+    changed.drive_count = Some(2);
+    let fixture = FixturePath { probe: Arc::default(), nvme_addr: "127.0.0.1:1".parse().unwrap() };
+    let error = Node::start_with(changed, Box::new(fixture)).err().unwrap();
+    assert!(matches!(error, NodeError::DrivesChanged { .. }), "{error}");
+    assert!(error.to_string().contains("1 drives of 64MiB"), "{error}");
+    let mut unspecified = config(dir.path());
+    unspecified.drive_count = None;
+    unspecified.drive_size_bytes = None;
+    Node::start(unspecified).unwrap().stop().unwrap();
+}
+
+#[test]
+fn without_a_data_path_space_is_still_accounted() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = Node::start(config(dir.path())).unwrap();
+    assert!(!node.nvme_serving());
+    assert!(!node.data_dir().join("drives").exists(), "no drive files without a data path");
+    let client = Client::new(&node.api_url()).unwrap();
+    let info = client.node().unwrap();
+    assert!(!info.nvme_serving);
+    assert_eq!(info.capacity.total_bytes, 64 * MIB);
+    create(&client, "a", 40 * MIB).unwrap();
+    assert_api_error(create(&client, "b", 40 * MIB), ErrorCode::NoSpace, "24MiB is free");
+    client.resize_volume("a", 64 * MIB).unwrap();
+    assert_eq!(client.node().unwrap().capacity.free_bytes, 0);
+    client.delete_volume("a").unwrap();
+    assert_eq!(client.node().unwrap().capacity.free_bytes, 64 * MIB);
+
+    let stop = node.stop_handle();
+    let waiter = std::thread::spawn(move || {
+        node.wait_for_stop();
+        node.stop()
+    });
+    stop.stop();
+    waiter.join().unwrap().unwrap();
+    assert!(matches!(client.health(), Err(ClientError::Unreachable { .. })));
+}
