@@ -1,1 +1,21 @@
-//! placeholder
+//! Where Ferrite talks to the kernel about storage: io_uring rings, O_DIRECT drive files, and the
+//! creation and checking of a node's drive files. Linux only.
+//!
+//! - [`Ring`]: one io_uring per data-path thread, driven from that thread's tokio
+//!   current_thread runtime; batched submission, eventfd completions, cancel-safe buffers.
+//! - [`DriveFile`]: `engine::Drive` over an O_DIRECT file through a `Ring`.
+//! - [`format_drives`] / [`open_drives`]: the drive files of a node's data directory;
+//!   [`zero_chunks`]: the control plane's blocking punch of newly reserved chunks.
+//!
+//! The engine decides what to read and write; this crate only moves the bytes.
+
+mod drive_file;
+mod drives;
+mod ring;
+
+pub use drive_file::DriveFile;
+pub use drives::{drive_path, format_drives, open_drives, zero_chunks, DriveInfo, DriveSetupError};
+pub use ring::{Ring, RingError, INFLIGHT_OPS_MAX, RING_ENTRIES};
+
+#[cfg(test)]
+mod tests;

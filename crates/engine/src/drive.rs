@@ -1,0 +1,85 @@
+//! The storage interface the engine is generic over: one drive, addressed in bytes.
+//!
+//! `io` implements it with io_uring over O_DIRECT files; `testing` implements it in RAM, with a
+//! durable image kept apart from the written one and with injected faults. Buffers are owned and
+//! handed back with the result, as io_uring needs: the drive owns the memory while the kernel
+//! may touch it. Each data-path thread owns its own drive handles, so nothing here is `Send`.
+
+use std::fmt;
+
+use types::AlignedBuf;
+
+/// What a drive was doing when it failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DriveOperation {
+    Read,
+    Write,
+    Sync,
+    PunchHole,
+}
+
+impl fmt::Display for DriveOperation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Read => "read",
+            Self::Write => "write",
+            Self::Sync => "sync",
+            Self::PunchHole => "punch hole",
+        })
+    }
+}
+
+/// A failed drive operation. The caller decides what it means (the chunk store latches the drive
+/// after a failed write, sync or punch).
+#[derive(Debug, thiserror::Error)]
+pub enum DriveError {
+    #[error("{operation} of {length_bytes} bytes at byte {offset_bytes} failed: {source}")]
+    Io {
+        operation: DriveOperation,
+        offset_bytes: u64,
+        length_bytes: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "{operation} of {length_bytes} bytes at byte {offset_bytes} moved only {done_bytes} bytes"
+    )]
+    ShortTransfer {
+        operation: DriveOperation,
+        offset_bytes: u64,
+        length_bytes: u64,
+        done_bytes: u64,
+    },
+    #[error(
+        "{operation} of {length_bytes} bytes at byte {offset_bytes} lies outside the drive \
+         ({size_bytes} bytes)"
+    )]
+    OutOfBounds { operation: DriveOperation, offset_bytes: u64, length_bytes: u64, size_bytes: u64 },
+}
+
+/// One drive, used by one data-path thread. Offsets and lengths are multiples of
+/// [`types::BLOCK_SIZE_BYTES`]; implementations may assert it.
+///
+/// Durability: data written by `write_at` is durable once a `sync` that started after the write
+/// completed has returned `Ok`. A hole punched by `punch_hole` reads as zeros at once and is
+/// durable under the same rule.
+#[allow(async_fn_in_trait)] // Single-threaded by design: futures never cross threads.
+pub trait Drive {
+    /// Fills all of `buf` (its `len()`) from the drive at `offset_bytes`.
+    async fn read_at(
+        &self,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+    ) -> (Result<(), DriveError>, AlignedBuf);
+    /// Writes all of `buf` (its `len()`) to the drive at `offset_bytes`.
+    async fn write_at(
+        &self,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+    ) -> (Result<(), DriveError>, AlignedBuf);
+    /// Makes every write and punch completed before this call durable (fdatasync).
+    async fn sync(&self) -> Result<(), DriveError>;
+    /// Deallocates a range; it reads as zeros afterwards.
+    async fn punch_hole(&self, offset_bytes: u64, length_bytes: u64) -> Result<(), DriveError>;
+    fn size_bytes(&self) -> u64;
+}

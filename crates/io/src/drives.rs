@@ -1,0 +1,385 @@
+//! Creating a node's drive files and checking them at startup (docs/format-drive-v1.md).
+//!
+//! Formatting a drive: truncate the file to zero (dropping any stale bytes), extend it sparse to
+//! its size, fsync; write the superblock, fsync; after all drives, fsync the directory. The
+//! superblock goes last, so a drive whose formatting was interrupted has no valid superblock and
+//! `open_drives` refuses it; the node then formats again only if it was still creating its data
+//! directory (it records that the directory is complete after `format_drives` returns).
+//!
+//! These run on the control-plane thread with blocking std I/O (no ring needed): at startup, and
+//! [`zero_chunks`] when a volume is created or grown.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use engine::format::{chunk_offset_bytes, CHUNK_SIZE_BYTES, SUPERBLOCK_SIZE_BYTES};
+use engine::{ChunkId, NodeUuid, Superblock, SuperblockError};
+
+/// Why drive files could not be created or opened. Each message names the file and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum DriveSetupError {
+    #[error("cannot {action} {}: {source}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "cannot open {} for direct I/O (O_DIRECT): {source}; put the data directory on a \
+         filesystem that supports it, such as ext4 or xfs (tmpfs does not)",
+        path.display()
+    )]
+    DirectIoUnsupported {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("drive file {}: {source}", path.display())]
+    Superblock {
+        path: PathBuf,
+        #[source]
+        source: SuperblockError,
+    },
+    #[error(
+        "no drive file {} found: {} holds no Ferrite drives; was the node started with another \
+         data directory?",
+        path.display(),
+        path.parent().unwrap_or(path).display()
+    )]
+    NoDrives { path: PathBuf },
+    #[error(
+        "drive file {} is missing: the node has {expected_count} drives; restore the file, or \
+         remove the whole data directory to start over (this destroys every volume)",
+        path.display()
+    )]
+    Missing { path: PathBuf, expected_count: u16 },
+    #[error(
+        "drive file {} is {actual_bytes} bytes but its superblock records {recorded_bytes}: it \
+         was truncated or replaced; restore it from a backup",
+        path.display()
+    )]
+    SizeMismatch { path: PathBuf, recorded_bytes: u64, actual_bytes: u64 },
+    #[error(
+        "drive file {} already belongs to node {found}, not to this node ({expected}); refusing \
+         to format over it: remove it by hand if its data is no longer needed",
+        path.display()
+    )]
+    AlreadyFormatted { path: PathBuf, found: NodeUuid, expected: NodeUuid },
+}
+
+/// A drive file whose superblock was validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriveInfo {
+    pub path: PathBuf,
+    pub superblock: Superblock,
+}
+
+/// The file of drive `index` in a data directory's drive folder.
+pub fn drive_path(dir: &Path, index: u16) -> PathBuf {
+    dir.join(format!("drive-{index:03}.img"))
+}
+
+fn io_error<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(io::Error) -> DriveSetupError + 'a {
+    move |source| DriveSetupError::Io { action, path: path.to_owned(), source }
+}
+
+/// What a drive file holds at byte 0, and its size.
+struct FoundDrive {
+    superblock: Result<Superblock, SuperblockError>,
+    size_bytes: u64,
+}
+
+/// Reads and decodes a drive file's superblock; `Ok(None)` if the file does not exist.
+fn read_superblock(path: &Path) -> Result<Option<FoundDrive>, DriveSetupError> {
+    let mut file = match File::open(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(io_error("open", path)(error)),
+    };
+    let size_bytes = file.metadata().map_err(io_error("read the size of", path))?.len();
+    let mut bytes = Vec::with_capacity(SUPERBLOCK_SIZE_BYTES);
+    (&mut file)
+        .take(SUPERBLOCK_SIZE_BYTES as u64)
+        .read_to_end(&mut bytes)
+        .map_err(io_error("read the superblock of", path))?;
+    Ok(Some(FoundDrive { superblock: Superblock::decode(&bytes), size_bytes }))
+}
+
+fn sync_directory(dir: &Path) -> Result<(), DriveSetupError> {
+    File::open(dir)
+        .and_then(|directory| directory.sync_all())
+        .map_err(io_error("fsync directory", dir))
+}
+
+/// Creates `count` sparse drive files of `size_bytes` in `dir` for node `node_uuid`. Call it only
+/// while creating a data directory: it re-formats files that hold no valid superblock or one of
+/// this same node (an interrupted earlier attempt), and refuses files of another node.
+pub fn format_drives(
+    dir: &Path,
+    node_uuid: NodeUuid,
+    count: u16,
+    size_bytes: u64,
+) -> Result<Vec<DriveInfo>, DriveSetupError> {
+    fs::create_dir_all(dir).map_err(io_error("create directory", dir))?;
+    let mut drives = Vec::with_capacity(usize::from(count));
+    for index in 0..count {
+        let path = drive_path(dir, index);
+        let superblock = Superblock::new(node_uuid, index, count, size_bytes)
+            .map_err(|source| DriveSetupError::Superblock { path: path.clone(), source })?;
+        if let Some(FoundDrive { superblock: Ok(existing), .. }) = read_superblock(&path)? {
+            if existing.node_uuid != node_uuid {
+                return Err(DriveSetupError::AlreadyFormatted {
+                    path,
+                    found: existing.node_uuid,
+                    expected: node_uuid,
+                });
+            }
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io_error("create", &path))?;
+        // Drop whatever an earlier attempt left, then extend sparse: the drive reads as zeros.
+        file.set_len(0).map_err(io_error("truncate", &path))?;
+        file.set_len(size_bytes).map_err(io_error("size", &path))?;
+        file.sync_all().map_err(io_error("fsync", &path))?;
+        file.write_all_at(&superblock.encode(), 0)
+            .map_err(io_error("write the superblock of", &path))?;
+        file.sync_all().map_err(io_error("fsync", &path))?;
+        drives.push(DriveInfo { path, superblock });
+    }
+    sync_directory(dir)?;
+    Ok(drives)
+}
+
+/// Opens the drive files of node `node_uuid` in `dir` and validates every superblock: same node,
+/// right index, same drive count, size as recorded.
+pub fn open_drives(dir: &Path, node_uuid: NodeUuid) -> Result<Vec<DriveInfo>, DriveSetupError> {
+    let first = drive_path(dir, 0);
+    let Some(found) = read_superblock(&first)? else {
+        return Err(DriveSetupError::NoDrives { path: first });
+    };
+    let (superblock, size_bytes) = (found.superblock, found.size_bytes);
+    let superblock =
+        superblock.map_err(|source| DriveSetupError::Superblock { path: first.clone(), source })?;
+    let count = superblock.drive_count;
+    let mut drives = Vec::with_capacity(usize::from(count));
+    drives.push(check_drive(first, superblock, size_bytes, node_uuid, 0, count)?);
+    for index in 1..count {
+        let path = drive_path(dir, index);
+        let Some(found) = read_superblock(&path)? else {
+            return Err(DriveSetupError::Missing { path, expected_count: count });
+        };
+        let size_bytes = found.size_bytes;
+        let superblock = found
+            .superblock
+            .map_err(|source| DriveSetupError::Superblock { path: path.clone(), source })?;
+        drives.push(check_drive(path, superblock, size_bytes, node_uuid, index, count)?);
+    }
+    Ok(drives)
+}
+
+/// Punches whole chunks so they read as zeros, durably: `fallocate(PUNCH_HOLE | KEEP_SIZE)` on
+/// each, then `fdatasync` of every drive touched. Blocking, for the control plane, on chunks no
+/// I/O uses (the new chunks of a reservation, before it is published: a chunk may still hold the
+/// data of a deleted volume). `drive_paths[i]` is drive `i`'s file.
+pub fn zero_chunks(drive_paths: &[PathBuf], chunks: &[ChunkId]) -> Result<(), DriveSetupError> {
+    let mut files: Vec<Option<File>> = drive_paths.iter().map(|_| None).collect();
+    for chunk in chunks {
+        let drive = usize::from(chunk.drive);
+        assert!(drive < drive_paths.len(), "{chunk} is not on this node's {} drives", files.len());
+        let path = &drive_paths[drive];
+        if files[drive].is_none() {
+            let file = OpenOptions::new().write(true).open(path).map_err(io_error("open", path))?;
+            files[drive] = Some(file);
+        }
+        let file = files[drive].as_ref().expect("opened above");
+        let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        let offset = libc::off_t::try_from(chunk_offset_bytes(chunk.index)).expect("offset fits");
+        let length = libc::off_t::try_from(CHUNK_SIZE_BYTES).expect("chunk size fits");
+        // SAFETY: fallocate takes no pointers; the descriptor is open for the whole call.
+        let result = unsafe { libc::fallocate(file.as_raw_fd(), mode, offset, length) };
+        if result != 0 {
+            return Err(io_error("punch a hole in", path)(io::Error::last_os_error()));
+        }
+    }
+    for (path, file) in drive_paths.iter().zip(&files) {
+        if let Some(file) = file {
+            file.sync_data().map_err(io_error("fdatasync", path))?;
+        }
+    }
+    Ok(())
+}
+
+fn check_drive(
+    path: PathBuf,
+    superblock: Superblock,
+    actual_bytes: u64,
+    node_uuid: NodeUuid,
+    index: u16,
+    count: u16,
+) -> Result<DriveInfo, DriveSetupError> {
+    if let Err(source) = superblock.validate(node_uuid, index, count) {
+        return Err(DriveSetupError::Superblock { path, source });
+    }
+    if actual_bytes != superblock.drive_size_bytes {
+        return Err(DriveSetupError::SizeMismatch {
+            path,
+            recorded_bytes: superblock.drive_size_bytes,
+            actual_bytes,
+        });
+    }
+    Ok(DriveInfo { path, superblock })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine::format::HEADER_REGION_BYTES;
+
+    const NODE: NodeUuid = NodeUuid([0xab; 16]);
+    const OTHER: NodeUuid = NodeUuid([0xcd; 16]);
+    const SIZE_BYTES: u64 = HEADER_REGION_BYTES + 3 * CHUNK_SIZE_BYTES;
+
+    fn formatted() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        format_drives(dir.path(), NODE, 3, SIZE_BYTES).unwrap();
+        dir
+    }
+
+    fn message(error: DriveSetupError) -> String {
+        error.to_string()
+    }
+
+    #[test]
+    fn format_then_open() {
+        let dir = formatted();
+        let drives = open_drives(dir.path(), NODE).unwrap();
+        assert_eq!(drives.len(), 3);
+        for (index, drive) in drives.iter().enumerate() {
+            assert_eq!(drive.path, drive_path(dir.path(), index as u16));
+            assert_eq!(drive.superblock.drive_index, index as u16);
+            assert_eq!(drive.superblock.chunks_per_drive(), 3);
+            let metadata = fs::metadata(&drive.path).unwrap();
+            assert_eq!(metadata.len(), SIZE_BYTES);
+            use std::os::unix::fs::MetadataExt;
+            assert!(metadata.blocks() * 512 < 1 << 20, "drive files are sparse");
+        }
+    }
+
+    #[test]
+    fn refuses_another_nodes_drives() {
+        let dir = formatted();
+        let error = message(open_drives(dir.path(), OTHER).unwrap_err());
+        assert!(error.contains("drive-000.img"), "{error}");
+        assert!(error.contains("belongs to node abababab-"), "{error}");
+        let error = message(format_drives(dir.path(), OTHER, 3, SIZE_BYTES).unwrap_err());
+        assert!(error.contains("refusing to format"), "{error}");
+        // The same node may format again (an interrupted first start).
+        format_drives(dir.path(), NODE, 3, SIZE_BYTES).unwrap();
+    }
+
+    #[test]
+    fn refuses_damaged_or_missing_drives() {
+        let check = |damage: &dyn Fn(&Path), expect: &[&str]| {
+            let dir = formatted();
+            damage(dir.path());
+            let error = message(open_drives(dir.path(), NODE).unwrap_err());
+            for part in expect {
+                assert!(error.contains(part), "{error:?} lacks {part:?}");
+            }
+        };
+        let write_at = |path: PathBuf, offset: u64, bytes: &[u8]| {
+            let file = OpenOptions::new().write(true).open(path).unwrap();
+            file.write_all_at(bytes, offset).unwrap();
+        };
+        check(&|dir| write_at(drive_path(dir, 1), 100, &[1]), &["drive-001.img", "checksum"]);
+        check(&|dir| write_at(drive_path(dir, 2), 0, &[0; 4096]), &["drive-002.img", "no Ferrite"]);
+        check(
+            &|dir| {
+                let mut bytes = [0u8; 4096];
+                File::open(drive_path(dir, 1)).unwrap().read_exact_at(&mut bytes, 0).unwrap();
+                bytes[16] = 9;
+                let checksum = crc32c::crc32c(&bytes[..4092]);
+                bytes[4092..].copy_from_slice(&checksum.to_le_bytes());
+                write_at(drive_path(dir, 1), 0, &bytes);
+            },
+            &["drive-001.img", "version 9"],
+        );
+        check(&|dir| fs::remove_file(drive_path(dir, 2)).unwrap(), &["drive-002.img", "missing"]);
+        check(
+            &|dir| fs::rename(drive_path(dir, 2), drive_path(dir, 1)).unwrap(),
+            &["drive-001.img", "index 2"],
+        );
+        check(
+            &|dir| {
+                let file = OpenOptions::new().write(true).open(drive_path(dir, 1)).unwrap();
+                file.set_len(SIZE_BYTES - 4096).unwrap();
+            },
+            &["drive-001.img", "truncated"],
+        );
+        let empty = tempfile::tempdir().unwrap();
+        let error = message(open_drives(empty.path(), NODE).unwrap_err());
+        assert!(error.contains("holds no Ferrite drives"), "{error}");
+    }
+
+    #[test]
+    fn reformats_a_half_formatted_drive() {
+        let dir = tempfile::tempdir().unwrap();
+        // An interrupted format: the file exists, sized, with stale bytes and no superblock.
+        let path = drive_path(dir.path(), 0);
+        let file = OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
+        file.set_len(SIZE_BYTES).unwrap();
+        file.write_all_at(&[7; 4096], HEADER_REGION_BYTES).unwrap();
+        assert!(open_drives(dir.path(), NODE).is_err());
+        format_drives(dir.path(), NODE, 1, SIZE_BYTES).unwrap();
+        let mut bytes = [1u8; 4096];
+        file.read_exact_at(&mut bytes, HEADER_REGION_BYTES).unwrap();
+        assert_eq!(bytes, [0; 4096], "stale bytes are dropped");
+        assert_eq!(open_drives(dir.path(), NODE).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn zero_chunks_punches_whole_chunks() {
+        let dir = formatted();
+        let paths: Vec<PathBuf> = (0..3).map(|index| drive_path(dir.path(), index)).collect();
+        let write = |path: &Path, offset: u64| {
+            let file = OpenOptions::new().write(true).open(path).unwrap();
+            file.write_all_at(&[7; 4096], offset).unwrap();
+        };
+        let chunk_1 = chunk_offset_bytes(1);
+        write(&paths[2], chunk_1);
+        write(&paths[2], chunk_1 + CHUNK_SIZE_BYTES - 4096);
+        write(&paths[2], chunk_offset_bytes(2));
+        zero_chunks(&paths, &[ChunkId { drive: 2, index: 1 }]).unwrap();
+        let read = |offset: u64| {
+            let mut bytes = [1u8; 4096];
+            File::open(&paths[2]).unwrap().read_exact_at(&mut bytes, offset).unwrap();
+            bytes
+        };
+        assert_eq!(read(chunk_1), [0; 4096]);
+        assert_eq!(read(chunk_1 + CHUNK_SIZE_BYTES - 4096), [0; 4096]);
+        assert_eq!(read(chunk_offset_bytes(2)), [7; 4096], "the next chunk is untouched");
+        assert_eq!(fs::metadata(&paths[2]).unwrap().len(), SIZE_BYTES);
+        fs::remove_file(&paths[0]).unwrap();
+        let error = message(zero_chunks(&paths, &[ChunkId { drive: 0, index: 0 }]).unwrap_err());
+        assert!(error.contains("drive-000.img"), "{error}");
+    }
+
+    #[test]
+    fn refuses_impossible_sizes() {
+        let dir = tempfile::tempdir().unwrap();
+        let error = message(format_drives(dir.path(), NODE, 1, CHUNK_SIZE_BYTES).unwrap_err());
+        assert!(error.contains("drive_size_bytes"), "{error}");
+    }
+}

@@ -1,0 +1,244 @@
+//! Tests of the ring on real O_DIRECT files (the temp dir is ext4 here), and the engine's
+//! conformance check of `ChunkStore` run over `DriveFile`s through io_uring.
+
+use std::fs::{File, OpenOptions};
+use std::future::Future;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Waker};
+
+use engine::format::{CHUNK_SIZE_BYTES, HEADER_REGION_BYTES};
+use engine::testing::{check_store, join_all, CheckConfig, LocalBoxFuture};
+use engine::{ChunkStore, Drive, DriveError, NodeUuid, Volumes};
+use types::AlignedBuf;
+
+use crate::{format_drives, open_drives, DriveFile, Ring, INFLIGHT_OPS_MAX};
+
+const BLOCK: usize = 4096;
+/// Bounds the waits for the ring to settle: 1 ms sleeps.
+const SETTLE_SLEEPS_MAX: usize = 10_000;
+
+/// Runs a test on a current_thread runtime with a ring and its driver, as a data-path thread does.
+fn run_on_ring<F, Fut>(test: F) -> Fut::Output
+where
+    F: FnOnce(Rc<Ring>) -> Fut,
+    Fut: Future,
+{
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&runtime, async move {
+        let ring = Ring::new().unwrap();
+        let driver = tokio::task::spawn_local(Rc::clone(&ring).run());
+        let output = test(ring).await;
+        driver.abort();
+        output
+    })
+}
+
+fn direct_file(dir: &Path, size_bytes: u64) -> Rc<File> {
+    let path = dir.join("data");
+    File::create(&path).unwrap().set_len(size_bytes).unwrap();
+    let file =
+        OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&path).unwrap();
+    Rc::new(file)
+}
+
+fn pattern(seed: u8, length: usize) -> AlignedBuf {
+    let mut buf = AlignedBuf::new(length);
+    for (index, byte) in buf.iter_mut().enumerate() {
+        *byte = seed.wrapping_add((index / 7) as u8);
+    }
+    buf
+}
+
+async fn settle(ring: &Ring) {
+    for _ in 0..SETTLE_SLEEPS_MAX {
+        if ring.inflight() == 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    panic!("{} operations still hold slots", ring.inflight());
+}
+
+#[test]
+fn reads_writes_syncs_and_punches() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = direct_file(dir.path(), 1 << 20);
+    run_on_ring(|ring| async move {
+        let dir = dir;
+        let (result, _) = ring.write_at(&file, 4096, pattern(3, 2 * BLOCK)).await;
+        assert_eq!(result.unwrap(), 2 * BLOCK);
+        ring.fdatasync(&file).await.unwrap();
+        let (result, read) = ring.read_at(&file, 4096, AlignedBuf::new(2 * BLOCK)).await;
+        assert_eq!(result.unwrap(), 2 * BLOCK);
+        assert_eq!(&read[..], &pattern(3, 2 * BLOCK)[..]);
+        let blocks_before = file.metadata().unwrap().blocks();
+        let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        ring.fallocate(&file, 4096, 4096, mode).await.unwrap();
+        let (result, read) = ring.read_at(&file, 4096, AlignedBuf::new(2 * BLOCK)).await;
+        result.unwrap();
+        assert!(read[..BLOCK].iter().all(|b| *b == 0), "a punched block reads as zeros");
+        assert_eq!(&read[BLOCK..], &pattern(3, 2 * BLOCK)[BLOCK..]);
+        let metadata = file.metadata().unwrap();
+        assert_eq!(metadata.len(), 1 << 20, "KEEP_SIZE keeps the size");
+        assert!(metadata.blocks() < blocks_before, "the hole frees space");
+        // Errors come back as errors: writing through a read-only descriptor.
+        let read_only = Rc::new(File::open(dir.path().join("data")).unwrap());
+        let (result, _) = ring.write_at(&read_only, 0, pattern(1, BLOCK)).await;
+        assert_eq!(result.unwrap_err().raw_os_error(), Some(libc::EBADF));
+        assert_eq!(ring.inflight(), 0);
+    });
+}
+
+#[test]
+fn many_concurrent_operations_wait_for_slots() {
+    const OPERATIONS: usize = 1000;
+    let dir = tempfile::tempdir().unwrap();
+    let file = direct_file(dir.path(), (OPERATIONS * BLOCK) as u64);
+    run_on_ring(|ring| async move {
+        let tasks: Vec<_> = (0..OPERATIONS)
+            .map(|index| {
+                let (ring, file) = (Rc::clone(&ring), Rc::clone(&file));
+                tokio::task::spawn_local(async move {
+                    let offset = (index * BLOCK) as u64;
+                    let (result, _) =
+                        ring.write_at(&file, offset, pattern(index as u8, BLOCK)).await;
+                    assert_eq!(result.unwrap(), BLOCK);
+                    assert!(ring.inflight() <= INFLIGHT_OPS_MAX);
+                })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        assert!(ring.inflight() <= INFLIGHT_OPS_MAX);
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let (result, read) = ring.read_at(&file, 0, AlignedBuf::new(OPERATIONS * BLOCK)).await;
+        result.unwrap();
+        for (index, block) in read.chunks(BLOCK).enumerate() {
+            assert_eq!(block, &pattern(index as u8, BLOCK)[..], "block {index}");
+        }
+        assert_eq!(ring.inflight(), 0);
+    });
+}
+
+#[test]
+fn dropped_futures_leave_the_ring_consistent() {
+    const OPERATIONS: usize = INFLIGHT_OPS_MAX + 150;
+    let dir = tempfile::tempdir().unwrap();
+    let file = direct_file(dir.path(), 64 << 20);
+    run_on_ring(|ring| async move {
+        let mut context = Context::from_waker(Waker::noop());
+        let mut futures: Vec<LocalBoxFuture<'_, _>> = (0..OPERATIONS)
+            .map(|index| {
+                let offset = (index * 64 * 1024) as u64;
+                let future: LocalBoxFuture<'_, _> =
+                    Box::pin(ring.read_at(&file, offset, AlignedBuf::new(64 * 1024)));
+                future
+            })
+            .collect();
+        // One poll each: the first INFLIGHT_OPS_MAX are submitted, the rest wait for a slot.
+        for future in &mut futures {
+            let _ = future.as_mut().poll(&mut context);
+        }
+        assert_eq!(ring.inflight(), INFLIGHT_OPS_MAX);
+        // Keep a few waiting futures, drop everything else: in-flight ones (the kernel still
+        // owns their buffers) and waiting ones (some of which were just granted a slot).
+        let kept: Vec<LocalBoxFuture<'_, _>> = futures.drain(OPERATIONS - 10..).collect();
+        let mut index = 0;
+        futures.retain(|_| {
+            index += 1;
+            index % 2 == 0
+        });
+        drop(futures);
+        let outputs = join_all(kept).await;
+        for (result, buf) in outputs {
+            assert_eq!(result.unwrap(), 64 * 1024);
+            assert!(buf.iter().all(|b| *b == 0));
+        }
+        settle(&ring).await;
+        // The ring still works.
+        let (result, _) = ring.write_at(&file, 0, pattern(9, BLOCK)).await;
+        result.unwrap();
+        let (result, read) = ring.read_at(&file, 0, AlignedBuf::new(BLOCK)).await;
+        result.unwrap();
+        assert_eq!(&read[..], &pattern(9, BLOCK)[..]);
+    });
+}
+
+#[test]
+fn dropping_the_ring_waits_for_operations_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = direct_file(dir.path(), 64 << 20);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let local = tokio::task::LocalSet::new();
+    let file_for_test = Rc::clone(&file);
+    local.block_on(&runtime, async move {
+        let ring = Ring::new().unwrap();
+        let mut context = Context::from_waker(Waker::noop());
+        for index in 0..64u64 {
+            let mut read: Pin<Box<dyn Future<Output = _>>> =
+                Box::pin(ring.read_at(&file_for_test, index << 20, AlignedBuf::new(1 << 20)));
+            let _ = read.as_mut().poll(&mut context);
+        }
+        // No driver ever ran: the 64 reads were pushed but never submitted; the drop submits
+        // them and waits for every one before freeing their buffers.
+        assert_eq!(ring.inflight(), 64);
+        drop(ring);
+    });
+    drop(file);
+}
+
+#[test]
+fn ring_needs_a_runtime() {
+    assert!(matches!(Ring::new(), Err(crate::RingError::NoRuntime)));
+}
+
+#[test]
+fn drive_file_checks_bounds_and_names_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("absent.img");
+    run_on_ring(|ring| async move {
+        let error = DriveFile::open(&missing, &ring).unwrap_err().to_string();
+        assert!(error.contains("absent.img"), "{error}");
+        let path = dir.path().join("drive.img");
+        File::create(&path).unwrap().set_len(1 << 20).unwrap();
+        let drive = DriveFile::open(&path, &ring).unwrap();
+        assert_eq!(drive.size_bytes(), 1 << 20);
+        let (result, _) = drive.read_at(1 << 20, AlignedBuf::new(BLOCK)).await;
+        assert!(matches!(result, Err(DriveError::OutOfBounds { .. })), "{result:?}");
+        let (result, _) = drive.write_at((1 << 20) - 4096, pattern(1, BLOCK)).await;
+        result.unwrap();
+        drive.sync().await.unwrap();
+        drive.punch_hole(0, 1 << 20).await.unwrap();
+        let (result, read) = drive.read_at((1 << 20) - 4096, AlignedBuf::new(BLOCK)).await;
+        result.unwrap();
+        assert!(read.iter().all(|b| *b == 0));
+    });
+}
+
+#[test]
+fn chunk_store_conformance_over_io_uring() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = NodeUuid([0x5a; 16]);
+    let drive_size_bytes = HEADER_REGION_BYTES + 6 * CHUNK_SIZE_BYTES;
+    format_drives(dir.path(), node, 3, drive_size_bytes).unwrap();
+    let infos = open_drives(dir.path(), node).unwrap();
+    run_on_ring(|ring| async move {
+        let drives: Vec<DriveFile> =
+            infos.iter().map(|info| DriveFile::open(&info.path, &ring).unwrap()).collect();
+        let store = ChunkStore::new(drives);
+        let volumes = Volumes::new(3, infos[0].superblock.chunks_per_drive());
+        let config = CheckConfig { seed: 7, operations_per_writer: 100, ..CheckConfig::default() };
+        let report = check_store(&store, &volumes, &config).await;
+        let syncs: u64 = (0..3).map(|drive| store.syncs_started(drive)).sum();
+        let mutations = report.writes + report.write_zeroes + report.deallocates;
+        assert!(syncs < mutations, "group commit shares syncs: {syncs} for {mutations}");
+        assert!(report.blocks_verified > 1000, "{report:?}");
+        assert!(store.failed_drives().is_empty());
+        settle(&ring).await;
+    });
+}
