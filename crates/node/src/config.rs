@@ -44,6 +44,8 @@ pub struct NodeConfig {
     /// Stop when the process receives SIGINT (Ctrl-C) or SIGTERM. The `ferrite up` binary sets
     /// this; tests that run nodes in-process leave it off.
     pub stop_on_signals: bool,
+    /// Data-path threads serving NVMe/TCP; 0 means one per CPU.
+    pub data_threads: usize,
 }
 
 impl Default for NodeConfig {
@@ -55,6 +57,7 @@ impl Default for NodeConfig {
             nvme_listen: DEFAULT_NVME_LISTEN,
             api_listen: DEFAULT_API_LISTEN,
             stop_on_signals: false,
+            data_threads: 0,
         }
     }
 }

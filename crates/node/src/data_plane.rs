@@ -15,17 +15,14 @@
 //!   allocator is rebuilt from the durable records at the next start, and a reservation that
 //!   never reached a record is simply not there.
 //!
-//! [`NoDataPath`] is the builder `Node::start` uses until the NVMe/TCP data path is wired in: it
-//! creates no drive files and serves no I/O, and says so in the log and in `GET /v1/node`. It
-//! still accounts for space, so a volume larger than the configured drives is refused as it
-//! will be once chunks are really allocated.
+//! The NVMe/TCP data path (`crate::nvme`) is the one implementation `Node::start` uses; tests
+//! may supply their own builder through `Node::start_with`.
 
 use crate::metrics::Registry;
 use meta::{Chunk, VolumeRecord};
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 /// Space on the node's drives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -128,100 +125,4 @@ pub trait DataPlane: Send + Sync {
     /// Stops serving and joins the data-path threads. Called once, when the node stops, after
     /// the REST API stopped.
     fn shutdown(&self);
-}
-
-/// The data path of a node that has none yet: no drives, no I/O, only space accounting.
-#[derive(Debug, Default)]
-pub struct NoDataPath;
-
-impl DataPathBuilder for NoDataPath {
-    fn format_drives(&mut self, drives: &DriveSet) -> Result<(), DataPlaneError> {
-        tracing::warn!(
-            dir = %drives.dir.display(),
-            "no data path in this build: drive files are not created"
-        );
-        Ok(())
-    }
-
-    fn start(
-        self: Box<Self>,
-        context: DataPathContext,
-    ) -> Result<Arc<dyn DataPlane>, DataPlaneError> {
-        tracing::warn!(
-            nvme_listen = %context.nvme_listen,
-            "no data path in this build: volumes are recorded but not served over NVMe/TCP"
-        );
-        let total_bytes = u64::from(context.drives.count) * context.drives.size_bytes;
-        let sizes = context.volumes.iter().map(|volume| (volume.id, volume.size_bytes)).collect();
-        Ok(Arc::new(SpaceAccount { total_bytes, sizes: Mutex::new(sizes) }))
-    }
-}
-
-/// [`NoDataPath`]'s data plane: counts each published volume's full size against the drives.
-struct SpaceAccount {
-    total_bytes: u64,
-    /// Size of every published volume, by id.
-    sizes: Mutex<BTreeMap<u64, u64>>,
-}
-
-impl SpaceAccount {
-    fn free_bytes(&self) -> u64 {
-        let sizes = self.sizes.lock().unwrap_or_else(PoisonError::into_inner);
-        self.total_bytes.saturating_sub(sizes.values().sum())
-    }
-
-    fn check_room(&self, requested_bytes: u64) -> Result<(), DataPlaneError> {
-        let free_bytes = self.free_bytes();
-        if requested_bytes > free_bytes {
-            return Err(DataPlaneError::NoSpace { requested_bytes, free_bytes });
-        }
-        Ok(())
-    }
-}
-
-impl DataPlane for SpaceAccount {
-    fn reserve_create(&self, _id: u64, size_bytes: u64) -> Result<Vec<Chunk>, DataPlaneError> {
-        // The volume service serialises reservations with their publish or cancel, so checking
-        // now and counting at publish cannot oversubscribe.
-        self.check_room(size_bytes)?;
-        Ok(Vec::new())
-    }
-
-    fn reserve_grow(
-        &self,
-        volume: &VolumeRecord,
-        size_bytes: u64,
-    ) -> Result<Vec<Chunk>, DataPlaneError> {
-        assert!(size_bytes > volume.size_bytes, "reserve_grow must grow");
-        self.check_room(size_bytes - volume.size_bytes)?;
-        Ok(volume.chunks.clone())
-    }
-
-    fn cancel(&self, proposed: &VolumeRecord) {
-        assert!(proposed.chunks.is_empty(), "this data plane never hands out chunks");
-    }
-
-    fn publish(&self, volume: &VolumeRecord) {
-        let mut sizes = self.sizes.lock().unwrap_or_else(PoisonError::into_inner);
-        sizes.insert(volume.id, volume.size_bytes);
-    }
-
-    fn remove(&self, volume: &VolumeRecord) {
-        let mut sizes = self.sizes.lock().unwrap_or_else(PoisonError::into_inner);
-        sizes.remove(&volume.id);
-    }
-
-    fn capacity(&self) -> Capacity {
-        Capacity {
-            total_bytes: self.total_bytes,
-            free_bytes: self.free_bytes(),
-            chunk_size_bytes: 0,
-        }
-    }
-
-    fn nvme_addr(&self) -> Option<SocketAddr> {
-        None
-    }
-
-    fn shutdown(&self) {}
 }

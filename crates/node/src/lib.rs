@@ -22,10 +22,11 @@ pub mod control;
 pub mod data_plane;
 pub mod http;
 pub mod metrics;
+pub mod nvme;
 
 pub use config::{ConfigError, NodeConfig};
 pub use data_plane::{
-    Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet, NoDataPath,
+    Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
 };
 
 use control::VolumeService;
@@ -101,7 +102,8 @@ pub struct Node {
 impl Node {
     /// Starts a node with this build's data path.
     pub fn start(config: NodeConfig) -> Result<Self, NodeError> {
-        Self::start_with(config, Box::new(NoDataPath))
+        let data_path = nvme::NvmeDataPathBuilder::new(config.data_threads);
+        Self::start_with(config, Box::new(data_path))
     }
 
     /// Starts a node with the given data path.

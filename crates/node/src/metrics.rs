@@ -13,6 +13,7 @@
 //! - `ferrite_volume_operations_total{volume,volume_id,op}` (counter), `op` one of `read`,
 //!   `write`, `flush`, `write_zeroes`, `deallocate`
 //! - `ferrite_volume_bytes_total{volume,volume_id,op}` (counter), all but `flush`
+//! - `ferrite_volume_errors_total{volume,volume_id}` (counter): commands the storage failed
 //! - `ferrite_volume_latency_seconds{volume,volume_id,op}` (histogram), `op` `read` or `write`
 
 use std::collections::BTreeMap;
@@ -104,6 +105,7 @@ pub struct VolumeMetrics {
     bytes: [AtomicU64; Operation::ALL.len()],
     read_latency: Histogram,
     write_latency: Histogram,
+    errors: AtomicU64,
 }
 
 impl VolumeMetrics {
@@ -127,6 +129,15 @@ impl VolumeMetrics {
 
     pub fn record_deallocate(&self, bytes: u64) {
         self.count(Operation::Deallocate, bytes);
+    }
+
+    /// A command the storage failed (the host got an error status).
+    pub fn record_error(&self) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn errors(&self) -> u64 {
+        self.errors.load(Ordering::Relaxed)
     }
 
     pub fn operations(&self, operation: Operation) -> u64 {
@@ -231,6 +242,18 @@ impl Registry {
                 let value = metrics.operations(operation);
                 let _ = writeln!(out, "ferrite_volume_operations_total{{{labels}}} {value}");
             }
+        }
+
+        family(&mut out, "ferrite_volume_errors_total", "counter", "I/O commands the storage failed.");
+        for (id, name, metrics) in &volumes {
+            let mut labels = String::new();
+            if let Some(name) = name {
+                labels.push_str("volume=\"");
+                escape_label_value(&mut labels, name.as_str());
+                labels.push_str("\",");
+            }
+            let _ = write!(labels, "volume_id=\"{id}\"");
+            let _ = writeln!(out, "ferrite_volume_errors_total{{{labels}}} {}", metrics.errors());
         }
 
         family(&mut out, "ferrite_volume_bytes_total", "counter", "Bytes moved by I/O commands.");

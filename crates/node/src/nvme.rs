@@ -1,0 +1,832 @@
+//! The NVMe/TCP data path of a node: drives, data-path threads, the acceptor, and the driver that
+//! moves bytes between each connection's socket, its `nvmf::target::Queue` and the store.
+//!
+//! Threads: `data_threads` threads, each a tokio current_thread runtime with its own `io::Ring`
+//! and its own O_DIRECT handles on every drive file (a `ChunkStore<DriveFile>`). Thread 0 also
+//! accepts connections and deals them out round robin over bounded channels; a connection then
+//! lives on its thread until it closes (run to completion, no work stealing).
+//!
+//! Per connection, one task owns the socket and the `Queue`. It reads into a fixed buffer,
+//! feeds whole PDUs to the queue, starts a storage task for each request the queue hands out,
+//! and writes the queue's output with non-blocking writes, so no buffer is copied between the
+//! queue and the socket. Storage tasks report back through a small completion list.
+//!
+//! Deleting a volume fences it first (new I/O is refused), waits for its in-flight I/O to drain,
+//! and only then frees its chunks, so a late write can never land in a chunk already given to
+//! another volume.
+
+use crate::data_plane::{
+    Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
+};
+use crate::metrics::{Registry, VolumeMetrics};
+use engine::{
+    ChunkId, ChunkStore, DriveLatches, NodeUuid, StoreError, VolumeId, VolumeLayout, VolumeMap,
+    VolumeStore, Volumes,
+};
+use io::{DriveFile, Ring};
+use meta::{Chunk, VolumeRecord};
+use nvmf::target::{
+    Catalog, Listener, NamespaceInfo, Queue, RequestId, StorageOperation, StorageRequest,
+    StorageStatus, SubsystemInfo, Target, TargetConfig,
+};
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+use tokio::io::Interest;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch, Notify};
+use types::{AlignedBuf, Nqn, VolumeName, LOGICAL_BLOCK_SIZE_BYTES};
+
+/// Connections waiting to be picked up by one data-path thread.
+const HANDOFF_QUEUE_CONNECTIONS_MAX: usize = 64;
+/// Bytes read from a socket at once; holds at least two of the largest PDUs.
+const RECEIVE_BUFFER_BYTES: usize = 2 * nvmf::target::PDU_SIZE_MAX as usize;
+/// How often a connection checks its keep-alive deadline and pending async events.
+const CONNECTION_TICK_MS: u64 = 200;
+/// How long deleting a volume waits for its in-flight I/O before giving up.
+const REMOVE_DRAIN_TIMEOUT_MS: u64 = 30_000;
+/// Data-path threads at most.
+pub const DATA_THREADS_MAX: usize = 64;
+
+/// Builds the NVMe/TCP data path: formats and opens the drives, starts the threads.
+#[derive(Debug)]
+pub struct NvmeDataPathBuilder {
+    data_threads: usize,
+}
+
+impl NvmeDataPathBuilder {
+    /// `data_threads` of 0 means one per CPU.
+    pub fn new(data_threads: usize) -> Self {
+        let cpus = std::thread::available_parallelism().map_or(1, |count| count.get());
+        let data_threads = if data_threads == 0 { cpus } else { data_threads };
+        Self { data_threads: data_threads.clamp(1, DATA_THREADS_MAX) }
+    }
+}
+
+fn node_uuid(drives: &DriveSet) -> NodeUuid {
+    NodeUuid(drives.node_uuid)
+}
+
+impl DataPathBuilder for NvmeDataPathBuilder {
+    fn format_drives(&mut self, drives: &DriveSet) -> Result<(), DataPlaneError> {
+        io::format_drives(&drives.dir, node_uuid(drives), drives.count, drives.size_bytes)
+            .map_err(DataPlaneError::failed)?;
+        Ok(())
+    }
+
+    fn start(
+        self: Box<Self>,
+        context: DataPathContext,
+    ) -> Result<Arc<dyn DataPlane>, DataPlaneError> {
+        let infos = io::open_drives(&context.drives.dir, node_uuid(&context.drives))
+            .map_err(DataPlaneError::failed)?;
+        let drive_count = u16::try_from(infos.len()).map_err(DataPlaneError::failed)?;
+        let chunks_per_drive = infos[0].superblock.chunks_per_drive();
+        let drive_paths: Vec<PathBuf> = infos.iter().map(|info| info.path.clone()).collect();
+        let volumes = Arc::new(Volumes::new(drive_count, chunks_per_drive));
+        volumes
+            .restore(context.volumes.iter().map(layout_of).collect())
+            .map_err(DataPlaneError::failed)?;
+
+        let catalog = Arc::new(NodeCatalog::default());
+        for record in &context.volumes {
+            let map = volumes.mapping(VolumeId(record.id)).ok_or_else(|| {
+                DataPlaneError::failed(format!("volume {} missing after restore", record.name))
+            })?;
+            catalog.insert(record, map, context.metrics.volume(record.id));
+        }
+
+        let listener = std::net::TcpListener::bind(context.nvme_listen).map_err(|error| {
+            DataPlaneError::failed(format!(
+                "cannot listen for NVMe/TCP on {}: {error}; pass --nvme-listen with a free \
+                 address",
+                context.nvme_listen
+            ))
+        })?;
+        listener.set_nonblocking(true).map_err(DataPlaneError::failed)?;
+        let nvme_addr = listener.local_addr().map_err(DataPlaneError::failed)?;
+        let target_config = TargetConfig {
+            listeners: vec![Listener {
+                traddr: advertised_ip(nvme_addr),
+                trsvcid: nvme_addr.port().to_string(),
+                port_id: 1,
+            }],
+            ..TargetConfig::default()
+        };
+        let target = Arc::new(Target::new(target_config, Arc::clone(&catalog) as Arc<dyn Catalog>));
+
+        let shared = Arc::new(ThreadShared {
+            target: Arc::clone(&target),
+            catalog: Arc::clone(&catalog),
+            drive_paths,
+            latches: Arc::new(DriveLatches::new(drive_count)),
+        });
+        let (stop_sender, stop_receiver) = watch::channel(false);
+        let mut senders = Vec::with_capacity(self.data_threads);
+        let mut receivers = Vec::with_capacity(self.data_threads);
+        for _ in 0..self.data_threads {
+            let (sender, receiver) = mpsc::channel(HANDOFF_QUEUE_CONNECTIONS_MAX);
+            senders.push(sender);
+            receivers.push(receiver);
+        }
+        let (ready_sender, ready_receiver) = std::sync::mpsc::channel();
+        let mut threads = Vec::with_capacity(self.data_threads);
+        let mut listener = Some(listener);
+        for (index, receiver) in receivers.into_iter().enumerate() {
+            let thread = DataThread {
+                index,
+                shared: Arc::clone(&shared),
+                connections: receiver,
+                stop: stop_receiver.clone(),
+                acceptor: listener.take().map(|listener| (listener, senders.clone())),
+            };
+            let ready = ready_sender.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("ferrite-data-{index}"))
+                .spawn(move || thread.run(ready))
+                .map_err(DataPlaneError::failed)?;
+            threads.push(handle);
+        }
+        drop(senders);
+        drop(ready_sender);
+        for _ in 0..threads.len() {
+            match ready_receiver.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(message)) => {
+                    let _ = stop_sender.send(true);
+                    return Err(DataPlaneError::failed(message));
+                }
+                Err(_) => {
+                    let _ = stop_sender.send(true);
+                    return Err(DataPlaneError::failed("a data-path thread died while starting"));
+                }
+            }
+        }
+        tracing::info!(
+            nvme = %nvme_addr,
+            threads = threads.len(),
+            drives = drive_count,
+            "serving NVMe/TCP"
+        );
+        Ok(Arc::new(NvmeDataPlane {
+            volumes,
+            catalog,
+            target,
+            shared,
+            nvme_addr,
+            stop: stop_sender,
+            threads: Mutex::new(threads),
+            metrics: context.metrics,
+        }))
+    }
+}
+
+/// The address hosts are told to connect to: a wildcard listen address is advertised as loopback.
+fn advertised_ip(addr: SocketAddr) -> String {
+    if addr.ip().is_unspecified() {
+        "127.0.0.1".to_owned()
+    } else {
+        addr.ip().to_string()
+    }
+}
+
+fn layout_of(record: &VolumeRecord) -> VolumeLayout {
+    VolumeLayout {
+        volume: VolumeId(record.id),
+        size_bytes: record.size_bytes,
+        chunks: record.chunks.iter().map(|chunk| ChunkId { drive: chunk.0, index: chunk.1 }).collect(),
+    }
+}
+
+fn chunks_of(layout: &VolumeLayout) -> Vec<Chunk> {
+    layout.chunks.iter().map(|chunk| (chunk.drive, chunk.index)).collect()
+}
+
+/// What the I/O path needs of a volume, shared by every connection to it.
+struct VolumeHandle {
+    name: VolumeName,
+    map: Arc<VolumeMap>,
+    metrics: Arc<VolumeMetrics>,
+    size_blocks: Arc<AtomicU64>,
+    uuid: [u8; 16],
+    /// Set when the volume is being deleted: new I/O is refused.
+    fenced: AtomicBool,
+    /// Storage operations started and not finished.
+    inflight: AtomicU64,
+}
+
+impl VolumeHandle {
+    /// Registers one I/O; false (and nothing registered) if the volume is fenced.
+    fn begin(&self) -> bool {
+        self.inflight.fetch_add(1, Ordering::SeqCst);
+        if self.fenced.load(Ordering::SeqCst) {
+            self.inflight.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    fn end(&self) {
+        let before = self.inflight.fetch_sub(1, Ordering::SeqCst);
+        assert!(before > 0, "volume I/O count went below zero");
+    }
+}
+
+/// The node's volumes as the NVMe/TCP target sees them: by subsystem NQN and by volume id.
+#[derive(Default)]
+struct NodeCatalog {
+    volumes: RwLock<HashMap<u64, Arc<VolumeHandle>>>,
+}
+
+impl NodeCatalog {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u64, Arc<VolumeHandle>>> {
+        self.volumes.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<u64, Arc<VolumeHandle>>> {
+        self.volumes.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn insert(&self, record: &VolumeRecord, map: Arc<VolumeMap>, metrics: Arc<VolumeMetrics>) {
+        let handle = VolumeHandle {
+            name: record.name.clone(),
+            size_blocks: Arc::new(AtomicU64::new(
+                record.size_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES),
+            )),
+            map,
+            metrics,
+            uuid: record.uuid,
+            fenced: AtomicBool::new(false),
+            inflight: AtomicU64::new(0),
+        };
+        self.write().insert(record.id, Arc::new(handle));
+    }
+
+    fn get(&self, id: u64) -> Option<Arc<VolumeHandle>> {
+        self.read().get(&id).cloned()
+    }
+}
+
+impl Catalog for NodeCatalog {
+    fn subsystems(&self) -> Vec<SubsystemInfo> {
+        let mut subsystems: Vec<SubsystemInfo> = self
+            .read()
+            .values()
+            .filter(|handle| !handle.fenced.load(Ordering::Acquire))
+            .map(|handle| SubsystemInfo { nqn: handle.name.subsystem_nqn() })
+            .collect();
+        subsystems.sort_by(|a, b| a.nqn.cmp(&b.nqn));
+        subsystems
+    }
+
+    fn namespace(&self, subnqn: &Nqn) -> Option<NamespaceInfo> {
+        let name = subnqn.volume_name()?;
+        let volumes = self.read();
+        let (id, handle) = volumes
+            .iter()
+            .find(|(_, handle)| handle.name == name && !handle.fenced.load(Ordering::Acquire))?;
+        let uuid = handle.uuid;
+        let mut eui64 = [0u8; 8];
+        eui64.copy_from_slice(&uuid[..8]);
+        Some(NamespaceInfo {
+            volume: *id,
+            size_blocks: Arc::clone(&handle.size_blocks),
+            block_size_bytes: LOGICAL_BLOCK_SIZE_BYTES,
+            nguid: uuid,
+            uuid,
+            eui64,
+            serial_number: serial_number(&uuid),
+        })
+    }
+}
+
+/// Identify Controller SN: 20 ASCII characters, unique per subsystem.
+fn serial_number(uuid: &[u8; 16]) -> String {
+    uuid[..10].iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// What every data-path thread shares.
+struct ThreadShared {
+    target: Arc<Target>,
+    catalog: Arc<NodeCatalog>,
+    drive_paths: Vec<PathBuf>,
+    latches: Arc<DriveLatches>,
+}
+
+struct DataThread {
+    index: usize,
+    shared: Arc<ThreadShared>,
+    connections: mpsc::Receiver<std::net::TcpStream>,
+    stop: watch::Receiver<bool>,
+    /// Thread 0 accepts connections and deals them out to every thread (itself included).
+    acceptor: Option<(std::net::TcpListener, Vec<mpsc::Sender<std::net::TcpStream>>)>,
+}
+
+impl DataThread {
+    fn run(self, ready: std::sync::mpsc::Sender<Result<(), String>>) {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(runtime) => runtime,
+            Err(error) => {
+                let _ = ready.send(Err(format!("cannot start a data-path runtime: {error}")));
+                return;
+            }
+        };
+        let local = tokio::task::LocalSet::new();
+        local.block_on(&runtime, self.serve(ready));
+    }
+
+    async fn serve(mut self, ready: std::sync::mpsc::Sender<Result<(), String>>) {
+        let setup = || -> Result<(Rc<Ring>, Rc<ChunkStore<DriveFile>>), String> {
+            let ring = Ring::new().map_err(|error| format!("cannot set up io_uring: {error}"))?;
+            let drives = self
+                .shared
+                .drive_paths
+                .iter()
+                .map(|path| DriveFile::open(path, &ring))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|error| error.to_string())?;
+            let store = ChunkStore::with_latches(drives, Arc::clone(&self.shared.latches));
+            Ok((ring, Rc::new(store)))
+        };
+        let (ring, store) = match setup() {
+            Ok(parts) => parts,
+            Err(message) => {
+                let _ = ready.send(Err(message));
+                return;
+            }
+        };
+        let index = self.index;
+        tokio::task::spawn_local(async move {
+            let Err(error) = ring.run().await;
+            // Operations waiting on this ring would never complete: stop rather than hang.
+            tracing::error!(thread = index, %error, "io_uring failed; stopping the node");
+            std::process::abort();
+        });
+        if let Some((listener, senders)) = self.acceptor.take() {
+            match TcpListener::from_std(listener) {
+                Ok(listener) => {
+                    tokio::task::spawn_local(accept_loop(listener, senders, self.stop.clone()));
+                }
+                Err(error) => {
+                    let _ = ready.send(Err(format!("cannot watch the NVMe/TCP listener: {error}")));
+                    return;
+                }
+            }
+        }
+        let _ = ready.send(Ok(()));
+        drop(ready);
+        loop {
+            tokio::select! {
+                connection = self.connections.recv() => {
+                    let Some(connection) = connection else { break };
+                    let shared = Arc::clone(&self.shared);
+                    let store = Rc::clone(&store);
+                    let stop = self.stop.clone();
+                    tokio::task::spawn_local(async move {
+                        serve_connection(connection, shared, store, stop).await;
+                    });
+                }
+                _ = self.stop.changed() => break,
+            }
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    senders: Vec<mpsc::Sender<std::net::TcpStream>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut next = 0usize;
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.changed() => return,
+        };
+        let (stream, peer) = match accepted {
+            Ok(pair) => pair,
+            Err(error) => {
+                // Out of descriptors and the like: wait a little instead of spinning.
+                tracing::warn!(%error, "accepting an NVMe/TCP connection failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(error) => {
+                tracing::warn!(%peer, %error, "cannot hand over an NVMe/TCP connection");
+                continue;
+            }
+        };
+        let sender = &senders[next % senders.len()];
+        next = next.wrapping_add(1);
+        if sender.send(stream).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A storage result on its way back to the connection task.
+struct Completion {
+    id: RequestId,
+    result: Result<(), StorageStatus>,
+    buf: Option<AlignedBuf>,
+}
+
+#[derive(Default)]
+struct Completions {
+    done: RefCell<VecDeque<Completion>>,
+    notify: Notify,
+}
+
+fn now_ms(start: Instant) -> u64 {
+    u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+async fn serve_connection(
+    stream: std::net::TcpStream,
+    shared: Arc<ThreadShared>,
+    store: Rc<ChunkStore<DriveFile>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let peer = stream.peer_addr().map_or_else(|_| "unknown".to_owned(), |addr| addr.to_string());
+    let stream = match stream.set_nonblocking(true).and_then(|()| TcpStream::from_std(stream)) {
+        Ok(stream) => stream,
+        Err(error) => {
+            tracing::warn!(%peer, %error, "cannot serve an NVMe/TCP connection");
+            return;
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    let clock = Instant::now();
+    let mut queue = Queue::new(Arc::clone(&shared.target), peer.clone(), 0);
+    let completions = Rc::new(Completions::default());
+    let mut input = vec![0u8; RECEIVE_BUFFER_BYTES];
+    let mut filled = 0usize;
+    let mut volume: Option<Arc<VolumeHandle>> = None;
+    let mut inflight = 0usize;
+    let mut tick = tokio::time::interval(Duration::from_millis(CONNECTION_TICK_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut closing = false;
+
+    loop {
+        // Hand finished storage work back to the queue.
+        loop {
+            let Some(done) = completions.done.borrow_mut().pop_front() else { break };
+            inflight -= 1;
+            queue.complete(done.id, done.result, done.buf);
+        }
+        // Start the storage work the queue asks for.
+        while let Some(request) = queue.next_request() {
+            inflight += 1;
+            start_request(request, &shared, &store, &completions, &mut volume, &mut queue);
+        }
+        // Send what is pending, as far as the socket takes it now.
+        while !queue.output().is_empty() {
+            match stream.try_write(queue.output()) {
+                Ok(0) => {
+                    closing = true;
+                    break;
+                }
+                Ok(written) => queue.consume_output(written),
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(error) => {
+                    tracing::debug!(%peer, %error, "NVMe/TCP connection write failed");
+                    closing = true;
+                    break;
+                }
+            }
+        }
+        if (closing || queue.wants_close()) && (queue.output().is_empty() || closing) {
+            break;
+        }
+        let want_write = !queue.output().is_empty();
+        let want_read = !queue.wants_close() && filled < input.len();
+        let interest = match (want_read, want_write) {
+            (true, true) => Some(Interest::READABLE | Interest::WRITABLE),
+            (true, false) => Some(Interest::READABLE),
+            (false, true) => Some(Interest::WRITABLE),
+            (false, false) => None,
+        };
+        let ready = async {
+            match interest {
+                Some(interest) => stream.ready(interest).await.map(Some),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = completions.notify.notified(), if inflight > 0 => continue,
+            ready = ready => {
+                let ready = match ready {
+                    Ok(Some(ready)) => ready,
+                    Ok(None) => continue,
+                    Err(error) => {
+                        tracing::debug!(%peer, %error, "NVMe/TCP connection failed");
+                        break;
+                    }
+                };
+                if ready.is_readable() && want_read {
+                    match stream.try_read(&mut input[filled..]) {
+                        Ok(0) => break,
+                        Ok(read) => {
+                            filled += read;
+                            match queue.receive(&input[..filled], now_ms(clock)) {
+                                Ok(consumed) => {
+                                    input.copy_within(consumed..filled, 0);
+                                    filled -= consumed;
+                                }
+                                Err(reason) => {
+                                    tracing::warn!(%peer, %reason, "closing NVMe/TCP connection");
+                                    filled = 0;
+                                }
+                            }
+                        }
+                        Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(error) => {
+                            tracing::debug!(%peer, %error, "NVMe/TCP connection read failed");
+                            break;
+                        }
+                    }
+                }
+            }
+            _ = tick.tick() => {
+                let now = now_ms(clock);
+                queue.poll(now);
+                if queue.keep_alive_expired(now) {
+                    tracing::warn!(%peer, "keep-alive timeout: closing the controller's queue");
+                    break;
+                }
+            }
+            _ = stop.changed() => break,
+        }
+    }
+    // Storage tasks still running hold their own references; their completions are dropped
+    // with the queue, which only recycles buffers after termination.
+}
+
+/// Starts one storage request as a task on this thread; its completion goes to `completions`.
+fn start_request(
+    request: StorageRequest,
+    shared: &Arc<ThreadShared>,
+    store: &Rc<ChunkStore<DriveFile>>,
+    completions: &Rc<Completions>,
+    cached: &mut Option<Arc<VolumeHandle>>,
+    queue: &mut Queue,
+) {
+    let _ = queue;
+    let handle = match cached {
+        Some(handle) if handle.map.volume() == VolumeId(request.volume) => Arc::clone(handle),
+        _ => match shared.catalog.get(request.volume) {
+            Some(handle) => {
+                *cached = Some(Arc::clone(&handle));
+                handle
+            }
+            None => {
+                let buf = take_buffer(request.operation);
+                completions.done.borrow_mut().push_back(Completion {
+                    id: request.id,
+                    result: Err(StorageStatus::NotReady),
+                    buf,
+                });
+                return;
+            }
+        },
+    };
+    if !handle.begin() {
+        let buf = take_buffer(request.operation);
+        completions.done.borrow_mut().push_back(Completion {
+            id: request.id,
+            result: Err(StorageStatus::NotReady),
+            buf,
+        });
+        return;
+    }
+    let store = Rc::clone(store);
+    let completions = Rc::clone(completions);
+    tokio::task::spawn_local(async move {
+        let started = Instant::now();
+        let id = request.id;
+        let (result, buf) = execute(&*store, &handle, request.operation).await;
+        let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        record(&handle.metrics, &result, latency_us);
+        handle.end();
+        let result = result.map(|_| ()).map_err(|error| storage_status(&error));
+        completions.done.borrow_mut().push_back(Completion { id, result, buf });
+        completions.notify.notify_one();
+    });
+}
+
+fn take_buffer(operation: StorageOperation) -> Option<AlignedBuf> {
+    match operation {
+        StorageOperation::Read { buf, .. } | StorageOperation::Write { buf, .. } => Some(buf),
+        StorageOperation::Deallocate { ranges } => Some(ranges.into_buf()),
+        StorageOperation::Flush | StorageOperation::WriteZeroes { .. } => None,
+    }
+}
+
+/// What an operation did, for metrics.
+enum Done {
+    Read(u64),
+    Written(u64),
+    Flushed,
+    Zeroed(u64),
+    Deallocated(u64),
+}
+
+async fn execute(
+    store: &ChunkStore<DriveFile>,
+    handle: &VolumeHandle,
+    operation: StorageOperation,
+) -> (Result<Done, StoreError>, Option<AlignedBuf>) {
+    let block = u64::from(LOGICAL_BLOCK_SIZE_BYTES);
+    let map = &*handle.map;
+    match operation {
+        StorageOperation::Read { lba, blocks, buf } => {
+            let (result, buf) = store.read(map, lba * block, buf).await;
+            (result.map(|()| Done::Read(u64::from(blocks) * block)), Some(buf))
+        }
+        StorageOperation::Write { lba, blocks, buf } => {
+            let (result, buf) = store.write(map, lba * block, buf).await;
+            (result.map(|()| Done::Written(u64::from(blocks) * block)), Some(buf))
+        }
+        StorageOperation::Flush => (store.flush(map).await.map(|()| Done::Flushed), None),
+        StorageOperation::WriteZeroes { lba, blocks } => {
+            let length = u64::from(blocks) * block;
+            (store.write_zeroes(map, lba * block, length).await.map(|()| Done::Zeroed(length)), None)
+        }
+        StorageOperation::Deallocate { ranges } => {
+            let mut outcome = Ok(0u64);
+            for (lba, blocks) in ranges.iter() {
+                let length = u64::from(blocks) * block;
+                match store.deallocate(map, lba * block, length).await {
+                    Ok(()) => outcome = outcome.map(|total| total + length),
+                    Err(error) => {
+                        outcome = Err(error);
+                        break;
+                    }
+                }
+            }
+            (outcome.map(Done::Deallocated), Some(ranges.into_buf()))
+        }
+    }
+}
+
+fn record(metrics: &VolumeMetrics, result: &Result<Done, StoreError>, latency_us: u64) {
+    match result {
+        Ok(Done::Read(bytes)) => metrics.record_read(*bytes, latency_us),
+        Ok(Done::Written(bytes)) => metrics.record_write(*bytes, latency_us),
+        Ok(Done::Flushed) => metrics.record_flush(),
+        Ok(Done::Zeroed(bytes)) => metrics.record_write_zeroes(*bytes),
+        Ok(Done::Deallocated(bytes)) => metrics.record_deallocate(*bytes),
+        Err(_) => metrics.record_error(),
+    }
+}
+
+fn storage_status(error: &StoreError) -> StorageStatus {
+    match error {
+        StoreError::OutOfRange { .. } | StoreError::Unaligned { .. } => StorageStatus::LbaOutOfRange,
+        StoreError::VolumeRemoved { .. } => StorageStatus::NotReady,
+        StoreError::DriveFailed { .. } | StoreError::Io { .. } => StorageStatus::Internal,
+    }
+}
+
+/// The running data path as the control plane sees it.
+struct NvmeDataPlane {
+    volumes: Arc<Volumes>,
+    catalog: Arc<NodeCatalog>,
+    target: Arc<Target>,
+    shared: Arc<ThreadShared>,
+    nvme_addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    metrics: Arc<Registry>,
+}
+
+fn no_space(error: engine::EngineError) -> DataPlaneError {
+    match error {
+        engine::EngineError::NoSpace { needed, free } => DataPlaneError::NoSpace {
+            requested_bytes: needed * engine::CHUNK_SIZE_BYTES,
+            free_bytes: free * engine::CHUNK_SIZE_BYTES,
+        },
+        other => DataPlaneError::failed(other),
+    }
+}
+
+impl NvmeDataPlane {
+    /// Punches the new chunks of a reservation so that they read as zeros: a chunk may hold the
+    /// data of a volume deleted earlier.
+    fn zero(&self, chunks: &[ChunkId]) -> Result<(), DataPlaneError> {
+        io::zero_chunks(&self.shared.drive_paths, chunks).map_err(DataPlaneError::failed)
+    }
+}
+
+impl DataPlane for NvmeDataPlane {
+    fn reserve_create(&self, id: u64, size_bytes: u64) -> Result<Vec<Chunk>, DataPlaneError> {
+        let layout = self.volumes.reserve_create(VolumeId(id), size_bytes).map_err(no_space)?;
+        if let Err(error) = self.zero(&layout.chunks) {
+            self.volumes.cancel(&layout);
+            return Err(error);
+        }
+        Ok(chunks_of(&layout))
+    }
+
+    fn reserve_grow(
+        &self,
+        volume: &VolumeRecord,
+        size_bytes: u64,
+    ) -> Result<Vec<Chunk>, DataPlaneError> {
+        let layout = self.volumes.reserve_grow(VolumeId(volume.id), size_bytes).map_err(no_space)?;
+        if let Err(error) = self.zero(self.volumes.new_chunks(&layout)) {
+            self.volumes.cancel(&layout);
+            return Err(error);
+        }
+        Ok(chunks_of(&layout))
+    }
+
+    fn cancel(&self, proposed: &VolumeRecord) {
+        self.volumes.cancel(&layout_of(proposed));
+    }
+
+    fn publish(&self, volume: &VolumeRecord) {
+        self.volumes.publish(layout_of(volume));
+        match self.catalog.get(volume.id) {
+            Some(handle) => {
+                // A resize: the map grew in place; tell connected hosts the new size.
+                handle.size_blocks.store(
+                    volume.size_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES),
+                    Ordering::Release,
+                );
+                self.target.notify_namespace_changed(&volume.name.subsystem_nqn());
+            }
+            None => {
+                let Some(map) = self.volumes.mapping(VolumeId(volume.id)) else {
+                    tracing::error!(volume = %volume.name, "published volume has no mapping");
+                    return;
+                };
+                self.catalog.insert(volume, map, self.metrics.volume(volume.id));
+                self.target.notify_subsystems_changed();
+            }
+        }
+    }
+
+    fn remove(&self, volume: &VolumeRecord) {
+        if let Some(handle) = self.catalog.get(volume.id) {
+            handle.fenced.store(true, Ordering::SeqCst);
+            self.target.disconnect_subsystem(&volume.name.subsystem_nqn());
+            let deadline = Instant::now() + Duration::from_millis(REMOVE_DRAIN_TIMEOUT_MS);
+            while handle.inflight.load(Ordering::SeqCst) > 0 {
+                if Instant::now() > deadline {
+                    tracing::error!(
+                        volume = %volume.name,
+                        "in-flight I/O did not drain; keeping the volume's chunks reserved \
+                         until restart"
+                    );
+                    self.catalog.write().remove(&volume.id);
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            self.catalog.write().remove(&volume.id);
+        }
+        self.volumes.remove(VolumeId(volume.id));
+        self.target.notify_subsystems_changed();
+        // Give the space back to the host filesystem now; a later reservation zeroes again.
+        if let Err(error) = io::zero_chunks(&self.shared.drive_paths, &layout_of(volume).chunks) {
+            tracing::warn!(volume = %volume.name, %error, "could not release a deleted volume's space");
+        }
+    }
+
+    fn capacity(&self) -> Capacity {
+        let capacity = self.volumes.capacity();
+        Capacity {
+            total_bytes: capacity.total_chunks * capacity.chunk_size_bytes,
+            free_bytes: capacity.free_chunks * capacity.chunk_size_bytes,
+            chunk_size_bytes: capacity.chunk_size_bytes,
+        }
+    }
+
+    fn nvme_addr(&self) -> Option<SocketAddr> {
+        Some(self.nvme_addr)
+    }
+
+    fn shutdown(&self) {
+        let _ = self.stop.send(true);
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));
+        for thread in threads {
+            if thread.join().is_err() {
+                tracing::error!("a data-path thread panicked");
+            }
+        }
+        let failed = self.shared.latches.failed_drives();
+        if !failed.is_empty() {
+            tracing::error!(drives = ?failed, "drives latched failed during this run");
+        }
+    }
+}
