@@ -65,6 +65,29 @@ enum Command {
     /// Every command talks to a running node's REST API (see --api).
     #[command(after_long_help = VOLUME_EXAMPLES)]
     Volume(VolumeArgs),
+    /// Show this node: capacity, drives and what it serves.
+    Node(NodeArgs),
+    /// Measure a volume with the five standard workloads over NVMe/TCP.
+    Bench(Box<bench::BenchArgs>),
+}
+
+#[derive(Args)]
+struct NodeArgs {
+    /// The node's REST API.
+    #[arg(long, global = true, value_name = "URL", env = "FERRITE_API", default_value = api::DEFAULT_API_URL)]
+    api: String,
+    /// Print JSON instead of text, for scripts.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: NodeCommand,
+}
+
+#[derive(Subcommand)]
+enum NodeCommand {
+    /// Show the node's identity, capacity and listen addresses.
+    #[command(after_long_help = "Example:\n  ferrite node show")]
+    Show,
 }
 
 #[derive(Args)]
@@ -84,6 +107,9 @@ struct UpArgs {
     /// Address to serve the REST API on.
     #[arg(long, value_name = "ADDR", default_value_t = node::config::DEFAULT_API_LISTEN)]
     api_listen: SocketAddr,
+    /// Data-path threads serving NVMe/TCP (one runtime and io_uring ring each) [default: one per CPU].
+    #[arg(long, value_name = "N", default_value_t = 0, hide_default_value = true)]
+    data_threads: usize,
 }
 
 #[derive(Args)]
@@ -139,6 +165,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Up(args) => up(args),
         Command::Volume(args) => volume(args),
+        Command::Node(args) => node_command(args),
+        Command::Bench(args) => bench_command(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -165,6 +193,7 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         nvme_listen: args.nvme_listen,
         api_listen: args.api_listen,
         stop_on_signals: true,
+        data_threads: args.data_threads,
     };
     let node = node::Node::start(config)?;
     print::started(&node);
@@ -198,4 +227,22 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
             print::volume_changed(json, "resized", &volume)
         }
     }
+}
+
+fn node_command(args: NodeArgs) -> anyhow::Result<()> {
+    let client = api::Client::new(&args.api)?;
+    match args.command {
+        NodeCommand::Show => print::node(args.json, &client.node()?),
+    }
+}
+
+fn bench_command(args: &bench::BenchArgs) -> anyhow::Result<()> {
+    let target = args.nvme_tcp_target()?.clone();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("start the benchmark's runtime")?;
+    let mut connector = bench::nvme::nvme_connector(&target);
+    runtime.block_on(bench::run_command(args, &mut connector))?;
+    Ok(())
 }

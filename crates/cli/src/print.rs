@@ -18,15 +18,31 @@ pub fn started(node: &node::Node) {
         if node.first_start() { "created" } else { "started" }
     );
     println!("  REST API:  {}", node.api_url());
-    if node.nvme_serving() {
-        println!("  NVMe/TCP:  {}", node.nvme_addr());
-        println!("  drives:    {drives}");
-    } else {
-        println!("  NVMe/TCP:  {} (not served: this build has no data path yet)", node.nvme_addr());
-        println!("  drives:    {drives} (not created: this build has no data path yet)");
-    }
+    println!("  NVMe/TCP:  {}", node.nvme_addr());
+    println!("  drives:    {drives}");
     println!("  metadata:  {}", node.meta_path().display());
     println!("Stop with Ctrl-C.");
+}
+
+pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
+    if json {
+        return print_json(node);
+    }
+    let capacity = &node.capacity;
+    let rows = [
+        ("node", node.node_uuid.clone()),
+        ("version", node.version.clone()),
+        ("created", api::rfc3339_utc(node.created_unix_ms)),
+        ("nvme", format!("tcp {}:{}", node.nvme_host, node.nvme_port)),
+        ("drives", format!("{} x {}", node.drive_count, ByteSize(node.drive_size_bytes))),
+        ("capacity", format!("{} total", ByteSize(capacity.total_bytes))),
+        ("free", format!("{}", ByteSize(capacity.free_bytes))),
+        ("volumes", node.volume_count.to_string()),
+    ];
+    for (key, value) in rows {
+        println!("{:<10}{value}", format!("{key}:"));
+    }
+    Ok(())
 }
 
 pub fn volume_changed(json: bool, verb: &str, volume: &VolumeInfo) -> anyhow::Result<()> {

@@ -1,0 +1,324 @@
+//! `ferrite bench`'s command line: the clap arguments, their help, and [`run_command`], which does
+//! everything the subcommand does once the caller has a connector for the target, so the `cli`
+//! crate only parses and dispatches.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use types::ByteSize;
+
+use crate::output::{render_table, write_json_lines};
+use crate::run::{
+    run_keeping_map, BenchConfig, CheckOptions, WorkloadReport, QUEUE_COUNT_MAX, QUEUE_DEPTH_MAX,
+};
+use crate::target::Connector;
+use crate::url::{NvmeTcpTarget, TargetUrl};
+use crate::verify::VerifyMap;
+use crate::{BenchError, Workload, STANDARD_WORKLOADS};
+
+const AFTER_HELP: &str = "\
+Examples:
+  ferrite bench --target nvme+tcp://127.0.0.1:4420/nqn.2024-01.io.ferrite:vol:db-1
+  ferrite bench --target nvme+tcp://127.0.0.1:4420/db-1 --fill --json results.jsonl
+  ferrite bench --target nvme+tcp://127.0.0.1/db-1 --workloads 4k_randread,4k_randwrite --runtime 30
+  ferrite bench --target nvme+tcp://127.0.0.1/db-1 --size 1G --verify --runtime 60
+
+Workloads (random offsets aligned to the I/O size, over the region given by --size):
+  4k_randread        4 KiB reads
+  4k_randwrite       4 KiB writes
+  8k_randrw_80_20    8 KiB, 80% reads and 20% writes
+  16k_randrw_70_30   16 KiB, 70% reads and 30% writes
+  32k_randrw_50_50   32 KiB, 50% reads and 50% writes
+These are the five workloads of the Lightbits-vs-Ceph study, named as in the Ceph anchor's
+bench.sh, so results compare row by row. Each runs for --ramp seconds (not counted), then
+--runtime seconds measured, with --queues queues of --iodepth requests each in flight.
+Latencies are per I/O from submission to completion, all queues merged, in an HDR histogram.
+Unwritten blocks of a thin volume read as zeros without touching a drive: use --fill for
+read numbers that mean something on a fresh volume.
+
+Verification (--verify):
+  Every 4 KiB block written carries a header (a magic, its own LBA and a generation: this run's
+  random seed and the block's write counter) and a payload derived from them. The bench remembers
+  the generation of the last acknowledged write of each block and checks every block it reads:
+  a wrong LBA, a stale or lost write, a block torn between two writes or garbage is a mismatch.
+  Blocks not yet written in this run may hold zeros or an earlier run's blocks. Two I/Os never
+  overlap in flight, so no read races a write. The first mismatches are printed with details and
+  the command fails if there is any. --verify needs 4 bytes of RAM per 4 KiB of region.
+  --verify-map FILE saves the acknowledged generations at the end, even when the run fails (a
+  killed server); --check FILE later reads back every block written and checks it.
+
+Exit status: non-zero on a connection failure, a failed I/O command or a verify mismatch.";
+
+/// The arguments of `ferrite bench`.
+#[derive(Debug, Clone, clap::Args)]
+#[command(
+    about = "Measure a volume with the five standard workloads (IOPS, MB/s, latency percentiles)",
+    after_long_help = AFTER_HELP
+)]
+pub struct BenchArgs {
+    /// The target: nvme+tcp://HOST:PORT/NQN
+    ///
+    /// The port defaults to 4420. A Ferrite volume name may stand for its NQN, as in
+    /// nvme+tcp://127.0.0.1:4420/db-1. nbd://HOST:PORT/EXPORT comes with the NBD frontend.
+    #[arg(long, value_name = "URL", value_parser = parse_target)]
+    pub target: TargetUrl,
+
+    /// Requests in flight per queue.
+    #[arg(long, value_name = "N", default_value_t = 32,
+          value_parser = clap::value_parser!(u16).range(1..=i64::from(QUEUE_DEPTH_MAX)))]
+    pub iodepth: u16,
+
+    /// Number of I/O queues
+    ///
+    /// Each is one TCP connection; the requests in flight are --queues x --iodepth.
+    #[arg(long, value_name = "N", default_value_t = 4,
+          value_parser = clap::value_parser!(u16).range(1..=i64::from(QUEUE_COUNT_MAX)))]
+    pub queues: u16,
+
+    /// Seconds each workload runs before its measured window (not counted).
+    #[arg(long, value_name = "SECONDS", default_value_t = 2,
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub ramp: u64,
+
+    /// Seconds of each workload's measured window.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub runtime: u64,
+
+    /// Comma-separated workloads to run, in order [default: all five]
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = Workload::from_name)]
+    pub workloads: Vec<Workload>,
+
+    /// Bytes of the volume to use, from its start (for example 10G) [default: the whole namespace]
+    #[arg(long, value_name = "SIZE")]
+    pub size: Option<ByteSize>,
+
+    /// First write the whole region sequentially (128 KiB writes), so reads hit written data.
+    #[arg(long)]
+    pub fill: bool,
+
+    /// Write self-checking blocks and check every byte read (details in --help).
+    #[arg(long)]
+    pub verify: bool,
+
+    /// Also write the results as JSON lines, one object per workload, to FILE (replaced).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+
+    /// Seed of the random offsets and read/write choices, to repeat a run's I/O pattern.
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+
+    /// With --verify: save the generations of acknowledged writes to FILE at the end.
+    #[arg(long, value_name = "FILE", requires = "verify")]
+    pub verify_map: Option<PathBuf>,
+
+    /// Run no workload: read back every block recorded in FILE (from --verify-map) and check it.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["verify", "fill", "workloads", "verify_map"])]
+    pub check: Option<PathBuf>,
+
+    /// No progress line on stderr (the table and errors still print).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+fn parse_target(text: &str) -> Result<TargetUrl, String> {
+    text.parse::<TargetUrl>().map_err(|error| error.reason)
+}
+
+impl BenchArgs {
+    /// The NVMe/TCP target to connect to, or why there is none to connect to yet.
+    pub fn nvme_tcp_target(&self) -> Result<&NvmeTcpTarget, BenchError> {
+        match &self.target {
+            TargetUrl::NvmeTcp(target) => Ok(target),
+            TargetUrl::Nbd(_) => Err(BenchError::NbdNotSupported),
+        }
+    }
+
+    pub fn to_config(&self) -> BenchConfig {
+        BenchConfig {
+            workloads: if self.workloads.is_empty() {
+                STANDARD_WORKLOADS.to_vec()
+            } else {
+                self.workloads.clone()
+            },
+            queue_count: self.queues,
+            queue_depth: self.iodepth,
+            ramp: Duration::from_secs(self.ramp),
+            runtime: Duration::from_secs(self.runtime),
+            region_size_bytes: self.size.map(ByteSize::bytes),
+            fill: self.fill,
+            verify: self.verify,
+            seed: self.seed,
+            progress: !self.quiet,
+        }
+    }
+}
+
+/// Everything `ferrite bench` does, given a connector for `args.target`: runs the workloads (or
+/// the `--check`), prints the table on stdout, writes `--json` and `--verify-map`, prints the
+/// first mismatches on stderr, and returns an error - for a non-zero exit - on any I/O error or
+/// mismatch, after all output is written. Run it on a current-thread tokio runtime with time
+/// enabled.
+pub async fn run_command<C: Connector>(
+    args: &BenchArgs,
+    connector: &mut C,
+) -> Result<Vec<WorkloadReport>, BenchError> {
+    let target = args.nvme_tcp_target()?.clone();
+    if let Some(path) = &args.check {
+        return check_command(args, connector, path).await.map(|()| Vec::new());
+    }
+    let config = args.to_config();
+    config.validate()?;
+    let mut map = None;
+    let result = run_keeping_map(&config, connector, &mut map).await;
+    if let (Some(path), Some(map)) = (&args.verify_map, &map) {
+        match map.save(path) {
+            Ok(()) => eprintln!(
+                "verify map: {} blocks written, saved to {} (read back with --check)",
+                map.written_block_count(),
+                path.display()
+            ),
+            Err(error) if result.is_ok() => return Err(error),
+            Err(error) => eprintln!("{error}"),
+        }
+    }
+    let reports = result?;
+    print!("{}", render_table(&reports));
+    if let Some(path) = &args.json {
+        let output_error = |source| BenchError::Output { path: path.clone(), source };
+        let mut file = std::fs::File::create(path).map_err(output_error)?;
+        write_json_lines(&mut file, &TargetUrl::NvmeTcp(target).to_string(), &reports)
+            .map_err(output_error)?;
+    }
+    for report in &reports {
+        for mismatch in &report.mismatch_examples {
+            eprintln!("verify mismatch in {}: {mismatch}", report.workload);
+        }
+    }
+    let mismatches: u64 = reports.iter().map(|r| r.verify_mismatches).sum();
+    if mismatches > 0 {
+        return Err(BenchError::VerifyFailed { mismatches });
+    }
+    let errors: u64 = reports.iter().map(|r| r.errors).sum();
+    if errors > 0 {
+        let first_status = reports.iter().find_map(|r| r.first_error_status).unwrap_or(0);
+        return Err(BenchError::IoErrors { errors, first_status });
+    }
+    Ok(reports)
+}
+
+async fn check_command<C: Connector>(
+    args: &BenchArgs,
+    connector: &mut C,
+    path: &std::path::Path,
+) -> Result<(), BenchError> {
+    let map = VerifyMap::load(path)?;
+    let options =
+        CheckOptions { queue_count: args.queues, queue_depth: args.iodepth, progress: !args.quiet };
+    let report = map.check_all(connector, &options).await?;
+    println!(
+        "check: {} blocks read back, {} mismatches, {} read errors",
+        report.blocks_checked, report.mismatches, report.errors
+    );
+    for mismatch in &report.mismatch_examples {
+        eprintln!("verify mismatch: {mismatch}");
+    }
+    if report.mismatches > 0 {
+        return Err(BenchError::VerifyFailed { mismatches: report.mismatches });
+    }
+    if report.errors > 0 {
+        let first_status = report.first_error_status.unwrap_or(0);
+        return Err(BenchError::IoErrors { errors: report.errors, first_status });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    #[command(name = "bench")]
+    struct Cli {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn parse(line: &str) -> Result<BenchArgs, clap::Error> {
+        Cli::try_parse_from(line.split_whitespace()).map(|cli| cli.args)
+    }
+
+    #[test]
+    fn defaults_match_the_issue() {
+        let args = parse("bench --target nvme+tcp://127.0.0.1:4420/db-1").unwrap();
+        let config = args.to_config();
+        assert_eq!(config.queue_depth, 32);
+        assert_eq!(config.queue_count, 4);
+        assert_eq!(config.ramp, Duration::from_secs(2));
+        assert_eq!(config.runtime, Duration::from_secs(10));
+        assert_eq!(config.workloads, STANDARD_WORKLOADS.to_vec());
+        assert_eq!(config.region_size_bytes, None);
+        assert!(!config.fill && !config.verify && config.progress);
+        assert_eq!(args.nvme_tcp_target().unwrap().nqn.as_str(), "nqn.2024-01.io.ferrite:vol:db-1");
+    }
+
+    #[test]
+    fn flags_parse() {
+        let args = parse(
+            "bench --target nvme+tcp://10.0.0.1:4420/db-1 --iodepth 8 --queues 2 --ramp 0 \
+             --runtime 30 --workloads 32k_randrw_50_50,4k_randread --size 1G --fill --verify \
+             --json out.jsonl --seed 7 --verify-map run.vmap --quiet",
+        )
+        .unwrap();
+        let config = args.to_config();
+        assert_eq!((config.queue_depth, config.queue_count), (8, 2));
+        assert_eq!(config.workloads, vec![STANDARD_WORKLOADS[4], STANDARD_WORKLOADS[0]]);
+        assert_eq!(config.region_size_bytes, Some(1 << 30));
+        assert_eq!(config.ramp, Duration::ZERO);
+        assert!(config.fill && config.verify && !config.progress);
+        assert_eq!(config.seed, Some(7));
+        assert_eq!(args.json, Some(PathBuf::from("out.jsonl")));
+        assert_eq!(args.verify_map, Some(PathBuf::from("run.vmap")));
+    }
+
+    #[test]
+    fn bad_flags_are_refused_with_reasons() {
+        let error = |line: &str| parse(line).unwrap_err().to_string();
+        let target = "--target nvme+tcp://127.0.0.1/db-1";
+        assert!(
+            error(&format!("bench {target} --workloads 4k_seqread")).contains("the workloads are")
+        );
+        assert!(error(&format!("bench {target} --iodepth 0")).contains("--iodepth"));
+        assert!(error(&format!("bench {target} --queues 65")).contains("--queues"));
+        assert!(error(&format!("bench {target} --runtime 0")).contains("--runtime"));
+        assert!(error(&format!("bench {target} --size 10X")).contains("invalid size"));
+        assert!(error(&format!("bench {target} --verify-map m")).contains("--verify"));
+        assert!(error(&format!("bench {target} --check m --fill")).contains("cannot be used with"));
+        assert!(error("bench --target http://x/db").contains("unsupported scheme"));
+        assert!(error("bench").contains("--target"));
+
+        let nbd = parse("bench --target nbd://127.0.0.1:10809/db-1").unwrap();
+        let refusal = nbd.nvme_tcp_target().unwrap_err().to_string();
+        assert_eq!(refusal, "NBD targets arrive with the NBD frontend; use nvme+tcp:// for now");
+    }
+
+    #[test]
+    fn help_explains_workloads_verify_and_examples() {
+        let mut command = <Cli as clap::CommandFactory>::command();
+        let help = command.render_long_help().to_string();
+        for needle in [
+            "Examples:",
+            "ferrite bench --target nvme+tcp://127.0.0.1:4420/nqn.2024-01.io.ferrite:vol:db-1",
+            "16k_randrw_70_30   16 KiB, 70% reads and 30% writes",
+            "Verification (--verify):",
+            "torn between two writes",
+            "--iodepth <N>",
+            "[default: 32]",
+            "[default: all five]",
+        ] {
+            assert!(help.contains(needle), "help lacks {needle:?}:\n{help}");
+        }
+    }
+}
