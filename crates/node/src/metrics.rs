@@ -244,7 +244,12 @@ impl Registry {
             }
         }
 
-        family(&mut out, "ferrite_volume_errors_total", "counter", "I/O commands the storage failed.");
+        family(
+            &mut out,
+            "ferrite_volume_errors_total",
+            "counter",
+            "I/O commands the storage failed.",
+        );
         for (id, name, metrics) in &volumes {
             let mut labels = String::new();
             if let Some(name) = name {

@@ -199,7 +199,11 @@ fn layout_of(record: &VolumeRecord) -> VolumeLayout {
     VolumeLayout {
         volume: VolumeId(record.id),
         size_bytes: record.size_bytes,
-        chunks: record.chunks.iter().map(|chunk| ChunkId { drive: chunk.0, index: chunk.1 }).collect(),
+        chunks: record
+            .chunks
+            .iter()
+            .map(|chunk| ChunkId { drive: chunk.0, index: chunk.1 })
+            .collect(),
     }
 }
 
@@ -485,7 +489,7 @@ async fn serve_connection(
         // Start the storage work the queue asks for.
         while let Some(request) = queue.next_request() {
             inflight += 1;
-            start_request(request, &shared, &store, &completions, &mut volume, &mut queue);
+            start_request(request, &shared, &store, &completions, &mut volume);
         }
         // Send what is pending, as far as the socket takes it now.
         while !queue.output().is_empty() {
@@ -503,7 +507,7 @@ async fn serve_connection(
                 }
             }
         }
-        if (closing || queue.wants_close()) && (queue.output().is_empty() || closing) {
+        if closing || (queue.wants_close() && queue.output().is_empty()) {
             break;
         }
         let want_write = !queue.output().is_empty();
@@ -578,9 +582,7 @@ fn start_request(
     store: &Rc<ChunkStore<DriveFile>>,
     completions: &Rc<Completions>,
     cached: &mut Option<Arc<VolumeHandle>>,
-    queue: &mut Queue,
 ) {
-    let _ = queue;
     let handle = match cached {
         Some(handle) if handle.map.volume() == VolumeId(request.volume) => Arc::clone(handle),
         _ => match shared.catalog.get(request.volume) {
@@ -613,7 +615,7 @@ fn start_request(
     tokio::task::spawn_local(async move {
         let started = Instant::now();
         let id = request.id;
-        let (result, buf) = execute(&*store, &handle, request.operation).await;
+        let (result, buf) = execute(&store, &handle, request.operation).await;
         let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         record(&handle.metrics, &result, latency_us);
         handle.end();
@@ -659,7 +661,10 @@ async fn execute(
         StorageOperation::Flush => (store.flush(map).await.map(|()| Done::Flushed), None),
         StorageOperation::WriteZeroes { lba, blocks } => {
             let length = u64::from(blocks) * block;
-            (store.write_zeroes(map, lba * block, length).await.map(|()| Done::Zeroed(length)), None)
+            (
+                store.write_zeroes(map, lba * block, length).await.map(|()| Done::Zeroed(length)),
+                None,
+            )
         }
         StorageOperation::Deallocate { ranges } => {
             let mut outcome = Ok(0u64);
@@ -691,7 +696,9 @@ fn record(metrics: &VolumeMetrics, result: &Result<Done, StoreError>, latency_us
 
 fn storage_status(error: &StoreError) -> StorageStatus {
     match error {
-        StoreError::OutOfRange { .. } | StoreError::Unaligned { .. } => StorageStatus::LbaOutOfRange,
+        StoreError::OutOfRange { .. } | StoreError::Unaligned { .. } => {
+            StorageStatus::LbaOutOfRange
+        }
         StoreError::VolumeRemoved { .. } => StorageStatus::NotReady,
         StoreError::DriveFailed { .. } | StoreError::Io { .. } => StorageStatus::Internal,
     }
@@ -742,7 +749,8 @@ impl DataPlane for NvmeDataPlane {
         volume: &VolumeRecord,
         size_bytes: u64,
     ) -> Result<Vec<Chunk>, DataPlaneError> {
-        let layout = self.volumes.reserve_grow(VolumeId(volume.id), size_bytes).map_err(no_space)?;
+        let layout =
+            self.volumes.reserve_grow(VolumeId(volume.id), size_bytes).map_err(no_space)?;
         if let Err(error) = self.zero(self.volumes.new_chunks(&layout)) {
             self.volumes.cancel(&layout);
             return Err(error);
@@ -818,7 +826,8 @@ impl DataPlane for NvmeDataPlane {
 
     fn shutdown(&self) {
         let _ = self.stop.send(true);
-        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));
+        let threads =
+            std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));
         for thread in threads {
             if thread.join().is_err() {
                 tracing::error!("a data-path thread panicked");

@@ -145,6 +145,7 @@ fn config(dir: &Path) -> NodeConfig {
         nvme_listen: "127.0.0.1:0".parse().unwrap(),
         api_listen: "127.0.0.1:0".parse().unwrap(),
         stop_on_signals: false,
+        data_threads: 1,
     }
 }
 
@@ -358,25 +359,31 @@ fn restart_keeps_volumes_and_drives() {
     let mut unspecified = config(dir.path());
     unspecified.drive_count = None;
     unspecified.drive_size_bytes = None;
-    Node::start(unspecified).unwrap().stop().unwrap();
+    let fixture = FixturePath { probe: Arc::default(), nvme_addr: "127.0.0.1:1".parse().unwrap() };
+    Node::start_with(unspecified, Box::new(fixture)).unwrap().stop().unwrap();
 }
 
 #[test]
-fn without_a_data_path_space_is_still_accounted() {
+fn the_real_data_path_accounts_space_in_chunks() {
+    const CHUNK: u64 = engine::CHUNK_SIZE_BYTES;
     let dir = tempfile::tempdir().unwrap();
-    let node = Node::start(config(dir.path())).unwrap();
-    assert!(!node.nvme_serving());
-    assert!(!node.data_dir().join("drives").exists(), "no drive files without a data path");
+    let mut config = config(dir.path());
+    // The 1 MiB header and two chunks.
+    config.drive_size_bytes = Some(MIB + 2 * CHUNK);
+    let node = Node::start(config).unwrap();
+    assert!(node.nvme_serving());
+    assert!(node.data_dir().join("drives").join("drive-000.img").exists());
     let client = Client::new(&node.api_url()).unwrap();
     let info = client.node().unwrap();
-    assert!(!info.nvme_serving);
-    assert_eq!(info.capacity.total_bytes, 64 * MIB);
+    assert!(info.nvme_serving);
+    assert_eq!(info.capacity.total_bytes, 2 * CHUNK);
     create(&client, "a", 40 * MIB).unwrap();
-    assert_api_error(create(&client, "b", 40 * MIB), ErrorCode::NoSpace, "24MiB is free");
-    client.resize_volume("a", 64 * MIB).unwrap();
+    assert_eq!(client.node().unwrap().capacity.free_bytes, CHUNK);
+    assert_api_error(create(&client, "b", CHUNK + MIB), ErrorCode::NoSpace, "64MiB is free");
+    client.resize_volume("a", 2 * CHUNK).unwrap();
     assert_eq!(client.node().unwrap().capacity.free_bytes, 0);
     client.delete_volume("a").unwrap();
-    assert_eq!(client.node().unwrap().capacity.free_bytes, 64 * MIB);
+    assert_eq!(client.node().unwrap().capacity.free_bytes, 2 * CHUNK);
 
     let stop = node.stop_handle();
     let waiter = std::thread::spawn(move || {

@@ -93,7 +93,10 @@ impl Drop for AlignedBuf {
 
 impl fmt::Debug for AlignedBuf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AlignedBuf").field("capacity", &self.capacity).field("len", &self.length).finish()
+        f.debug_struct("AlignedBuf")
+            .field("capacity", &self.capacity)
+            .field("len", &self.length)
+            .finish()
     }
 }
 
