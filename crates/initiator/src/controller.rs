@@ -22,7 +22,6 @@ use types::{AlignedBuf, Nqn};
 
 use crate::error::InitiatorError;
 use crate::host::{default_host, HostIdentity};
-use crate::identify;
 use crate::io_queue::IoQueue;
 use crate::queue::{
     duration_ms, Completion, Direction, QueuePair, QueueParams, Submission, ADMIN_IN_CAPSULE_BYTES,
@@ -684,8 +683,8 @@ async fn identify_namespace(
     if fields.nsze == 0 {
         return Err(unusable("it is not active (Identify Namespace reports size 0)".to_owned()));
     }
-    let index = identify::lba_format_index(fields.flbas, fields.nlbaf);
-    let format = match identify::lba_format(&data, index) {
+    let index = nvmf::structures::lba_format_index(fields.flbas, fields.nlbaf);
+    let format = match nvmf::structures::lba_format(&data, index) {
         Some(format) if index <= usize::from(fields.nlbaf) => format,
         _ => {
             return Err(unusable(format!(
@@ -723,7 +722,7 @@ async fn active_namespaces(
         let data =
             identify(queue, cns::ACTIVE_NAMESPACE_LIST, after, "Identify Active Namespace List")
                 .await?;
-        let page = identify::active_namespace_list(&data).ok_or_else(|| {
+        let page = nvmf::structures::decode_active_namespace_list(&data).ok_or_else(|| {
             protocol(address, "the active namespace list is not in increasing order")
         })?;
         if page.first().is_some_and(|first| *first <= after) {
@@ -732,7 +731,7 @@ async fn active_namespaces(
                 "the active namespace list repeats namespaces of the previous page",
             ));
         }
-        let full = page.len() == identify::ACTIVE_NAMESPACE_LIST_ENTRIES;
+        let full = page.len() == nvmf::structures::ACTIVE_NAMESPACE_LIST_ENTRIES;
         nsids.extend(page);
         if !full {
             break;

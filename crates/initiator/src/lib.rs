@@ -15,7 +15,6 @@ mod controller;
 mod discovery;
 mod error;
 mod host;
-mod identify;
 mod io_queue;
 mod queue;
 
