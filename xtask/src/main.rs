@@ -66,9 +66,11 @@ fn collect_rust_files(dir: &Path, files: &mut Vec<PathBuf>) {
 fn check_file(name: &str, text: &str) -> Vec<String> {
     let mut problems = Vec::new();
     let first_code = text.lines().map(str::trim).find(|line| !line.is_empty());
-    let documented = first_code.is_some_and(|line| line.starts_with("//!") || line.starts_with("#!["));
+    let documented =
+        first_code.is_some_and(|line| line.starts_with("//!") || line.starts_with("#!["));
     if !documented {
-        problems.push(format!("{name}: the file must open with a `//!` comment saying why it exists"));
+        problems
+            .push(format!("{name}: the file must open with a `//!` comment saying why it exists"));
     }
     for (index, line) in text.lines().enumerate() {
         let code = line.split("//").next().unwrap_or("");
@@ -83,8 +85,7 @@ fn check_file(name: &str, text: &str) -> Vec<String> {
 
 /// True when the banned text only appears inside a string literal (as in this file's own list).
 fn is_string_mention(code: &str, banned: &str) -> bool {
-    code.match_indices(banned)
-        .all(|(at, _)| code[..at].matches('"').count() % 2 == 1)
+    code.match_indices(banned).all(|(at, _)| code[..at].matches('"').count() % 2 == 1)
 }
 
 #[cfg(test)]

@@ -50,6 +50,10 @@ const RECEIVE_BUFFER_BYTES: usize = 2 * nvmf::target::PDU_SIZE_MAX as usize;
 const CONNECTION_TICK_MS: u64 = 200;
 /// How long deleting a volume waits for its in-flight I/O before giving up.
 const REMOVE_DRAIN_TIMEOUT_MS: u64 = 30_000;
+/// How long a closing connection keeps reading what the host still sends.
+const CLOSE_DRAIN_TIMEOUT_MS: u64 = 500;
+/// How much a closing connection reads and discards at most.
+const CLOSE_DRAIN_BYTES_MAX: usize = 4 << 20;
 /// Data-path threads at most.
 pub const DATA_THREADS_MAX: usize = 64;
 
@@ -571,8 +575,28 @@ async fn serve_connection(
             _ = stop.changed() => break,
         }
     }
+    close_gracefully(stream).await;
     // Storage tasks still running hold their own references; their completions are dropped
     // with the queue, which only recycles buffers after termination.
+}
+
+/// Ends a connection with a FIN rather than a reset: half-closes it, then reads and discards
+/// what the host still sends for a bounded time, so that unread input does not make the kernel
+/// answer with RST.
+async fn close_gracefully(mut stream: TcpStream) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let _ = stream.shutdown().await;
+    let drain = async {
+        let mut discard = [0u8; 4096];
+        let mut remaining = CLOSE_DRAIN_BYTES_MAX;
+        while remaining > 0 {
+            match stream.read(&mut discard).await {
+                Ok(0) | Err(_) => break,
+                Ok(read) => remaining = remaining.saturating_sub(read),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(CLOSE_DRAIN_TIMEOUT_MS), drain).await;
 }
 
 /// Starts one storage request as a task on this thread; its completion goes to `completions`.

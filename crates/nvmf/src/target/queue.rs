@@ -355,6 +355,9 @@ impl Queue {
     /// driver keeps the rest and offers it again with more. On `Err` the queue is finished: send
     /// [`Queue::output`], then close the connection.
     pub fn receive(&mut self, input: &[u8], now_ms: u64) -> Result<usize, Terminated> {
+        // A controller closed elsewhere (its subsystem deleted, its admin queue gone) must not
+        // answer one more command: notice it before handling anything new.
+        self.poll(now_ms);
         self.check_open()?;
         let mut consumed = 0;
         // Each iteration consumes at least one common header, so this loop is bounded by

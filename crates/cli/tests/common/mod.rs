@@ -1,0 +1,372 @@
+//! What the end-to-end tests share: a `ferrite up` process owned by the test (killed and reaped
+//! on drop, so a failing test leaves no node behind), its stderr kept for the ERROR-line check,
+//! the `ferrite` client commands, and the initiator-side helpers (patterns, NQNs, addresses).
+//!
+//! Each test binary uses part of this module, so unused items are expected in some of them.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub const FERRITE: &str = env!("CARGO_BIN_EXE_ferrite");
+/// How long `ferrite up` may take to start serving or to stop.
+pub const NODE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Starts of `ferrite up` tried while its NVMe/TCP port is still held by a killed predecessor.
+pub const START_ATTEMPTS_MAX: u32 = 40;
+/// Pause between those attempts.
+pub const START_RETRY_PAUSE: Duration = Duration::from_millis(250);
+/// Every test node: two sparse 1 GiB drive files (32 chunks of 64 MiB).
+pub const DRIVE_ARGS: [&str; 4] = ["--drives", "2", "--drive-size", "1G"];
+pub const BLOCK_BYTES: usize = 4096;
+
+/// A port nothing listens on right now: the OS hands it out and we give it back.
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("ephemeral port address").port()
+}
+
+/// The subsystem NQN of a Ferrite volume.
+pub fn volume_nqn(name: &str) -> initiator::Nqn {
+    initiator::Nqn::new(&format!("{}{name}", types::SUBSYSTEM_NQN_PREFIX)).expect("volume NQN")
+}
+
+/// How a node process ended.
+#[derive(Debug)]
+pub struct Exit {
+    pub status: ExitStatus,
+    pub stdout: Vec<String>,
+    pub stderr: String,
+}
+
+/// A running `ferrite up`. Dropping it kills the process (only this one, by its own handle) and
+/// waits for it.
+pub struct Node {
+    child: Child,
+    pub api_url: String,
+    pub nvme_port: u16,
+    stdout: mpsc::Receiver<String>,
+    stdout_lines: Vec<String>,
+    stderr: Arc<Mutex<String>>,
+    stderr_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Node {
+    /// Starts `ferrite up` on `data_dir` serving NVMe/TCP on `nvme_port`, and waits until its
+    /// REST API answers. If the port is still taken (a killed node's sockets), tries again.
+    pub fn start(data_dir: &Path, nvme_port: u16) -> Node {
+        let mut attempt = 1;
+        loop {
+            match Node::try_start(data_dir, nvme_port) {
+                Ok(node) => return node,
+                Err(exit)
+                    if attempt < START_ATTEMPTS_MAX
+                        && exit.stderr.contains("cannot listen for NVMe/TCP") =>
+                {
+                    attempt += 1;
+                    std::thread::sleep(START_RETRY_PAUSE);
+                }
+                Err(exit) => panic!(
+                    "`ferrite up` exited with {} before serving (attempt {attempt}); stderr:\n{}",
+                    exit.status, exit.stderr
+                ),
+            }
+        }
+    }
+
+    fn try_start(data_dir: &Path, nvme_port: u16) -> Result<Node, Exit> {
+        let mut child = Command::new(FERRITE)
+            .args(["up", "--data-dir"])
+            .arg(data_dir)
+            .args(["--api-listen", "127.0.0.1:0"])
+            .args(["--nvme-listen", &format!("127.0.0.1:{nvme_port}")])
+            .args(DRIVE_ARGS)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn `ferrite up`");
+        let (sender, stdout) = mpsc::channel();
+        let reader = BufReader::new(child.stdout.take().expect("piped stdout"));
+        std::thread::spawn(move || {
+            for line in reader.lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut pipe = BufReader::new(child.stderr.take().expect("piped stderr"));
+        let sink = Arc::clone(&stderr);
+        let stderr_thread = std::thread::spawn(move || {
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                match pipe.read_until(b'\n', &mut line) {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => sink
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push_str(&String::from_utf8_lossy(&line)),
+                }
+            }
+        });
+        let mut node = Node {
+            child,
+            api_url: String::new(),
+            nvme_port,
+            stdout,
+            stdout_lines: Vec::new(),
+            stderr,
+            stderr_thread: Some(stderr_thread),
+        };
+        match node.wait_for_line("REST API:") {
+            Some(line) => {
+                node.api_url = line.split_whitespace().last().unwrap_or_default().to_owned();
+            }
+            None => return Err(node.reap()),
+        }
+        node.wait_healthy();
+        Ok(node)
+    }
+
+    /// Waits for a stdout line containing `needle`; `None` if stdout closed first (the process
+    /// ended). Panics after [`NODE_TIMEOUT`].
+    fn wait_for_line(&mut self, needle: &str) -> Option<String> {
+        let deadline = Instant::now() + NODE_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.stdout.recv_timeout(left) {
+                Ok(line) => {
+                    self.stdout_lines.push(line.clone());
+                    if line.contains(needle) {
+                        return Some(line);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("`ferrite up` printed no line with {needle:?} in {NODE_TIMEOUT:?}")
+                }
+            }
+        }
+    }
+
+    fn wait_healthy(&self) {
+        let client = api::Client::new(&self.api_url).expect("API client");
+        let deadline = Instant::now() + NODE_TIMEOUT;
+        while let Err(error) = client.health() {
+            assert!(Instant::now() < deadline, "/healthz never answered: {error}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn pid(&self) -> libc::pid_t {
+        libc::pid_t::try_from(self.child.id()).expect("PID fits pid_t")
+    }
+
+    pub fn nvme_address(&self) -> String {
+        format!("127.0.0.1:{}", self.nvme_port)
+    }
+
+    /// The node's stderr so far.
+    pub fn stderr_now(&self) -> String {
+        self.stderr.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Sends `signal` to this node's process (only to it) and waits for it to exit.
+    pub fn signal_and_wait(mut self, signal: libc::c_int) -> Exit {
+        // SAFETY: kill(2) has no memory effects; `pid` is our own child, not yet waited for, so
+        // the PID cannot have been reused by another process.
+        let sent = unsafe { libc::kill(self.pid(), signal) };
+        assert_eq!(sent, 0, "kill({}, {signal}) failed", self.pid());
+        let status = wait_with_timeout(&mut self.child, NODE_TIMEOUT)
+            .unwrap_or_else(|| panic!("`ferrite up` did not exit after signal {signal}"));
+        let mut exit = self.reap();
+        exit.status = status;
+        exit
+    }
+
+    /// SIGTERM, then requires a clean stop: exit status 0 and "stopped cleanly" on stdout.
+    /// Returns the node's stderr.
+    pub fn stop_cleanly(self) -> String {
+        let exit = self.signal_and_wait(libc::SIGTERM);
+        assert!(
+            exit.status.success(),
+            "`ferrite up` exited with {} on SIGTERM; stderr:\n{}",
+            exit.status,
+            exit.stderr
+        );
+        assert!(
+            exit.stdout.iter().any(|line| line.contains("stopped cleanly")),
+            "`ferrite up` did not print \"stopped cleanly\"; stdout: {:?}; stderr:\n{}",
+            exit.stdout,
+            exit.stderr
+        );
+        exit.stderr
+    }
+
+    /// Waits for the (ended or ending) process and collects its output.
+    fn reap(&mut self) -> Exit {
+        let status = wait_with_timeout(&mut self.child, NODE_TIMEOUT).unwrap_or_else(|| {
+            let _ = self.child.kill();
+            self.child.wait().expect("wait for `ferrite up`")
+        });
+        if let Some(thread) = self.stderr_thread.take() {
+            let _ = thread.join();
+        }
+        while let Ok(line) = self.stdout.recv_timeout(Duration::from_secs(5)) {
+            self.stdout_lines.push(line);
+        }
+        Exit { status, stdout: self.stdout_lines.clone(), stderr: self.stderr_now() }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A child process (other than a node) that the test owns: killed and reaped on drop.
+pub struct ChildGuard(pub Child);
+
+impl ChildGuard {
+    /// Waits up to `timeout` for the child to exit; `None` if it is still running.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        wait_with_timeout(&mut self.0, timeout)
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+pub fn wait_with_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait on our child") {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Fails if `stderr` holds a tracing line at ERROR level, other than lines containing one of
+/// `expected`.
+#[track_caller]
+pub fn assert_no_error_lines(stderr: &str, expected: &[&str], context: &str) {
+    let unexpected: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.contains(" ERROR "))
+        .filter(|line| !expected.iter().any(|allowed| line.contains(allowed)))
+        .collect();
+    assert!(
+        unexpected.is_empty(),
+        "{context}: unexpected ERROR log line(s):\n{}\nfull stderr:\n{stderr}",
+        unexpected.join("\n")
+    );
+}
+
+/// Runs `ferrite ARGS` against the node's API.
+pub fn ferrite(api_url: &str, args: &[&str]) -> Output {
+    Command::new(FERRITE)
+        .args(args)
+        .env("FERRITE_API", api_url)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferrite")
+}
+
+/// Runs a command that must succeed; returns its stdout.
+#[track_caller]
+pub fn ferrite_ok(api_url: &str, args: &[&str]) -> String {
+    let output = ferrite(api_url, args);
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "ferrite {args:?} failed ({}): {stderr}", output.status);
+    stdout
+}
+
+/// The volumes as `ferrite volume list --json` prints them.
+pub fn volume_list(api_url: &str) -> serde_json::Value {
+    let text = ferrite_ok(api_url, &["volume", "list", "--json"]);
+    serde_json::from_str(&text).expect("volume list JSON")
+}
+
+/// A block-sized pattern that names its volume tag, LBA and a salt, so a block that lands at
+/// the wrong place or comes from another write is told apart.
+pub fn fill_pattern(buffer: &mut [u8], first_lba: u64, tag: u64) {
+    assert_eq!(buffer.len() % BLOCK_BYTES, 0);
+    for (index, block) in buffer.chunks_exact_mut(BLOCK_BYTES).enumerate() {
+        let lba = first_lba + index as u64;
+        let mut state = (lba.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ tag) | 1;
+        for word in block.chunks_exact_mut(8) {
+            // xorshift64
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            word.copy_from_slice(&state.to_le_bytes());
+        }
+        block[..8].copy_from_slice(&lba.to_le_bytes());
+        block[8..16].copy_from_slice(&tag.to_le_bytes());
+    }
+}
+
+/// An aligned buffer of `blocks` blocks holding [`fill_pattern`].
+pub fn pattern(first_lba: u64, blocks: usize, tag: u64) -> initiator::AlignedBuf {
+    let mut buffer = initiator::AlignedBuf::new(blocks * BLOCK_BYTES);
+    fill_pattern(&mut buffer, first_lba, tag);
+    buffer
+}
+
+/// The first block of `actual` that differs from the pattern, with what it holds.
+pub fn pattern_mismatch(actual: &[u8], first_lba: u64, tag: u64) -> Option<String> {
+    let mut expected = vec![0u8; actual.len()];
+    fill_pattern(&mut expected, first_lba, tag);
+    actual.chunks_exact(BLOCK_BYTES).zip(expected.chunks_exact(BLOCK_BYTES)).enumerate().find_map(
+        |(index, (got, want))| {
+            (got != want).then(|| {
+                let lba = first_lba + index as u64;
+                let head = |bytes: &[u8]| {
+                    (
+                        u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default()),
+                        u64::from_le_bytes(bytes[8..16].try_into().unwrap_or_default()),
+                    )
+                };
+                let differing = got.iter().zip(want).filter(|(a, b)| a != b).count();
+                format!(
+                    "block {lba} (tag {tag:#x}): {differing} bytes differ; it holds header \
+                     (lba, tag) {:?}, expected {:?}",
+                    head(got),
+                    head(want)
+                )
+            })
+        },
+    )
+}
+
+/// A multi-thread tokio runtime for the initiator (its keep-alive runs in the background while
+/// the test's main thread blocks on processes).
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
