@@ -6,7 +6,7 @@ DATA_DIR ?= ./ferrite-data
 VOLUME ?= demo
 VOLUME_SIZE ?= 2G
 
-.PHONY: run test build release fmt lint tidy unit deps help
+.PHONY: run test build release fmt lint tidy unit fuzz deps help
 
 help:
 	@echo "make run    build (release), start a single-node cluster in $(DATA_DIR), create volume"
@@ -33,9 +33,14 @@ lint:
 tidy:
 	$(CARGO) xtask tidy
 
+# A short run of every fuzz target over the parsers of untrusted bytes (nightly, cargo-fuzz).
+FUZZ_SECONDS ?= 20
+fuzz:
+	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz-smoke.sh
+
 unit:
 	scripts/test-summary.sh
 
 # `unit` runs last so that its closing line, "tests: N passed, N failed", ends the output.
-test: deps fmt lint tidy
+test: deps fmt lint tidy fuzz
 	@$(MAKE) --no-print-directory unit

@@ -172,6 +172,10 @@ pub fn status_name(status: Status) -> &'static str {
         (Status::WRITE_FAULT, "Write Fault"),
         (Status::UNRECOVERED_READ_ERROR, "Unrecovered Read Error"),
         (Status::ACCESS_DENIED, "Access Denied"),
+        (Status::INTERNAL_PATH_ERROR, "Internal Path Error"),
+        (Status::ANA_PERSISTENT_LOSS, "Asymmetric Access Persistent Loss"),
+        (Status::ANA_INACCESSIBLE, "Asymmetric Access Inaccessible"),
+        (Status::ANA_TRANSITION, "Asymmetric Access Transition"),
     ];
     NAMES
         .iter()

@@ -3,7 +3,8 @@
 //!
 //! [`Controller::connect`] opens the admin queue and enables the controller; [`Controller::
 //! open_io_queue`] opens an [`IoQueue`] per TCP connection; [`discover`] reads a target's
-//! discovery log. Every wait is bounded by a named timeout; every byte received is checked
+//! discovery log; [`MultipathNamespace`] reaches one namespace through every port of its
+//! subsystem and fails over between them as Linux's native multipath does. Every wait is bounded by a named timeout; every byte received is checked
 //! against what was asked before it is used, and a violation is an [`InitiatorError`], never a
 //! panic.
 //!
@@ -16,6 +17,7 @@ mod discovery;
 mod error;
 mod host;
 mod io_queue;
+mod multipath;
 mod queue;
 
 pub use controller::{
@@ -30,6 +32,10 @@ pub use discovery::{
 pub use error::{fatal_error_name, status_name, InitiatorError};
 pub use host::{default_host, HostIdentity};
 pub use io_queue::{IoQueue, LbaRange, WRITE_ZEROES_BLOCKS_MAX};
+pub use multipath::{
+    MultipathNamespace, PathInfo, PathState, MULTIPATH_ATTEMPTS_MAX, MULTIPATH_PATHS_MAX,
+    MULTIPATH_RETRY_DELAY,
+};
 pub use nvmf::command::Status;
 pub use nvmf::structures::IdentifyController;
 pub use queue::{

@@ -17,6 +17,8 @@ pub const CQE_BYTES: usize = 16;
 pub const CONNECT_DATA_BYTES: usize = 1024;
 /// The NSID that names every namespace (broadcast).
 pub const NSID_ALL: u32 = 0xFFFF_FFFF;
+/// Connect CATTR bit 2: disable SQ flow control.
+pub const CONNECT_ATTRIBUTE_DISABLE_SQ_FLOW_CONTROL: u8 = 1 << 2;
 /// Controller ID a host puts in an admin queue Connect to ask for any controller (dynamic model).
 pub const CNTLID_DYNAMIC: u16 = 0xFFFF;
 /// Largest controller ID a subsystem may hand out (FFF0h..FFFFh are reserved).
@@ -108,6 +110,8 @@ pub mod log_page {
     pub const FIRMWARE_SLOT: u8 = 0x03;
     pub const CHANGED_NAMESPACE_LIST: u8 = 0x04;
     pub const COMMANDS_SUPPORTED_AND_EFFECTS: u8 = 0x05;
+    /// Asymmetric Namespace Access.
+    pub const ANA: u8 = 0x0C;
     pub const DISCOVERY: u8 = 0x70;
 }
 
@@ -237,6 +241,12 @@ impl Status {
         Status::new(status_code_type::MEDIA_AND_DATA_INTEGRITY, 0x81);
     pub const ACCESS_DENIED: Status = Status::new(status_code_type::MEDIA_AND_DATA_INTEGRITY, 0x86);
 
+    // Path related status (SCT 3): a host retries these on another path, so they never carry DNR.
+    pub const INTERNAL_PATH_ERROR: Status = Status::new(status_code_type::PATH_RELATED, 0x00);
+    pub const ANA_PERSISTENT_LOSS: Status = Status::new(status_code_type::PATH_RELATED, 0x01);
+    pub const ANA_INACCESSIBLE: Status = Status::new(status_code_type::PATH_RELATED, 0x02);
+    pub const ANA_TRANSITION: Status = Status::new(status_code_type::PATH_RELATED, 0x03);
+
     const DNR_BIT: u16 = 1 << 14;
     const MORE_BIT: u16 = 1 << 13;
 
@@ -273,6 +283,11 @@ impl Status {
 
     pub const fn more(self) -> bool {
         self.0 & Self::MORE_BIT != 0
+    }
+
+    /// Path related (SCT 3): the command may succeed on another path to the namespace.
+    pub const fn is_path_error(self) -> bool {
+        self.status_code_type() == status_code_type::PATH_RELATED
     }
 
     pub const fn is_success(self) -> bool {
@@ -532,6 +547,11 @@ impl Sqe {
     pub const fn connect_attributes(&self) -> u8 {
         self.0[46]
     }
+    /// Connect: CATTR bit 2, the host disables SQ flow control for this queue (SQHD is then not
+    /// maintained and a controller may complete reads with a C2HData SUCCESS flag).
+    pub const fn connect_sq_flow_control_disabled(&self) -> bool {
+        self.0[46] & CONNECT_ATTRIBUTE_DISABLE_SQ_FLOW_CONTROL != 0
+    }
     /// Connect: KATO in milliseconds (bytes 48..52).
     pub fn connect_kato_ms(&self) -> u32 {
         le_u32(&self.0[48..52])
@@ -545,6 +565,12 @@ impl Sqe {
         sqe.set_u16_at(44, sqsize);
         sqe.0[48..52].copy_from_slice(&kato_ms.to_le_bytes());
         sqe
+    }
+
+    /// Connect: sets CATTR (byte 46), for example
+    /// [`CONNECT_ATTRIBUTE_DISABLE_SQ_FLOW_CONTROL`].
+    pub fn set_connect_attributes(&mut self, cattr: u8) {
+        self.0[46] = cattr;
     }
 
     /// Property Get/Set: ATTRIB size (byte 40 bits 2:0).
@@ -865,6 +891,9 @@ mod tests {
         assert_eq!(Status::UNRECOVERED_READ_ERROR.raw(), 0x281);
         assert_eq!(Status::INVALID_LOG_PAGE.raw(), 0x109);
         assert_eq!(Status::TRANSIENT_TRANSPORT_ERROR.raw(), 0x022);
+        assert_eq!(Status::ANA_INACCESSIBLE.raw(), 0x302);
+        assert!(Status::ANA_TRANSITION.is_path_error());
+        assert!(!Status::INVALID_FIELD.is_path_error());
         assert_eq!(Status::INVALID_FIELD.with_dnr().raw(), 0x4002);
         assert!(Status::INVALID_FIELD.with_dnr().do_not_retry());
         assert!(Status::INVALID_FIELD.with_dnr().same_code(Status::INVALID_FIELD));

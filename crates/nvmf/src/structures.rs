@@ -30,6 +30,25 @@ pub mod controller_type {
     pub const ADMINISTRATIVE: u8 = 3;
 }
 
+/// Controller Multi-Path I/O and Namespace Sharing Capabilities (Identify Controller CMIC).
+pub mod cmic {
+    /// The subsystem may have two or more ports.
+    pub const MULTI_PORT: u8 = 1 << 0;
+    /// The subsystem may have two or more controllers.
+    pub const MULTI_CONTROLLER: u8 = 1 << 1;
+    /// The controller supports Asymmetric Namespace Access reporting.
+    pub const ANA_REPORTING: u8 = 1 << 3;
+}
+
+/// Asymmetric Namespace Access states (ANA log page group descriptor STATE).
+pub mod ana_state {
+    pub const OPTIMIZED: u8 = 0x01;
+    pub const NON_OPTIMIZED: u8 = 0x02;
+    pub const INACCESSIBLE: u8 = 0x03;
+    pub const PERSISTENT_LOSS: u8 = 0x04;
+    pub const CHANGE: u8 = 0x0F;
+}
+
 /// Namespace Identifier Types of the namespace identification descriptor list.
 pub mod nidt {
     pub const EUI64: u8 = 1;
@@ -90,6 +109,14 @@ pub struct IdentifyController {
     pub elpe: u8,
     /// Keep alive granularity in units of 100 ms.
     pub kas: u16,
+    /// ANA transition time in seconds.
+    pub anatt: u8,
+    /// ANA capabilities: the states reported (bits 0..4), ANAGRPID fixed while attached (bit 6).
+    pub anacap: u8,
+    /// Largest ANA group ID.
+    pub anagrpmax: u32,
+    /// Number of ANA group IDs the controller supports.
+    pub nanagrpid: u32,
     pub sqes: u8,
     pub cqes: u8,
     pub maxcmd: u16,
@@ -99,6 +126,8 @@ pub struct IdentifyController {
     pub vwc: u8,
     pub awun: u16,
     pub awupf: u16,
+    /// Maximum number of allowed namespaces (required non-zero with ANA reporting).
+    pub mnan: u32,
     pub sgls: u32,
     pub subnqn: String,
     /// I/O queue command capsule supported size, in 16-byte units (SQE included).
@@ -135,6 +164,10 @@ impl IdentifyController {
         out[261] = self.lpa;
         out[262] = self.elpe;
         put_u16(out, 320, self.kas);
+        out[343] = self.anatt;
+        out[344] = self.anacap;
+        put_u32(out, 348, self.anagrpmax);
+        put_u32(out, 352, self.nanagrpid);
         out[512] = self.sqes;
         out[513] = self.cqes;
         put_u16(out, 514, self.maxcmd);
@@ -145,6 +178,7 @@ impl IdentifyController {
         put_u16(out, 526, self.awun);
         put_u16(out, 528, self.awupf);
         put_u32(out, 536, self.sgls);
+        put_u32(out, 540, self.mnan);
         put_string(&mut out[768..768 + NQN_FIELD_BYTES], &self.subnqn, 0);
         put_u32(out, 1792, self.ioccsz);
         put_u32(out, 1796, self.iorcsz);
@@ -179,6 +213,10 @@ impl IdentifyController {
             lpa: data[261],
             elpe: data[262],
             kas: le_u16(&data[320..]),
+            anatt: data[343],
+            anacap: data[344],
+            anagrpmax: le_u32(&data[348..]),
+            nanagrpid: le_u32(&data[352..]),
             sqes: data[512],
             cqes: data[513],
             maxcmd: le_u16(&data[514..]),
@@ -188,6 +226,7 @@ impl IdentifyController {
             vwc: data[525],
             awun: le_u16(&data[526..]),
             awupf: le_u16(&data[528..]),
+            mnan: le_u32(&data[540..]),
             sgls: le_u32(&data[536..]),
             subnqn: get_string(&data[768..768 + NQN_FIELD_BYTES]),
             ioccsz: le_u32(&data[1792..]),
@@ -214,6 +253,8 @@ pub struct IdentifyNamespace {
     pub dlfeat: u8,
     /// NVM capacity in bytes.
     pub nvmcap: u128,
+    /// The ANA group the namespace belongs to (0: none).
+    pub anagrpid: u32,
     pub nguid: [u8; 16],
     pub eui64: [u8; 8],
     /// LBA format 0: log2 of the logical block size.
@@ -233,6 +274,7 @@ impl IdentifyNamespace {
         out[30] = self.nmic;
         out[33] = self.dlfeat;
         out[48..64].copy_from_slice(&self.nvmcap.to_le_bytes());
+        put_u32(out, 92, self.anagrpid);
         out[104..120].copy_from_slice(&self.nguid);
         out[120..128].copy_from_slice(&self.eui64);
         // LBA format 0 at 128: MS (u16) = 0, LBADS, RP = 0 (best performance).
@@ -259,6 +301,7 @@ impl IdentifyNamespace {
             nmic: data[30],
             dlfeat: data[33],
             nvmcap: u128::from_le_bytes(nvmcap),
+            anagrpid: le_u32(&data[92..]),
             nguid,
             eui64,
             lbaf0_lbads: data[130],
@@ -337,11 +380,13 @@ pub fn decode_active_namespace_list(data: &[u8]) -> Option<Vec<u32>> {
     Some(nsids)
 }
 
-/// The I/O Command Set Independent Identify Namespace structure (CNS 08h).
-pub fn encode_identify_namespace_independent(out: &mut [u8], nmic: u8, ready: bool) {
+/// The I/O Command Set Independent Identify Namespace structure (CNS 08h): NMIC, ANAGRPID and
+/// NSTAT.
+pub fn encode_identify_namespace_independent(out: &mut [u8], nmic: u8, anagrpid: u32, ready: bool) {
     assert_eq!(out.len(), IDENTIFY_BYTES, "Identify data is 4096 bytes");
     out.fill(0);
     out[1] = nmic;
+    put_u32(out, 4, anagrpid);
     // NSTAT bit 0: namespace ready.
     out[14] = u8::from(ready);
 }
@@ -539,6 +584,97 @@ impl DiscoveryLogEntry {
     }
 }
 
+/// Size of the ANA log page header.
+pub const ANA_LOG_HEADER_BYTES: usize = 16;
+/// Size of an ANA group descriptor without its NSID list.
+pub const ANA_GROUP_DESCRIPTOR_BYTES: usize = 32;
+/// Groups and NSIDs an ANA log decode accepts: far more than any controller reports, small
+/// enough to bound the work on a malformed page.
+pub const ANA_LOG_GROUPS_MAX: usize = 1024;
+pub const ANA_LOG_NSIDS_MAX: usize = 1024;
+
+/// One ANA group descriptor of the Asymmetric Namespace Access log page (LID 0Ch).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AnaGroup {
+    pub grpid: u32,
+    /// The change count of this group's last state change.
+    pub change_count: u64,
+    /// One of [`ana_state`].
+    pub state: u8,
+    /// The namespaces of the group, in increasing order (empty when read with RGO).
+    pub nsids: Vec<u32>,
+}
+
+/// The ANA log page: a change count and the groups reachable through this controller.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AnaLog {
+    pub change_count: u64,
+    pub groups: Vec<AnaGroup>,
+}
+
+impl AnaLog {
+    /// Bytes of the encoding.
+    pub fn encoded_bytes(&self) -> usize {
+        ANA_LOG_HEADER_BYTES
+            + self
+                .groups
+                .iter()
+                .map(|group| ANA_GROUP_DESCRIPTOR_BYTES + 4 * group.nsids.len())
+                .sum::<usize>()
+    }
+
+    /// Appends the encoding to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        assert!(self.groups.len() <= usize::from(u16::MAX), "NGRPS is 16 bits");
+        let start = out.len();
+        out.resize(start + self.encoded_bytes(), 0);
+        let page = &mut out[start..];
+        put_u64(page, 0, self.change_count);
+        put_u16(page, 8, self.groups.len() as u16);
+        let mut at = ANA_LOG_HEADER_BYTES;
+        for group in &self.groups {
+            put_u32(page, at, group.grpid);
+            put_u32(page, at + 4, group.nsids.len() as u32);
+            put_u64(page, at + 8, group.change_count);
+            page[at + 16] = group.state & 0x0F;
+            at += ANA_GROUP_DESCRIPTOR_BYTES;
+            for nsid in &group.nsids {
+                put_u32(page, at, *nsid);
+                at += 4;
+            }
+        }
+    }
+
+    /// Reads an ANA log page; None when it is truncated or claims more groups or NSIDs than
+    /// [`ANA_LOG_GROUPS_MAX`] / [`ANA_LOG_NSIDS_MAX`].
+    pub fn decode(data: &[u8]) -> Option<Self> {
+        let header = data.get(..ANA_LOG_HEADER_BYTES)?;
+        let group_count = usize::from(le_u16(&header[8..]));
+        if group_count > ANA_LOG_GROUPS_MAX {
+            return None;
+        }
+        let mut log = AnaLog { change_count: le_u64(header), groups: Vec::new() };
+        let mut at = ANA_LOG_HEADER_BYTES;
+        for _ in 0..group_count {
+            let descriptor = data.get(at..at + ANA_GROUP_DESCRIPTOR_BYTES)?;
+            let nsid_count = le_u32(&descriptor[4..]) as usize;
+            if nsid_count > ANA_LOG_NSIDS_MAX {
+                return None;
+            }
+            at += ANA_GROUP_DESCRIPTOR_BYTES;
+            let list = data.get(at..at + 4 * nsid_count)?;
+            log.groups.push(AnaGroup {
+                grpid: le_u32(descriptor),
+                change_count: le_u64(&descriptor[8..]),
+                state: descriptor[16] & 0x0F,
+                nsids: list.chunks_exact(4).map(le_u32).collect(),
+            });
+            at += 4 * nsid_count;
+        }
+        Some(log)
+    }
+}
+
 /// Fills the SMART / Health Information log (512 bytes): no warnings, full spare.
 pub fn encode_smart_log(out: &mut [u8]) {
     assert_eq!(out.len(), SMART_LOG_BYTES, "the SMART log is 512 bytes");
@@ -652,6 +788,34 @@ mod tests {
         running_off[0] = 2;
         running_off[1] = 16;
         assert_eq!(NamespaceIdentifiers::decode(&running_off), None);
+    }
+
+    #[test]
+    fn ana_log_round_trip_and_layout() {
+        let log = AnaLog {
+            change_count: 7,
+            groups: vec![
+                AnaGroup {
+                    grpid: 1,
+                    change_count: 7,
+                    state: ana_state::INACCESSIBLE,
+                    nsids: vec![1],
+                },
+                AnaGroup { grpid: 2, change_count: 3, state: ana_state::OPTIMIZED, nsids: vec![] },
+            ],
+        };
+        let mut out = Vec::new();
+        log.encode(&mut out);
+        assert_eq!(out.len(), 16 + 32 + 4 + 32);
+        assert_eq!(&out[0..10], &[7, 0, 0, 0, 0, 0, 0, 0, 2, 0]);
+        assert_eq!(&out[16..24], &[1, 0, 0, 0, 1, 0, 0, 0]);
+        assert_eq!(out[32], 3);
+        assert_eq!(&out[48..52], &[1, 0, 0, 0]);
+        assert_eq!(AnaLog::decode(&out), Some(log));
+        assert_eq!(AnaLog::decode(&out[..60]), None);
+        let mut huge = out.clone();
+        huge[8..10].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert_eq!(AnaLog::decode(&huge), None);
     }
 
     #[test]

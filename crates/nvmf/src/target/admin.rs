@@ -6,18 +6,21 @@
 
 use std::sync::atomic::Ordering;
 
-use super::queue::{HostData, Outcome, Queue, SlotCommand, SlotState};
+use super::queue::{
+    HostData, Outcome, Queue, SlotCommand, SlotState, ASYNC_EVENT_ANA_CHANGE,
+    ASYNC_EVENT_DISCOVERY_CHANGE, ASYNC_EVENT_NAMESPACE_ATTRIBUTE,
+};
 use super::{
-    AER_OUTSTANDING_MAX, IOCCSZ, IORCSZ, IO_QUEUES_MAX, KEEP_ALIVE_GRANULARITY_MS, MDTS,
-    QUEUE_ENTRIES_MAX, VERSION,
+    AER_OUTSTANDING_MAX, ANA_GROUP_ID, ANA_TRANSITION_SECONDS, IOCCSZ, IORCSZ, IO_QUEUES_MAX,
+    KEEP_ALIVE_GRANULARITY_MS, MDTS, QUEUE_ENTRIES_MAX, VERSION,
 };
 use crate::command::{
     admin_opcode, cns, connect_invalid_parameter_result, csi, fctype, feature, log_page, property,
     ConnectData, PropertySize, Sqe, Status, CNTLID_DYNAMIC, CONNECT_DATA_BYTES, FABRICS_OPCODE,
 };
 use crate::structures::{
-    controller_type, encode_active_namespace_list, encode_firmware_slot_log,
-    encode_identify_namespace_independent, encode_smart_log, IdentifyController,
+    cmic, controller_type, encode_active_namespace_list, encode_firmware_slot_log,
+    encode_identify_namespace_independent, encode_smart_log, AnaGroup, AnaLog, IdentifyController,
     IdentifyControllerNvm, IdentifyNamespace, NamespaceIdentifiers, CHANGED_NAMESPACE_LOG_BYTES,
     ERROR_LOG_ENTRY_BYTES, FIRMWARE_SLOT_LOG_BYTES, IDENTIFY_BYTES, SMART_LOG_BYTES,
 };
@@ -36,10 +39,17 @@ const CQES: u8 = 0x44;
 /// CC.IOSQES/IOCQES the controller requires of an I/O controller.
 const IOSQES: u32 = 6;
 const IOCQES: u32 = 4;
-/// Async event configuration bits this target can report: namespace attribute notices (8) and
-/// discovery log page change notices (31).
-const OAES_NAMESPACE_ATTRIBUTE: u32 = 1 << 8;
-const OAES_DISCOVERY_CHANGE: u32 = 1 << 31;
+/// Async event configuration bits (and OAES) of an I/O controller and of a discovery controller.
+const ASYNC_EVENTS_IO: u32 = ASYNC_EVENT_NAMESPACE_ATTRIBUTE | ASYNC_EVENT_ANA_CHANGE;
+const ASYNC_EVENTS_DISCOVERY: u32 = ASYNC_EVENT_DISCOVERY_CHANGE;
+/// ANACAP: optimized, non-optimized, inaccessible, persistent loss and change states are
+/// reported (bits 0..4); ANAGRPID does not change while the namespace is attached (bit 6).
+const ANACAP: u8 = 0x1F | (1 << 6);
+/// Get Log Page LSP bit 0 of the ANA log: Return Groups Only (no NSID lists).
+const ANA_LSP_RETURN_GROUPS_ONLY: u32 = 1;
+/// Get Log Page CDW10 LSP field (bits 14:8).
+const LSP_SHIFT: u32 = 8;
+const LSP_MASK: u32 = 0x7F;
 /// Get Features SEL = 3 capability bit: changeable.
 const FEATURE_CHANGEABLE: u64 = 1 << 2;
 
@@ -95,7 +105,7 @@ impl Queue {
             if connect_data.cntlid != CNTLID_DYNAMIC {
                 return Outcome::rejected(Status::INVALID_FIELD);
             }
-            match self.target.create_controller(&connect_data) {
+            match self.target.create_controller(&connect_data, self.port_id) {
                 Ok(controller) => controller,
                 Err(refusal) => {
                     return Outcome::Complete {
@@ -120,6 +130,10 @@ impl Queue {
             if controller.host_id != connect_data.host_id {
                 return invalid_parameter(true, ConnectData::HOST_ID_OFFSET);
             }
+            // Every queue of a controller comes in through the port of its admin queue.
+            if controller.port_id != self.port_id {
+                return invalid_parameter(true, ConnectData::CNTLID_OFFSET);
+            }
             let granted = controller.io_queues_granted.load(Ordering::Acquire);
             let qid_max = if granted == u32::MAX {
                 u32::from(self.target.config().io_queues_max)
@@ -138,6 +152,7 @@ impl Queue {
             controller
         };
         let cntlid = controller.cntlid;
+        self.sq_flow_control_disabled = sqe.connect_sq_flow_control_disabled();
         self.connected(controller, qid, sqsize, sqe.connect_kato_ms(), now_ms);
         // DW0: CNTLID; AUTHREQ (bits 17:16) = 0, no authentication required.
         Outcome::success(u64::from(cntlid))
@@ -285,7 +300,7 @@ impl Queue {
                         None => (
                             config.discovery_serial_number.clone(),
                             controller_type::DISCOVERY,
-                            OAES_DISCOVERY_CHANGE,
+                            ASYNC_EVENTS_DISCOVERY,
                             0,
                             0,
                             0,
@@ -294,7 +309,7 @@ impl Queue {
                         Some(namespace) => (
                             namespace.serial_number.clone(),
                             controller_type::IO,
-                            OAES_NAMESPACE_ATTRIBUTE,
+                            ASYNC_EVENTS_IO,
                             1,
                             // ONCS: Dataset Management (bit 2) and Write Zeroes (bit 3).
                             (1 << 2) | (1 << 3),
@@ -302,12 +317,20 @@ impl Queue {
                             IORCSZ,
                         ),
                     };
+                let io = controller.namespace.is_some();
+                // An I/O controller belongs to a subsystem reachable through several ports and
+                // controllers, with ANA reporting (one group: the namespace's). Linux requires
+                // MNAN to be non-zero and at most NN once ANA is reported.
+                let (cmic, anacap, ana_groups, mnan) = if io {
+                    (cmic::MULTI_PORT | cmic::MULTI_CONTROLLER | cmic::ANA_REPORTING, ANACAP, 1, 1)
+                } else {
+                    (cmic::MULTI_CONTROLLER, 0, 0, 0)
+                };
                 IdentifyController {
                     serial_number: serial,
                     model_number: config.model_number.clone(),
                     firmware_revision: config.firmware_revision.clone(),
-                    // CMIC bit 1: the subsystem may have two or more controllers.
-                    cmic: 1 << 1,
+                    cmic,
                     mdts: MDTS,
                     cntlid: controller.cntlid,
                     version: VERSION,
@@ -322,6 +345,11 @@ impl Queue {
                     lpa: 1 << 2,
                     elpe: (ERROR_LOG_ENTRIES - 1) as u8,
                     kas: (KEEP_ALIVE_GRANULARITY_MS / 100) as u16,
+                    anatt: if io { ANA_TRANSITION_SECONDS } else { 0 },
+                    anacap,
+                    anagrpmax: ana_groups,
+                    nanagrpid: ana_groups,
+                    mnan,
                     sqes: SQES,
                     cqes: CQES,
                     maxcmd: config.queue_entries_max,
@@ -364,6 +392,7 @@ impl Queue {
                             dlfeat: 0x01 | 0x08,
                             nvmcap: u128::from(size_blocks)
                                 * u128::from(namespace.block_size_bytes),
+                            anagrpid: ANA_GROUP_ID,
                             nguid: namespace.nguid,
                             eui64: namespace.eui64,
                             lbaf0_lbads: namespace.block_size_bytes.trailing_zeros() as u8,
@@ -378,10 +407,21 @@ impl Queue {
                         csi: csi::NVM,
                     }
                     .encode(&mut self.scratch),
-                    _ => encode_identify_namespace_independent(&mut self.scratch, 1, true),
+                    _ => encode_identify_namespace_independent(
+                        &mut self.scratch,
+                        1,
+                        ANA_GROUP_ID,
+                        true,
+                    ),
                 }
             }
-            cns::ACTIVE_NAMESPACE_LIST => {
+            cns::ACTIVE_NAMESPACE_LIST | cns::CSI_ACTIVE_NAMESPACE_LIST => {
+                if structure == cns::CSI_ACTIVE_NAMESPACE_LIST && command_set != csi::NVM {
+                    // No namespace of another command set exists: an empty list.
+                    encode_active_namespace_list(&mut self.scratch, &[]);
+                    self.send_scratch(sqe.cid(), length);
+                    return Ok(Outcome::success(0));
+                }
                 if nsid >= 0xFFFF_FFFE {
                     return Err(Status::INVALID_NAMESPACE_OR_FORMAT);
                 }
@@ -456,8 +496,26 @@ impl Queue {
                     self.admin.namespace_notice_masked = false;
                 }
             }
+            log_page::ANA if !discovery => {
+                let groups_only = (cdw10 >> LSP_SHIFT) & LSP_MASK & ANA_LSP_RETURN_GROUPS_ONLY != 0;
+                let state = controller.ana();
+                let change_count = self.target.ana_change_count();
+                AnaLog {
+                    change_count,
+                    groups: vec![AnaGroup {
+                        grpid: ANA_GROUP_ID,
+                        change_count,
+                        state: state.code(),
+                        nsids: if groups_only { Vec::new() } else { vec![1] },
+                    }],
+                }
+                .encode(&mut self.scratch);
+                if !retain_async_event {
+                    self.admin.ana_notice_masked = false;
+                }
+            }
             log_page::DISCOVERY if discovery => {
-                self.target.encode_discovery_log(&mut self.scratch);
+                self.target.encode_discovery_log(&mut self.scratch, &controller.hostnqn);
                 if !retain_async_event {
                     self.admin.discovery_notice_masked = false;
                 }
@@ -499,8 +557,7 @@ impl Queue {
                 Ok(Outcome::success(u64::from(granted | (granted << 16))))
             }
             feature::ASYNC_EVENT_CONFIGURATION => {
-                let supported =
-                    if discovery { OAES_DISCOVERY_CHANGE } else { OAES_NAMESPACE_ATTRIBUTE };
+                let supported = if discovery { ASYNC_EVENTS_DISCOVERY } else { ASYNC_EVENTS_IO };
                 self.admin.async_event_configuration = cdw11 & supported;
                 Ok(Outcome::success(0))
             }

@@ -20,12 +20,29 @@ impl Queue {
         if sqe.opcode() == FABRICS_OPCODE {
             return self.execute_io_fabrics(sqe);
         }
-        let ready = self.controller.as_ref().is_some_and(|controller| controller.ready());
-        if !ready {
+        let Some(controller) = self.controller.as_ref() else {
+            return Outcome::rejected(Status::COMMAND_SEQUENCE_ERROR);
+        };
+        if !controller.ready() {
             return Outcome::rejected(Status::COMMAND_SEQUENCE_ERROR);
         }
         if sqe.fuse() != 0 {
             return Outcome::rejected(Status::INVALID_FIELD);
+        }
+        let accesses_namespace = matches!(
+            sqe.opcode(),
+            io_opcode::READ
+                | io_opcode::WRITE
+                | io_opcode::FLUSH
+                | io_opcode::WRITE_ZEROES
+                | io_opcode::DATASET_MANAGEMENT
+        );
+        if accesses_namespace {
+            // One atomic load: the path's ANA state, set by the node through the target.
+            if let Some(status) = controller.ana().io_status() {
+                // Path related, without DNR: the host retries on another path.
+                return Outcome::Complete { status, result: 0 };
+            }
         }
         let result = match sqe.opcode() {
             io_opcode::READ => self.read(&sqe),

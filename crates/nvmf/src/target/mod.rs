@@ -8,16 +8,24 @@
 //! well-known discovery subsystem is served on the same port.
 //!
 //! Each TCP connection is one [`Queue`] (see `queue.rs`); the node's driver feeds it received
-//! bytes and moves storage requests and output bytes. The registry lock is taken only on Connect
+//! bytes and moves storage requests and output bytes.
+//!
+//! A subsystem is reachable through every listener (port). The target keeps each subsystem's
+//! ANA state per port ([`Target::set_ana_state`]), and asks the catalog which hosts may use a
+//! subsystem ([`Catalog::host_allowed`]) at Connect and when it builds a host's discovery log. The registry lock is taken only on Connect
 //! and on queue teardown, never per I/O; the namespace size is read through an atomic so a resize
 //! is seen without locks.
 //!
 //! **Architecture Invariant:** nothing here touches sockets, files, clocks or threads.
 
 mod admin;
+#[cfg(test)]
+mod conformance;
 mod io;
 mod pool;
 mod queue;
+#[cfg(test)]
+mod replay;
 #[cfg(test)]
 mod tests;
 
@@ -26,7 +34,7 @@ pub use queue::{
 };
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use types::Nqn;
@@ -76,6 +84,13 @@ pub const CONNECT_DEADLINE_MS: u64 = 30_000;
 pub const DISCOVERY_RECORDS_MAX: usize = 1024;
 /// Default bound on idle buffers kept by one queue's pool.
 pub const BUFFER_RETAINED_BYTES_MAX: usize = 16 << 20;
+/// The ANA group of every namespace: each subsystem has one namespace, so one group.
+pub const ANA_GROUP_ID: u32 = 1;
+/// ANA transition time reported in Identify Controller (ANATT), in seconds: how long a host waits
+/// for a group in the change state before it gives up on the path.
+pub const ANA_TRANSITION_SECONDS: u8 = 10;
+/// Subsystem and port pairs whose ANA state differs from optimized, kept by the target.
+pub const ANA_ENTRIES_MAX: usize = 65_536;
 /// NVMe version reported in VS and Identify Controller: 1.4.0.
 pub const VERSION: u32 = crate::command::property::version(1, 4, 0);
 
@@ -153,6 +168,58 @@ impl Default for TargetConfig {
     }
 }
 
+/// The Asymmetric Namespace Access state of a namespace's group as seen through one port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum AnaState {
+    /// The preferred path: I/O is served.
+    #[default]
+    Optimized,
+    /// I/O is served, but another path is better.
+    NonOptimized,
+    /// I/O fails with Asymmetric Access Inaccessible (path related, retried elsewhere).
+    Inaccessible,
+    /// The path is gone for good: I/O fails with Asymmetric Access Persistent Loss.
+    PersistentLoss,
+    /// The state is changing: I/O fails with Asymmetric Access Transition until it settles.
+    Change,
+}
+
+impl AnaState {
+    /// The STATE value of the ANA log page.
+    pub const fn code(self) -> u8 {
+        use crate::structures::ana_state;
+        match self {
+            AnaState::Optimized => ana_state::OPTIMIZED,
+            AnaState::NonOptimized => ana_state::NON_OPTIMIZED,
+            AnaState::Inaccessible => ana_state::INACCESSIBLE,
+            AnaState::PersistentLoss => ana_state::PERSISTENT_LOSS,
+            AnaState::Change => ana_state::CHANGE,
+        }
+    }
+
+    pub const fn from_code(code: u8) -> Option<AnaState> {
+        use crate::structures::ana_state;
+        Some(match code {
+            ana_state::OPTIMIZED => AnaState::Optimized,
+            ana_state::NON_OPTIMIZED => AnaState::NonOptimized,
+            ana_state::INACCESSIBLE => AnaState::Inaccessible,
+            ana_state::PERSISTENT_LOSS => AnaState::PersistentLoss,
+            ana_state::CHANGE => AnaState::Change,
+            _ => return None,
+        })
+    }
+
+    /// The status of a command that accesses the namespace in this state, if it must fail.
+    pub const fn io_status(self) -> Option<Status> {
+        match self {
+            AnaState::Optimized | AnaState::NonOptimized => None,
+            AnaState::Inaccessible => Some(Status::ANA_INACCESSIBLE),
+            AnaState::PersistentLoss => Some(Status::ANA_PERSISTENT_LOSS),
+            AnaState::Change => Some(Status::ANA_TRANSITION),
+        }
+    }
+}
+
 /// A subsystem as the discovery log lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SubsystemInfo {
@@ -192,7 +259,9 @@ pub trait Catalog: Send + Sync {
     fn subsystems(&self) -> Vec<SubsystemInfo>;
     /// The namespace of the subsystem `subnqn`, or None if there is no such subsystem.
     fn namespace(&self, subnqn: &Nqn) -> Option<NamespaceInfo>;
-    /// Whether `hostnqn` may connect to `subnqn`; every host may by default.
+    /// Whether `hostnqn` may connect to `subnqn`; every host may by default. A host that may
+    /// not is refused at Connect (Connect Invalid Host) and does not see the subsystem in the
+    /// discovery log.
     fn host_allowed(&self, _subnqn: &Nqn, _hostnqn: &Nqn) -> bool {
         true
     }
@@ -205,6 +274,12 @@ pub(crate) struct Controller {
     pub(crate) subnqn: Nqn,
     pub(crate) hostnqn: Nqn,
     pub(crate) host_id: [u8; 16],
+    /// The NVM subsystem port (listener port ID) the admin queue connected through.
+    pub(crate) port_id: u16,
+    /// [`AnaState::code`] of the namespace's group through this controller's port.
+    pub(crate) ana_state: AtomicU8,
+    /// An ANA change notice waits for an Asynchronous Event Request.
+    pub(crate) ana_notice_pending: AtomicBool,
     /// None for a discovery controller.
     pub(crate) namespace: Option<NamespaceInfo>,
     pub(crate) cc: AtomicU32,
@@ -235,6 +310,10 @@ impl Controller {
             && self.csts.load(Ordering::Acquire) & CSTS_READY != 0
     }
 
+    pub(crate) fn ana(&self) -> AnaState {
+        AnaState::from_code(self.ana_state.load(Ordering::Acquire)).unwrap_or_default()
+    }
+
     pub(crate) fn io_queues_connected(&self) -> bool {
         self.io_queues.load(Ordering::Acquire) != 0
     }
@@ -261,6 +340,8 @@ pub(crate) struct ConnectRefusal {
 struct Registry {
     controllers: HashMap<u16, Arc<Controller>>,
     next_cntlid: u16,
+    /// ANA states other than optimized, by subsystem and port.
+    ana: HashMap<(Nqn, u16), AnaState>,
 }
 
 /// The NVMe/TCP target of one node: catalog, controllers and discovery. Shared by all queues.
@@ -269,6 +350,8 @@ pub struct Target {
     catalog: Arc<dyn Catalog>,
     registry: Mutex<Registry>,
     discovery_generation: AtomicU64,
+    /// CHGCNT of the ANA log page: bumped on every ANA state change.
+    ana_change_count: AtomicU64,
 }
 
 impl std::fmt::Debug for Target {
@@ -295,8 +378,13 @@ impl Target {
         Self {
             config,
             catalog,
-            registry: Mutex::new(Registry { controllers: HashMap::new(), next_cntlid: 1 }),
+            registry: Mutex::new(Registry {
+                controllers: HashMap::new(),
+                next_cntlid: 1,
+                ana: HashMap::new(),
+            }),
             discovery_generation: AtomicU64::new(1),
+            ana_change_count: AtomicU64::new(1),
         }
     }
 
@@ -332,6 +420,68 @@ impl Target {
         }
     }
 
+    /// The port ID of connections accepted by [`Queue::new`]: the first listener's, or 1.
+    pub fn default_port_id(&self) -> u16 {
+        self.config.listeners.first().map_or(1, |listener| listener.port_id)
+    }
+
+    /// Sets the ANA state of `subnqn`'s namespace as seen through port `port_id` (a listener's
+    /// port ID). Controllers of that subsystem on that port see it at once: their I/O fails with
+    /// the state's path status when it is not optimized or non-optimized, the ANA log page
+    /// reports it with a new change count, and each raises an ANA change notice. The state
+    /// applies to controllers created later too; it is forgotten with
+    /// [`Target::forget_ana_states`].
+    pub fn set_ana_state(&self, subnqn: &Nqn, port_id: u16, state: AnaState) {
+        let mut registry = self.registry();
+        let key = (subnqn.clone(), port_id);
+        let previous = registry.ana.get(&key).copied().unwrap_or_default();
+        if state == AnaState::Optimized {
+            registry.ana.remove(&key);
+        } else if registry.ana.len() < ANA_ENTRIES_MAX || registry.ana.contains_key(&key) {
+            registry.ana.insert(key, state);
+        }
+        // Otherwise the table is full: the state is not kept for controllers created later, but
+        // the live ones still get it below.
+        if previous == state {
+            return;
+        }
+        self.ana_change_count.fetch_add(1, Ordering::AcqRel);
+        for controller in registry.controllers.values() {
+            if &controller.subnqn == subnqn && controller.port_id == port_id {
+                controller.ana_state.store(state.code(), Ordering::Release);
+                controller.ana_notice_pending.store(true, Ordering::Release);
+            }
+        }
+    }
+
+    /// The ANA state of `subnqn` through port `port_id` (optimized unless set otherwise).
+    pub fn ana_state(&self, subnqn: &Nqn, port_id: u16) -> AnaState {
+        self.registry().ana.get(&(subnqn.clone(), port_id)).copied().unwrap_or_default()
+    }
+
+    /// Drops the ANA states kept for `subnqn` (for example, its volume was deleted).
+    pub fn forget_ana_states(&self, subnqn: &Nqn) {
+        self.registry().ana.retain(|(nqn, _), _| nqn != subnqn);
+    }
+
+    /// The ANA log change count (CHGCNT).
+    pub(crate) fn ana_change_count(&self) -> u64 {
+        self.ana_change_count.load(Ordering::Acquire)
+    }
+
+    /// Closes the controllers `hostnqn` holds on `subnqn` (for example, the host was removed
+    /// from the subsystem's allowed hosts): their queues report `wants_close`. Returns how many.
+    pub fn disconnect_host(&self, subnqn: &Nqn, hostnqn: &Nqn) -> usize {
+        let mut closed = 0;
+        for controller in self.registry().controllers.values() {
+            if &controller.subnqn == subnqn && &controller.hostnqn == hostnqn {
+                controller.closed.store(true, Ordering::Release);
+                closed += 1;
+            }
+        }
+        closed
+    }
+
     /// Closes every controller of `subnqn` (for example, its volume was deleted): their queues
     /// report `wants_close`.
     pub fn disconnect_subsystem(&self, subnqn: &Nqn) {
@@ -348,10 +498,11 @@ impl Target {
         self.registry.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Creates a controller for an admin queue Connect.
+    /// Creates a controller for an admin queue Connect that arrived on port `port_id`.
     pub(crate) fn create_controller(
         &self,
         data: &ConnectData,
+        port_id: u16,
     ) -> Result<Arc<Controller>, ConnectRefusal> {
         let namespace = if data.subnqn.as_str() == types::DISCOVERY_NQN {
             None
@@ -387,11 +538,15 @@ impl Target {
         }
         assert!(!registry.controllers.contains_key(&cntlid), "no free controller ID");
         registry.next_cntlid = if cntlid >= CNTLID_MAX { 1 } else { cntlid + 1 };
+        let ana = registry.ana.get(&(data.subnqn.clone(), port_id)).copied().unwrap_or_default();
         let controller = Arc::new(Controller {
             cntlid,
             subnqn: data.subnqn.clone(),
             hostnqn: data.hostnqn.clone(),
             host_id: data.host_id,
+            port_id,
+            ana_state: AtomicU8::new(ana.code()),
+            ana_notice_pending: AtomicBool::new(false),
             namespace,
             cc: AtomicU32::new(0),
             csts: AtomicU32::new(0),
@@ -421,10 +576,12 @@ impl Target {
         }
     }
 
-    /// Appends the whole discovery log page: the header, then for each listener one entry per
-    /// subsystem and one for the discovery subsystem itself.
-    pub(crate) fn encode_discovery_log(&self, out: &mut Vec<u8>) {
+    /// Appends the whole discovery log page as `hostnqn` may see it: the header, then for each
+    /// listener one entry for the discovery subsystem itself and one per subsystem the host is
+    /// allowed to connect to.
+    pub(crate) fn encode_discovery_log(&self, out: &mut Vec<u8>, hostnqn: &Nqn) {
         let mut subsystems = self.catalog.subsystems();
+        subsystems.retain(|subsystem| self.catalog.host_allowed(&subsystem.nqn, hostnqn));
         subsystems.sort_by(|a, b| a.nqn.cmp(&b.nqn));
         let discovery = Nqn::discovery();
         let mut entries = Vec::new();

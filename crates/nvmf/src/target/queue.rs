@@ -234,12 +234,18 @@ pub(super) struct AdminState {
     pub(super) aer_cids: VecDeque<u16>,
     pub(super) namespace_notice_masked: bool,
     pub(super) discovery_notice_masked: bool,
+    pub(super) ana_notice_masked: bool,
 }
 
 /// One connection's queue. See the module documentation for how a driver uses it.
 pub struct Queue {
     pub(super) target: Arc<Target>,
     peer: String,
+    /// The listener port the connection came in on.
+    pub(super) port_id: u16,
+    /// The host disabled SQ flow control in Connect (CATTR bit 2): successful reads end with a
+    /// C2HData SUCCESS flag instead of a CapsuleResp.
+    pub(super) sq_flow_control_disabled: bool,
     phase: Phase,
     pub(super) framing: Framing,
     created_ms: u64,
@@ -281,8 +287,16 @@ impl std::fmt::Debug for Queue {
 }
 
 impl Queue {
-    /// A queue for a new connection from `peer` (used in messages only), accepted at `now_ms`.
+    /// A queue for a new connection from `peer` (used in messages only), accepted at `now_ms`
+    /// on the first listener's port ([`Target::default_port_id`]).
     pub fn new(target: Arc<Target>, peer: String, now_ms: u64) -> Queue {
+        let port_id = target.default_port_id();
+        Queue::new_on_port(target, peer, port_id, now_ms)
+    }
+
+    /// A queue for a connection accepted on the listener whose port ID is `port_id`: its
+    /// controller reports that port's ANA state.
+    pub fn new_on_port(target: Arc<Target>, peer: String, port_id: u16, now_ms: u64) -> Queue {
         let slots = (0..QUEUE_ENTRIES_MAX)
             .map(|_| Slot {
                 generation: 0,
@@ -303,6 +317,8 @@ impl Queue {
         Queue {
             target,
             peer,
+            port_id,
+            sq_flow_control_disabled: false,
             phase: Phase::AwaitingICReq,
             framing,
             created_ms: now_ms,
@@ -327,6 +343,7 @@ impl Queue {
                 aer_cids: VecDeque::with_capacity(AER_OUTSTANDING_MAX),
                 namespace_notice_masked: false,
                 discovery_notice_masked: false,
+                ana_notice_masked: false,
             },
             terminated: None,
         }
@@ -472,18 +489,30 @@ impl Queue {
                             panic!("a Read completed without its buffer: {id:?}");
                         };
                         assert!(data.len() >= data_length as usize, "Read buffer shrank");
+                        // Without SQ flow control the host needs no SQHD, so the last C2HData
+                        // PDU says SUCCESS and no response capsule follows.
+                        let success_flag = self.sq_flow_control_disabled;
                         push_c2h_data(
                             &mut self.output,
                             &self.framing,
                             cid,
                             &data[..data_length as usize],
+                            success_flag,
                         );
+                        if success_flag {
+                            None
+                        } else {
+                            Some(Status::SUCCESS)
+                        }
+                    } else {
+                        Some(Status::SUCCESS)
                     }
-                    Status::SUCCESS
                 }
-                Err(error) => error.nvme_status(),
+                Err(error) => Some(error.nvme_status()),
             };
-            self.respond(cid, status, 0);
+            if let Some(status) = status {
+                self.respond(cid, status, 0);
+            }
         }
         if let Some(buf) = buf {
             self.pool.give(buf);
@@ -703,7 +732,7 @@ impl Queue {
     /// Sends the first `length` bytes of the scratch buffer as C2H data of `cid`.
     pub(super) fn send_scratch(&mut self, cid: u16, length: usize) {
         let length = length.min(self.scratch.len());
-        push_c2h_data(&mut self.output, &self.framing, cid, &self.scratch[..length]);
+        push_c2h_data(&mut self.output, &self.framing, cid, &self.scratch[..length], false);
     }
 
     // --- Data descriptors ---
@@ -940,32 +969,33 @@ impl Queue {
     // --- Asynchronous events ---
 
     fn deliver_async_events(&mut self, controller: &Controller) {
+        use crate::command::log_page;
         const NOTICE: u32 = 2;
         const NAMESPACE_ATTRIBUTE_CHANGED: u32 = 0x00;
+        const ANA_CHANGE: u32 = 0x03;
         const DISCOVERY_LOG_CHANGED: u32 = 0xF0;
-        const ENABLE_NAMESPACE_NOTICES: u32 = 1 << 8;
-        const ENABLE_DISCOVERY_NOTICES: u32 = 1 << 31;
         let notices = [
             (
                 &controller.namespace_notice_pending,
-                ENABLE_NAMESPACE_NOTICES,
+                ASYNC_EVENT_NAMESPACE_ATTRIBUTE,
                 NAMESPACE_ATTRIBUTE_CHANGED,
-                crate::command::log_page::CHANGED_NAMESPACE_LIST,
+                log_page::CHANGED_NAMESPACE_LIST,
             ),
+            (&controller.ana_notice_pending, ASYNC_EVENT_ANA_CHANGE, ANA_CHANGE, log_page::ANA),
             (
                 &controller.discovery_notice_pending,
-                ENABLE_DISCOVERY_NOTICES,
+                ASYNC_EVENT_DISCOVERY_CHANGE,
                 DISCOVERY_LOG_CHANGED,
-                crate::command::log_page::DISCOVERY,
+                log_page::DISCOVERY,
             ),
         ];
         for (pending, enable, information, log_page) in notices {
-            let masked = if information == NAMESPACE_ATTRIBUTE_CHANGED {
-                self.admin.namespace_notice_masked
-            } else {
-                self.admin.discovery_notice_masked
+            let masked = match information {
+                NAMESPACE_ATTRIBUTE_CHANGED => &mut self.admin.namespace_notice_masked,
+                ANA_CHANGE => &mut self.admin.ana_notice_masked,
+                _ => &mut self.admin.discovery_notice_masked,
             };
-            if self.admin.async_event_configuration & enable == 0 || masked {
+            if self.admin.async_event_configuration & enable == 0 || *masked {
                 // Not reported: disabled, or already reported and its log not yet read (which
                 // shows this change too).
                 pending.store(false, Ordering::Release);
@@ -974,17 +1004,19 @@ impl Queue {
             if self.admin.aer_cids.is_empty() || !pending.swap(false, Ordering::AcqRel) {
                 continue;
             }
+            *masked = true;
             let Some(cid) = self.admin.aer_cids.pop_front() else { continue };
             let result = NOTICE | (information << 8) | (u32::from(log_page) << 16);
             self.respond(cid, Status::SUCCESS, u64::from(result));
-            if information == NAMESPACE_ATTRIBUTE_CHANGED {
-                self.admin.namespace_notice_masked = true;
-            } else {
-                self.admin.discovery_notice_masked = true;
-            }
         }
     }
 }
+
+/// Asynchronous Event Configuration bits (Set Features 0Bh CDW11) and OAES bits this target
+/// reports: namespace attribute notices, ANA change notices, discovery log page change notices.
+pub(super) const ASYNC_EVENT_NAMESPACE_ATTRIBUTE: u32 = 1 << 8;
+pub(super) const ASYNC_EVENT_ANA_CHANGE: u32 = 1 << 11;
+pub(super) const ASYNC_EVENT_DISCOVERY_CHANGE: u32 = 1 << 31;
 
 impl Drop for Queue {
     fn drop(&mut self) {
@@ -1008,8 +1040,9 @@ fn check_psdt(sqe: &Sqe) -> Result<(), Status> {
     }
 }
 
-/// Appends `data` as C2HData PDUs of at most [`C2H_DATA_PDU_BYTES_MAX`] bytes for `cid`.
-fn push_c2h_data(output: &mut Vec<u8>, framing: &Framing, cid: u16, data: &[u8]) {
+/// Appends `data` as C2HData PDUs of at most [`C2H_DATA_PDU_BYTES_MAX`] bytes for `cid`; with
+/// `success`, the last one carries the SUCCESS flag and stands for the response.
+fn push_c2h_data(output: &mut Vec<u8>, framing: &Framing, cid: u16, data: &[u8], success: bool) {
     let chunk = C2H_DATA_PDU_BYTES_MAX as usize;
     // Bounded by data.len() / chunk iterations; data is at most one transfer.
     for (index, piece) in data.chunks(chunk).enumerate() {
@@ -1022,6 +1055,7 @@ fn push_c2h_data(output: &mut Vec<u8>, framing: &Framing, cid: u16, data: &[u8])
             last: datao + piece.len() == data.len(),
             success: false,
         };
+        let header = DataHeader { success: success && header.last, ..header };
         pdu::encode_data_pdu(output, framing, &header, piece);
     }
 }

@@ -21,16 +21,17 @@ use crate::structures::{
     NamespaceIdentifiers, DISCOVERY_LOG_RECORD_BYTES,
 };
 
-const BLOCK: usize = 4096;
-const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-000000000001";
-const HOST_ID: [u8; 16] = [0x11; 16];
+pub(super) const BLOCK: usize = 4096;
+pub(super) const HOSTNQN: &str =
+    "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-000000000001";
+pub(super) const HOST_ID: [u8; 16] = [0x11; 16];
 
-fn subnqn(name: &str) -> Nqn {
+pub(super) fn subnqn(name: &str) -> Nqn {
     types::VolumeName::new(name).unwrap().subsystem_nqn()
 }
 
-struct TestCatalog {
-    namespaces: Vec<(Nqn, NamespaceInfo)>,
+pub(super) struct TestCatalog {
+    pub(super) namespaces: Vec<(Nqn, NamespaceInfo)>,
 }
 
 impl Catalog for TestCatalog {
@@ -45,7 +46,7 @@ impl Catalog for TestCatalog {
     }
 }
 
-fn namespace(volume: u64, size: &Arc<AtomicU64>) -> NamespaceInfo {
+pub(super) fn namespace(volume: u64, size: &Arc<AtomicU64>) -> NamespaceInfo {
     NamespaceInfo {
         volume,
         size_blocks: Arc::clone(size),
@@ -57,12 +58,12 @@ fn namespace(volume: u64, size: &Arc<AtomicU64>) -> NamespaceInfo {
     }
 }
 
-struct Fixture {
-    target: Arc<Target>,
-    size: Arc<AtomicU64>,
+pub(super) struct Fixture {
+    pub(super) target: Arc<Target>,
+    pub(super) size: Arc<AtomicU64>,
 }
 
-fn fixture() -> Fixture {
+pub(super) fn fixture() -> Fixture {
     let size = Arc::new(AtomicU64::new(1024));
     let other = Arc::new(AtomicU64::new(256));
     let catalog = TestCatalog {
@@ -77,14 +78,14 @@ fn fixture() -> Fixture {
 
 /// The storage a driver would call: 4 KiB blocks per volume, zeros when never written.
 #[derive(Default)]
-struct Storage {
-    blocks: HashMap<(u64, u64), [u8; BLOCK]>,
-    fail_reads: bool,
-    flushes: usize,
+pub(super) struct Storage {
+    pub(super) blocks: HashMap<(u64, u64), [u8; BLOCK]>,
+    pub(super) fail_reads: bool,
+    pub(super) flushes: usize,
 }
 
 impl Storage {
-    fn execute(
+    pub(super) fn execute(
         &mut self,
         request: StorageRequest,
     ) -> (Result<(), StorageStatus>, Option<AlignedBuf>) {
@@ -134,7 +135,7 @@ impl Storage {
 
 /// A received PDU, owned.
 #[derive(Debug, Clone, PartialEq)]
-enum Received {
+pub(super) enum Received {
     ICResp(ICResp),
     Response(Cqe),
     Data(DataHeader, Vec<u8>),
@@ -143,23 +144,27 @@ enum Received {
 }
 
 /// A host on one connection, with the driver's loop folded in.
-struct Host {
-    queue: Queue,
-    framing: Framing,
+pub(super) struct Host {
+    pub(super) queue: Queue,
+    pub(super) framing: Framing,
     /// Bytes sent by the host that the queue has not consumed yet (the driver's buffer).
-    unconsumed: Vec<u8>,
+    pub(super) unconsumed: Vec<u8>,
     /// Bytes sent by the queue that the host has not decoded yet.
-    inbox: Vec<u8>,
-    next_cid: u16,
-    now_ms: u64,
-    maxh2cdata: u32,
-    terminated: Option<Terminated>,
+    pub(super) inbox: Vec<u8>,
+    pub(super) next_cid: u16,
+    pub(super) now_ms: u64,
+    pub(super) maxh2cdata: u32,
+    pub(super) terminated: Option<Terminated>,
 }
 
 impl Host {
-    fn new(target: &Arc<Target>) -> Host {
+    pub(super) fn new(target: &Arc<Target>) -> Host {
+        Host::new_on_port(target, target.default_port_id())
+    }
+
+    pub(super) fn new_on_port(target: &Arc<Target>, port_id: u16) -> Host {
         Host {
-            queue: Queue::new(Arc::clone(target), "test".into(), 0),
+            queue: Queue::new_on_port(Arc::clone(target), "test".into(), port_id, 0),
             framing: Framing::new(Role::Host, 4 << 20),
             unconsumed: Vec::new(),
             inbox: Vec::new(),
@@ -171,7 +176,7 @@ impl Host {
     }
 
     /// Feeds bytes the way a driver does: keep what was not consumed, offer it again later.
-    fn send(&mut self, bytes: &[u8]) {
+    pub(super) fn send(&mut self, bytes: &[u8]) {
         self.unconsumed.extend_from_slice(bytes);
         match self.queue.receive(&self.unconsumed, self.now_ms) {
             Ok(consumed) => {
@@ -181,7 +186,7 @@ impl Host {
         }
     }
 
-    fn pump(&mut self, storage: &mut Storage) {
+    pub(super) fn pump(&mut self, storage: &mut Storage) {
         while let Some(request) = self.queue.next_request() {
             let id = request.id;
             let (result, buf) = storage.execute(request);
@@ -192,7 +197,7 @@ impl Host {
         self.inbox.extend_from_slice(&output);
     }
 
-    fn receive_all(&mut self) -> Vec<Received> {
+    pub(super) fn receive_all(&mut self) -> Vec<Received> {
         let mut received = Vec::new();
         loop {
             let decoded = pdu::decode(&self.inbox, &self.framing).expect("target output decodes");
@@ -218,7 +223,7 @@ impl Host {
         received
     }
 
-    fn initialize(&mut self, header_digest: bool, data_digest: bool, hpda: u8) {
+    pub(super) fn initialize(&mut self, header_digest: bool, data_digest: bool, hpda: u8) {
         let mut bytes = Vec::new();
         let icreq = ICReq { pfv: 0, hpda, header_digest, data_digest, maxr2t: 0 };
         pdu::encode_ic_req(&mut bytes, &icreq);
@@ -243,14 +248,14 @@ impl Host {
         }
     }
 
-    fn cid(&mut self) -> u16 {
+    pub(super) fn cid(&mut self) -> u16 {
         self.next_cid = self.next_cid.wrapping_add(1);
         self.next_cid
     }
 
     /// Sends `sqe` (its CID is replaced) with `write` data in the capsule or by R2T, runs
     /// storage, and returns the completion and the C2H data received for it.
-    fn exchange(
+    pub(super) fn exchange(
         &mut self,
         storage: &mut Storage,
         mut sqe: Sqe,
@@ -295,7 +300,7 @@ impl Host {
         panic!("no completion for cid {cid}");
     }
 
-    fn answer_r2t(&mut self, r2t: &R2T, write: &[u8]) {
+    pub(super) fn answer_r2t(&mut self, r2t: &R2T, write: &[u8]) {
         let mut bytes = Vec::new();
         let end = (r2t.r2to + r2t.r2tl) as usize;
         let mut offset = r2t.r2to as usize;
@@ -322,11 +327,18 @@ impl Host {
         self.send(&bytes);
     }
 
-    fn admin(&mut self, sqe: Sqe) -> (Cqe, Vec<u8>) {
+    pub(super) fn admin(&mut self, sqe: Sqe) -> (Cqe, Vec<u8>) {
         self.exchange(&mut Storage::default(), sqe, &[], false)
     }
 
-    fn connect(&mut self, qid: u16, sqsize: u16, cntlid: u16, subnqn: &Nqn, hostnqn: &str) -> Cqe {
+    pub(super) fn connect(
+        &mut self,
+        qid: u16,
+        sqsize: u16,
+        cntlid: u16,
+        subnqn: &Nqn,
+        hostnqn: &str,
+    ) -> Cqe {
         let data = crate::command::ConnectData {
             host_id: HOST_ID,
             cntlid,
@@ -339,14 +351,14 @@ impl Host {
         self.exchange(&mut Storage::default(), sqe, &bytes, true).0
     }
 
-    fn property_get(&mut self, offset: u32, size: PropertySize) -> u64 {
+    pub(super) fn property_get(&mut self, offset: u32, size: PropertySize) -> u64 {
         let (cqe, _) = self.admin(Sqe::property_get(0, offset, size));
         assert!(cqe.status.is_success(), "{cqe:?}");
         cqe.result
     }
 
     /// ICReq, admin Connect, CC.EN = 1: a ready admin queue. Returns the controller ID.
-    fn bring_up_admin(&mut self, subnqn: &Nqn) -> u16 {
+    pub(super) fn bring_up_admin(&mut self, subnqn: &Nqn) -> u16 {
         self.initialize(false, false, 0);
         let cqe = self.connect(0, 31, CNTLID_DYNAMIC, subnqn, HOSTNQN);
         assert!(cqe.status.is_success(), "{cqe:?}");
@@ -354,7 +366,7 @@ impl Host {
         cqe.dw0() as u16
     }
 
-    fn enable(&mut self) {
+    pub(super) fn enable(&mut self) {
         let cc = property::CC_ENABLE
             | (6 << property::CC_IOSQES_SHIFT)
             | (4 << property::CC_IOCQES_SHIFT);
@@ -363,7 +375,7 @@ impl Host {
         assert!(cqe.status.is_success());
     }
 
-    fn expect_termination(&mut self, fes: FatalErrorStatus, fei: u32) {
+    pub(super) fn expect_termination(&mut self, fes: FatalErrorStatus, fei: u32) {
         self.pump(&mut Storage::default());
         let received = self.receive_all();
         match received.last() {
@@ -379,19 +391,19 @@ impl Host {
     }
 }
 
-fn pattern(length: usize, seed: u8) -> Vec<u8> {
+pub(super) fn pattern(length: usize, seed: u8) -> Vec<u8> {
     (0..length).map(|index| (index as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
-fn write(lba: u64, blocks: u32) -> Sqe {
+pub(super) fn write(lba: u64, blocks: u32) -> Sqe {
     Sqe::write(0, 1, lba, blocks)
 }
 
-fn read(lba: u64, blocks: u32) -> Sqe {
+pub(super) fn read(lba: u64, blocks: u32) -> Sqe {
     Sqe::read(0, 1, lba, blocks).with_sgl(SglDescriptor::transport(blocks * BLOCK as u32))
 }
 
-fn assert_status(cqe: &Cqe, expected: Status) {
+pub(super) fn assert_status(cqe: &Cqe, expected: Status) {
     assert!(cqe.status.same_code(expected), "expected {expected:?}, got {:?}", cqe.status);
 }
 
@@ -669,7 +681,7 @@ fn data_digest_error_fails_only_the_command() {
 }
 
 /// An I/O queue connected to subsystem "db", with its admin queue.
-fn io_queue(fixture: &Fixture) -> (Host, Host) {
+pub(super) fn io_queue(fixture: &Fixture) -> (Host, Host) {
     let nqn = subnqn("db");
     let mut admin = Host::new(&fixture.target);
     let cntlid = admin.bring_up_admin(&nqn);
