@@ -5,7 +5,7 @@
 //! sees, so callers print it as is.
 
 use crate::wire::{
-    CreateVolume, ErrorBody, ErrorCode, NodeInfo, ResizeVolume, VolumeInfo, VolumeList,
+    CreateVolume, ErrorBody, ErrorCode, HostAccess, NodeInfo, ResizeVolume, VolumeInfo, VolumeList,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -115,6 +115,23 @@ impl Client {
     /// Deletes a volume and returns what it was.
     pub fn delete_volume(&self, name: &str) -> Result<VolumeInfo, ClientError> {
         self.call("DELETE", &volume_path(name, ""), None)
+    }
+
+    /// Who may connect to the volume.
+    pub fn host_access(&self, volume: &str) -> Result<HostAccess, ClientError> {
+        self.call("GET", &volume_path(volume, "/hosts"), None)
+    }
+
+    /// Allows `host` (a host NQN, or [`crate::ANY_HOST`] to open the volume to every host) to
+    /// connect to the volume, and returns who may now.
+    pub fn allow_host(&self, volume: &str, host: &str) -> Result<HostAccess, ClientError> {
+        self.call("PUT", &host_path(volume, host), None)
+    }
+
+    /// Denies `host` (a host NQN, or [`crate::ANY_HOST`] to admit no host at all) access to the
+    /// volume, disconnecting it, and returns who may still connect.
+    pub fn deny_host(&self, volume: &str, host: &str) -> Result<HostAccess, ClientError> {
+        self.call("DELETE", &host_path(volume, host), None)
     }
 
     /// The Prometheus text exposition of the node's metrics.
@@ -227,15 +244,27 @@ fn json(body: &impl Serialize) -> Vec<u8> {
 fn volume_path(name: &str, suffix: &str) -> String {
     let mut path = String::from(crate::paths::VOLUMES);
     path.push('/');
-    for byte in name.bytes() {
+    push_segment(&mut path, name);
+    path.push_str(suffix);
+    path
+}
+
+/// The path of one host of a volume's allowed hosts, each part one percent-encoded segment.
+fn host_path(volume: &str, host: &str) -> String {
+    let mut path = volume_path(volume, "/hosts/");
+    push_segment(&mut path, host);
+    path
+}
+
+/// Appends `segment` percent-encoded: only unreserved characters stay as they are.
+fn push_segment(path: &mut String, segment: &str) {
+    for byte in segment.bytes() {
         if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'_' | b'.' | b'~') {
             path.push(char::from(byte));
         } else {
             path.push_str(&format!("%{byte:02X}"));
         }
     }
-    path.push_str(suffix);
-    path
 }
 
 /// The I/O error under a ureq transport error, if there is one.
@@ -344,5 +373,10 @@ mod tests {
     fn volume_paths_are_one_segment() {
         assert_eq!(volume_path("db-1", ""), "/v1/volumes/db-1");
         assert_eq!(volume_path("a/../b c", "/resize"), "/v1/volumes/a%2F..%2Fb%20c/resize");
+        assert_eq!(
+            host_path("db", "nqn.2014-08.org.nvmexpress:uuid:1/x"),
+            "/v1/volumes/db/hosts/nqn.2014-08.org.nvmexpress%3Auuid%3A1%2Fx"
+        );
+        assert_eq!(host_path("db", crate::ANY_HOST), "/v1/volumes/db/hosts/any");
     }
 }

@@ -15,15 +15,26 @@ pub use client::{Client, ClientError, REQUEST_TIMEOUT_MS, RESPONSE_SIZE_BYTES_MA
 pub use format::{format_uuid, rfc3339_utc};
 pub use wire::*;
 
-/// The paths the node serves. `{name}` is a volume name, percent-encoded as a path segment.
+/// The paths the node serves. `{name}` is a volume name and `{host}` a host NQN or
+/// [`ANY_HOST`](crate::ANY_HOST), each percent-encoded as one path segment (NQNs hold `:`).
 pub mod paths {
     pub const VOLUMES: &str = "/v1/volumes";
     pub const VOLUME: &str = "/v1/volumes/{name}";
     pub const VOLUME_RESIZE: &str = "/v1/volumes/{name}/resize";
+    /// `GET`: the volume's [`HostAccess`](crate::HostAccess).
+    pub const VOLUME_HOSTS: &str = "/v1/volumes/{name}/hosts";
+    /// `PUT`: allow the host; `DELETE`: deny it. Both answer the new
+    /// [`HostAccess`](crate::HostAccess).
+    pub const VOLUME_HOST: &str = "/v1/volumes/{name}/hosts/{host}";
     pub const NODE: &str = "/v1/node";
     pub const METRICS: &str = "/metrics";
     pub const HEALTHZ: &str = "/healthz";
 }
+
+/// The `{host}` of [`paths::VOLUME_HOST`] that stands for every host: `PUT` opens the volume to
+/// any host (and clears its list), `DELETE` restricts it to no host at all. Never an NQN, since
+/// NQNs start with `nqn.`.
+pub const ANY_HOST: &str = "any";
 
 /// The API URL the CLI uses when neither `--api` nor `FERRITE_API` is given.
 pub const DEFAULT_API_URL: &str = "http://127.0.0.1:8080";

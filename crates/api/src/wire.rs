@@ -33,6 +33,10 @@ pub struct VolumeInfo {
     /// The address hosts connect to over NVMe/TCP.
     pub nvme_host: String,
     pub nvme_port: u16,
+    /// Whether any host may connect or only the allowed ones (`GET /v1/volumes/{name}/hosts`).
+    /// Absent from nodes older than host access control, whose volumes are all open.
+    #[serde(default)]
+    pub access: AccessMode,
 }
 
 impl VolumeInfo {
@@ -46,6 +50,38 @@ impl VolumeInfo {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeList {
     pub volumes: Vec<VolumeInfo>,
+}
+
+/// Whether a volume admits any host or only its allowed hosts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AccessMode {
+    /// Any host may connect and sees the volume in discovery. Every volume starts open.
+    #[default]
+    Open,
+    /// Only the allowed hosts may connect and see the volume; with none allowed, no host may.
+    Restricted,
+}
+
+impl AccessMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AccessMode::Open => "open",
+            AccessMode::Restricted => "restricted",
+        }
+    }
+}
+
+/// `GET /v1/volumes/{name}/hosts`, and the answer of `PUT` and `DELETE` on
+/// `/v1/volumes/{name}/hosts/{host}`: who may connect to a volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostAccess {
+    pub volume: String,
+    /// The volume's subsystem NQN, the one hosts connect to.
+    pub nqn: String,
+    pub access: AccessMode,
+    /// The allowed host NQNs, sorted; always empty when `access` is `open`.
+    pub hosts: Vec<String>,
 }
 
 /// Space on the node's drives.
@@ -118,10 +154,16 @@ pub enum ErrorCode {
     Busy,
     /// 500: the node failed; the message says how.
     Internal,
+    /// 400: the host is neither a valid NQN nor `any`.
+    InvalidNqn,
+    /// 409: a host cannot be denied on its own while the volume is open to any host.
+    HostAccessOpen,
+    /// 409: the volume's allowed-hosts list is full.
+    TooManyHosts,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 12] = [
+    pub const ALL: [ErrorCode; 15] = [
         Self::VolumeExists,
         Self::VolumeNotFound,
         Self::InvalidSize,
@@ -134,6 +176,9 @@ impl ErrorCode {
         Self::MethodNotAllowed,
         Self::Busy,
         Self::Internal,
+        Self::InvalidNqn,
+        Self::HostAccessOpen,
+        Self::TooManyHosts,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -150,14 +195,20 @@ impl ErrorCode {
             Self::MethodNotAllowed => "method_not_allowed",
             Self::Busy => "busy",
             Self::Internal => "internal",
+            Self::InvalidNqn => "invalid_nqn",
+            Self::HostAccessOpen => "host_access_open",
+            Self::TooManyHosts => "too_many_hosts",
         }
     }
 
     pub fn http_status(self) -> u16 {
         match self {
-            Self::VolumeExists | Self::ShrinkRefused => 409,
+            Self::VolumeExists
+            | Self::ShrinkRefused
+            | Self::HostAccessOpen
+            | Self::TooManyHosts => 409,
             Self::VolumeNotFound | Self::NotFound => 404,
-            Self::InvalidSize | Self::InvalidName | Self::InvalidRequest => 400,
+            Self::InvalidSize | Self::InvalidName | Self::InvalidRequest | Self::InvalidNqn => 400,
             Self::NoSpace => 507,
             Self::RequestTooLarge => 413,
             Self::MethodNotAllowed => 405,
@@ -192,7 +243,10 @@ mod tests {
                 "not_found",
                 "method_not_allowed",
                 "busy",
-                "internal"
+                "internal",
+                "invalid_nqn",
+                "host_access_open",
+                "too_many_hosts"
             ]
         );
         for code in ErrorCode::ALL {
@@ -213,14 +267,40 @@ mod tests {
             created_unix_ms: 0,
             nvme_host: "127.0.0.1".to_owned(),
             nvme_port: 4420,
+            access: AccessMode::Restricted,
         };
         assert_eq!(
             info.nvme_connect_command(),
             "nvme connect -t tcp -a 127.0.0.1 -s 4420 -n nqn.2024-01.io.ferrite:vol:db"
         );
-        let json = serde_json::to_value(&info).unwrap();
+        let mut json = serde_json::to_value(&info).unwrap();
         assert_eq!(json["size_bytes"], 1u64 << 30);
-        assert_eq!(serde_json::from_value::<VolumeInfo>(json).unwrap(), info);
+        assert_eq!(json["access"], "restricted");
+        assert_eq!(serde_json::from_value::<VolumeInfo>(json.clone()).unwrap(), info);
+        // A node older than host access control sends no `access`: its volumes are open.
+        json.as_object_mut().unwrap().remove("access");
+        let old = serde_json::from_value::<VolumeInfo>(json).unwrap();
+        assert_eq!(old.access, AccessMode::Open);
+    }
+
+    #[test]
+    fn host_access_json() {
+        let access = HostAccess {
+            volume: "db".to_owned(),
+            nqn: "nqn.2024-01.io.ferrite:vol:db".to_owned(),
+            access: AccessMode::Open,
+            hosts: vec![],
+        };
+        let json = serde_json::to_value(&access).unwrap();
+        assert_eq!(json["access"], "open");
+        assert_eq!(serde_json::from_value::<HostAccess>(json).unwrap(), access);
+        let restricted: HostAccess = serde_json::from_str(
+            r#"{"volume":"db","nqn":"n","access":"restricted","hosts":["nqn.h:1"]}"#,
+        )
+        .unwrap();
+        assert_eq!(restricted.access, AccessMode::Restricted);
+        assert_eq!(AccessMode::Restricted.as_str(), "restricted");
+        assert!(serde_json::from_str::<AccessMode>(r#""closed""#).is_err());
     }
 
     #[test]

@@ -44,6 +44,41 @@ Examples:
 
 Sizes take binary units: 512M, 10G, 1T (also MiB, GiB, TiB), or plain bytes.";
 
+const HOST_ABOUT: &str = "\
+Control which hosts may connect to a volume.
+
+Every volume is either open or restricted:
+  open        any host may connect and sees the volume in its discovery log. Volumes start open.
+  restricted  only the allowed hosts may connect or see it; with no host allowed, none may.
+
+  ferrite host allow VOLUME HOSTNQN  allow a host. On an open volume this restricts the volume
+                                     to that host, and every connected host is disconnected
+                                     (allowed hosts reconnect).
+  ferrite host deny VOLUME HOSTNQN   remove a host from the allowed hosts and disconnect it. The
+                                     volume stays restricted, even when its last host goes. On
+                                     an open volume this is refused: allow the hosts you want
+                                     instead.
+  ferrite host allow VOLUME any      open the volume to every host (the list is forgotten).
+  ferrite host deny VOLUME any       allow no host at all and disconnect every host.
+  ferrite host list VOLUME           show whether the volume is open and which hosts it allows.
+
+A host NQN is the name the host connects with; on Linux it is in /etc/nvme/hostnqn (create one
+with `nvme gen-hostnqn`). A host that is not allowed is refused at Connect with the status
+Connect Invalid Host, and does not see the volume in the discovery log. Changes are kept in the
+node's metadata and survive restarts.
+
+Every command talks to a running node's REST API (see --api).";
+
+const HOST_EXAMPLES: &str = "\
+Examples:
+  ferrite host allow db nqn.2014-08.org.nvmexpress:uuid:4c4c4544-0042-4810-8056-b4c04f4d3732
+  ferrite host allow db \"$(ssh app1 cat /etc/nvme/hostnqn)\"
+  ferrite host list db
+  ferrite host list db --json | jq -r '.hosts[]'
+  ferrite host deny db nqn.2014-08.org.nvmexpress:uuid:4c4c4544-0042-4810-8056-b4c04f4d3732
+  ferrite host allow db any          # back to open: every host may connect
+  ferrite host deny db any           # lock down: no host may connect";
+
 /// Ferrite: block storage served over NVMe/TCP.
 #[derive(Parser)]
 #[command(name = "ferrite", version, after_long_help = ROOT_EXAMPLES, propagate_version = true)]
@@ -65,6 +100,9 @@ enum Command {
     /// Every command talks to a running node's REST API (see --api).
     #[command(after_long_help = VOLUME_EXAMPLES)]
     Volume(VolumeArgs),
+    /// Control which hosts may connect to a volume.
+    #[command(long_about = HOST_ABOUT, after_long_help = HOST_EXAMPLES)]
+    Host(HostArgs),
     /// Show this node: capacity, drives and what it serves.
     Node(NodeArgs),
     /// Measure a volume with the five standard workloads over NVMe/TCP.
@@ -88,6 +126,55 @@ enum NodeCommand {
     /// Show the node's identity, capacity and listen addresses.
     #[command(after_long_help = "Example:\n  ferrite node show")]
     Show,
+}
+
+#[derive(Args)]
+struct HostArgs {
+    /// The node's REST API.
+    #[arg(long, global = true, value_name = "URL", env = "FERRITE_API", default_value = api::DEFAULT_API_URL)]
+    api: String,
+    /// Print JSON instead of text, for scripts.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: HostCommand,
+}
+
+#[derive(Subcommand)]
+enum HostCommand {
+    /// Allow a host to connect to a volume, or `any` host.
+    ///
+    /// The first host allowed on an open volume restricts it to the allowed hosts and
+    /// disconnects every connected host (allowed hosts reconnect). `any` opens the volume to
+    /// every host and forgets the list.
+    #[command(
+        after_long_help = "Examples:\n  ferrite host allow db nqn.2014-08.org.nvmexpress:uuid:4c4c4544-0042-4810-8056-b4c04f4d3732\n  ferrite host allow db any"
+    )]
+    Allow {
+        volume: String,
+        /// The host's NQN (on Linux, from /etc/nvme/hostnqn), or `any`.
+        #[arg(value_name = "HOSTNQN|any")]
+        host: String,
+    },
+    /// Deny a host access to a volume, or `any` host; denied hosts are disconnected.
+    ///
+    /// The volume stays restricted even when its last allowed host is denied: it never opens to
+    /// every host by itself. `any` allows no host at all. A single host cannot be denied while
+    /// the volume is open to any host: allow the hosts that may connect instead.
+    #[command(
+        after_long_help = "Examples:\n  ferrite host deny db nqn.2014-08.org.nvmexpress:uuid:4c4c4544-0042-4810-8056-b4c04f4d3732\n  ferrite host deny db any"
+    )]
+    Deny {
+        volume: String,
+        /// The host's NQN, or `any`.
+        #[arg(value_name = "HOSTNQN|any")]
+        host: String,
+    },
+    /// Show whether a volume is open to any host, and which hosts it allows.
+    #[command(
+        after_long_help = "Examples:\n  ferrite host list db\n  ferrite host list db --json"
+    )]
+    List { volume: String },
 }
 
 #[derive(Args)]
@@ -165,6 +252,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Up(args) => up(args),
         Command::Volume(args) => volume(args),
+        Command::Host(args) => host_command(args),
         Command::Node(args) => node_command(args),
         Command::Bench(args) => bench_command(&args),
     };
@@ -226,6 +314,22 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
             let volume = client.resize_volume(&name, size.bytes())?;
             print::volume_changed(json, "resized", &volume)
         }
+    }
+}
+
+fn host_command(args: HostArgs) -> anyhow::Result<()> {
+    let client = api::Client::new(&args.api)?;
+    let json = args.json;
+    match args.command {
+        HostCommand::Allow { volume, host } => {
+            let access = client.allow_host(&volume, &host)?;
+            print::host_access_changed(json, "allowed", &host, &access)
+        }
+        HostCommand::Deny { volume, host } => {
+            let access = client.deny_host(&volume, &host)?;
+            print::host_access_changed(json, "denied", &host, &access)
+        }
+        HostCommand::List { volume } => print::host_access(json, &client.host_access(&volume)?),
     }
 }
 

@@ -1,7 +1,7 @@
 //! What the CLI prints: aligned tables and key-value blocks for people, the API's JSON for
 //! scripts (`--json` prints exactly what the API returned).
 
-use api::VolumeInfo;
+use api::{AccessMode, HostAccess, VolumeInfo};
 use types::ByteSize;
 
 pub fn started(node: &node::Node) {
@@ -69,6 +69,7 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
         ("nqn", volume.nqn.clone()),
         ("address", format!("tcp {}:{}", volume.nvme_host, volume.nvme_port)),
         ("connect", volume.nvme_connect_command()),
+        ("access", access_summary(volume.access, &volume.name)),
     ];
     for (key, value) in rows {
         println!("{:<9}{value}", format!("{key}:"));
@@ -98,6 +99,56 @@ pub fn volume_list(json: bool, volumes: Vec<VolumeInfo>) -> anyhow::Result<()> {
         })
         .collect();
     print_table(&header, &rows);
+    Ok(())
+}
+
+fn access_summary(access: AccessMode, volume: &str) -> String {
+    match access {
+        AccessMode::Open => "open (any host may connect)".to_owned(),
+        AccessMode::Restricted => {
+            format!("restricted (only allowed hosts may connect; `ferrite host list {volume}`)")
+        }
+    }
+}
+
+/// After `ferrite host allow|deny`: what was done, then the volume's access as `list` shows it.
+pub fn host_access_changed(
+    json: bool,
+    verb: &str,
+    host: &str,
+    access: &HostAccess,
+) -> anyhow::Result<()> {
+    if json {
+        return print_json(access);
+    }
+    if host == api::ANY_HOST {
+        println!("{verb} any host on volume {}", access.volume);
+    } else {
+        println!("{verb} host {host} on volume {}", access.volume);
+    }
+    host_access(false, access)
+}
+
+pub fn host_access(json: bool, access: &HostAccess) -> anyhow::Result<()> {
+    if json {
+        return print_json(access);
+    }
+    let state = match (access.access, access.hosts.len()) {
+        (AccessMode::Open, _) => "open: any host may connect".to_owned(),
+        (AccessMode::Restricted, 0) => format!(
+            "restricted: no host may connect; allow one with `ferrite host allow {} HOSTNQN`",
+            access.volume
+        ),
+        (AccessMode::Restricted, 1) => "restricted: only this host may connect".to_owned(),
+        (AccessMode::Restricted, count) => {
+            format!("restricted: only these {count} hosts may connect")
+        }
+    };
+    println!("{:<8}{} ({})", "volume:", access.volume, access.nqn);
+    println!("{:<8}{state}", "access:");
+    for host in &access.hosts {
+        println!("  {host}");
+    }
     Ok(())
 }
 

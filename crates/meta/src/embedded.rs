@@ -217,6 +217,7 @@ fn backend(error: impl Into<redb::Error>) -> MetaError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::HostAccess;
 
     #[test]
     fn conformance() {
@@ -239,6 +240,9 @@ mod tests {
                 uuid: [3; 16],
                 created_unix_ms: 9,
                 chunks: vec![(1, 2)],
+                host_access: HostAccess::Restricted(
+                    [types::Nqn::new("nqn.2014-08.org.nvmexpress:uuid:1").unwrap()].into(),
+                ),
             };
             store.create_volume(&record).unwrap();
             let node = NodeRecord {
@@ -272,6 +276,35 @@ mod tests {
         std::fs::write(&path, b"this is not a redb file at all, not even close").unwrap();
         let error = EmbeddedStore::open(&path).err().unwrap();
         assert!(matches!(error, MetaError::Open { .. }), "{error}");
+    }
+
+    /// A data dir written before host access control existed (version 1 volume records) opens,
+    /// and its volumes are open to any host until changed.
+    #[test]
+    fn version_1_records_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open_in(dir.path()).unwrap();
+        let old = br#"{"version":1,"id":3,"name":"old","size_bytes":1048576,"uuid":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],"created_unix_ms":5,"chunks":[[0,0]]}"#;
+        store
+            .write(|txn| {
+                let mut table = txn.open_table(VOLUMES).map_err(backend)?;
+                table.insert("old", old.as_slice()).map_err(backend)?;
+                Ok(())
+            })
+            .unwrap();
+        let name = VolumeName::new("old").unwrap();
+        let record = store.volume(&name).unwrap().unwrap();
+        assert_eq!(record.host_access, HostAccess::Open);
+        assert_eq!(record.chunks, vec![(0, 0)]);
+        assert_eq!(store.volumes().unwrap(), vec![record.clone()]);
+
+        // Changing it writes version 2.
+        let hosts = [types::Nqn::new("nqn.x:host").unwrap()].into();
+        let restricted = VolumeRecord { host_access: HostAccess::Restricted(hosts), ..record };
+        store.update_volume(&restricted).unwrap();
+        drop(store);
+        let store = EmbeddedStore::open_in(dir.path()).unwrap();
+        assert_eq!(store.volume(&name).unwrap(), Some(restricted));
     }
 
     #[test]

@@ -18,8 +18,14 @@ pub mod testing;
 
 pub use embedded::{EmbeddedStore, META_FILE_NAME};
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
-use types::VolumeName;
+use types::{Nqn, VolumeName};
+
+/// The most host NQNs one volume's allowed-hosts list holds. A bound on the record's size (each
+/// NQN is at most 223 bytes) and on the work of a Connect; far above the hosts that share a
+/// volume in practice.
+pub const ALLOWED_HOSTS_MAX: usize = 1024;
 
 /// A chunk of drive space given to a volume: `(drive index, chunk index on that drive)`.
 ///
@@ -39,6 +45,46 @@ pub struct VolumeRecord {
     pub created_unix_ms: u64,
     /// The engine chunks that hold the volume, in volume order.
     pub chunks: Vec<Chunk>,
+    /// Which hosts may connect to the volume's NVMe subsystem.
+    pub host_access: HostAccess,
+}
+
+/// Which hosts may connect to a volume's NVMe subsystem (and see it in the discovery log).
+///
+/// Two explicit states rather than "an empty list means anyone", so that removing the last
+/// allowed host can never silently open a volume to every host.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum HostAccess {
+    /// Any host may connect. A new volume starts here, and so does every volume written before
+    /// host access control existed (record version 1).
+    #[default]
+    Open,
+    /// Only the listed host NQNs may connect; an empty list admits no host. Holds at most
+    /// [`ALLOWED_HOSTS_MAX`] NQNs.
+    Restricted(BTreeSet<Nqn>),
+}
+
+impl HostAccess {
+    /// Whether the host `hostnqn` may connect.
+    pub fn allows(&self, hostnqn: &Nqn) -> bool {
+        match self {
+            HostAccess::Open => true,
+            HostAccess::Restricted(hosts) => hosts.contains(hostnqn),
+        }
+    }
+
+    /// The allowed host NQNs, sorted; empty when the volume is open.
+    pub fn hosts(&self) -> impl Iterator<Item = &Nqn> {
+        let hosts = match self {
+            HostAccess::Open => None,
+            HostAccess::Restricted(hosts) => Some(hosts),
+        };
+        hosts.into_iter().flatten()
+    }
+
+    pub fn is_open(&self) -> bool {
+        matches!(self, HostAccess::Open)
+    }
 }
 
 /// Who this node is. Written once, on the node's first start, after its drives are formatted.
@@ -70,8 +116,8 @@ pub enum MetaError {
     #[error("metadata record {key:?} is corrupt: {detail}")]
     RecordCorrupt { key: String, detail: String },
     #[error(
-        "metadata record {key:?} has format version {version}, but this build reads only \
-         version {supported}; run a newer ferrite"
+        "metadata record {key:?} has format version {version}, but this build reads versions \
+         up to {supported}; run a newer ferrite"
     )]
     RecordVersionUnsupported { key: String, version: u64, supported: u32 },
 }

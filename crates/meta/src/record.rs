@@ -6,28 +6,53 @@
 //! because records are few, small and read rarely (at start and per API call), and an operator
 //! can read them with redb's tools when something goes wrong.
 //!
-//! Version 1, volume record:
-//! `{"version":1,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[16 bytes],
-//!   "created_unix_ms":1700000000000,"chunks":[[drive,index],...]}`
+//! Volume record, version 2 (written by this build):
+//! `{"version":2,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[16 bytes],
+//!   "created_unix_ms":1700000000000,"chunks":[[drive,index],...],
+//!   "allow_any_host":false,"allowed_hosts":["nqn.2014-08.org.nvmexpress:uuid:...",...]}`
 //!
-//! Version 1, node record:
+//! `allow_any_host` true is [`HostAccess::Open`] and then `allowed_hosts` is empty; false is
+//! [`HostAccess::Restricted`] with the listed NQNs (sorted, at most [`ALLOWED_HOSTS_MAX`]).
+//! Host access came with version 2 on purpose rather than as an optional field of version 1: a
+//! build that knows only version 1 ignores unknown fields, so it would read a restricted volume
+//! as open to every host. With the version bumped it refuses the record instead (fail closed).
+//!
+//! Volume record, version 1 (read only): version 2 without `allow_any_host` and
+//! `allowed_hosts`; it decodes as [`HostAccess::Open`], which is how every volume was served
+//! before host access control existed.
+//!
+//! Node record, version 1:
 //! `{"version":1,"uuid":[16 bytes],"drive_count":4,"drive_size_bytes":17179869184,
 //!   "created_unix_ms":1700000000000}`
 
-use crate::{Chunk, MetaError, NodeRecord, VolumeRecord};
+use crate::{Chunk, HostAccess, MetaError, NodeRecord, VolumeRecord, ALLOWED_HOSTS_MAX};
 use serde::{Deserialize, Serialize};
-use types::VolumeName;
+use std::collections::BTreeSet;
+use types::{Nqn, VolumeName};
 
-/// The only record format version this build writes and reads.
-pub const RECORD_FORMAT_VERSION: u32 = 1;
+/// The volume record version this build writes; it reads every version from 1 up to this.
+pub const VOLUME_RECORD_VERSION: u32 = 2;
+/// The node record version this build writes and reads.
+pub const NODE_RECORD_VERSION: u32 = 1;
 
 #[derive(Deserialize)]
 struct Envelope {
     version: Option<u64>,
 }
 
-#[derive(Serialize, Deserialize)]
+/// Volume record version 1, frozen: the decoder of records written before version 2.
+#[derive(Deserialize)]
 struct VolumeV1 {
+    id: u64,
+    name: String,
+    size_bytes: u64,
+    uuid: [u8; 16],
+    created_unix_ms: u64,
+    chunks: Vec<Chunk>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct VolumeV2 {
     version: u32,
     id: u64,
     name: String,
@@ -35,6 +60,8 @@ struct VolumeV1 {
     uuid: [u8; 16],
     created_unix_ms: u64,
     chunks: Vec<Chunk>,
+    allow_any_host: bool,
+    allowed_hosts: Vec<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -47,14 +74,21 @@ struct NodeV1 {
 }
 
 pub fn encode_volume(record: &VolumeRecord) -> Vec<u8> {
-    let stored = VolumeV1 {
-        version: RECORD_FORMAT_VERSION,
+    assert!(
+        record.host_access.hosts().count() <= ALLOWED_HOSTS_MAX,
+        "volume {} allows more than {ALLOWED_HOSTS_MAX} hosts",
+        record.name
+    );
+    let stored = VolumeV2 {
+        version: VOLUME_RECORD_VERSION,
         id: record.id,
         name: record.name.as_str().to_owned(),
         size_bytes: record.size_bytes,
         uuid: record.uuid,
         created_unix_ms: record.created_unix_ms,
         chunks: record.chunks.clone(),
+        allow_any_host: record.host_access.is_open(),
+        allowed_hosts: record.host_access.hosts().map(|nqn| nqn.as_str().to_owned()).collect(),
     };
     // Serialising plain integers, strings and vectors into memory cannot fail.
     serde_json::to_vec(&stored).expect("a volume record always serialises")
@@ -62,25 +96,73 @@ pub fn encode_volume(record: &VolumeRecord) -> Vec<u8> {
 
 /// Decodes a volume record read from the store under `key` (the volume's name).
 pub fn decode_volume(key: &str, bytes: &[u8]) -> Result<VolumeRecord, MetaError> {
-    check_version(key, bytes)?;
-    let stored: VolumeV1 = serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
-    let name = VolumeName::new(&stored.name).map_err(|error| corrupt(key, error))?;
+    let record = match check_version(key, bytes, VOLUME_RECORD_VERSION)? {
+        1 => {
+            let stored: VolumeV1 =
+                serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
+            VolumeRecord {
+                id: stored.id,
+                name: decode_name(key, &stored.name)?,
+                size_bytes: stored.size_bytes,
+                uuid: stored.uuid,
+                created_unix_ms: stored.created_unix_ms,
+                chunks: stored.chunks,
+                host_access: HostAccess::Open,
+            }
+        }
+        _ => {
+            let stored: VolumeV2 =
+                serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
+            VolumeRecord {
+                id: stored.id,
+                name: decode_name(key, &stored.name)?,
+                size_bytes: stored.size_bytes,
+                uuid: stored.uuid,
+                created_unix_ms: stored.created_unix_ms,
+                chunks: stored.chunks,
+                host_access: decode_host_access(key, stored.allow_any_host, &stored.allowed_hosts)?,
+            }
+        }
+    };
+    Ok(record)
+}
+
+fn decode_name(key: &str, stored: &str) -> Result<VolumeName, MetaError> {
+    let name = VolumeName::new(stored).map_err(|error| corrupt(key, error))?;
     if name.as_str() != key {
         return Err(corrupt(key, format!("it names volume {name:?}")));
     }
-    Ok(VolumeRecord {
-        id: stored.id,
-        name,
-        size_bytes: stored.size_bytes,
-        uuid: stored.uuid,
-        created_unix_ms: stored.created_unix_ms,
-        chunks: stored.chunks,
-    })
+    Ok(name)
+}
+
+fn decode_host_access(
+    key: &str,
+    allow_any_host: bool,
+    allowed_hosts: &[String],
+) -> Result<HostAccess, MetaError> {
+    if allowed_hosts.len() > ALLOWED_HOSTS_MAX {
+        return Err(corrupt(
+            key,
+            format!("it allows {} hosts, more than {ALLOWED_HOSTS_MAX}", allowed_hosts.len()),
+        ));
+    }
+    let mut hosts = BTreeSet::new();
+    for host in allowed_hosts {
+        let nqn = Nqn::new(host).map_err(|error| corrupt(key, error))?;
+        if !hosts.insert(nqn) {
+            return Err(corrupt(key, format!("it allows host {host:?} twice")));
+        }
+    }
+    match (allow_any_host, hosts.is_empty()) {
+        (true, true) => Ok(HostAccess::Open),
+        (true, false) => Err(corrupt(key, "it allows any host and also lists hosts")),
+        (false, _) => Ok(HostAccess::Restricted(hosts)),
+    }
 }
 
 pub fn encode_node(record: &NodeRecord) -> Vec<u8> {
     let stored = NodeV1 {
-        version: RECORD_FORMAT_VERSION,
+        version: NODE_RECORD_VERSION,
         uuid: record.uuid,
         drive_count: record.drive_count,
         drive_size_bytes: record.drive_size_bytes,
@@ -90,7 +172,7 @@ pub fn encode_node(record: &NodeRecord) -> Vec<u8> {
 }
 
 pub fn decode_node(key: &str, bytes: &[u8]) -> Result<NodeRecord, MetaError> {
-    check_version(key, bytes)?;
+    check_version(key, bytes, NODE_RECORD_VERSION)?;
     let stored: NodeV1 = serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
     Ok(NodeRecord {
         uuid: stored.uuid,
@@ -100,14 +182,18 @@ pub fn decode_node(key: &str, bytes: &[u8]) -> Result<NodeRecord, MetaError> {
     })
 }
 
-fn check_version(key: &str, bytes: &[u8]) -> Result<(), MetaError> {
+/// Reads the record's version: one from 1 to `newest`, or an error.
+fn check_version(key: &str, bytes: &[u8], newest: u32) -> Result<u32, MetaError> {
     let envelope: Envelope = serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
     match envelope.version {
-        Some(version) if version == u64::from(RECORD_FORMAT_VERSION) => Ok(()),
+        Some(version) if (1..=u64::from(newest)).contains(&version) => {
+            // In range 1..=newest, so it fits.
+            Ok(u32::try_from(version).unwrap_or(newest))
+        }
         Some(version) => Err(MetaError::RecordVersionUnsupported {
             key: key.to_owned(),
             version,
-            supported: RECORD_FORMAT_VERSION,
+            supported: newest,
         }),
         None => Err(corrupt(key, "it has no format version")),
     }
@@ -121,6 +207,10 @@ fn corrupt(key: &str, detail: impl std::fmt::Display) -> MetaError {
 mod tests {
     use super::*;
 
+    fn nqn(text: &str) -> Nqn {
+        Nqn::new(text).unwrap()
+    }
+
     fn volume() -> VolumeRecord {
         VolumeRecord {
             id: 7,
@@ -129,6 +219,7 @@ mod tests {
             uuid: [9; 16],
             created_unix_ms: 1_700_000_000_000,
             chunks: vec![(0, 1), (3, 4_000_000_000)],
+            host_access: HostAccess::Open,
         }
     }
 
@@ -136,6 +227,33 @@ mod tests {
     fn volume_round_trip() {
         let record = volume();
         assert_eq!(decode_volume("db-1", &encode_volume(&record)).unwrap(), record);
+        for hosts in [vec![], vec!["nqn.b:host", "nqn.a:host"]] {
+            let host_access = HostAccess::Restricted(hosts.into_iter().map(nqn).collect());
+            let record = VolumeRecord { host_access, ..volume() };
+            assert_eq!(decode_volume("db-1", &encode_volume(&record)).unwrap(), record);
+        }
+    }
+
+    #[test]
+    fn volume_version_2_layout() {
+        let hosts = [nqn("nqn.b:host"), nqn("nqn.a:host")].into_iter().collect();
+        let record = VolumeRecord { host_access: HostAccess::Restricted(hosts), ..volume() };
+        let value: serde_json::Value = serde_json::from_slice(&encode_volume(&record)).unwrap();
+        assert_eq!(value["version"], 2);
+        assert_eq!(value["allow_any_host"], false);
+        assert_eq!(value["allowed_hosts"], serde_json::json!(["nqn.a:host", "nqn.b:host"]));
+        let open: serde_json::Value = serde_json::from_slice(&encode_volume(&volume())).unwrap();
+        assert_eq!(open["allow_any_host"], true);
+        assert_eq!(open["allowed_hosts"], serde_json::json!([]));
+    }
+
+    /// A record exactly as version 1 builds wrote it loads, open to any host.
+    #[test]
+    fn version_1_volume_records_load_as_open() {
+        let bytes = br#"{"version":1,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9],"created_unix_ms":1700000000000,"chunks":[[0,1],[3,4000000000]]}"#;
+        assert_eq!(decode_volume("db-1", bytes).unwrap(), volume());
+        let bad_name = br#"{"version":1,"id":7,"name":"db-2","size_bytes":1,"uuid":[9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9],"created_unix_ms":1,"chunks":[]}"#;
+        assert!(matches!(decode_volume("db-1", bad_name), Err(MetaError::RecordCorrupt { .. })));
     }
 
     #[test]
@@ -153,17 +271,21 @@ mod tests {
     fn unknown_version_is_refused() {
         let mut value: serde_json::Value =
             serde_json::from_slice(&encode_volume(&volume())).unwrap();
+        for version in [0, 3] {
+            value["version"] = version.into();
+            let bytes = serde_json::to_vec(&value).unwrap();
+            let error = decode_volume("db-1", &bytes).unwrap_err();
+            assert!(
+                matches!(error, MetaError::RecordVersionUnsupported { supported: 2, .. }),
+                "{error}"
+            );
+            assert!(error.to_string().contains(&format!("format version {version}")), "{error}");
+        }
         value["version"] = 2.into();
         let bytes = serde_json::to_vec(&value).unwrap();
-        let error = decode_volume("db-1", &bytes).unwrap_err();
-        assert!(
-            matches!(error, MetaError::RecordVersionUnsupported { version: 2, supported: 1, .. }),
-            "{error}"
-        );
-        assert!(error.to_string().contains("format version 2"), "{error}");
         assert!(matches!(
             decode_node("node", &bytes),
-            Err(MetaError::RecordVersionUnsupported { .. })
+            Err(MetaError::RecordVersionUnsupported { version: 2, supported: 1, .. })
         ));
     }
 
@@ -177,6 +299,7 @@ mod tests {
         check("db-1", b"not json");
         check("db-1", br#"{"id":7}"#);
         check("db-1", br#"{"version":1,"id":7}"#);
+        check("db-1", br#"{"version":2,"id":7}"#);
         check("db-2", &encode_volume(&volume()));
         let mut value: serde_json::Value =
             serde_json::from_slice(&encode_volume(&volume())).unwrap();
@@ -185,5 +308,18 @@ mod tests {
         value["name"] = "db-1".into();
         value["uuid"] = serde_json::json!([1, 2, 3]);
         check("db-1", &serde_json::to_vec(&value).unwrap());
+        value["uuid"] = serde_json::to_value([9u8; 16]).unwrap();
+        let mut check_hosts = |allow_any_host: bool, hosts: serde_json::Value| {
+            value["allow_any_host"] = allow_any_host.into();
+            value["allowed_hosts"] = hosts;
+            check("db-1", &serde_json::to_vec(&value).unwrap());
+        };
+        check_hosts(true, serde_json::json!(["nqn.a:host"]));
+        check_hosts(false, serde_json::json!(["not an nqn"]));
+        check_hosts(false, serde_json::json!(["nqn.a:host", "nqn.a:host"]));
+        check_hosts(false, serde_json::json!("nqn.a:host"));
+        let too_many: Vec<String> =
+            (0..=ALLOWED_HOSTS_MAX).map(|index| format!("nqn.host:{index}")).collect();
+        check_hosts(false, serde_json::json!(too_many));
     }
 }

@@ -4,8 +4,8 @@
 //! control plane's behaviour may not depend on where metadata lives. The suite panics with a
 //! message on the first violation, like any test.
 
-use crate::{MetaError, MetaStore, NodeRecord, VolumeRecord};
-use types::VolumeName;
+use crate::{HostAccess, MetaError, MetaStore, NodeRecord, VolumeRecord};
+use types::{Nqn, VolumeName};
 
 /// Checks the [`MetaStore`] contract on `store`, which must be empty.
 pub fn check_store(store: &dyn MetaStore) {
@@ -28,6 +28,7 @@ fn record(store: &dyn MetaStore, volume: &str, size_bytes: u64) -> VolumeRecord 
         uuid: [id as u8; 16],
         created_unix_ms: 1_700_000_000_000 + id,
         chunks: (0..3).map(|index| (index as u16, index + id as u32)).collect(),
+        host_access: HostAccess::Open,
     }
 }
 
@@ -97,6 +98,22 @@ fn check_volumes(store: &dyn MetaStore) {
     let mut grown = beta.clone();
     grown.size_bytes = 4 << 20;
     grown.chunks.push((9, 9));
+    let revision = store.update_volume(&grown).expect("update_volume");
+    assert!(revision > last_revision, "update_volume advances the revision");
+    assert_eq!(store.volume(&beta.name).expect("volume"), Some(grown.clone()));
+
+    // Host access is kept, both restricted and open again.
+    let host = Nqn::new("nqn.2014-08.org.nvmexpress:uuid:1").expect("the suite uses valid NQNs");
+    let restricted = VolumeRecord { host_access: HostAccess::Restricted([host].into()), ..grown };
+    let revision = store.update_volume(&restricted).expect("update_volume");
+    assert!(revision > last_revision, "update_volume advances the revision");
+    last_revision = revision;
+    assert_eq!(store.volume(&beta.name).expect("volume"), Some(restricted.clone()));
+    let nobody =
+        VolumeRecord { host_access: HostAccess::Restricted(Default::default()), ..restricted };
+    store.update_volume(&nobody).expect("update_volume");
+    assert_eq!(store.volume(&beta.name).expect("volume"), Some(nobody.clone()));
+    let grown = VolumeRecord { host_access: HostAccess::Open, ..nobody };
     let revision = store.update_volume(&grown).expect("update_volume");
     assert!(revision > last_revision, "update_volume advances the revision");
     last_revision = revision;

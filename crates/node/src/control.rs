@@ -11,6 +11,16 @@
 //!   record is gone, so a crash in between leaks the chunks only until the next start, when the
 //!   allocator is rebuilt from the records; the other order could hand out chunks a record
 //!   still names.
+//! - host access (allow or deny a host, or any host): read the record, write it with the new
+//!   [`HostAccess`], then tell the data plane, which refuses and disconnects hosts no longer
+//!   allowed. A crash in between is harmless: the data path starts from the records.
+//!
+//! Host access has two explicit states. A volume starts open (any host may connect). Allowing a
+//! host restricts it to the allowed hosts; denying a host removes it from them, and denying the
+//! last one leaves the volume restricted to no host rather than silently open. Only allowing
+//! "any host" opens it again (and forgets the list); denying "any host" restricts it to none.
+//! A single host cannot be denied while the volume is open: an allowed-hosts list cannot say
+//! "everyone but this one", and pretending to would leave the host connected.
 //!
 //! Mutations are serialised by one lock: they are rare, and serialising them makes each
 //! reserve-write-publish sequence atomic with respect to the others. Reads do not take it.
@@ -18,10 +28,10 @@
 
 use crate::data_plane::{Capacity, DataPlane, DataPlaneError};
 use crate::metrics::Registry;
-use meta::{MetaError, MetaStore, VolumeRecord};
+use meta::{HostAccess, MetaError, MetaStore, VolumeRecord, ALLOWED_HOSTS_MAX};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
-use types::{ByteSize, InvalidInput, VolumeName};
+use types::{ByteSize, InvalidInput, Nqn, VolumeName};
 
 /// Why a volume operation failed. Messages are shown to users as is.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +55,22 @@ pub enum ControlError {
         ByteSize(*requested_bytes), ByteSize(*free_bytes)
     )]
     NoSpace { name: VolumeName, requested_bytes: u64, free_bytes: u64 },
+    #[error(
+        "{0}; give the host's NQN (on a Linux host, the contents of /etc/nvme/hostnqn), or `any` \
+         for every host"
+    )]
+    InvalidHost(InvalidInput),
+    #[error(
+        "volume {0} is open to any host, so one host cannot be denied on its own; instead allow \
+         the hosts that may connect (`ferrite host allow {0} HOSTNQN`: the first one restricts \
+         the volume to the allowed hosts), or deny every host (`ferrite host deny {0} any`)"
+    )]
+    HostAccessOpen(VolumeName),
+    #[error(
+        "volume {0} already allows {ALLOWED_HOSTS_MAX} hosts, the most it can; deny hosts that no \
+         longer use it first"
+    )]
+    TooManyHosts(VolumeName),
     #[error("the data path failed on volume {name}: {source}")]
     DataPlane { name: VolumeName, source: DataPlaneError },
     #[error(transparent)]
@@ -110,6 +136,7 @@ impl VolumeService {
             uuid: new_uuid(),
             created_unix_ms: now_unix_ms(),
             chunks,
+            host_access: HostAccess::Open,
         };
         if let Err(error) = self.meta.create_volume(&record) {
             self.data_plane.cancel(&record);
@@ -189,6 +216,84 @@ impl VolumeService {
         Ok(record)
     }
 
+    /// Allows the host `hostnqn` to connect to the volume. On an open volume this restricts it
+    /// to this one host (connected hosts are disconnected, see [`DataPlane::set_host_access`]);
+    /// allowing a host already allowed changes nothing.
+    pub fn allow_host(&self, name: &str, hostnqn: &str) -> Result<VolumeRecord, ControlError> {
+        let name = parse_name(name)?;
+        let host = Nqn::new(hostnqn).map_err(ControlError::InvalidHost)?;
+        self.change_host_access(name, |name, access| match access {
+            HostAccess::Open => Ok(HostAccess::Restricted([host].into())),
+            HostAccess::Restricted(hosts) if hosts.contains(&host) => Ok(access.clone()),
+            HostAccess::Restricted(hosts) if hosts.len() >= ALLOWED_HOSTS_MAX => {
+                Err(ControlError::TooManyHosts(name.clone()))
+            }
+            HostAccess::Restricted(hosts) => {
+                let mut hosts = hosts.clone();
+                hosts.insert(host);
+                Ok(HostAccess::Restricted(hosts))
+            }
+        })
+    }
+
+    /// Removes the host `hostnqn` from the volume's allowed hosts and disconnects it. Denying a
+    /// host that is not allowed changes nothing; on an open volume it is refused
+    /// ([`ControlError::HostAccessOpen`]).
+    pub fn deny_host(&self, name: &str, hostnqn: &str) -> Result<VolumeRecord, ControlError> {
+        let name = parse_name(name)?;
+        let host = Nqn::new(hostnqn).map_err(ControlError::InvalidHost)?;
+        self.change_host_access(name, |name, access| match access {
+            HostAccess::Open => Err(ControlError::HostAccessOpen(name.clone())),
+            HostAccess::Restricted(hosts) => {
+                let mut hosts = hosts.clone();
+                hosts.remove(&host);
+                Ok(HostAccess::Restricted(hosts))
+            }
+        })
+    }
+
+    /// Opens the volume to any host and forgets its allowed hosts.
+    pub fn allow_any_host(&self, name: &str) -> Result<VolumeRecord, ControlError> {
+        let name = parse_name(name)?;
+        self.change_host_access(name, |_, _| Ok(HostAccess::Open))
+    }
+
+    /// Restricts the volume to no host at all, disconnecting every host.
+    pub fn deny_any_host(&self, name: &str) -> Result<VolumeRecord, ControlError> {
+        let name = parse_name(name)?;
+        self.change_host_access(name, |_, _| Ok(HostAccess::Restricted(Default::default())))
+    }
+
+    /// Writes the host access `change` makes of the volume's current one, then applies it to
+    /// the data path. An unchanged access writes nothing.
+    fn change_host_access(
+        &self,
+        name: VolumeName,
+        change: impl FnOnce(&VolumeName, &HostAccess) -> Result<HostAccess, ControlError>,
+    ) -> Result<VolumeRecord, ControlError> {
+        let _serialised = self.lock_mutations();
+        let current = match self.meta.volume(&name).map_err(ControlError::from_meta)? {
+            Some(record) => record,
+            None => return Err(ControlError::VolumeNotFound(name)),
+        };
+        let host_access = change(&name, &current.host_access)?;
+        if host_access == current.host_access {
+            return Ok(current);
+        }
+        let changed = VolumeRecord { host_access, ..current };
+        self.meta.update_volume(&changed).map_err(ControlError::from_meta)?;
+        self.data_plane.set_host_access(&changed);
+        match &changed.host_access {
+            HostAccess::Open => tracing::info!(volume = %changed.name, "volume open to any host"),
+            HostAccess::Restricted(hosts) => tracing::info!(
+                volume = %changed.name,
+                hosts = ?hosts.iter().map(Nqn::as_str).collect::<Vec<_>>(),
+                "volume restricted to allowed hosts"
+            ),
+        }
+        Ok(changed)
+    }
+
     pub fn capacity(&self) -> Capacity {
         self.data_plane.capacity()
     }
@@ -245,6 +350,8 @@ mod tests {
         free: BTreeSet<u32>,
         reserved: BTreeSet<u32>,
         published: BTreeSet<u64>,
+        /// Every `set_host_access`, in order.
+        access_changes: Vec<(u64, HostAccess)>,
     }
 
     impl FixtureDataPlane {
@@ -315,6 +422,12 @@ mod tests {
             for (_, index) in &volume.chunks {
                 state.free.insert(*index);
             }
+        }
+
+        fn set_host_access(&self, volume: &VolumeRecord) {
+            let mut state = self.state.lock().unwrap();
+            assert!(state.published.contains(&volume.id), "host access of an unpublished volume");
+            state.access_changes.push((volume.id, volume.host_access.clone()));
         }
 
         fn capacity(&self) -> Capacity {
@@ -469,6 +582,110 @@ mod tests {
         assert_eq!(service.volume("db").unwrap().size_bytes, 1 << 20);
         assert!(matches!(service.volume("new"), Err(ControlError::VolumeNotFound(_))));
         service.create("new", 2 << 20).unwrap();
+    }
+
+    fn nqn(text: &str) -> Nqn {
+        Nqn::new(text).unwrap()
+    }
+
+    fn restricted(hosts: &[&str]) -> HostAccess {
+        HostAccess::Restricted(hosts.iter().copied().map(nqn).collect())
+    }
+
+    #[test]
+    fn host_access_open_restricted_and_back() {
+        let setup = setup(8);
+        let service = &setup.service;
+        let created = service.create("db", 1 << 20).unwrap();
+        assert_eq!(created.host_access, HostAccess::Open, "a new volume is open");
+        let changes = || setup.data_plane.state.lock().unwrap().access_changes.clone();
+
+        let record = service.allow_host("db", "nqn.host:a").unwrap();
+        assert_eq!(record.host_access, restricted(&["nqn.host:a"]), "the first allow restricts");
+        assert_eq!(record.size_bytes, created.size_bytes);
+        assert_eq!(record.chunks, created.chunks);
+        let record = service.allow_host("db", "nqn.host:b").unwrap();
+        assert_eq!(record.host_access, restricted(&["nqn.host:a", "nqn.host:b"]));
+        assert_eq!(service.allow_host("db", "nqn.host:b").unwrap(), record, "allowed already");
+        assert_eq!(service.volume("db").unwrap(), record, "the change is in the store");
+
+        let record = service.deny_host("db", "nqn.host:a").unwrap();
+        assert_eq!(record.host_access, restricted(&["nqn.host:b"]));
+        assert_eq!(service.deny_host("db", "nqn.host:a").unwrap(), record, "denied already");
+        let record = service.deny_host("db", "nqn.host:b").unwrap();
+        assert_eq!(record.host_access, restricted(&[]), "denying the last host opens nothing");
+
+        let record = service.allow_any_host("db").unwrap();
+        assert_eq!(record.host_access, HostAccess::Open);
+        let record = service.deny_any_host("db").unwrap();
+        assert_eq!(record.host_access, restricted(&[]));
+        service.allow_host("db", "nqn.host:c").unwrap();
+        let record = service.deny_any_host("db").unwrap();
+        assert_eq!(record.host_access, restricted(&[]), "deny any forgets the list");
+
+        // A resize keeps the host access.
+        assert_eq!(service.resize("db", 2 << 20).unwrap().host_access, restricted(&[]));
+
+        let id = created.id;
+        assert_eq!(
+            changes(),
+            [
+                (id, restricted(&["nqn.host:a"])),
+                (id, restricted(&["nqn.host:a", "nqn.host:b"])),
+                (id, restricted(&["nqn.host:b"])),
+                (id, restricted(&[])),
+                (id, HostAccess::Open),
+                (id, restricted(&[])),
+                (id, restricted(&["nqn.host:c"])),
+                (id, restricted(&[])),
+            ],
+            "the data plane hears of every change and of nothing else"
+        );
+    }
+
+    #[test]
+    fn host_access_refusals() {
+        let setup = setup(4);
+        let service = &setup.service;
+        service.create("db", 1 << 20).unwrap();
+        let check = |result: Result<VolumeRecord, ControlError>, expect: &str| {
+            let error = result.unwrap_err();
+            assert!(error.to_string().contains(expect), "{error} does not contain {expect:?}");
+        };
+        check(service.deny_host("db", "nqn.host:a"), "volume db is open to any host");
+        check(service.deny_host("db", "nqn.host:a"), "ferrite host deny db any");
+        check(service.allow_host("db", "host-a"), "invalid NQN \"host-a\"");
+        check(service.allow_host("db", "nqn.a b"), "/etc/nvme/hostnqn");
+        check(service.deny_host("db", ""), "invalid NQN");
+        check(service.allow_host("nope", "nqn.host:a"), "volume nope does not exist");
+        check(service.allow_any_host("nope"), "volume nope does not exist");
+        check(service.deny_any_host("Bad"), "invalid volume name");
+
+        // A full list, written straight to the store (one write rather than 1024).
+        let hosts = (0..ALLOWED_HOSTS_MAX).map(|index| nqn(&format!("nqn.host:{index}")));
+        let full = VolumeRecord {
+            host_access: HostAccess::Restricted(hosts.collect()),
+            ..service.volume("db").unwrap()
+        };
+        setup.meta.update_volume(&full).unwrap();
+        check(service.allow_host("db", "nqn.host:one-more"), "already allows 1024 hosts");
+        assert_eq!(service.allow_host("db", "nqn.host:0").unwrap(), full, "allowed already");
+        assert_eq!(
+            service.deny_host("db", "nqn.host:0").unwrap().host_access.hosts().count(),
+            1023
+        );
+
+        setup.meta.failing.store(true, Ordering::Relaxed);
+        assert!(matches!(service.deny_any_host("db"), Err(ControlError::Meta(_))));
+        assert!(matches!(service.allow_any_host("db"), Err(ControlError::Meta(_))));
+        setup.meta.failing.store(false, Ordering::Relaxed);
+        let hosts = service.volume("db").unwrap().host_access.hosts().count();
+        assert_eq!(hosts, ALLOWED_HOSTS_MAX - 1, "a failed write changes nothing");
+        assert_eq!(
+            setup.data_plane.state.lock().unwrap().access_changes.len(),
+            1,
+            "the data plane hears only of durable changes"
+        );
     }
 
     #[test]

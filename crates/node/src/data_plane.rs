@@ -13,7 +13,8 @@
 //!   (`reserve_create`/`reserve_grow` -> `publish` | `cancel`, `remove`), with records in place of
 //!   `VolumeLayout`s: `VolumeLayout { volume: VolumeId(record.id), size_bytes, chunks }`. A crash between the two leaks nothing: the
 //!   allocator is rebuilt from the durable records at the next start, and a reservation that
-//!   never reached a record is simply not there.
+//!   never reached a record is simply not there. A change of who may connect reserves nothing:
+//!   `set_host_access` follows the durable record.
 //!
 //! The NVMe/TCP data path (`crate::nvme`) is the one implementation `Node::start` uses; tests
 //! may supply their own builder through `Node::start_with`.
@@ -116,6 +117,12 @@ pub trait DataPlane: Send + Sync {
 
     /// The volume's record is deleted: stop serving it and free its chunks.
     fn remove(&self, volume: &VolumeRecord);
+
+    /// The volume's record with a changed `host_access` is durable: from now on only the hosts
+    /// it allows may connect to the volume's subsystem or see it in the discovery log, and
+    /// controllers of hosts it no longer allows are disconnected. (Published volumes, and those
+    /// the data path starts with, are served with their record's `host_access` already.)
+    fn set_host_access(&self, volume: &VolumeRecord);
 
     fn capacity(&self) -> Capacity;
 

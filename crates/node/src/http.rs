@@ -14,9 +14,9 @@ use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
-use meta::{NodeRecord, VolumeRecord};
+use meta::{HostAccess, NodeRecord, VolumeRecord};
 use serde::de::DeserializeOwned;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -58,6 +58,8 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::VOLUMES, get(list_volumes).post(create_volume))
         .route(api::paths::VOLUME, get(show_volume).delete(delete_volume))
         .route(api::paths::VOLUME_RESIZE, post(resize_volume))
+        .route(api::paths::VOLUME_HOSTS, get(show_host_access))
+        .route(api::paths::VOLUME_HOST, put(allow_host).delete(deny_host))
         .route(api::paths::NODE, get(node_info))
         .route(api::paths::METRICS, get(render_metrics))
         .route(api::paths::HEALTHZ, get(healthz))
@@ -89,6 +91,9 @@ impl From<ControlError> for ApiError {
             ControlError::VolumeNotFound(_) => ErrorCode::VolumeNotFound,
             ControlError::ShrinkRefused { .. } => ErrorCode::ShrinkRefused,
             ControlError::NoSpace { .. } => ErrorCode::NoSpace,
+            ControlError::InvalidHost(_) => ErrorCode::InvalidNqn,
+            ControlError::HostAccessOpen(_) => ErrorCode::HostAccessOpen,
+            ControlError::TooManyHosts(_) => ErrorCode::TooManyHosts,
             ControlError::DataPlane { .. } | ControlError::Meta(_) => {
                 tracing::error!(%error, "volume operation failed");
                 ErrorCode::Internal
@@ -150,6 +155,30 @@ fn parse_name(path: Result<Path<String>, PathRejection>) -> Result<String, ApiEr
         .map_err(|rejection| ApiError::new(ErrorCode::InvalidName, rejection.body_text()))
 }
 
+/// The volume name and host of a `/v1/volumes/{name}/hosts/{host}` path.
+fn parse_name_and_host(
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Result<(String, String), ApiError> {
+    path.map(|Path(parts)| parts)
+        .map_err(|rejection| ApiError::new(ErrorCode::InvalidRequest, rejection.body_text()))
+}
+
+fn access_mode(access: &HostAccess) -> api::AccessMode {
+    match access {
+        HostAccess::Open => api::AccessMode::Open,
+        HostAccess::Restricted(_) => api::AccessMode::Restricted,
+    }
+}
+
+fn host_access(record: &VolumeRecord) -> api::HostAccess {
+    api::HostAccess {
+        volume: record.name.to_string(),
+        nqn: record.name.subsystem_nqn().to_string(),
+        access: access_mode(&record.host_access),
+        hosts: record.host_access.hosts().map(ToString::to_string).collect(),
+    }
+}
+
 fn volume_info(record: &VolumeRecord, node: &NodeView) -> VolumeInfo {
     VolumeInfo {
         name: record.name.to_string(),
@@ -160,6 +189,7 @@ fn volume_info(record: &VolumeRecord, node: &NodeView) -> VolumeInfo {
         created_unix_ms: record.created_unix_ms,
         nvme_host: node.nvme_advertised.ip().to_string(),
         nvme_port: node.nvme_advertised.port(),
+        access: access_mode(&record.host_access),
     }
 }
 
@@ -206,6 +236,50 @@ async fn resize_volume(
     let request: api::ResizeVolume = parse_body(body)?;
     let record = call(&state, move |service| service.resize(&name, request.size_bytes)).await?;
     Ok(Json(volume_info(&record, &state.node)))
+}
+
+async fn show_host_access(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<api::HostAccess>, ApiError> {
+    let name = parse_name(path)?;
+    let record = call(&state, move |service| service.volume(&name)).await?;
+    Ok(Json(host_access(&record)))
+}
+
+/// `PUT /v1/volumes/{name}/hosts/{host}`: allows the host, or any host for [`api::ANY_HOST`].
+async fn allow_host(
+    State(state): State<ApiState>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<api::HostAccess>, ApiError> {
+    let (name, host) = parse_name_and_host(path)?;
+    let record = call(&state, move |service| {
+        if host == api::ANY_HOST {
+            service.allow_any_host(&name)
+        } else {
+            service.allow_host(&name, &host)
+        }
+    })
+    .await?;
+    Ok(Json(host_access(&record)))
+}
+
+/// `DELETE /v1/volumes/{name}/hosts/{host}`: denies the host, or every host for
+/// [`api::ANY_HOST`].
+async fn deny_host(
+    State(state): State<ApiState>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<api::HostAccess>, ApiError> {
+    let (name, host) = parse_name_and_host(path)?;
+    let record = call(&state, move |service| {
+        if host == api::ANY_HOST {
+            service.deny_any_host(&name)
+        } else {
+            service.deny_host(&name, &host)
+        }
+    })
+    .await?;
+    Ok(Json(host_access(&record)))
 }
 
 async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>, ApiError> {

@@ -24,7 +24,7 @@ use engine::{
     VolumeStore, Volumes,
 };
 use io::{DriveFile, Ring};
-use meta::{Chunk, VolumeRecord};
+use meta::{Chunk, HostAccess, VolumeRecord};
 use nvmf::target::{
     Catalog, Listener, NamespaceInfo, Queue, RequestId, StorageOperation, StorageRequest,
     StorageStatus, SubsystemInfo, Target, TargetConfig,
@@ -245,10 +245,14 @@ impl VolumeHandle {
     }
 }
 
-/// The node's volumes as the NVMe/TCP target sees them: by subsystem NQN and by volume id.
+/// The node's volumes as the NVMe/TCP target sees them: by subsystem NQN and by volume id, and
+/// which hosts may connect to each.
 #[derive(Default)]
 struct NodeCatalog {
     volumes: RwLock<HashMap<u64, Arc<VolumeHandle>>>,
+    /// Each volume's host access, by volume id. Kept apart from [`VolumeHandle`] because only
+    /// Connect and the discovery log read it, never the I/O path. Lock order: `volumes` first.
+    host_access: RwLock<HashMap<u64, HostAccess>>,
 }
 
 impl NodeCatalog {
@@ -258,6 +262,14 @@ impl NodeCatalog {
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<u64, Arc<VolumeHandle>>> {
         self.volumes.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn host_access_read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u64, HostAccess>> {
+        self.host_access.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn host_access_write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<u64, HostAccess>> {
+        self.host_access.write().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn insert(&self, record: &VolumeRecord, map: Arc<VolumeMap>, metrics: Arc<VolumeMetrics>) {
@@ -272,7 +284,26 @@ impl NodeCatalog {
             fenced: AtomicBool::new(false),
             inflight: AtomicU64::new(0),
         };
+        // Host access first, so the volume is never served without it.
+        self.host_access_write().insert(record.id, record.host_access.clone());
         self.write().insert(record.id, Arc::new(handle));
+    }
+
+    /// Forgets a volume: its handle and its host access.
+    fn remove(&self, id: u64) {
+        self.write().remove(&id);
+        self.host_access_write().remove(&id);
+    }
+
+    /// Replaces a served volume's host access and returns the one it had, or `None` (and keeps
+    /// nothing) if the volume is not served.
+    fn set_host_access(&self, id: u64, access: HostAccess) -> Option<HostAccess> {
+        let served = self.read().contains_key(&id);
+        let mut host_access = self.host_access_write();
+        if !served {
+            return None;
+        }
+        host_access.insert(id, access)
     }
 
     fn get(&self, id: u64) -> Option<Arc<VolumeHandle>> {
@@ -310,6 +341,21 @@ impl Catalog for NodeCatalog {
             eui64,
             serial_number: serial_number(&uuid),
         })
+    }
+
+    /// Called on Connect and per subsystem of a discovery log read. A host is allowed by the
+    /// volume's [`HostAccess`]; an NQN that names no served volume allows no host.
+    fn host_allowed(&self, subnqn: &Nqn, hostnqn: &Nqn) -> bool {
+        let Some(name) = subnqn.volume_name() else {
+            return false;
+        };
+        let volumes = self.read();
+        let Some(id) = volumes.iter().find_map(|(id, handle)| {
+            (handle.name == name && !handle.fenced.load(Ordering::Acquire)).then_some(*id)
+        }) else {
+            return false;
+        };
+        self.host_access_read().get(&id).is_some_and(|access| access.allows(hostnqn))
     }
 }
 
@@ -820,12 +866,12 @@ impl DataPlane for NvmeDataPlane {
                         "in-flight I/O did not drain; keeping the volume's chunks reserved \
                          until restart"
                     );
-                    self.catalog.write().remove(&volume.id);
+                    self.catalog.remove(volume.id);
                     return;
                 }
                 std::thread::sleep(Duration::from_millis(1));
             }
-            self.catalog.write().remove(&volume.id);
+            self.catalog.remove(volume.id);
         }
         self.volumes.remove(VolumeId(volume.id));
         self.target.notify_subsystems_changed();
@@ -833,6 +879,47 @@ impl DataPlane for NvmeDataPlane {
         if let Err(error) = io::zero_chunks(&self.shared.drive_paths, &layout_of(volume).chunks) {
             tracing::warn!(volume = %volume.name, %error, "could not release a deleted volume's space");
         }
+    }
+
+    fn set_host_access(&self, volume: &VolumeRecord) {
+        let subnqn = volume.name.subsystem_nqn();
+        let new = &volume.host_access;
+        // The catalog first, so no new Connect of a host no longer allowed succeeds; then the
+        // controllers such hosts hold.
+        match self.catalog.set_host_access(volume.id, new.clone()) {
+            None => {
+                tracing::error!(
+                    volume = %volume.name,
+                    "host access changed on a volume not served"
+                );
+                return;
+            }
+            Some(HostAccess::Restricted(before)) => {
+                for host in before.iter().filter(|host| !new.allows(host)) {
+                    let closed = self.target.disconnect_host(&subnqn, host);
+                    if closed > 0 {
+                        tracing::info!(
+                            volume = %volume.name,
+                            host = %host,
+                            controllers = closed,
+                            "disconnected a denied host"
+                        );
+                    }
+                }
+            }
+            Some(HostAccess::Open) if !new.is_open() => {
+                // Which hosts are connected is the target's to know and it offers no list, so
+                // every controller goes: hosts still allowed reconnect.
+                self.target.disconnect_subsystem(&subnqn);
+                tracing::info!(
+                    volume = %volume.name,
+                    "disconnected every host of a volume no longer open"
+                );
+            }
+            Some(HostAccess::Open) => {}
+        }
+        // Hosts see the subsystem appear in or leave their discovery log.
+        self.target.notify_subsystems_changed();
     }
 
     fn capacity(&self) -> Capacity {

@@ -1,8 +1,8 @@
 //! The REST API end to end, in process: a real node on 127.0.0.1:0 with a real metadata store,
 //! driven through the real `api::Client`, with a test data plane in place of the NVMe/TCP one.
 
-use api::{Client, ClientError, CreateVolume, ErrorCode};
-use meta::{Chunk, VolumeRecord};
+use api::{AccessMode, Client, ClientError, CreateVolume, ErrorCode};
+use meta::{Chunk, HostAccess, VolumeRecord};
 use node::metrics::Registry;
 use node::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet, Node,
@@ -26,6 +26,10 @@ struct Probe {
     fail_reservations: AtomicBool,
     shut_down: AtomicBool,
     metrics: Mutex<Option<Arc<Registry>>>,
+    /// Every `set_host_access`: the volume and its new access.
+    host_access: Mutex<Vec<(String, HostAccess)>>,
+    /// The volumes the data path started with, as their records.
+    started_records: Mutex<Vec<VolumeRecord>>,
 }
 
 /// Test fixture: a data path that allocates 1 MiB chunks from a set, serves nothing, and
@@ -63,6 +67,7 @@ impl DataPathBuilder for FixturePath {
         }
         *self.probe.started_with.lock().unwrap() =
             context.volumes.iter().map(|volume| volume.name.to_string()).collect();
+        *self.probe.started_records.lock().unwrap() = context.volumes.clone();
         *self.probe.metrics.lock().unwrap() = Some(context.metrics);
         Ok(Arc::new(FixturePlane {
             probe: self.probe,
@@ -117,6 +122,14 @@ impl DataPlane for FixturePlane {
 
     fn remove(&self, volume: &VolumeRecord) {
         self.free.lock().unwrap().extend(volume.chunks.iter().map(|(_, index)| *index));
+    }
+
+    fn set_host_access(&self, volume: &VolumeRecord) {
+        self.probe
+            .host_access
+            .lock()
+            .unwrap()
+            .push((volume.name.to_string(), volume.host_access.clone()));
     }
 
     fn capacity(&self) -> Capacity {
@@ -393,4 +406,131 @@ fn the_real_data_path_accounts_space_in_chunks() {
     stop.stop();
     waiter.join().unwrap().unwrap();
     assert!(matches!(client.health(), Err(ClientError::Unreachable { .. })));
+}
+
+const HOST_A: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000000a";
+const HOST_B: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000000b";
+
+fn restricted(hosts: &[&str]) -> HostAccess {
+    HostAccess::Restricted(hosts.iter().map(|host| types::Nqn::new(host).unwrap()).collect())
+}
+
+#[test]
+fn host_access_through_the_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = Arc::new(Probe::default());
+    let node = start(dir.path(), &probe);
+    let client = Client::new(&node.api_url()).unwrap();
+    create(&client, "db", MIB).unwrap();
+    assert_eq!(client.volume("db").unwrap().access, AccessMode::Open);
+
+    let access = client.host_access("db").unwrap();
+    assert_eq!(access.volume, "db");
+    assert_eq!(access.nqn, "nqn.2024-01.io.ferrite:vol:db");
+    assert_eq!(access.access, AccessMode::Open);
+    assert!(access.hosts.is_empty());
+
+    let access = client.allow_host("db", HOST_B).unwrap();
+    assert_eq!(access.access, AccessMode::Restricted);
+    assert_eq!(access.hosts, [HOST_B]);
+    let access = client.allow_host("db", HOST_A).unwrap();
+    assert_eq!(access.hosts, [HOST_A, HOST_B], "hosts are listed sorted");
+    assert_eq!(client.allow_host("db", HOST_A).unwrap(), access, "allowing twice is a no-op");
+    assert_eq!(client.host_access("db").unwrap(), access);
+    assert_eq!(client.volume("db").unwrap().access, AccessMode::Restricted);
+
+    let access = client.deny_host("db", HOST_A).unwrap();
+    assert_eq!(access.hosts, [HOST_B]);
+    assert_eq!(client.deny_host("db", HOST_A).unwrap(), access, "denying twice is a no-op");
+    let access = client.deny_host("db", HOST_B).unwrap();
+    assert_eq!(access.access, AccessMode::Restricted, "denying the last host keeps it closed");
+    assert!(access.hosts.is_empty());
+
+    let access = client.allow_host("db", api::ANY_HOST).unwrap();
+    assert_eq!(access.access, AccessMode::Open);
+    let access = client.deny_host("db", api::ANY_HOST).unwrap();
+    assert_eq!((access.access, access.hosts.len()), (AccessMode::Restricted, 0));
+    client.allow_host("db", HOST_A).unwrap();
+
+    assert_eq!(
+        *probe.host_access.lock().unwrap(),
+        [
+            ("db".to_owned(), restricted(&[HOST_B])),
+            ("db".to_owned(), restricted(&[HOST_A, HOST_B])),
+            ("db".to_owned(), restricted(&[HOST_B])),
+            ("db".to_owned(), restricted(&[])),
+            ("db".to_owned(), HostAccess::Open),
+            ("db".to_owned(), restricted(&[])),
+            ("db".to_owned(), restricted(&[HOST_A])),
+        ],
+        "the data path hears of each change"
+    );
+
+    // The list is kept across a restart, and the data path starts with it.
+    client.resize_volume("db", 2 * MIB).unwrap();
+    node.stop().unwrap();
+    let probe = Arc::new(Probe::default());
+    let node = start(dir.path(), &probe);
+    let client = Client::new(&node.api_url()).unwrap();
+    let access = client.host_access("db").unwrap();
+    assert_eq!((access.access, access.hosts), (AccessMode::Restricted, vec![HOST_A.to_owned()]));
+    let started = probe.started_records.lock().unwrap().clone();
+    assert_eq!(started.len(), 1);
+    assert_eq!(started[0].host_access, restricted(&[HOST_A]));
+    assert_eq!(started[0].size_bytes, 2 * MIB);
+    node.stop().unwrap();
+}
+
+#[test]
+fn host_access_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = Arc::new(Probe::default());
+    let node = start(dir.path(), &probe);
+    let client = Client::new(&node.api_url()).unwrap();
+    create(&client, "db", MIB).unwrap();
+
+    assert_api_error(
+        client.deny_host("db", HOST_A),
+        ErrorCode::HostAccessOpen,
+        "volume db is open to any host, so one host cannot be denied",
+    );
+    assert_api_error(
+        client.allow_host("db", "host-a"),
+        ErrorCode::InvalidNqn,
+        "invalid NQN \"host-a\"",
+    );
+    assert_api_error(client.deny_host("db", "nqn.a b"), ErrorCode::InvalidNqn, "invalid NQN");
+    assert_api_error(client.allow_host("db", "ANY"), ErrorCode::InvalidNqn, "or `any`");
+    let long = format!("nqn.{}", "a".repeat(220));
+    assert_api_error(client.allow_host("db", &long), ErrorCode::InvalidNqn, "223 bytes");
+    assert_api_error(
+        client.host_access("nope"),
+        ErrorCode::VolumeNotFound,
+        "volume nope does not exist",
+    );
+    assert_api_error(client.allow_host("nope", HOST_A), ErrorCode::VolumeNotFound, "nope");
+    assert_api_error(client.deny_host("nope", "any"), ErrorCode::VolumeNotFound, "nope");
+    assert_api_error(client.host_access("Bad"), ErrorCode::InvalidName, "invalid volume name");
+    assert_api_error(client.allow_host("a/b", HOST_A), ErrorCode::InvalidName, "invalid volume");
+    assert!(probe.host_access.lock().unwrap().is_empty(), "no refusal changed anything");
+    assert_eq!(client.host_access("db").unwrap().access, AccessMode::Open);
+
+    // Requests the typed client cannot make.
+    let status = |method: &str, path: &str| -> (u16, String) {
+        let url = format!("{}{path}", node.api_url());
+        match ureq::request(method, &url).call() {
+            Ok(response) => (response.status(), String::new()),
+            Err(ureq::Error::Status(status, response)) => {
+                (status, response.into_json::<api::ErrorBody>().unwrap().code)
+            }
+            Err(error) => panic!("{method} {path}: {error}"),
+        }
+    };
+    assert_eq!(status("POST", "/v1/volumes/db/hosts"), (405, "method_not_allowed".to_owned()));
+    assert_eq!(status("GET", "/v1/volumes/db/hosts/any"), (405, "method_not_allowed".to_owned()));
+    assert_eq!(status("PUT", "/v1/volumes/db/hosts/"), (404, "not_found".to_owned()));
+    // An NQN's ':' may also come unencoded; it is legal in a path segment.
+    assert_eq!(status("PUT", "/v1/volumes/db/hosts/nqn.x:y").0, 200);
+    assert_eq!(client.host_access("db").unwrap().hosts, ["nqn.x:y"]);
+    node.stop().unwrap();
 }
