@@ -17,6 +17,7 @@ mod drive;
 pub mod format;
 mod layout;
 pub mod local_sync;
+pub mod log;
 mod store;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -1,0 +1,1147 @@
+//! Hot path. The shared engine state and the per-thread handle: group commit of batches into
+//! the open segment, the read path with checksum verification, and the install of a durable
+//! batch into the index.
+//!
+//! Concurrency: one [`LogEngine`] per node, shared (`Arc`) by one [`LogHandle`] per data-path
+//! thread. The index and the segment counters are atomics (lookups are loads, host installs are
+//! swaps, GC installs are compare-and-swaps); locks are taken only when a segment is allocated
+//! or freed, when a volume is first met, and by checkpoints. Each handle appends to its own open
+//! segments (one for host writes, one for GC), so threads never contend on a write position.
+//!
+//! Group commit, per handle: writers copy their blocks into the batch being formed (a queue of
+//! at most [`BATCHES_QUEUED_MAX`] batches). One writer at a time is the leader: it takes the
+//! oldest batch, writes its header and data to every drive the batch spans, syncs those drives,
+//! installs the batch in the index and completes it; the writers that joined meanwhile form the
+//! next batch, so one sync covers many writes. Batches of a handle complete in order.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use types::AlignedBuf;
+
+use super::format::{
+    BatchHeader, Entry, EntryKind, Geometry, BATCH_ENTRIES_MAX, BLOCK_BYTES,
+    CHECKPOINT_ENTRIES_PER_BLOCK, ROOT_SEGMENTS_MAX,
+};
+use super::index::{pack, unpack, Index, VolumeIndex};
+use super::join::{join_all, LocalFuture};
+use super::segments::{SegmentState, SegmentTable};
+use super::{LogConfig, LogError};
+use crate::chunk_store::DriveLatches;
+use crate::drive::{Drive, DriveError, DriveOperation};
+use crate::layout::VolumeMap;
+use crate::local_sync::LocalNotify;
+use crate::store::{StoreError, VolumeStore};
+
+const BLOCK_BYTES_U64: u64 = BLOCK_BYTES as u64;
+/// Batches a handle holds queued behind the one being committed; writers wait beyond it.
+pub const BATCHES_QUEUED_MAX: usize = 8;
+/// Times a read re-reads a block whose checksum failed because GC moved it meanwhile.
+pub const READ_RETRIES_MAX: u32 = 4;
+/// Volumes a handle keeps in its cache before starting the cache over.
+pub const VOLUME_CACHE_MAX: usize = 4096;
+/// The share of the usable data space offered to hosts; the rest keeps GC efficient.
+pub const CAPACITY_PERCENT: u64 = 90;
+/// Segments beyond the open ones and the checkpoint's that GC keeps for itself.
+pub const GC_SLACK_SEGMENTS: u32 = 2;
+
+/// Which of a handle's two append streams a batch goes to. GC writes to its own so relocated
+/// (cold) blocks do not mix with fresh (hot) ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stream {
+    Host = 0,
+    Gc = 1,
+}
+
+/// What a handle publishes for checkpoints on other threads.
+#[derive(Debug)]
+pub(super) struct HandleSlot {
+    /// A lower bound of the LSN of this handle's batch in flight, or `u64::MAX`.
+    pub lsn_floor: AtomicU64,
+    /// Per stream, the sequence number of the open segment, or `u64::MAX` if none. Changed
+    /// only under `switch`, which a checkpoint also takes to read it (once per segment, never
+    /// per I/O).
+    pub open_seqs: [AtomicU64; 2],
+    pub switch: Mutex<()>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    pub host_bytes_written: AtomicU64,
+    pub device_bytes_written: AtomicU64,
+    pub gc_relocated_blocks: AtomicU64,
+    pub gc_segments_cleaned: AtomicU64,
+    pub checkpoints: AtomicU64,
+    pub checksum_errors: AtomicU64,
+    pub mapped_blocks: AtomicU64,
+    /// Blocks admitted for writes in flight that were unmapped when admitted.
+    pub admitted_blocks: AtomicU64,
+}
+
+/// The durable checkpoint: its id and the segments holding it.
+#[derive(Debug, Clone, Default)]
+pub(super) struct CheckpointRecord {
+    pub id: u64,
+    pub segments: Vec<u32>,
+}
+
+/// Node-wide space and traffic figures.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogStats {
+    /// What hosts may map in total (thin: volumes may provision more).
+    pub capacity_bytes: u64,
+    pub mapped_bytes: u64,
+    /// Space of segments in use (live data, garbage not yet collected, checkpoints).
+    pub physical_used_bytes: u64,
+    /// Space of free segments.
+    pub physical_free_bytes: u64,
+    /// What hosts may still map: capacity minus mapped.
+    pub free_bytes: u64,
+    pub segments_total: u32,
+    pub segments_free: u32,
+    pub host_bytes_written: u64,
+    pub device_bytes_written: u64,
+    /// Device bytes written per host byte written (0 before any host write).
+    pub write_amplification: f64,
+    pub gc_relocated_blocks: u64,
+    pub gc_segments_cleaned: u64,
+    pub checkpoints: u64,
+    pub checksum_errors: u64,
+    pub index_ram_bytes: u64,
+    pub failed_drives: Vec<u16>,
+}
+
+/// One volume's space figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VolumeStats {
+    pub provisioned_bytes: u64,
+    pub mapped_bytes: u64,
+    /// Bytes its mapped blocks occupy on the drives (equal to mapped until compression).
+    pub physical_used_bytes: u64,
+}
+
+/// The engine state every data-path thread shares.
+pub struct LogEngine {
+    pub(super) geometry: Geometry,
+    pub(super) config: LogConfig,
+    pub(super) index: Index,
+    pub(super) segments: SegmentTable,
+    pub(super) latches: Arc<DriveLatches>,
+    pub(super) lsn_next: AtomicU64,
+    pub(super) segment_seq_next: AtomicU64,
+    pub(super) slots: Mutex<Vec<Arc<HandleSlot>>>,
+    pub(super) checkpoint: Mutex<CheckpointRecord>,
+    /// The durable checkpoint's segment sequence floor: only segments opened before it may be
+    /// cleaned (later ones are replayed by recovery and must stay intact).
+    pub(super) gc_seq_floor: AtomicU64,
+    /// Segments (by sequence) the durable checkpoint lists as open: replayed, so not cleaned.
+    pub(super) gc_excluded_seqs: Mutex<Vec<u64>>,
+    pub(super) checkpoint_busy: AtomicBool,
+    pub(super) sealed_since_checkpoint: AtomicU32,
+    /// Free segments host writes never take.
+    pub(super) reserve_segments: u32,
+    pub(super) checkpoint_segments_max: u32,
+    pub(super) batch_data_max: usize,
+    pub(super) capacity_blocks: u64,
+    pub(super) counters: Counters,
+}
+
+impl std::fmt::Debug for LogEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogEngine").field("geometry", &self.geometry).finish()
+    }
+}
+
+impl LogEngine {
+    /// An engine with every segment free and nothing mapped (recovery fills it in).
+    pub(super) fn new(
+        geometry: Geometry,
+        config: LogConfig,
+        latches: Arc<DriveLatches>,
+    ) -> Result<Self, LogError> {
+        assert!(config.handles_max > 0);
+        let positions = u64::from(geometry.positions_per_segment());
+        let batch_data_max = BATCH_ENTRIES_MAX.min(positions as usize - 1);
+        let checkpoint_blocks =
+            geometry.location_count().div_ceil(CHECKPOINT_ENTRIES_PER_BLOCK as u64);
+        let checkpoint_segments_max = checkpoint_blocks.div_ceil(positions) + 1;
+        let reserve = 2 * u64::from(config.handles_max)
+            + checkpoint_segments_max
+            + u64::from(GC_SLACK_SEGMENTS);
+        // The old checkpoint's segments stay in use while the next one is written.
+        let overhead = reserve + checkpoint_segments_max;
+        let segment_count = u64::from(geometry.segment_count);
+        if checkpoint_segments_max > ROOT_SEGMENTS_MAX as u64 || overhead + 2 > segment_count {
+            return Err(LogError::CheckpointInvalid {
+                checkpoint_id: 0,
+                reason: "the drives are too small for this many handles (or the segments too \
+                         small for one checkpoint root): use larger drives, larger segments or \
+                         fewer handles",
+            });
+        }
+        let data_per_segment = positions - positions.div_ceil(batch_data_max as u64 + 1);
+        let capacity_blocks =
+            (segment_count - overhead) * data_per_segment * CAPACITY_PERCENT / 100;
+        Ok(Self {
+            geometry,
+            config,
+            index: Index::default(),
+            segments: SegmentTable::new(geometry.segment_count),
+            latches,
+            lsn_next: AtomicU64::new(1),
+            segment_seq_next: AtomicU64::new(1),
+            slots: Mutex::new(Vec::new()),
+            checkpoint: Mutex::new(CheckpointRecord::default()),
+            gc_seq_floor: AtomicU64::new(0),
+            gc_excluded_seqs: Mutex::new(Vec::new()),
+            checkpoint_busy: AtomicBool::new(false),
+            sealed_since_checkpoint: AtomicU32::new(0),
+            reserve_segments: reserve as u32,
+            checkpoint_segments_max: checkpoint_segments_max as u32,
+            batch_data_max,
+            capacity_blocks,
+            counters: Counters::default(),
+        })
+    }
+
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    pub fn latches(&self) -> &Arc<DriveLatches> {
+        &self.latches
+    }
+
+    /// A handle for one data-path thread, over that thread's handles of the drives (index =
+    /// drive index). At most `handles_max` handles exist over the engine's life.
+    pub fn handle<D: Drive>(self: &Arc<Self>, drives: Vec<D>) -> LogHandle<D> {
+        assert_eq!(drives.len(), usize::from(self.geometry.drive_count), "one handle per drive");
+        let slot = Arc::new(HandleSlot {
+            lsn_floor: AtomicU64::new(u64::MAX),
+            open_seqs: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
+            switch: Mutex::new(()),
+        });
+        {
+            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            assert!(
+                slots.len() < usize::from(self.config.handles_max),
+                "more than handles_max ({}) handles",
+                self.config.handles_max
+            );
+            slots.push(Arc::clone(&slot));
+        }
+        LogHandle {
+            engine: Arc::clone(self),
+            drives,
+            slot,
+            volumes: RefCell::new(HashMap::new()),
+            queue: RefCell::new(VecDeque::new()),
+            leader: Cell::new(false),
+            changed: LocalNotify::new(),
+            streams: [RefCell::new(StreamState::default()), RefCell::new(StreamState::default())],
+        }
+    }
+
+    /// Node-wide space and traffic figures.
+    pub fn stats(&self) -> LogStats {
+        let counters = &self.counters;
+        let segments_free = self.segments.free_count();
+        let segment_bytes = self.geometry.segment_bytes();
+        let mapped_blocks = counters.mapped_blocks.load(Ordering::Relaxed);
+        let host = counters.host_bytes_written.load(Ordering::Relaxed);
+        let device = counters.device_bytes_written.load(Ordering::Relaxed);
+        LogStats {
+            capacity_bytes: self.capacity_blocks * BLOCK_BYTES_U64,
+            mapped_bytes: mapped_blocks * BLOCK_BYTES_U64,
+            physical_used_bytes: u64::from(self.geometry.segment_count - segments_free)
+                * segment_bytes,
+            physical_free_bytes: u64::from(segments_free) * segment_bytes,
+            free_bytes: self.capacity_blocks.saturating_sub(mapped_blocks) * BLOCK_BYTES_U64,
+            segments_total: self.geometry.segment_count,
+            segments_free,
+            host_bytes_written: host,
+            device_bytes_written: device,
+            write_amplification: if host == 0 { 0.0 } else { device as f64 / host as f64 },
+            gc_relocated_blocks: counters.gc_relocated_blocks.load(Ordering::Relaxed),
+            gc_segments_cleaned: counters.gc_segments_cleaned.load(Ordering::Relaxed),
+            checkpoints: counters.checkpoints.load(Ordering::Relaxed),
+            checksum_errors: counters.checksum_errors.load(Ordering::Relaxed),
+            index_ram_bytes: self.index.allocated_bytes(),
+            failed_drives: self.latches.failed_drives(),
+        }
+    }
+
+    /// One volume's space figures; `provisioned_bytes` is the size the caller's map holds.
+    pub fn volume_stats(&self, volume: &VolumeMap) -> VolumeStats {
+        let mapped_blocks = self.index.get(volume.volume().0).map_or(0, |v| v.mapped_blocks());
+        VolumeStats {
+            provisioned_bytes: volume.size_bytes(),
+            mapped_bytes: mapped_blocks * BLOCK_BYTES_U64,
+            physical_used_bytes: mapped_blocks * BLOCK_BYTES_U64,
+        }
+    }
+
+    /// The blocks hosts may map in total.
+    pub fn capacity_blocks(&self) -> u64 {
+        self.capacity_blocks
+    }
+
+    pub(super) fn segment_of(&self, location: u32) -> u32 {
+        self.geometry.split(location).0
+    }
+
+    /// Admits a write that maps `new_blocks` blocks that are unmapped now.
+    fn admit(&self, new_blocks: u64) -> Result<(), LogError> {
+        if new_blocks == 0 {
+            return Ok(());
+        }
+        let admitted = self.counters.admitted_blocks.fetch_add(new_blocks, Ordering::AcqRel);
+        let mapped = self.counters.mapped_blocks.load(Ordering::Acquire);
+        if mapped + admitted + new_blocks > self.capacity_blocks {
+            self.counters.admitted_blocks.fetch_sub(new_blocks, Ordering::AcqRel);
+            return Err(LogError::CapacityExceeded {
+                mapped_blocks: mapped,
+                capacity_blocks: self.capacity_blocks,
+                needed_blocks: new_blocks,
+            });
+        }
+        Ok(())
+    }
+
+    /// Applies a durable batch to the index and the live counts. Runs without awaiting, so it
+    /// is never abandoned half way.
+    pub(super) fn install(&self, header: &BatchHeader) -> u64 {
+        self.apply(header, true)
+    }
+
+    /// Applies a batch to the index; with `account`, also to the live counts and the mapped
+    /// counter (recovery recomputes those from the index once every batch is applied).
+    pub(super) fn apply(&self, header: &BatchHeader, account: bool) -> u64 {
+        let mut data_index = 0;
+        let mut mapped_added: i64 = 0;
+        let mut relocated = 0;
+        let mut volume: Option<Arc<VolumeIndex>> = None;
+        for entry in &header.entries {
+            if volume.as_ref().is_none_or(|v| v.volume() != entry.volume || v.is_removed()) {
+                volume = match entry.kind {
+                    EntryKind::Data { .. } => Some(self.index.get_or_create(entry.volume)),
+                    _ => self.index.get(entry.volume),
+                };
+            }
+            match entry.kind {
+                EntryKind::Data { crc } => {
+                    let location =
+                        self.geometry.location(header.segment, header.position + 1 + data_index);
+                    data_index += 1;
+                    let Some(index) = &volume else { unreachable!("created above") };
+                    let old = index.swap(entry.block, pack(location, crc));
+                    if account {
+                        self.segments.add_live(header.segment);
+                    }
+                    match unpack(old) {
+                        Some((old_location, _)) if account => {
+                            self.segments.remove_live(self.segment_of(old_location))
+                        }
+                        Some(_) => {}
+                        None => mapped_added += 1,
+                    }
+                }
+                EntryKind::Relocated { crc, from } => {
+                    let location =
+                        self.geometry.location(header.segment, header.position + 1 + data_index);
+                    data_index += 1;
+                    let Some(index) = &volume else { continue };
+                    // Only if the block still lives where GC copied it from: a newer write wins.
+                    if index.compare_exchange(entry.block, pack(from, crc), pack(location, crc)) {
+                        if account {
+                            self.segments.add_live(header.segment);
+                            self.segments.remove_live(self.segment_of(from));
+                        }
+                        relocated += 1;
+                    }
+                }
+                EntryKind::Trim { count } => {
+                    let Some(index) = &volume else { continue };
+                    index.unmap_range(entry.block, u64::from(count), |old| {
+                        if let Some((old_location, _)) = unpack(old) {
+                            if account {
+                                self.segments.remove_live(self.segment_of(old_location));
+                            }
+                            mapped_added -= 1;
+                        }
+                    });
+                }
+                EntryKind::VolumeDeleted => {
+                    if let Some(index) = self.index.remove(entry.volume) {
+                        index.for_each_mapped(|_, old| {
+                            if let Some((old_location, _)) = unpack(old) {
+                                if account {
+                                    self.segments.remove_live(self.segment_of(old_location));
+                                }
+                                mapped_added -= 1;
+                            }
+                        });
+                    }
+                    volume = None;
+                }
+            }
+        }
+        self.segments.note_lsn(header.segment, header.lsn);
+        if !account {
+            return relocated;
+        }
+        if mapped_added >= 0 {
+            self.counters.mapped_blocks.fetch_add(mapped_added as u64, Ordering::AcqRel);
+        } else {
+            self.counters.mapped_blocks.fetch_sub(mapped_added.unsigned_abs(), Ordering::AcqRel);
+        }
+        relocated
+    }
+}
+
+/// A failed batch, as every writer that joined it sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Failure {
+    DriveFailed(u16),
+    Io { drive: u16, operation: DriveOperation, kind: io::ErrorKind },
+    CapacityExceeded,
+    Abandoned,
+}
+
+impl Failure {
+    pub(super) fn from_drive(drive: u16, error: &DriveError) -> Self {
+        let (operation, kind) = match error {
+            DriveError::Io { operation, source, .. } => (*operation, source.kind()),
+            DriveError::ShortTransfer { operation, .. } => (*operation, io::ErrorKind::WriteZero),
+            DriveError::OutOfBounds { operation, .. } => (*operation, io::ErrorKind::InvalidInput),
+        };
+        Self::Io { drive, operation, kind }
+    }
+
+    pub(super) fn into_error(self, engine: &LogEngine) -> LogError {
+        match self {
+            Self::DriveFailed(drive) => LogError::DriveFailed { drive },
+            Self::Io { drive, operation, kind } => LogError::Io {
+                drive,
+                source: DriveError::Io {
+                    operation,
+                    offset_bytes: 0,
+                    length_bytes: 0,
+                    source: io::Error::new(kind, "the batch holding this write failed"),
+                },
+            },
+            Self::CapacityExceeded => LogError::CapacityExceeded {
+                mapped_blocks: engine.counters.mapped_blocks.load(Ordering::Relaxed),
+                capacity_blocks: engine.capacity_blocks,
+                needed_blocks: 0,
+            },
+            Self::Abandoned => LogError::Abandoned,
+        }
+    }
+}
+
+struct BatchCell {
+    result: Cell<Option<Result<(), Failure>>>,
+}
+
+/// A batch being formed or queued.
+struct Pending {
+    entries: Vec<Entry>,
+    data: AlignedBuf,
+    data_blocks: usize,
+    admitted_blocks: u64,
+    host_bytes: u64,
+    cell: Rc<BatchCell>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct StreamState {
+    pub segment: Option<u32>,
+    pub seq: u64,
+    pub next_position: u32,
+}
+
+/// A set of drive indexes.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct DriveSet(pub [u64; 4]);
+
+/// One drive's read of a run of rows: drive, first row, result, buffer.
+type RowsRead = (u16, u32, Result<(), DriveError>, AlignedBuf);
+
+impl DriveSet {
+    pub fn insert(&mut self, drive: u16) {
+        self.0[usize::from(drive / 64)] |= 1 << (drive % 64);
+    }
+
+    pub fn iter(self) -> impl Iterator<Item = u16> {
+        (0..256u16).filter(move |drive| self.0[usize::from(drive / 64)] & (1 << (drive % 64)) != 0)
+    }
+}
+
+const _: () = assert!(crate::format::DRIVE_COUNT_MAX == 256);
+
+/// The leader role of a handle's pipeline; released (and waiters woken) when dropped.
+pub(super) struct Leadership<'a> {
+    leader: &'a Cell<bool>,
+    changed: &'a LocalNotify,
+}
+
+impl Drop for Leadership<'_> {
+    fn drop(&mut self) {
+        self.leader.set(false);
+        self.changed.notify_all();
+    }
+}
+
+/// Completes a batch as abandoned if the leader's future is dropped while committing it, and
+/// clears the handle's published LSN floor so checkpoints do not wait for it forever.
+struct CommitGuard<'a> {
+    cell: Rc<BatchCell>,
+    slot: &'a HandleSlot,
+    armed: bool,
+}
+
+impl Drop for CommitGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.cell.result.set(Some(Err(Failure::Abandoned)));
+            self.slot.lsn_floor.store(u64::MAX, Ordering::SeqCst);
+        }
+    }
+}
+
+/// [`VolumeStore`] over the log, for one data-path thread. Not `Send`: it owns that thread's
+/// drive handles. Create one per thread with [`LogEngine::handle`].
+pub struct LogHandle<D> {
+    pub(super) engine: Arc<LogEngine>,
+    pub(super) drives: Vec<D>,
+    pub(super) slot: Arc<HandleSlot>,
+    volumes: RefCell<HashMap<u64, Arc<VolumeIndex>>>,
+    queue: RefCell<VecDeque<Pending>>,
+    pub(super) leader: Cell<bool>,
+    pub(super) changed: LocalNotify,
+    pub(super) streams: [RefCell<StreamState>; 2],
+}
+
+impl<D> std::fmt::Debug for LogHandle<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogHandle").field("engine", &self.engine).finish()
+    }
+}
+
+impl<D: Drive> LogHandle<D> {
+    pub fn engine(&self) -> &Arc<LogEngine> {
+        &self.engine
+    }
+
+    pub fn drives(&self) -> &[D] {
+        &self.drives
+    }
+
+    /// The volume's index from this thread's cache, or the engine's (created if `create`).
+    fn volume_index(&self, volume: u64, create: bool) -> Option<Arc<VolumeIndex>> {
+        if let Some(index) = self.volumes.borrow().get(&volume) {
+            if !index.is_removed() {
+                return Some(Arc::clone(index));
+            }
+        }
+        let index = if create {
+            self.engine.index.get_or_create(volume)
+        } else {
+            self.engine.index.get(volume)?
+        };
+        let mut cache = self.volumes.borrow_mut();
+        if cache.len() >= VOLUME_CACHE_MAX {
+            cache.clear();
+        }
+        cache.insert(volume, Arc::clone(&index));
+        Some(index)
+    }
+
+    /// Becomes the pipeline's leader once no one else is.
+    pub(super) async fn lead(&self) -> Leadership<'_> {
+        while self.leader.get() {
+            self.changed.notified().await;
+        }
+        self.leader.set(true);
+        Leadership { leader: &self.leader, changed: &self.changed }
+    }
+
+    /// Adds one entry (and its block) to the batch being formed; returns that batch.
+    async fn enqueue(
+        &self,
+        entry: Entry,
+        data: Option<&[u8]>,
+        admitted: bool,
+        host_bytes: u64,
+    ) -> Rc<BatchCell> {
+        let batch_data_max = self.engine.batch_data_max;
+        let has_room = |batch: &Pending| {
+            batch.entries.len() < BATCH_ENTRIES_MAX
+                && (data.is_none() || batch.data_blocks < batch_data_max)
+        };
+        loop {
+            {
+                let mut queue = self.queue.borrow_mut();
+                if !queue.back().is_some_and(has_room) && queue.len() < BATCHES_QUEUED_MAX {
+                    queue.push_back(Pending {
+                        entries: Vec::with_capacity(BATCH_ENTRIES_MAX),
+                        data: AlignedBuf::new(batch_data_max * BLOCK_BYTES),
+                        data_blocks: 0,
+                        admitted_blocks: 0,
+                        host_bytes: 0,
+                        cell: Rc::new(BatchCell { result: Cell::new(None) }),
+                    });
+                }
+                if let Some(batch) = queue.back_mut().filter(|batch| has_room(batch)) {
+                    if let Some(block) = data {
+                        let at = batch.data_blocks * BLOCK_BYTES;
+                        batch.data[at..at + BLOCK_BYTES].copy_from_slice(block);
+                        batch.data_blocks += 1;
+                    }
+                    batch.entries.push(entry);
+                    batch.admitted_blocks += u64::from(admitted);
+                    batch.host_bytes += host_bytes;
+                    return Rc::clone(&batch.cell);
+                }
+            }
+            // The queue is full: help drain it, or wait for the leader to take a batch.
+            if self.leader.get() {
+                self.changed.notified().await;
+            } else {
+                let leadership = self.lead().await;
+                self.commit_front().await;
+                drop(leadership);
+            }
+        }
+    }
+
+    /// Waits until a batch completes, leading the pipeline while no one else does.
+    async fn wait_batch(&self, cell: &Rc<BatchCell>) -> Result<(), Failure> {
+        loop {
+            if let Some(result) = cell.result.get() {
+                return result;
+            }
+            if self.leader.get() {
+                self.changed.notified().await;
+                continue;
+            }
+            let leadership = self.lead().await;
+            while cell.result.get().is_none() {
+                if !self.commit_front().await {
+                    break;
+                }
+            }
+            drop(leadership);
+        }
+    }
+
+    /// As the leader: commits the oldest queued batch. False if the queue was empty.
+    async fn commit_front(&self) -> bool {
+        let Some(batch) = self.queue.borrow_mut().pop_front() else { return false };
+        self.changed.notify_all();
+        let mut guard = CommitGuard { cell: Rc::clone(&batch.cell), slot: &self.slot, armed: true };
+        let Pending { entries, data, data_blocks, admitted_blocks, host_bytes, cell } = batch;
+        let result = self.commit_batch(Stream::Host, entries, &data, data_blocks).await;
+        self.engine.counters.admitted_blocks.fetch_sub(admitted_blocks, Ordering::AcqRel);
+        if result.is_ok() {
+            self.engine.counters.host_bytes_written.fetch_add(host_bytes, Ordering::Relaxed);
+        }
+        guard.armed = false;
+        cell.result.set(Some(result));
+        self.changed.notify_all();
+        if result.is_ok() && self.checkpoint_due() {
+            // Bounded recovery: a failure here is reported by the next checkpoint attempt or by
+            // the drive latch on the next write; the batch itself is durable.
+            let _ = self.checkpoint_as_leader().await;
+        }
+        true
+    }
+
+    /// Writes a batch to `stream` and installs it once durable. If the open segment has room
+    /// for part of it, the batch is split so the segment's tail is filled rather than wasted;
+    /// the parts are committed (and installed) in order.
+    pub(super) async fn commit_batch(
+        &self,
+        stream: Stream,
+        mut entries: Vec<Entry>,
+        data: &[u8],
+        data_blocks: usize,
+    ) -> Result<(), Failure> {
+        let per_segment = self.engine.geometry.positions_per_segment();
+        let mut data_offset = 0usize;
+        let mut remaining_blocks = data_blocks;
+        // Each round commits at least one entry, so it ends within the entry count.
+        loop {
+            let room = {
+                let state = self.streams[stream as usize].borrow();
+                state.segment.map_or(0, |_| per_segment - state.next_position) as usize
+            };
+            if room < 2 || room > remaining_blocks {
+                let part = &data[data_offset * BLOCK_BYTES..];
+                return self.commit_one(stream, entries, part, remaining_blocks).await;
+            }
+            // Take entries in order until the data blocks fill the room after the header.
+            let mut taken_blocks = 0;
+            let split = entries
+                .iter()
+                .position(|entry| {
+                    if entry.has_data() {
+                        if taken_blocks == room - 1 {
+                            return true;
+                        }
+                        taken_blocks += 1;
+                    }
+                    false
+                })
+                .unwrap_or(entries.len());
+            let rest = entries.split_off(split);
+            let part = &data[data_offset * BLOCK_BYTES..(data_offset + taken_blocks) * BLOCK_BYTES];
+            self.commit_one(stream, entries, part, taken_blocks).await?;
+            entries = rest;
+            data_offset += taken_blocks;
+            remaining_blocks -= taken_blocks;
+            if entries.is_empty() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Writes one batch that fits a segment to `stream` and installs it once durable.
+    async fn commit_one(
+        &self,
+        stream: Stream,
+        entries: Vec<Entry>,
+        data: &[u8],
+        data_blocks: usize,
+    ) -> Result<(), Failure> {
+        let engine = &*self.engine;
+        if let Some(drive) = engine.latches.failed_drives().first() {
+            return Err(Failure::DriveFailed(*drive));
+        }
+        let positions = 1 + data_blocks as u32;
+        self.make_room(stream, positions).await?;
+        let (segment, segment_seq, position) = {
+            let mut state = self.streams[stream as usize].borrow_mut();
+            let Some(segment) = state.segment else { unreachable!("make_room opened one") };
+            let position = state.next_position;
+            state.next_position += positions;
+            (segment, state.seq, position)
+        };
+        // Publish a floor before taking the LSN, so a checkpoint that reads the counter after
+        // this batch took its LSN also sees the floor (see `checkpoint`).
+        self.slot.lsn_floor.store(engine.lsn_next.load(Ordering::SeqCst), Ordering::SeqCst);
+        let lsn = engine.lsn_next.fetch_add(1, Ordering::SeqCst);
+        self.slot.lsn_floor.store(lsn, Ordering::SeqCst);
+        let header = BatchHeader { segment, segment_seq, position, lsn, entries };
+        let header_block = header.encode();
+        let block_of = |index: u32| -> &[u8] {
+            if index == 0 {
+                &header_block
+            } else {
+                let at = (index as usize - 1) * BLOCK_BYTES;
+                &data[at..at + BLOCK_BYTES]
+            }
+        };
+        let mut result = self.write_positions(segment, position, positions, block_of).await;
+        if let Ok(touched) = result {
+            result = self.sync_drives(touched).await.map(|()| touched);
+        }
+        if result.is_ok() {
+            engine.install(&header);
+        }
+        self.slot.lsn_floor.store(u64::MAX, Ordering::SeqCst);
+        result.map(|_| ())
+    }
+
+    /// Makes sure `stream`'s open segment has `positions` free positions, sealing it and opening
+    /// another if not. Host writes collect garbage first when only the reserve is left.
+    async fn make_room(&self, stream: Stream, positions: u32) -> Result<(), Failure> {
+        let engine = &*self.engine;
+        let per_segment = engine.geometry.positions_per_segment();
+        assert!(positions <= per_segment);
+        {
+            let mut state = self.streams[stream as usize].borrow_mut();
+            if let Some(segment) = state.segment {
+                if state.next_position + positions <= per_segment {
+                    return Ok(());
+                }
+                let _switch = self.slot.switch.lock().unwrap_or_else(|e| e.into_inner());
+                engine.segments.set_state(segment, SegmentState::Sealed);
+                self.slot.open_seqs[stream as usize].store(u64::MAX, Ordering::SeqCst);
+                engine.sealed_since_checkpoint.fetch_add(1, Ordering::AcqRel);
+                state.segment = None;
+            }
+        }
+        let keep_free = match stream {
+            Stream::Host => engine.reserve_segments,
+            Stream::Gc => engine.checkpoint_segments_max,
+        };
+        let mut attempts = 0;
+        loop {
+            if let Some(segment) = self.open_segment(stream, keep_free) {
+                let seq = engine.segments.seq(segment);
+                *self.streams[stream as usize].borrow_mut() =
+                    StreamState { segment: Some(segment), seq, next_position: 0 };
+                return Ok(());
+            }
+            attempts += 1;
+            if stream == Stream::Gc || attempts > super::gc::GC_ROUNDS_FOR_SPACE_MAX {
+                return Err(Failure::CapacityExceeded);
+            }
+            // Boxed: GC commits its own batches (to the GC stream, which never comes here), so
+            // the recursion is one level deep.
+            let collect: LocalFuture<'_, Result<bool, Failure>> =
+                Box::pin(self.collect_for_space());
+            match collect.await {
+                Ok(true) => {}
+                Ok(false) => return Err(Failure::CapacityExceeded),
+                Err(failure) => return Err(failure),
+            }
+        }
+    }
+
+    /// Allocates a segment for `stream` and gives it the next sequence number.
+    pub(super) fn open_segment(&self, stream: Stream, keep_free: u32) -> Option<u32> {
+        let engine = &*self.engine;
+        // Under the switch lock, so a checkpoint sees either no segment or this one, exactly.
+        let _switch = self.slot.switch.lock().unwrap_or_else(|e| e.into_inner());
+        let segment = engine.segments.allocate(SegmentState::Open, keep_free)?;
+        let seq = engine.segment_seq_next.fetch_add(1, Ordering::SeqCst);
+        engine.segments.set_seq(segment, seq);
+        self.slot.open_seqs[stream as usize].store(seq, Ordering::SeqCst);
+        Some(segment)
+    }
+
+    /// Writes positions `first..first + count` of `segment`, block `i` being `block_of(i)`;
+    /// returns the drives written. A failed write latches its drive.
+    pub(super) async fn write_positions<'b>(
+        &self,
+        segment: u32,
+        first: u32,
+        count: u32,
+        block_of: impl Fn(u32) -> &'b [u8],
+    ) -> Result<DriveSet, Failure> {
+        let geometry = &self.engine.geometry;
+        let drives = u32::from(geometry.drive_count);
+        let mut touched = DriveSet::default();
+        let mut writes: Vec<LocalFuture<'_, (u16, Result<(), DriveError>)>> = Vec::new();
+        for (drive, first_row, rows) in geometry.drive_runs(first, count) {
+            if self.engine.latches.is_failed(drive) {
+                return Err(Failure::DriveFailed(drive));
+            }
+            let mut buf = AlignedBuf::new(rows as usize * BLOCK_BYTES);
+            for row in 0..rows {
+                let position = (first_row + row) * drives + u32::from(drive);
+                let at = row as usize * BLOCK_BYTES;
+                buf[at..at + BLOCK_BYTES].copy_from_slice(block_of(position - first));
+            }
+            touched.insert(drive);
+            let offset_bytes = geometry.row_offset_bytes(segment, first_row);
+            let target = &self.drives[usize::from(drive)];
+            writes.push(Box::pin(async move {
+                let (result, _) = target.write_at(offset_bytes, buf).await;
+                (drive, result)
+            }));
+        }
+        self.engine
+            .counters
+            .device_bytes_written
+            .fetch_add(u64::from(count) * BLOCK_BYTES_U64, Ordering::Relaxed);
+        let mut failure = None;
+        for (drive, result) in join_all(writes).await {
+            if let Err(error) = result {
+                self.engine.latches.latch(drive);
+                failure.get_or_insert(Failure::from_drive(drive, &error));
+            }
+        }
+        failure.map_or(Ok(touched), Err)
+    }
+
+    /// Syncs the given drives concurrently; a failed sync latches its drive.
+    pub(super) async fn sync_drives(&self, drives: DriveSet) -> Result<(), Failure> {
+        let mut syncs: Vec<LocalFuture<'_, (u16, Result<(), DriveError>)>> = Vec::new();
+        for drive in drives.iter() {
+            if self.engine.latches.is_failed(drive) {
+                return Err(Failure::DriveFailed(drive));
+            }
+            let target = &self.drives[usize::from(drive)];
+            syncs.push(Box::pin(async move { (drive, target.sync().await) }));
+        }
+        let mut failure = None;
+        for (drive, result) in join_all(syncs).await {
+            if let Err(error) = result {
+                self.engine.latches.latch(drive);
+                failure.get_or_insert(Failure::from_drive(drive, &error));
+            }
+        }
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// Reads positions `first..first + count` of `segment` into one buffer, in position order.
+    pub(super) async fn read_positions(
+        &self,
+        segment: u32,
+        first: u32,
+        count: u32,
+    ) -> Result<AlignedBuf, LogError> {
+        let geometry = &self.engine.geometry;
+        let drives = u32::from(geometry.drive_count);
+        let mut reads: Vec<LocalFuture<'_, RowsRead>> = Vec::new();
+        for (drive, first_row, rows) in geometry.drive_runs(first, count) {
+            if self.engine.latches.is_failed(drive) {
+                return Err(LogError::DriveFailed { drive });
+            }
+            let offset_bytes = geometry.row_offset_bytes(segment, first_row);
+            let target = &self.drives[usize::from(drive)];
+            reads.push(Box::pin(async move {
+                let buf = AlignedBuf::new(rows as usize * BLOCK_BYTES);
+                let (result, buf) = target.read_at(offset_bytes, buf).await;
+                (drive, first_row, result, buf)
+            }));
+        }
+        let mut out = AlignedBuf::new(count as usize * BLOCK_BYTES);
+        for (drive, first_row, result, buf) in join_all(reads).await {
+            result.map_err(|source| LogError::io(drive, source))?;
+            for (row, block) in buf.chunks(BLOCK_BYTES).enumerate() {
+                let position = (first_row + row as u32) * drives + u32::from(drive);
+                let at = (position - first) as usize * BLOCK_BYTES;
+                out[at..at + BLOCK_BYTES].copy_from_slice(block);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads one block at `location` into `buf` (one block long).
+    async fn read_location(
+        &self,
+        location: u32,
+        buf: AlignedBuf,
+    ) -> (Result<(), LogError>, AlignedBuf) {
+        let (segment, position) = self.engine.geometry.split(location);
+        let (drive, offset_bytes) = self.engine.geometry.place(segment, position);
+        if self.engine.latches.is_failed(drive) {
+            return (Err(LogError::DriveFailed { drive }), buf);
+        }
+        let (result, buf) = self.drives[usize::from(drive)].read_at(offset_bytes, buf).await;
+        (result.map_err(|source| LogError::io(drive, source)), buf)
+    }
+
+    /// Reads one mapped block into `out`, verifying its checksum; re-reads if GC moved it.
+    async fn read_block(
+        &self,
+        index: &VolumeIndex,
+        block: u64,
+        mut entry: u64,
+        out: &mut [u8],
+        scratch: AlignedBuf,
+    ) -> (Result<(), LogError>, AlignedBuf) {
+        let mut scratch = scratch;
+        for _ in 0..READ_RETRIES_MAX {
+            let Some((location, crc)) = unpack(entry) else {
+                out.fill(0);
+                return (Ok(()), scratch);
+            };
+            let (result, buf) = self.read_location(location, scratch).await;
+            scratch = buf;
+            if let Err(error) = result {
+                return (Err(error), scratch);
+            }
+            if crc32c::crc32c(&scratch) == crc {
+                out.copy_from_slice(&scratch);
+                return (Ok(()), scratch);
+            }
+            let now = index.get(block);
+            if now == entry {
+                self.engine.counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
+                let (segment, position) = self.engine.geometry.split(location);
+                let drive = self.engine.geometry.place(segment, position).0;
+                let error =
+                    LogError::ChecksumMismatch { volume: index.volume(), block, location, drive };
+                return (Err(error), scratch);
+            }
+            entry = now;
+        }
+        // The block kept moving under the read (GC and host writes racing it): report the last
+        // location tried rather than spin.
+        let (location, _) = unpack(entry).unwrap_or((0, 0));
+        let (segment, position) = self.engine.geometry.split(location);
+        let drive = self.engine.geometry.place(segment, position).0;
+        let error = LogError::ChecksumMismatch { volume: index.volume(), block, location, drive };
+        (Err(error), scratch)
+    }
+
+    /// Fills `buf` from the volume at `offset_bytes`.
+    pub async fn read_blocks(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        mut buf: AlignedBuf,
+    ) -> (Result<(), LogError>, AlignedBuf) {
+        if let Err(error) = volume.pieces(offset_bytes, buf.len() as u64) {
+            return (Err(error.into()), buf);
+        }
+        let first = offset_bytes / BLOCK_BYTES_U64;
+        let count = buf.len() / BLOCK_BYTES;
+        let Some(index) = self.volume_index(volume.volume().0, false) else {
+            buf.fill(0);
+            return (Ok(()), buf);
+        };
+        let mut scratch = AlignedBuf::new(BLOCK_BYTES);
+        for slot in 0..count {
+            let block = first + slot as u64;
+            let entry = index.get(block);
+            let out = &mut buf[slot * BLOCK_BYTES..(slot + 1) * BLOCK_BYTES];
+            if entry == 0 {
+                out.fill(0);
+                continue;
+            }
+            let (result, returned) = self.read_block(&index, block, entry, out, scratch).await;
+            scratch = returned;
+            if let Err(error) = result {
+                return (Err(error), buf);
+            }
+        }
+        (Ok(()), buf)
+    }
+
+    /// Writes `data` at `offset_bytes`; completes once durable.
+    pub async fn write_blocks(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        data: &[u8],
+    ) -> Result<(), LogError> {
+        volume.pieces(offset_bytes, data.len() as u64)?;
+        let volume_id = volume.volume().0;
+        let first = offset_bytes / BLOCK_BYTES_U64;
+        let count = data.len() / BLOCK_BYTES;
+        if count == 0 {
+            return Ok(());
+        }
+        let Some(index) = self.volume_index(volume_id, true) else {
+            unreachable!("created on demand")
+        };
+        let unmapped: Vec<bool> =
+            (0..count).map(|slot| index.get(first + slot as u64) == 0).collect();
+        let new_blocks = unmapped.iter().filter(|new| **new).count() as u64;
+        self.engine.admit(new_blocks)?;
+        let mut cells: Vec<Rc<BatchCell>> = Vec::new();
+        for (slot, block_data) in data.chunks(BLOCK_BYTES).enumerate() {
+            let crc = crc32c::crc32c(block_data);
+            let entry = Entry {
+                volume: volume_id,
+                block: first + slot as u64,
+                kind: EntryKind::Data { crc },
+            };
+            let cell = self.enqueue(entry, Some(block_data), unmapped[slot], BLOCK_BYTES_U64).await;
+            if cells.last().is_none_or(|last| !Rc::ptr_eq(last, &cell)) {
+                cells.push(cell);
+            }
+        }
+        self.wait_all(&cells).await
+    }
+
+    async fn wait_all(&self, cells: &[Rc<BatchCell>]) -> Result<(), LogError> {
+        let mut first_failure = None;
+        for cell in cells {
+            if let Err(failure) = self.wait_batch(cell).await {
+                first_failure.get_or_insert(failure);
+            }
+        }
+        match first_failure {
+            None => Ok(()),
+            Some(failure) => Err(failure.into_error(&self.engine)),
+        }
+    }
+
+    /// Makes a range read as zeros by dropping its mappings (thin); completes once durable.
+    pub async fn trim_blocks(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Result<(), LogError> {
+        volume.pieces(offset_bytes, length_bytes)?;
+        let mut first = offset_bytes / BLOCK_BYTES_U64;
+        let mut remaining = length_bytes / BLOCK_BYTES_U64;
+        let mut cells: Vec<Rc<BatchCell>> = Vec::new();
+        while remaining > 0 {
+            let count = remaining.min(u64::from(u32::MAX)) as u32;
+            let entry =
+                Entry { volume: volume.volume().0, block: first, kind: EntryKind::Trim { count } };
+            let cell = self.enqueue(entry, None, false, 0).await;
+            if cells.last().is_none_or(|last| !Rc::ptr_eq(last, &cell)) {
+                cells.push(cell);
+            }
+            first += u64::from(count);
+            remaining -= u64::from(count);
+        }
+        self.wait_all(&cells).await
+    }
+
+    /// Deletes a volume's data durably: after this returns, recovery never brings it back.
+    /// The caller has fenced the volume's I/O; volume ids are never reused.
+    pub async fn delete_volume(&self, volume: u64) -> Result<(), LogError> {
+        let entry = Entry { volume, block: 0, kind: EntryKind::VolumeDeleted };
+        let cell = self.enqueue(entry, None, false, 0).await;
+        self.volumes.borrow_mut().remove(&volume);
+        self.wait_all(&[cell]).await
+    }
+}
+
+impl<D: Drive> VolumeStore for LogHandle<D> {
+    async fn read(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+    ) -> (Result<(), StoreError>, AlignedBuf) {
+        let (result, buf) = self.read_blocks(volume, offset_bytes, buf).await;
+        (result.map_err(LogError::into_store_error), buf)
+    }
+
+    async fn write(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+    ) -> (Result<(), StoreError>, AlignedBuf) {
+        let result = self.write_blocks(volume, offset_bytes, &buf).await;
+        (result.map_err(LogError::into_store_error), buf)
+    }
+
+    async fn flush(&self, volume: &VolumeMap) -> Result<(), StoreError> {
+        // Every mutation is durable before it completes: there is no volatile cache.
+        if volume.is_removed() {
+            return Err(StoreError::VolumeRemoved { volume: volume.volume() });
+        }
+        Ok(())
+    }
+
+    async fn write_zeroes(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Result<(), StoreError> {
+        self.trim_blocks(volume, offset_bytes, length_bytes)
+            .await
+            .map_err(LogError::into_store_error)
+    }
+
+    async fn deallocate(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Result<(), StoreError> {
+        self.trim_blocks(volume, offset_bytes, length_bytes)
+            .await
+            .map_err(LogError::into_store_error)
+    }
+}

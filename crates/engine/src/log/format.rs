@@ -1,0 +1,721 @@
+//! The log's on-disk format, version 1: byte layouts of the log superblock, the checkpoint root,
+//! batch headers and checkpoint blocks, and the geometry that maps a log location to a drive
+//! and a byte offset. Specified in docs/format-log-v1.md; this module is the only code that
+//! knows the bytes.
+//!
+//! Everything here is a pure function over bytes. Decoders never trust their input: they check
+//! the magic, the version, the checksum and every field, and return [`DecodeError`] rather than
+//! panic. Encoders assert their inputs, which come from the engine itself.
+
+use std::fmt;
+
+use crate::format::NodeUuid;
+
+/// Bytes per block; every on-disk structure is one block.
+pub const BLOCK_BYTES: usize = types::BLOCK_SIZE_BYTES as usize;
+const BLOCK_BYTES_U64: u64 = BLOCK_BYTES as u64;
+/// The log format this build reads and writes.
+pub const LOG_FORMAT_VERSION: u32 = 1;
+/// The first 16 bytes of the log superblock.
+pub const LOG_SUPERBLOCK_MAGIC: [u8; 16] = *b"FERRITE\0LOG\0\0\0\0\0";
+/// Magics of the other structures (the first 8 bytes of their block).
+pub const ROOT_MAGIC: [u8; 8] = *b"FRTROOT\0";
+pub const BATCH_MAGIC: [u8; 8] = *b"FRTBATCH";
+pub const CHECKPOINT_MAGIC: [u8; 8] = *b"FRTCKPT\0";
+/// The header region at the start of each drive's log area: superblock, two root slots, and
+/// reserved space; segments start after it, 1 MiB aligned.
+pub const LOG_HEADER_BYTES: u64 = 1 << 20;
+/// Block numbers inside the header region.
+pub const SUPERBLOCK_BLOCK: u64 = 0;
+pub const ROOT_SLOT_BLOCKS: [u64; 2] = [1, 2];
+/// The per-drive segment unit: at least 64 KiB (so a batch rarely spans many units) and at most
+/// 1 GiB (so a segment stays a bounded amount of work for GC).
+pub const UNIT_BYTES_MIN: u64 = 64 << 10;
+pub const UNIT_BYTES_MAX: u64 = 1 << 30;
+/// Entries in one batch header, and so the most data blocks in one batch.
+pub const BATCH_ENTRIES_MAX: usize = (BLOCK_BYTES - 4 - BATCH_ENTRIES_OFFSET) / ENTRY_BYTES;
+/// Index entries in one checkpoint block.
+pub const CHECKPOINT_ENTRIES_PER_BLOCK: usize =
+    (BLOCK_BYTES - 4 - CHECKPOINT_ENTRIES_OFFSET) / CHECKPOINT_ENTRY_BYTES;
+/// Open segments (by sequence number) one root can list: two per handle.
+pub const ROOT_OPEN_SEGMENTS_MAX: usize = 256;
+/// Checkpoint segments one root can list.
+pub const ROOT_SEGMENTS_MAX: usize =
+    (BLOCK_BYTES - 4 - ROOT_SEGMENTS_OFFSET - 8 * ROOT_OPEN_SEGMENTS_MAX) / 4;
+/// The largest volume block number plus one (1 PiB of 4 KiB blocks).
+pub const VOLUME_BLOCKS_MAX: u64 = types::VOLUME_SIZE_BYTES_MAX / BLOCK_BYTES_U64;
+/// Locations are u32 and `u32::MAX` is never a location (index entries store location + 1).
+pub const LOCATIONS_MAX: u64 = u32::MAX as u64 - 1;
+pub const DRIVE_COUNT_MAX: u16 = crate::format::DRIVE_COUNT_MAX;
+
+const CHECKSUM_OFFSET: usize = BLOCK_BYTES - 4;
+const ENTRY_BYTES: usize = 32;
+const BATCH_ENTRIES_OFFSET: usize = 48;
+const CHECKPOINT_ENTRY_BYTES: usize = 24;
+const CHECKPOINT_ENTRIES_OFFSET: usize = 24;
+const ROOT_OPEN_COUNT_OFFSET: usize = 64;
+const ROOT_SEGMENTS_OFFSET: usize = 68;
+
+const _: () = assert!(BATCH_ENTRIES_MAX == 126);
+const _: () = assert!(CHECKPOINT_ENTRIES_PER_BLOCK == 169);
+const _: () = assert!(LOG_HEADER_BYTES % BLOCK_BYTES_U64 == 0);
+const _: () = assert!((ROOT_SLOT_BLOCKS[1] + 1) * BLOCK_BYTES_U64 <= LOG_HEADER_BYTES);
+const _: () =
+    assert!(UNIT_BYTES_MIN % BLOCK_BYTES_U64 == 0 && UNIT_BYTES_MAX % BLOCK_BYTES_U64 == 0);
+
+/// Why a block read from a drive was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("it does not start with the expected magic")]
+    MagicMismatch,
+    #[error(
+        "it uses log format version {found}, but this build reads only version \
+         {LOG_FORMAT_VERSION}: run the Ferrite release that wrote it"
+    )]
+    VersionUnsupported { found: u32 },
+    #[error("its checksum does not match (stored {stored:#010x}, computed {computed:#010x})")]
+    ChecksumMismatch { stored: u32, computed: u32 },
+    #[error("field {field} holds {value}, which is impossible")]
+    FieldInvalid { field: &'static str, value: u64 },
+}
+
+fn le_u16(block: &[u8], offset: usize) -> u16 {
+    let mut bytes = [0u8; 2];
+    bytes.copy_from_slice(&block[offset..offset + 2]);
+    u16::from_le_bytes(bytes)
+}
+
+fn le_u32(block: &[u8], offset: usize) -> u32 {
+    let mut bytes = [0u8; 4];
+    bytes.copy_from_slice(&block[offset..offset + 4]);
+    u32::from_le_bytes(bytes)
+}
+
+fn le_u64(block: &[u8], offset: usize) -> u64 {
+    let mut bytes = [0u8; 8];
+    bytes.copy_from_slice(&block[offset..offset + 8]);
+    u64::from_le_bytes(bytes)
+}
+
+fn put(block: &mut [u8], offset: usize, bytes: &[u8]) {
+    block[offset..offset + bytes.len()].copy_from_slice(bytes);
+}
+
+/// Seals a block: its last four bytes become the CRC-32C of the rest.
+fn seal(block: &mut [u8]) {
+    let crc = crc32c::crc32c(&block[..CHECKSUM_OFFSET]);
+    put(block, CHECKSUM_OFFSET, &crc.to_le_bytes());
+}
+
+/// Checks magic, version (at byte 8 for 8-byte magics, 16 for the superblock) and checksum.
+fn check_block(block: &[u8], magic: &[u8], version_offset: usize) -> Result<(), DecodeError> {
+    assert_eq!(block.len(), BLOCK_BYTES, "on-disk structures are one block");
+    if &block[..magic.len()] != magic {
+        return Err(DecodeError::MagicMismatch);
+    }
+    let found = le_u32(block, version_offset);
+    if found != LOG_FORMAT_VERSION {
+        return Err(DecodeError::VersionUnsupported { found });
+    }
+    let stored = le_u32(block, CHECKSUM_OFFSET);
+    let computed = crc32c::crc32c(&block[..CHECKSUM_OFFSET]);
+    if stored != computed {
+        return Err(DecodeError::ChecksumMismatch { stored, computed });
+    }
+    Ok(())
+}
+
+fn field(ok: bool, field: &'static str, value: u64) -> Result<(), DecodeError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(DecodeError::FieldInvalid { field, value })
+    }
+}
+
+/// How the log is laid out over a node's drives. Every drive has the same geometry.
+///
+/// A segment is unit `s` of every drive. Its positions are numbered row-major: position `p` is on
+/// drive `p % drive_count`, row `p / drive_count` of that drive's unit, so consecutive positions
+/// stripe across the drives and any run of positions is one contiguous range per drive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub drive_count: u16,
+    pub unit_blocks: u32,
+    pub segment_count: u32,
+    /// Where the log area starts on each drive (after the drive's own superblock region).
+    pub area_offset_bytes: u64,
+}
+
+impl Geometry {
+    /// The geometry for drives of `drive_size_bytes`, or why it is impossible.
+    pub fn new(
+        drive_count: u16,
+        drive_size_bytes: u64,
+        unit_bytes: u64,
+        area_offset_bytes: u64,
+    ) -> Result<Self, DecodeError> {
+        field((1..=DRIVE_COUNT_MAX).contains(&drive_count), "drive_count", drive_count.into())?;
+        field(
+            (UNIT_BYTES_MIN..=UNIT_BYTES_MAX).contains(&unit_bytes)
+                && unit_bytes % BLOCK_BYTES_U64 == 0,
+            "unit_bytes",
+            unit_bytes,
+        )?;
+        field(area_offset_bytes % BLOCK_BYTES_U64 == 0, "area_offset_bytes", area_offset_bytes)?;
+        let usable = drive_size_bytes.saturating_sub(area_offset_bytes + LOG_HEADER_BYTES);
+        let segment_count = usable / unit_bytes;
+        let unit_blocks = unit_bytes / BLOCK_BYTES_U64;
+        let locations = segment_count * unit_blocks * u64::from(drive_count);
+        field(segment_count >= 2, "segment_count", segment_count)?;
+        field(locations <= LOCATIONS_MAX, "segment_count", segment_count)?;
+        Ok(Self {
+            drive_count,
+            unit_blocks: unit_blocks as u32,
+            segment_count: segment_count as u32,
+            area_offset_bytes,
+        })
+    }
+
+    pub fn unit_bytes(&self) -> u64 {
+        u64::from(self.unit_blocks) * BLOCK_BYTES_U64
+    }
+
+    pub fn positions_per_segment(&self) -> u32 {
+        u32::from(self.drive_count) * self.unit_blocks
+    }
+
+    pub fn segment_bytes(&self) -> u64 {
+        u64::from(self.positions_per_segment()) * BLOCK_BYTES_U64
+    }
+
+    pub fn location_count(&self) -> u64 {
+        u64::from(self.segment_count) * u64::from(self.positions_per_segment())
+    }
+
+    pub fn location(&self, segment: u32, position: u32) -> u32 {
+        assert!(segment < self.segment_count && position < self.positions_per_segment());
+        segment * self.positions_per_segment() + position
+    }
+
+    /// (segment, position) of a location.
+    pub fn split(&self, location: u32) -> (u32, u32) {
+        assert!(u64::from(location) < self.location_count(), "location {location}");
+        (location / self.positions_per_segment(), location % self.positions_per_segment())
+    }
+
+    /// Byte offset on its drive of a header-region block.
+    pub fn header_offset_bytes(&self, block: u64) -> u64 {
+        self.area_offset_bytes + block * BLOCK_BYTES_U64
+    }
+
+    /// (drive, byte offset) of a position of a segment.
+    pub fn place(&self, segment: u32, position: u32) -> (u16, u64) {
+        let drive = (position % u32::from(self.drive_count)) as u16;
+        let row = position / u32::from(self.drive_count);
+        (drive, self.row_offset_bytes(segment, row))
+    }
+
+    /// Byte offset of a row of a segment's unit (the same on every drive).
+    pub fn row_offset_bytes(&self, segment: u32, row: u32) -> u64 {
+        assert!(segment < self.segment_count && row < self.unit_blocks);
+        self.area_offset_bytes
+            + LOG_HEADER_BYTES
+            + u64::from(segment) * self.unit_bytes()
+            + u64::from(row) * BLOCK_BYTES_U64
+    }
+
+    /// For positions `first..first + count` of a segment: per drive, the first row and the row
+    /// count it holds (drives holding none are skipped).
+    pub fn drive_runs(&self, first: u32, count: u32) -> impl Iterator<Item = (u16, u32, u32)> {
+        assert!(u64::from(first) + u64::from(count) <= u64::from(self.positions_per_segment()));
+        let drives = u32::from(self.drive_count);
+        (0..self.drive_count).filter_map(move |drive| {
+            let drive_u32 = u32::from(drive);
+            // The first position >= first on this drive.
+            let start = first + (drive_u32 + drives - first % drives) % drives;
+            let end = first + count;
+            (start < end).then(|| (drive, start / drives, (end - start).div_ceil(drives)))
+        })
+    }
+}
+
+/// The per-drive log superblock: names the node, the drive and the geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogSuperblock {
+    pub node_uuid: NodeUuid,
+    pub drive_index: u16,
+    pub geometry: Geometry,
+}
+
+impl LogSuperblock {
+    pub fn encode(&self) -> [u8; BLOCK_BYTES] {
+        let mut block = [0u8; BLOCK_BYTES];
+        put(&mut block, 0, &LOG_SUPERBLOCK_MAGIC);
+        put(&mut block, 16, &LOG_FORMAT_VERSION.to_le_bytes());
+        put(&mut block, 20, &self.drive_index.to_le_bytes());
+        put(&mut block, 22, &self.geometry.drive_count.to_le_bytes());
+        put(&mut block, 24, &self.node_uuid.0);
+        put(&mut block, 40, &self.geometry.area_offset_bytes.to_le_bytes());
+        put(&mut block, 48, &self.geometry.unit_bytes().to_le_bytes());
+        put(&mut block, 56, &self.geometry.segment_count.to_le_bytes());
+        seal(&mut block);
+        block
+    }
+
+    pub fn decode(block: &[u8]) -> Result<Self, DecodeError> {
+        check_block(block, &LOG_SUPERBLOCK_MAGIC, 16)?;
+        let drive_index = le_u16(block, 20);
+        let drive_count = le_u16(block, 22);
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(&block[24..40]);
+        let area_offset_bytes = le_u64(block, 40);
+        let unit_bytes = le_u64(block, 48);
+        let segment_count = le_u32(block, 56);
+        field(drive_index < drive_count, "drive_index", drive_index.into())?;
+        field(le_u32(block, 60) == 0, "reserved", le_u32(block, 60).into())?;
+        // Recompute the geometry from the recorded sizes so every derived field is consistent.
+        let size_bytes = area_offset_bytes
+            .checked_add(LOG_HEADER_BYTES)
+            .and_then(|bytes| bytes.checked_add(u64::from(segment_count).checked_mul(unit_bytes)?));
+        let Some(size_bytes) = size_bytes else {
+            return Err(DecodeError::FieldInvalid {
+                field: "segment_count",
+                value: segment_count.into(),
+            });
+        };
+        let geometry = Geometry::new(drive_count, size_bytes, unit_bytes, area_offset_bytes)?;
+        field(geometry.segment_count == segment_count, "segment_count", segment_count.into())?;
+        Ok(Self { node_uuid: NodeUuid(uuid), drive_index, geometry })
+    }
+}
+
+/// The checkpoint root: which checkpoint is current and where recovery starts replaying.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Root {
+    /// Increases by one per checkpoint; the root is written to slot `checkpoint_id % 2`.
+    pub checkpoint_id: u64,
+    /// Every batch with a smaller LSN is reflected in the checkpoint; replay applies the others.
+    pub lsn_floor: u64,
+    /// Every segment opened with a smaller sequence number holds only batches below
+    /// `lsn_floor`; recovery replays the segments at or above it.
+    pub segment_seq_floor: u64,
+    /// The LSN and segment sequence counters when the checkpoint was taken (lower bounds for
+    /// the counters after recovery).
+    pub lsn_next: u64,
+    pub segment_seq_next: u64,
+    pub entry_count: u64,
+    /// The segments holding the checkpoint blocks, in order.
+    pub segments: Vec<u32>,
+    /// Sequence numbers of segments that were open when the checkpoint was taken: replayed
+    /// too, though below `segment_seq_floor`.
+    pub open_seqs: Vec<u64>,
+}
+
+impl Root {
+    pub fn encode(&self) -> [u8; BLOCK_BYTES] {
+        assert!(self.segments.len() <= ROOT_SEGMENTS_MAX);
+        assert!(self.open_seqs.len() <= ROOT_OPEN_SEGMENTS_MAX);
+        let mut block = [0u8; BLOCK_BYTES];
+        put(&mut block, 0, &ROOT_MAGIC);
+        put(&mut block, 8, &LOG_FORMAT_VERSION.to_le_bytes());
+        put(&mut block, 12, &(self.segments.len() as u32).to_le_bytes());
+        put(&mut block, 16, &self.checkpoint_id.to_le_bytes());
+        put(&mut block, 24, &self.lsn_floor.to_le_bytes());
+        put(&mut block, 32, &self.segment_seq_floor.to_le_bytes());
+        put(&mut block, 40, &self.entry_count.to_le_bytes());
+        put(&mut block, 48, &self.lsn_next.to_le_bytes());
+        put(&mut block, 56, &self.segment_seq_next.to_le_bytes());
+        put(&mut block, ROOT_OPEN_COUNT_OFFSET, &(self.open_seqs.len() as u32).to_le_bytes());
+        for (index, segment) in self.segments.iter().enumerate() {
+            put(&mut block, ROOT_SEGMENTS_OFFSET + 4 * index, &segment.to_le_bytes());
+        }
+        let open_offset = ROOT_SEGMENTS_OFFSET + 4 * self.segments.len();
+        for (index, seq) in self.open_seqs.iter().enumerate() {
+            put(&mut block, open_offset + 8 * index, &seq.to_le_bytes());
+        }
+        seal(&mut block);
+        block
+    }
+
+    pub fn decode(block: &[u8], geometry: &Geometry) -> Result<Self, DecodeError> {
+        check_block(block, &ROOT_MAGIC, 8)?;
+        let count = le_u32(block, 12) as usize;
+        field(count <= ROOT_SEGMENTS_MAX, "segment_list_length", count as u64)?;
+        let open_count = le_u32(block, ROOT_OPEN_COUNT_OFFSET) as usize;
+        field(open_count <= ROOT_OPEN_SEGMENTS_MAX, "open_list_length", open_count as u64)?;
+        let open_offset = ROOT_SEGMENTS_OFFSET + 4 * count;
+        let root = Self {
+            checkpoint_id: le_u64(block, 16),
+            lsn_floor: le_u64(block, 24),
+            segment_seq_floor: le_u64(block, 32),
+            entry_count: le_u64(block, 40),
+            lsn_next: le_u64(block, 48),
+            segment_seq_next: le_u64(block, 56),
+            segments: (0..count).map(|i| le_u32(block, ROOT_SEGMENTS_OFFSET + 4 * i)).collect(),
+            open_seqs: (0..open_count).map(|i| le_u64(block, open_offset + 8 * i)).collect(),
+        };
+        field(root.checkpoint_id > 0, "checkpoint_id", 0)?;
+        field(root.lsn_floor <= root.lsn_next, "lsn_floor", root.lsn_floor)?;
+        field(
+            root.segment_seq_floor <= root.segment_seq_next,
+            "segment_seq_floor",
+            root.segment_seq_floor,
+        )?;
+        let blocks_needed = root.entry_count.div_ceil(CHECKPOINT_ENTRIES_PER_BLOCK as u64);
+        let blocks_held = count as u64 * u64::from(geometry.positions_per_segment());
+        field(blocks_needed <= blocks_held, "entry_count", root.entry_count)?;
+        for segment in &root.segments {
+            field(*segment < geometry.segment_count, "checkpoint_segment", (*segment).into())?;
+        }
+        Ok(root)
+    }
+}
+
+/// What one batch-header entry records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryKind {
+    /// A host write of one block; its data is the batch's next data block.
+    Data { crc: u32 },
+    /// A block GC copied from `from` (a location); its data is the batch's next data block.
+    Relocated { crc: u32, from: u32 },
+    /// `count` blocks from `block` read as zeros (deallocate, write zeroes).
+    Trim { count: u32 },
+    /// The whole volume is gone.
+    VolumeDeleted,
+}
+
+/// One entry of a batch header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub volume: u64,
+    /// The volume block number (the first one for a trim).
+    pub block: u64,
+    pub kind: EntryKind,
+}
+
+impl Entry {
+    /// True if the entry carries a data block.
+    pub fn has_data(&self) -> bool {
+        matches!(self.kind, EntryKind::Data { .. } | EntryKind::Relocated { .. })
+    }
+}
+
+const KIND_DATA: u8 = 1;
+const KIND_RELOCATED: u8 = 2;
+const KIND_TRIM: u8 = 3;
+const KIND_VOLUME_DELETED: u8 = 4;
+
+/// A batch header: the first position of every batch. Its entries describe the data blocks
+/// that follow it (in order) and the trims of the batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchHeader {
+    pub segment: u32,
+    pub segment_seq: u64,
+    pub position: u32,
+    pub lsn: u64,
+    pub entries: Vec<Entry>,
+}
+
+impl BatchHeader {
+    pub fn data_blocks(&self) -> u32 {
+        self.entries.iter().filter(|entry| entry.has_data()).count() as u32
+    }
+
+    /// Positions the batch occupies: the header and its data blocks.
+    pub fn positions(&self) -> u32 {
+        1 + self.data_blocks()
+    }
+
+    pub fn encode(&self) -> [u8; BLOCK_BYTES] {
+        assert!(!self.entries.is_empty() && self.entries.len() <= BATCH_ENTRIES_MAX);
+        let mut block = [0u8; BLOCK_BYTES];
+        put(&mut block, 0, &BATCH_MAGIC);
+        put(&mut block, 8, &LOG_FORMAT_VERSION.to_le_bytes());
+        put(&mut block, 12, &(self.entries.len() as u16).to_le_bytes());
+        put(&mut block, 16, &self.segment_seq.to_le_bytes());
+        put(&mut block, 24, &self.lsn.to_le_bytes());
+        put(&mut block, 32, &self.segment.to_le_bytes());
+        put(&mut block, 36, &self.position.to_le_bytes());
+        put(&mut block, 40, &self.data_blocks().to_le_bytes());
+        // Bytes 44..48: parity blocks of the batch, zero until erasure coding (issue 5).
+        for (index, entry) in self.entries.iter().enumerate() {
+            let offset = BATCH_ENTRIES_OFFSET + index * ENTRY_BYTES;
+            assert!(entry.block < VOLUME_BLOCKS_MAX);
+            put(&mut block, offset, &entry.volume.to_le_bytes());
+            put(&mut block, offset + 8, &entry.block.to_le_bytes());
+            let (kind, word, from) = match entry.kind {
+                EntryKind::Data { crc } => (KIND_DATA, crc, 0),
+                EntryKind::Relocated { crc, from } => (KIND_RELOCATED, crc, from),
+                EntryKind::Trim { count } => {
+                    assert!(count > 0 && entry.block + u64::from(count) <= VOLUME_BLOCKS_MAX);
+                    (KIND_TRIM, count, 0)
+                }
+                EntryKind::VolumeDeleted => (KIND_VOLUME_DELETED, 0, 0),
+            };
+            put(&mut block, offset + 16, &word.to_le_bytes());
+            block[offset + 20] = kind;
+            put(&mut block, offset + 24, &from.to_le_bytes());
+        }
+        seal(&mut block);
+        block
+    }
+
+    /// Decodes the header expected at `position` of `segment`. The segment sequence is checked
+    /// by the caller (a stale header of an earlier use of the segment decodes fine).
+    pub fn decode(
+        block: &[u8],
+        geometry: &Geometry,
+        segment: u32,
+        position: u32,
+    ) -> Result<Self, DecodeError> {
+        check_block(block, &BATCH_MAGIC, 8)?;
+        let count = usize::from(le_u16(block, 12));
+        field((1..=BATCH_ENTRIES_MAX).contains(&count), "entry_count", count as u64)?;
+        let header_segment = le_u32(block, 32);
+        let header_position = le_u32(block, 36);
+        field(header_segment == segment, "segment", header_segment.into())?;
+        field(header_position == position, "position", header_position.into())?;
+        field(le_u32(block, 44) == 0, "parity_blocks", le_u32(block, 44).into())?;
+        let mut entries = Vec::with_capacity(count);
+        for index in 0..count {
+            let offset = BATCH_ENTRIES_OFFSET + index * ENTRY_BYTES;
+            let volume = le_u64(block, offset);
+            let first = le_u64(block, offset + 8);
+            let word = le_u32(block, offset + 16);
+            let from = le_u32(block, offset + 24);
+            field(first < VOLUME_BLOCKS_MAX, "block", first)?;
+            field(block[offset + 21..offset + 24] == [0; 3], "entry_reserved", index as u64)?;
+            field(le_u32(block, offset + 28) == 0, "entry_reserved", index as u64)?;
+            let kind = match block[offset + 20] {
+                KIND_DATA => EntryKind::Data { crc: word },
+                KIND_RELOCATED => {
+                    field(u64::from(from) < geometry.location_count(), "from", from.into())?;
+                    EntryKind::Relocated { crc: word, from }
+                }
+                KIND_TRIM => {
+                    let end = first + u64::from(word);
+                    field(word > 0 && end <= VOLUME_BLOCKS_MAX, "trim_count", word.into())?;
+                    EntryKind::Trim { count: word }
+                }
+                KIND_VOLUME_DELETED => EntryKind::VolumeDeleted,
+                other => {
+                    return Err(DecodeError::FieldInvalid { field: "kind", value: other.into() })
+                }
+            };
+            if !matches!(kind, EntryKind::Relocated { .. }) {
+                field(from == 0, "from", from.into())?;
+            }
+            entries.push(Entry { volume, block: first, kind });
+        }
+        let header = Self {
+            segment,
+            segment_seq: le_u64(block, 16),
+            position,
+            lsn: le_u64(block, 24),
+            entries,
+        };
+        let data_blocks = le_u32(block, 40);
+        field(header.data_blocks() == data_blocks, "data_blocks", data_blocks.into())?;
+        let end = u64::from(position) + u64::from(header.positions());
+        field(
+            end <= u64::from(geometry.positions_per_segment()),
+            "data_blocks",
+            data_blocks.into(),
+        )?;
+        Ok(header)
+    }
+}
+
+/// One index entry in a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckpointEntry {
+    pub volume: u64,
+    pub block: u64,
+    pub location: u32,
+    pub crc: u32,
+}
+
+/// Where a checkpoint block keeps its entry count: right after the last entry slot.
+const CHECKPOINT_COUNT_OFFSET: usize =
+    CHECKPOINT_ENTRIES_OFFSET + CHECKPOINT_ENTRIES_PER_BLOCK * CHECKPOINT_ENTRY_BYTES;
+const _: () = assert!(CHECKPOINT_COUNT_OFFSET + 4 <= CHECKSUM_OFFSET);
+
+/// Encodes block `index` of checkpoint `checkpoint_id`.
+pub fn encode_checkpoint_block(
+    checkpoint_id: u64,
+    index: u32,
+    entries: &[CheckpointEntry],
+) -> [u8; BLOCK_BYTES] {
+    assert!(entries.len() <= CHECKPOINT_ENTRIES_PER_BLOCK);
+    let mut block = [0u8; BLOCK_BYTES];
+    put(&mut block, 0, &CHECKPOINT_MAGIC);
+    put(&mut block, 8, &LOG_FORMAT_VERSION.to_le_bytes());
+    put(&mut block, 12, &index.to_le_bytes());
+    put(&mut block, 16, &checkpoint_id.to_le_bytes());
+    for (slot, entry) in entries.iter().enumerate() {
+        let offset = CHECKPOINT_ENTRIES_OFFSET + slot * CHECKPOINT_ENTRY_BYTES;
+        put(&mut block, offset, &entry.volume.to_le_bytes());
+        put(&mut block, offset + 8, &entry.block.to_le_bytes());
+        put(&mut block, offset + 16, &entry.location.to_le_bytes());
+        put(&mut block, offset + 20, &entry.crc.to_le_bytes());
+    }
+    put(&mut block, CHECKPOINT_COUNT_OFFSET, &(entries.len() as u32).to_le_bytes());
+    seal(&mut block);
+    block
+}
+
+/// Decodes block `index` of checkpoint `checkpoint_id`, appending its entries to `out`.
+pub fn decode_checkpoint_block(
+    block: &[u8],
+    geometry: &Geometry,
+    checkpoint_id: u64,
+    index: u32,
+    out: &mut Vec<CheckpointEntry>,
+) -> Result<(), DecodeError> {
+    check_block(block, &CHECKPOINT_MAGIC, 8)?;
+    let found_index = le_u32(block, 12);
+    let found_id = le_u64(block, 16);
+    field(found_index == index, "block_index", found_index.into())?;
+    field(found_id == checkpoint_id, "checkpoint_id", found_id)?;
+    let count = le_u32(block, CHECKPOINT_COUNT_OFFSET) as usize;
+    field(count <= CHECKPOINT_ENTRIES_PER_BLOCK, "entry_count", count as u64)?;
+    for slot in 0..count {
+        let offset = CHECKPOINT_ENTRIES_OFFSET + slot * CHECKPOINT_ENTRY_BYTES;
+        let entry = CheckpointEntry {
+            volume: le_u64(block, offset),
+            block: le_u64(block, offset + 8),
+            location: le_u32(block, offset + 16),
+            crc: le_u32(block, offset + 20),
+        };
+        field(entry.block < VOLUME_BLOCKS_MAX, "block", entry.block)?;
+        field(
+            u64::from(entry.location) < geometry.location_count(),
+            "location",
+            entry.location.into(),
+        )?;
+        out.push(entry);
+    }
+    Ok(())
+}
+
+impl fmt::Display for Geometry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} drives, {} segments of {} KiB per drive",
+            self.drive_count,
+            self.segment_count,
+            self.unit_bytes() >> 10
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry() -> Geometry {
+        Geometry::new(3, (1 << 20) + LOG_HEADER_BYTES + 10 * (256 << 10), 256 << 10, 1 << 20)
+            .unwrap()
+    }
+
+    #[test]
+    fn geometry_stripes_positions_over_drives() {
+        let geometry = geometry();
+        assert_eq!(geometry.segment_count, 10);
+        assert_eq!(geometry.positions_per_segment(), 3 * 64);
+        assert_eq!(geometry.place(2, 0), (0, (2 << 20) + 2 * (256 << 10)));
+        assert_eq!(geometry.place(2, 4), (1, (2 << 20) + 2 * (256 << 10) + 4096));
+        assert_eq!(geometry.split(geometry.location(7, 100)), (7, 100));
+        // Positions 4..=11 on 3 drives: rows 1..=3 of drive 1, 1..=3 of drive 2, 2..=3 of 0.
+        let runs: Vec<_> = geometry.drive_runs(4, 8).collect();
+        assert_eq!(runs, [(0, 2, 2), (1, 1, 3), (2, 1, 3)]);
+        let runs: Vec<_> = geometry.drive_runs(5, 1).collect();
+        assert_eq!(runs, [(2, 1, 1)]);
+        assert!(Geometry::new(0, 1 << 30, 1 << 20, 0).is_err());
+        assert!(Geometry::new(1, 1 << 30, 4095, 0).is_err());
+        assert!(Geometry::new(1, LOG_HEADER_BYTES + (1 << 20), 1 << 20, 0).is_err(), "one segment");
+    }
+
+    #[test]
+    fn superblock_round_trips_and_refuses_damage() {
+        let superblock =
+            LogSuperblock { node_uuid: NodeUuid([7; 16]), drive_index: 2, geometry: geometry() };
+        let mut block = superblock.encode();
+        assert_eq!(LogSuperblock::decode(&block), Ok(superblock));
+        block[30] ^= 1;
+        assert!(matches!(LogSuperblock::decode(&block), Err(DecodeError::ChecksumMismatch { .. })));
+        let mut block = superblock.encode();
+        block[16] = 9;
+        assert_eq!(
+            LogSuperblock::decode(&block),
+            Err(DecodeError::VersionUnsupported { found: 9 })
+        );
+        assert_eq!(LogSuperblock::decode(&[0; BLOCK_BYTES]), Err(DecodeError::MagicMismatch));
+    }
+
+    #[test]
+    fn batch_header_round_trips_and_checks_fields() {
+        let geometry = geometry();
+        let header = BatchHeader {
+            segment: 4,
+            segment_seq: 99,
+            position: 10,
+            lsn: 1234,
+            entries: vec![
+                Entry { volume: 1, block: 5, kind: EntryKind::Data { crc: 0xdead } },
+                Entry { volume: 1, block: 9, kind: EntryKind::Trim { count: 3 } },
+                Entry { volume: 2, block: 0, kind: EntryKind::Relocated { crc: 1, from: 77 } },
+                Entry { volume: 3, block: 0, kind: EntryKind::VolumeDeleted },
+            ],
+        };
+        assert_eq!(header.positions(), 3);
+        let block = header.encode();
+        assert_eq!(BatchHeader::decode(&block, &geometry, 4, 10), Ok(header.clone()));
+        assert!(BatchHeader::decode(&block, &geometry, 4, 11).is_err(), "wrong position");
+        assert!(BatchHeader::decode(&block, &geometry, 5, 10).is_err(), "wrong segment");
+        // A header whose data would run past the segment's end is refused.
+        let late = BatchHeader { position: geometry.positions_per_segment() - 2, ..header };
+        let block = late.encode();
+        let error = BatchHeader::decode(&block, &geometry, 4, late.position).unwrap_err();
+        assert!(matches!(error, DecodeError::FieldInvalid { field: "data_blocks", .. }));
+        // Every single-bit flip is caught.
+        let block = late.encode();
+        for bit in (0..BLOCK_BYTES * 8).step_by(61) {
+            let mut damaged = block;
+            damaged[bit / 8] ^= 1 << (bit % 8);
+            assert!(BatchHeader::decode(&damaged, &geometry, 4, late.position).is_err());
+        }
+    }
+
+    #[test]
+    fn root_and_checkpoint_blocks_round_trip() {
+        let geometry = geometry();
+        let root = Root {
+            checkpoint_id: 5,
+            lsn_floor: 100,
+            segment_seq_floor: 7,
+            lsn_next: 120,
+            segment_seq_next: 9,
+            entry_count: 400,
+            segments: vec![3, 8],
+            open_seqs: vec![5, 6],
+        };
+        assert_eq!(Root::decode(&root.encode(), &geometry), Ok(root.clone()));
+        let bad = Root { segments: vec![10], ..root.clone() };
+        assert!(Root::decode(&bad.encode(), &geometry).is_err(), "segment out of range");
+        let bad = Root { segments: vec![], ..root };
+        assert!(Root::decode(&bad.encode(), &geometry).is_err(), "entries without blocks");
+
+        let entries: Vec<CheckpointEntry> = (0..CHECKPOINT_ENTRIES_PER_BLOCK as u64)
+            .map(|i| CheckpointEntry { volume: i, block: i * 3, location: i as u32, crc: 7 })
+            .collect();
+        let block = encode_checkpoint_block(5, 2, &entries);
+        let mut out = Vec::new();
+        decode_checkpoint_block(&block, &geometry, 5, 2, &mut out).unwrap();
+        assert_eq!(out, entries);
+        assert!(decode_checkpoint_block(&block, &geometry, 6, 2, &mut out).is_err());
+        assert!(decode_checkpoint_block(&block, &geometry, 5, 3, &mut out).is_err());
+    }
+}

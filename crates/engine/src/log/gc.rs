@@ -1,0 +1,438 @@
+//! Garbage collection and checkpoints, run by a handle's pipeline leader: inline when a host
+//! write finds only the reserve left, or when the node's background task calls
+//! [`LogHandle::gc_step`] / [`LogHandle::checkpoint`].
+//!
+//! GC picks the sealed segment with the best cost-benefit score `(1 - u) * age / (1 + u)` (LFS:
+//! `u` = live fraction, age = LSNs since its newest batch), walks its batch headers, copies every
+//! block the index still maps there into the handle's GC stream as `Relocated` entries, and
+//! installs each copy with a compare-and-swap against the old location, so a host write that
+//! landed meanwhile wins. Only segments opened before the durable checkpoint's segment floor are
+//! eligible: later ones are replayed by recovery and must stay intact (they may hold trims that
+//! hide older data). A segment is freed once nothing maps into it.
+//!
+//! A checkpoint (see docs/format-log-v1.md for the argument) reads the open-segment floors and
+//! then the LSN counter, waits until every batch below that LSN is installed, streams the index
+//! into freshly allocated checkpoint segments, syncs, then writes the root to every drive and
+//! syncs again; only then are the previous checkpoint's segments freed.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use types::AlignedBuf;
+
+use super::engine::{DriveSet, Failure, LogHandle, Stream};
+use super::format::{
+    encode_checkpoint_block, BatchHeader, CheckpointEntry, Entry, EntryKind, Root, BLOCK_BYTES,
+    CHECKPOINT_ENTRIES_PER_BLOCK, ROOT_SEGMENTS_MAX, ROOT_SLOT_BLOCKS,
+};
+use super::index::{pack, unpack};
+use super::join::yield_now;
+use super::segments::SegmentState;
+use super::LogError;
+use crate::drive::Drive;
+
+/// Victims a host write cleans while looking for a segment before it gives up. Each round
+/// frees a segment but may open one for the relocated blocks, so several rounds can be needed
+/// to gain one; a round that finds no victim ends the search at once.
+pub const GC_ROUNDS_FOR_SPACE_MAX: u32 = 1024;
+/// Polls a checkpoint waits for other threads' batches in flight before giving up.
+pub const CHECKPOINT_WAIT_YIELDS_MAX: u64 = 10_000_000;
+
+/// What one GC step did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GcOutcome {
+    /// Enough segments are free; nothing was done.
+    Idle,
+    /// A segment was freed after relocating this many live blocks.
+    Cleaned { segment: u32, relocated_blocks: u64 },
+    /// No eligible segment holds garbage.
+    NoVictim,
+}
+
+/// Clears the engine's checkpoint-in-progress flag when dropped.
+struct BusyFlag<'a>(&'a AtomicBool);
+
+impl Drop for BusyFlag<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+fn failure_of(error: &LogError) -> Failure {
+    match error {
+        LogError::DriveFailed { drive } => Failure::DriveFailed(*drive),
+        LogError::Io { drive, source } => Failure::from_drive(*drive, source),
+        _ => Failure::CapacityExceeded,
+    }
+}
+
+impl<D: Drive> LogHandle<D> {
+    /// Background GC: cleans one segment if free space is getting low. The node calls it from a
+    /// background task on some data-path thread, paced as it sees fit.
+    pub async fn gc_step(&self) -> Result<GcOutcome, LogError> {
+        let _leadership = self.lead().await;
+        let engine = &*self.engine;
+        let headroom = (engine.geometry.segment_count / 20).max(2);
+        if engine.segments.free_count() > engine.reserve_segments + headroom {
+            return Ok(GcOutcome::Idle);
+        }
+        let outcome = self.clean_one().await?;
+        if outcome == GcOutcome::NoVictim && self.checkpoint_as_leader().await.is_ok() {
+            return self.clean_one().await;
+        }
+        Ok(outcome)
+    }
+
+    /// Takes a checkpoint now.
+    pub async fn checkpoint(&self) -> Result<(), LogError> {
+        let _leadership = self.lead().await;
+        self.checkpoint_as_leader().await
+    }
+
+    /// Whether enough segments were sealed since the last checkpoint to take another.
+    pub(super) fn checkpoint_due(&self) -> bool {
+        let engine = &*self.engine;
+        let in_use = engine.geometry.segment_count - engine.segments.free_count();
+        let due = engine.config.checkpoint_interval_segments.max(in_use / 4);
+        engine.sealed_since_checkpoint.load(Ordering::Acquire) >= due
+    }
+
+    /// As the leader, for a host write that found no free segment: frees one if it can.
+    pub(super) async fn collect_for_space(&self) -> Result<bool, Failure> {
+        match self.clean_one().await {
+            Ok(GcOutcome::Cleaned { .. }) => return Ok(true),
+            Ok(_) => {}
+            Err(error) => return Err(failure_of(&error)),
+        }
+        // Perhaps only segments newer than the checkpoint hold garbage: move the floor.
+        match self.checkpoint_as_leader().await {
+            Ok(()) => {}
+            Err(LogError::CheckpointBusy) => {
+                yield_now().await;
+                return Ok(true);
+            }
+            Err(error) => return Err(failure_of(&error)),
+        }
+        match self.clean_one().await {
+            Ok(GcOutcome::Cleaned { .. }) => Ok(true),
+            Ok(_) => Ok(false),
+            Err(error) => Err(failure_of(&error)),
+        }
+    }
+
+    /// The eligible sealed segment with the best cost-benefit score.
+    fn pick_victim(&self) -> Option<u32> {
+        let engine = &*self.engine;
+        let floor = engine.gc_seq_floor.load(Ordering::Acquire);
+        let excluded = engine.gc_excluded_seqs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let now = engine.lsn_next.load(Ordering::Acquire);
+        let positions = f64::from(engine.geometry.positions_per_segment());
+        let mut best: Option<(f64, u32)> = None;
+        for segment in 0..engine.geometry.segment_count {
+            let seq = engine.segments.seq(segment);
+            if engine.segments.state(segment) != SegmentState::Sealed
+                || seq >= floor
+                || excluded.contains(&seq)
+            {
+                continue;
+            }
+            let live = engine.segments.live_blocks(segment);
+            let utilization = f64::from(live) / positions;
+            if utilization >= 0.99 {
+                continue;
+            }
+            let age = (now.saturating_sub(engine.segments.lsn_max(segment)) + 1) as f64;
+            let score = (1.0 - utilization) * age / (1.0 + utilization);
+            if best.is_none_or(|(best_score, _)| score > best_score) {
+                best = Some((score, segment));
+            }
+        }
+        best.map(|(_, segment)| segment)
+    }
+
+    /// As the leader: cleans the best victim.
+    async fn clean_one(&self) -> Result<GcOutcome, LogError> {
+        let engine = &*self.engine;
+        let Some(victim) = self.pick_victim() else { return Ok(GcOutcome::NoVictim) };
+        engine.segments.set_state(victim, SegmentState::Cleaning);
+        let mut relocated_blocks = 0;
+        if engine.segments.live_blocks(victim) > 0 {
+            match self.relocate(victim).await {
+                Ok(count) => relocated_blocks = count,
+                Err(error) => {
+                    engine.segments.set_state(victim, SegmentState::Sealed);
+                    return Err(error);
+                }
+            }
+        }
+        let live_blocks = engine.segments.live_blocks(victim);
+        if live_blocks > 0 {
+            // Its header chain is damaged: some live blocks cannot be found. It stays in the
+            // Cleaning state, out of GC, and the error is reported.
+            return Err(LogError::SegmentCorrupt {
+                segment: victim,
+                position: 0,
+                reason: "the batch headers end before every live block was found",
+                live_blocks,
+            });
+        }
+        engine.segments.release(victim);
+        engine.counters.gc_segments_cleaned.fetch_add(1, Ordering::Relaxed);
+        engine.counters.gc_relocated_blocks.fetch_add(relocated_blocks, Ordering::Relaxed);
+        Ok(GcOutcome::Cleaned { segment: victim, relocated_blocks })
+    }
+
+    /// Copies the live blocks of `victim` to the GC stream; returns how many were installed.
+    async fn relocate(&self, victim: u32) -> Result<u64, LogError> {
+        let engine = &*self.engine;
+        let geometry = engine.geometry;
+        let seq = engine.segments.seq(victim);
+        let per_segment = geometry.positions_per_segment();
+        let batch_data_max = engine.batch_data_max;
+        let mut entries: Vec<Entry> = Vec::with_capacity(batch_data_max);
+        let mut data = AlignedBuf::new(batch_data_max * BLOCK_BYTES);
+        let mut relocated = 0;
+        let mut position = 0;
+        // Each batch takes at least one position, so this loop is bounded by the segment size.
+        while position < per_segment && engine.segments.live_blocks(victim) > 0 {
+            let block = self.read_positions(victim, position, 1).await?;
+            let header = match BatchHeader::decode(&block, &geometry, victim, position) {
+                Ok(header) if header.segment_seq == seq => header,
+                _ => break,
+            };
+            let mut live = Vec::new();
+            let mut data_index = 0;
+            for entry in &header.entries {
+                let crc = match entry.kind {
+                    EntryKind::Data { crc } | EntryKind::Relocated { crc, .. } => crc,
+                    _ => continue,
+                };
+                let location = geometry.location(victim, position + 1 + data_index);
+                let still_here = engine
+                    .index
+                    .get(entry.volume)
+                    .is_some_and(|index| index.get(entry.block) == pack(location, crc));
+                if still_here {
+                    live.push((entry.volume, entry.block, crc, location, data_index));
+                }
+                data_index += 1;
+            }
+            if !live.is_empty() {
+                let blocks = self.read_positions(victim, position + 1, data_index).await?;
+                for (volume, block_number, crc, from, slot) in live {
+                    let at = entries.len() * BLOCK_BYTES;
+                    let source = slot as usize * BLOCK_BYTES;
+                    data[at..at + BLOCK_BYTES]
+                        .copy_from_slice(&blocks[source..source + BLOCK_BYTES]);
+                    entries.push(Entry {
+                        volume,
+                        block: block_number,
+                        kind: EntryKind::Relocated { crc, from },
+                    });
+                    if entries.len() == batch_data_max {
+                        relocated += self.commit_relocation(&mut entries, &data).await?;
+                    }
+                }
+            }
+            position += header.positions();
+        }
+        if !entries.is_empty() {
+            relocated += self.commit_relocation(&mut entries, &data).await?;
+        }
+        Ok(relocated)
+    }
+
+    async fn commit_relocation(
+        &self,
+        entries: &mut Vec<Entry>,
+        data: &[u8],
+    ) -> Result<u64, LogError> {
+        let batch = std::mem::replace(entries, Vec::with_capacity(self.engine.batch_data_max));
+        let count = batch.len();
+        self.commit_batch(Stream::Gc, batch, data, count)
+            .await
+            .map_err(|failure| failure.into_error(&self.engine))?;
+        Ok(count as u64)
+    }
+
+    /// As the leader: writes a checkpoint and makes it current.
+    pub(super) async fn checkpoint_as_leader(&self) -> Result<(), LogError> {
+        let engine = Arc::clone(&self.engine);
+        if engine.checkpoint_busy.swap(true, Ordering::AcqRel) {
+            return Err(LogError::CheckpointBusy);
+        }
+        let _busy = BusyFlag(&engine.checkpoint_busy);
+        // 1. The segment floor, then the segments open now: a batch that takes an LSN from now
+        //    on lands in one of those or in a segment opened later (at or above the floor).
+        let slots = engine.slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let segment_seq_floor = engine.segment_seq_next.load(Ordering::SeqCst);
+        let mut open_seqs = Vec::new();
+        for slot in &slots {
+            let _switch = slot.switch.lock().unwrap_or_else(|e| e.into_inner());
+            for open in &slot.open_seqs {
+                let seq = open.load(Ordering::SeqCst);
+                if seq < segment_seq_floor {
+                    open_seqs.push(seq);
+                }
+            }
+        }
+        // 2. The LSN floor, then wait until every batch below it is installed.
+        let lsn_floor = engine.lsn_next.load(Ordering::SeqCst);
+        let mut yields = 0;
+        while slots.iter().any(|slot| slot.lsn_floor.load(Ordering::SeqCst) < lsn_floor) {
+            yields += 1;
+            if yields > CHECKPOINT_WAIT_YIELDS_MAX {
+                return Err(LogError::CheckpointBusy);
+            }
+            yield_now().await;
+        }
+        let sealed_before = engine.sealed_since_checkpoint.load(Ordering::Acquire);
+        let checkpoint_id = engine.checkpoint.lock().unwrap_or_else(|e| e.into_inner()).id + 1;
+        // 3. Stream the index into checkpoint segments.
+        let mut segments = Vec::new();
+        let result = self.write_checkpoint(checkpoint_id, &mut segments).await;
+        let (entry_count, touched) = match result {
+            Ok(written) => written,
+            Err(error) => {
+                for segment in segments {
+                    engine.segments.release(segment);
+                }
+                return Err(error);
+            }
+        };
+        let synced = self.sync_drives(touched).await;
+        if let Err(failure) = synced {
+            for segment in segments {
+                engine.segments.release(segment);
+            }
+            return Err(failure.into_error(&engine));
+        }
+        // 4. The root, on every drive; from here a crash recovers from this checkpoint.
+        let root = Root {
+            checkpoint_id,
+            lsn_floor,
+            segment_seq_floor,
+            lsn_next: engine.lsn_next.load(Ordering::SeqCst),
+            segment_seq_next: engine.segment_seq_next.load(Ordering::SeqCst),
+            entry_count,
+            segments: segments.clone(),
+            open_seqs: open_seqs.clone(),
+        };
+        self.write_root(&root).await?;
+        // 5. Make it current and free the previous checkpoint.
+        let previous = std::mem::replace(
+            &mut *engine.checkpoint.lock().unwrap_or_else(|e| e.into_inner()),
+            super::engine::CheckpointRecord { id: checkpoint_id, segments },
+        );
+        for segment in previous.segments {
+            engine.segments.release(segment);
+        }
+        *engine.gc_excluded_seqs.lock().unwrap_or_else(|e| e.into_inner()) = open_seqs;
+        engine.gc_seq_floor.store(segment_seq_floor, Ordering::Release);
+        engine.sealed_since_checkpoint.fetch_sub(sealed_before, Ordering::AcqRel);
+        engine.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Writes every mapped index entry into newly allocated checkpoint segments (appended to
+    /// `segments`); returns the entry count and the drives written.
+    async fn write_checkpoint(
+        &self,
+        checkpoint_id: u64,
+        segments: &mut Vec<u32>,
+    ) -> Result<(u64, DriveSet), LogError> {
+        let engine = &*self.engine;
+        let per_segment = engine.geometry.positions_per_segment() as usize;
+        let mut buffer = AlignedBuf::new(per_segment * BLOCK_BYTES);
+        let mut filled = 0usize;
+        let mut block_index = 0u32;
+        let mut entry_count = 0u64;
+        let mut touched = DriveSet::default();
+        let mut pending: Vec<CheckpointEntry> = Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK);
+        let mut chunk: Vec<(u64, u64)> = Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK);
+        let volumes = engine.index.volumes();
+        let mut volume_at = 0;
+        let mut cursor = Some(0);
+        loop {
+            // Fill one block's worth of entries.
+            while pending.len() < CHECKPOINT_ENTRIES_PER_BLOCK && volume_at < volumes.len() {
+                let Some(from) = cursor else {
+                    volume_at += 1;
+                    cursor = Some(0);
+                    continue;
+                };
+                chunk.clear();
+                let limit = CHECKPOINT_ENTRIES_PER_BLOCK - pending.len();
+                cursor = volumes[volume_at].collect_mapped(from, limit, &mut chunk);
+                let volume = volumes[volume_at].volume();
+                for &(block, entry) in &chunk {
+                    let Some((location, crc)) = unpack(entry) else { continue };
+                    pending.push(CheckpointEntry { volume, block, location, crc });
+                }
+            }
+            let last = volume_at >= volumes.len();
+            if !pending.is_empty() {
+                let block = encode_checkpoint_block(checkpoint_id, block_index, &pending);
+                buffer[filled * BLOCK_BYTES..(filled + 1) * BLOCK_BYTES].copy_from_slice(&block);
+                filled += 1;
+                block_index += 1;
+                entry_count += pending.len() as u64;
+                pending.clear();
+            }
+            if filled > 0 && (filled == per_segment || last) {
+                if segments.len() >= ROOT_SEGMENTS_MAX {
+                    return Err(LogError::CheckpointInvalid {
+                        checkpoint_id,
+                        reason: "the index does not fit in the checkpoint segments a root lists",
+                    });
+                }
+                let Some(segment) = engine.segments.allocate(SegmentState::Checkpoint, 0) else {
+                    return Err(LogError::CheckpointNoSpace {
+                        needed: 1,
+                        free: engine.segments.free_count(),
+                    });
+                };
+                segments.push(segment);
+                let written = self
+                    .write_positions(segment, 0, filled as u32, |index| {
+                        let at = index as usize * BLOCK_BYTES;
+                        &buffer[at..at + BLOCK_BYTES]
+                    })
+                    .await
+                    .map_err(|failure| failure.into_error(engine))?;
+                for drive in written.iter() {
+                    touched.insert(drive);
+                }
+                filled = 0;
+            }
+            if last && pending.is_empty() && filled == 0 {
+                return Ok((entry_count, touched));
+            }
+        }
+    }
+
+    /// Writes the root to its slot on every drive, then syncs them all.
+    async fn write_root(&self, root: &Root) -> Result<(), LogError> {
+        let engine = &*self.engine;
+        let slot = ROOT_SLOT_BLOCKS[(root.checkpoint_id % 2) as usize];
+        let offset_bytes = engine.geometry.header_offset_bytes(slot);
+        let encoded = root.encode();
+        let mut touched = DriveSet::default();
+        for (drive, target) in self.drives.iter().enumerate() {
+            let drive = drive as u16;
+            if engine.latches.is_failed(drive) {
+                return Err(LogError::DriveFailed { drive });
+            }
+            let mut buf = AlignedBuf::new(BLOCK_BYTES);
+            buf.copy_from_slice(&encoded);
+            let (result, _) = target.write_at(offset_bytes, buf).await;
+            engine.counters.device_bytes_written.fetch_add(BLOCK_BYTES as u64, Ordering::Relaxed);
+            if let Err(source) = result {
+                engine.latches.latch(drive);
+                return Err(LogError::Io { drive, source });
+            }
+            touched.insert(drive);
+        }
+        self.sync_drives(touched).await.map_err(|failure| failure.into_error(engine))
+    }
+}

@@ -1,0 +1,170 @@
+//! The log-structured engine (issue 4): every write is appended, out of place, to segments
+//! striped across all of a node's drives; an index in RAM maps each volume block to its current
+//! location and CRC-32C; checkpoints of the index plus the batch headers of recent segments make
+//! recovery read a bounded amount; GC relocates live blocks out of mostly-dead segments.
+//!
+//! The format and every decision behind it are in docs/format-log-v1.md. The pieces:
+//! - [`format`]: byte layouts and geometry (pure functions over bytes);
+//! - [`index`]: the RAM index (atomic 8-byte entries in a radix tree per volume);
+//! - [`segments`]: the segment table (state, sequence, live blocks) and free list;
+//! - `engine`: [`LogEngine`] (shared by all threads, `Send + Sync`) and [`LogHandle`] (one per
+//!   data-path thread, over that thread's drive handles): group commit, reads, stats;
+//! - `gc`: garbage collection and checkpoints; `recovery`: format and open.
+//!
+//! Sans-IO like the rest of the engine: generic over [`Drive`](crate::Drive), no clock, no
+//! runtime. Background work (GC, checkpoints) runs when a handle's caller asks for it, or inline
+//! when a write needs space.
+
+mod engine;
+pub mod format;
+mod gc;
+pub mod index;
+mod join;
+mod recovery;
+pub mod segments;
+
+pub use engine::{LogEngine, LogHandle, LogStats, VolumeStats};
+pub use gc::GcOutcome;
+pub use recovery::RecoveryReport;
+
+#[cfg(test)]
+mod tests;
+
+use std::io;
+
+use crate::drive::{DriveError, DriveOperation};
+use crate::format::NodeUuid;
+use crate::store::StoreError;
+use format::DecodeError;
+
+/// How a node's log is laid out and run. Fixed at format time except `handles_max` and the
+/// checkpoint interval, which are per process.
+#[derive(Debug, Clone)]
+pub struct LogConfig {
+    pub node_uuid: NodeUuid,
+    /// Bytes of each segment on one drive.
+    pub unit_bytes: u64,
+    /// Where the log area starts on each drive (the drive superblock region comes first).
+    pub area_offset_bytes: u64,
+    /// The most handles (data-path threads plus background workers) the process will create;
+    /// each may hold two open segments, which the free-space reserve covers.
+    pub handles_max: u16,
+    /// A checkpoint is taken after at least this many segments were sealed since the last one
+    /// (and at least a quarter of the segments in use), bounding what recovery replays.
+    pub checkpoint_interval_segments: u32,
+}
+
+impl LogConfig {
+    pub fn new(node_uuid: NodeUuid) -> Self {
+        Self {
+            node_uuid,
+            unit_bytes: 8 << 20,
+            area_offset_bytes: crate::format::HEADER_REGION_BYTES,
+            handles_max: 64,
+            checkpoint_interval_segments: 64,
+        }
+    }
+}
+
+/// Why a log operation failed. The messages say what happened, to what, and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error(transparent)]
+    Request(#[from] StoreError),
+    #[error(
+        "the node is full: {mapped_blocks} of {capacity_blocks} blocks are mapped and this write \
+         needs {needed_blocks} more; deallocate data, delete volumes or add drives"
+    )]
+    CapacityExceeded { mapped_blocks: u64, capacity_blocks: u64, needed_blocks: u64 },
+    #[error(
+        "block {block} of volume {volume} failed its checksum at log location {location} (drive \
+         {drive}): the data on the drive is damaged; restore it from a replica or a backup"
+    )]
+    ChecksumMismatch { volume: u64, block: u64, location: u32, drive: u16 },
+    #[error(
+        "drive {drive} failed earlier and is latched failed: I/O to it is refused until the node \
+         restarts; check the drive and the kernel log"
+    )]
+    DriveFailed { drive: u16 },
+    #[error("drive {drive}: {source}")]
+    Io {
+        drive: u16,
+        #[source]
+        source: DriveError,
+    },
+    #[error("a write was abandoned while its batch was being committed; its outcome is unknown")]
+    Abandoned,
+    #[error("drive {drive}: the log superblock is unusable: {source}")]
+    SuperblockInvalid {
+        drive: u16,
+        #[source]
+        source: DecodeError,
+    },
+    #[error(
+        "drive {drive} belongs to node {found}, not to this node ({expected}): point the data \
+         directory at this node's own drives"
+    )]
+    NodeMismatch { drive: u16, found: NodeUuid, expected: NodeUuid },
+    #[error(
+        "drive {drive} records drive index {found} or a geometry unlike drive 0's: drives were \
+         swapped or come from different formats"
+    )]
+    DriveMismatch { drive: u16, found: u16 },
+    #[error("no drive holds a valid checkpoint root: the log is not formatted or is damaged")]
+    RootMissing,
+    #[error("checkpoint {checkpoint_id} block {block} is unreadable: {source}")]
+    CheckpointCorrupt {
+        checkpoint_id: u64,
+        block: u64,
+        #[source]
+        source: DecodeError,
+    },
+    #[error("checkpoint {checkpoint_id}: {reason}")]
+    CheckpointInvalid { checkpoint_id: u64, reason: &'static str },
+    #[error(
+        "segment {segment} is damaged at position {position} ({reason}); {live_blocks} live \
+         blocks in it could not be relocated and it is kept out of GC"
+    )]
+    SegmentCorrupt { segment: u32, position: u32, reason: &'static str, live_blocks: u32 },
+    #[error("another checkpoint is being written; try again when it finishes")]
+    CheckpointBusy,
+    #[error(
+        "a checkpoint needs {needed} free segments but only {free} are free: the free-space \
+         reserve was spent; this is a bug"
+    )]
+    CheckpointNoSpace { needed: u64, free: u32 },
+}
+
+impl LogError {
+    fn io(drive: u16, source: DriveError) -> Self {
+        Self::Io { drive, source }
+    }
+
+    /// The nearest [`StoreError`], for the [`VolumeStore`](crate::VolumeStore) trait. Capacity
+    /// exceeded and checksum mismatch have no variant of their own there yet: they become
+    /// `Io` errors of kind `StorageFull` and `InvalidData` (see the report for the lead).
+    pub fn into_store_error(self) -> StoreError {
+        let synthetic = |drive: u16, operation, kind, message: String| StoreError::Io {
+            drive,
+            source: DriveError::Io {
+                operation,
+                offset_bytes: 0,
+                length_bytes: 0,
+                source: io::Error::new(kind, message),
+            },
+        };
+        match self {
+            Self::Request(error) => error,
+            Self::DriveFailed { drive } => StoreError::DriveFailed { drive },
+            Self::Io { drive, source } => StoreError::Io { drive, source },
+            error @ Self::CapacityExceeded { .. } => {
+                synthetic(0, DriveOperation::Write, io::ErrorKind::StorageFull, error.to_string())
+            }
+            Self::ChecksumMismatch { drive, .. } => {
+                let message = self.to_string();
+                synthetic(drive, DriveOperation::Read, io::ErrorKind::InvalidData, message)
+            }
+            other => synthetic(0, DriveOperation::Write, io::ErrorKind::Other, other.to_string()),
+        }
+    }
+}

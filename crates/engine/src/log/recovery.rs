@@ -1,0 +1,342 @@
+//! Formatting a node's drives for the log, and opening them again: validating every drive's
+//! superblock, loading the newest checkpoint, and replaying the batches written after it.
+//!
+//! Recovery reads a bounded amount: the two root slots of each drive, the checkpoint (24 bytes
+//! per mapped block), the first block of every segment (to learn its sequence number), and the
+//! headers and data of the segments opened since the checkpoint's floor (at most
+//! `checkpoint_interval_segments` or a quarter of the segments in use, plus the open ones). The
+//! data of those segments is read to verify every block's CRC, so a batch torn by the crash is
+//! dropped whole (it was never acknowledged: batches of a segment are committed one at a time,
+//! in order).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use types::AlignedBuf;
+
+use super::engine::{CheckpointRecord, LogEngine, LogHandle};
+use super::format::{
+    decode_checkpoint_block, BatchHeader, CheckpointEntry, EntryKind, Geometry, LogSuperblock,
+    Root, BLOCK_BYTES, CHECKPOINT_ENTRIES_PER_BLOCK, LOG_HEADER_BYTES, ROOT_SLOT_BLOCKS,
+    SUPERBLOCK_BLOCK,
+};
+use super::index::{pack, unpack};
+use super::segments::SegmentState;
+use super::{LogConfig, LogError};
+use crate::chunk_store::DriveLatches;
+use crate::drive::Drive;
+
+/// What recovery read and rebuilt; for logs and the recovery benchmark.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    pub checkpoint_id: u64,
+    pub checkpoint_entries: u64,
+    pub segments_probed: u32,
+    pub segments_replayed: u32,
+    pub batches_replayed: u64,
+    /// Batches found whole but older than the checkpoint, so skipped.
+    pub batches_skipped: u64,
+    /// Batches whose data failed its CRC (torn by the crash), dropped with the rest of their
+    /// segment.
+    pub batches_torn: u64,
+    pub bytes_read: u64,
+    pub mapped_blocks: u64,
+}
+
+async fn read_block<D: Drive>(
+    drive: &D,
+    drive_index: u16,
+    offset_bytes: u64,
+) -> Result<AlignedBuf, LogError> {
+    let (result, buf) = drive.read_at(offset_bytes, AlignedBuf::new(BLOCK_BYTES)).await;
+    result.map_err(|source| LogError::Io { drive: drive_index, source })?;
+    Ok(buf)
+}
+
+/// Whether recovery replays the segment opened with `seq`.
+fn replayed(root: &Root, seq: u64) -> bool {
+    seq >= root.segment_seq_floor || root.open_seqs.contains(&seq)
+}
+
+impl LogEngine {
+    /// Formats the drives for the log: a log superblock and an empty checkpoint root on each,
+    /// and the rest of the log area punched so no header of an earlier format survives.
+    pub async fn format<D: Drive>(drives: &[D], config: &LogConfig) -> Result<Geometry, LogError> {
+        let drive_count = u16::try_from(drives.len()).unwrap_or(u16::MAX);
+        let size_bytes = drives.iter().map(Drive::size_bytes).min().unwrap_or(0);
+        let geometry =
+            Geometry::new(drive_count, size_bytes, config.unit_bytes, config.area_offset_bytes)
+                .map_err(|source| LogError::SuperblockInvalid { drive: 0, source })?;
+        let empty = Root {
+            checkpoint_id: 1,
+            lsn_floor: 1,
+            segment_seq_floor: 1,
+            lsn_next: 1,
+            segment_seq_next: 1,
+            entry_count: 0,
+            segments: Vec::new(),
+            open_seqs: Vec::new(),
+        };
+        for (index, drive) in drives.iter().enumerate() {
+            let drive_index = index as u16;
+            let io = |source| LogError::Io { drive: drive_index, source };
+            let area_bytes =
+                LOG_HEADER_BYTES + geometry.unit_bytes() * u64::from(geometry.segment_count);
+            drive.punch_hole(geometry.area_offset_bytes, area_bytes).await.map_err(io)?;
+            let superblock = LogSuperblock { node_uuid: config.node_uuid, drive_index, geometry };
+            let blocks =
+                [(SUPERBLOCK_BLOCK, superblock.encode()), (ROOT_SLOT_BLOCKS[1], empty.encode())];
+            for (block, bytes) in blocks {
+                let mut buf = AlignedBuf::new(BLOCK_BYTES);
+                buf.copy_from_slice(&bytes);
+                let (result, _) = drive.write_at(geometry.header_offset_bytes(block), buf).await;
+                result.map_err(io)?;
+            }
+            drive.sync().await.map_err(io)?;
+        }
+        Ok(geometry)
+    }
+
+    /// Opens formatted drives: checks them, recovers the index, and returns the engine with a
+    /// first handle over these drives (for the calling thread).
+    pub async fn open<D: Drive>(
+        drives: Vec<D>,
+        config: LogConfig,
+        latches: Arc<DriveLatches>,
+    ) -> Result<(Arc<LogEngine>, LogHandle<D>, RecoveryReport), LogError> {
+        let mut report = RecoveryReport::default();
+        let mut geometry: Option<Geometry> = None;
+        for (index, drive) in drives.iter().enumerate() {
+            let drive_index = index as u16;
+            let offset_bytes = config.area_offset_bytes + SUPERBLOCK_BLOCK * BLOCK_BYTES as u64;
+            let block = read_block(drive, drive_index, offset_bytes).await?;
+            report.bytes_read += BLOCK_BYTES as u64;
+            let superblock = LogSuperblock::decode(&block)
+                .map_err(|source| LogError::SuperblockInvalid { drive: drive_index, source })?;
+            if superblock.node_uuid != config.node_uuid {
+                return Err(LogError::NodeMismatch {
+                    drive: drive_index,
+                    found: superblock.node_uuid,
+                    expected: config.node_uuid,
+                });
+            }
+            let same_geometry = geometry.is_none_or(|first| first == superblock.geometry);
+            if superblock.drive_index != drive_index
+                || !same_geometry
+                || usize::from(superblock.geometry.drive_count) != drives.len()
+            {
+                return Err(LogError::DriveMismatch {
+                    drive: drive_index,
+                    found: superblock.drive_index,
+                });
+            }
+            geometry = Some(superblock.geometry);
+        }
+        let Some(geometry) = geometry else { return Err(LogError::RootMissing) };
+        let engine = Arc::new(LogEngine::new(geometry, config, latches)?);
+        let handle = engine.handle(drives);
+        handle.recover(&mut report).await?;
+        Ok((engine, handle, report))
+    }
+}
+
+impl<D: Drive> LogHandle<D> {
+    async fn recover(&self, report: &mut RecoveryReport) -> Result<(), LogError> {
+        let engine = &*self.engine;
+        let geometry = engine.geometry;
+        let per_segment = geometry.positions_per_segment();
+
+        // 1. The newest valid root on any drive.
+        let mut root: Option<Root> = None;
+        for (index, drive) in self.drives.iter().enumerate() {
+            for slot in ROOT_SLOT_BLOCKS {
+                let block =
+                    read_block(drive, index as u16, geometry.header_offset_bytes(slot)).await?;
+                report.bytes_read += BLOCK_BYTES as u64;
+                if let Ok(found) = Root::decode(&block, &geometry) {
+                    if root.as_ref().is_none_or(|best| found.checkpoint_id > best.checkpoint_id) {
+                        root = Some(found);
+                    }
+                }
+            }
+        }
+        let Some(root) = root else { return Err(LogError::RootMissing) };
+        report.checkpoint_id = root.checkpoint_id;
+
+        // 2. The checkpoint.
+        let mut is_checkpoint = vec![false; geometry.segment_count as usize];
+        for segment in &root.segments {
+            if std::mem::replace(&mut is_checkpoint[*segment as usize], true) {
+                return Err(LogError::CheckpointInvalid {
+                    checkpoint_id: root.checkpoint_id,
+                    reason: "the root lists a segment twice",
+                });
+            }
+            engine.segments.claim(*segment, SegmentState::Checkpoint);
+        }
+        let block_count = root.entry_count.div_ceil(CHECKPOINT_ENTRIES_PER_BLOCK as u64);
+        let mut entries: Vec<CheckpointEntry> = Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK);
+        let mut loaded = 0u64;
+        let mut block_index = 0u64;
+        while block_index < block_count {
+            let segment = root.segments[(block_index / u64::from(per_segment)) as usize];
+            let first = (block_index % u64::from(per_segment)) as u32;
+            let count = (u64::from(per_segment - first)).min(block_count - block_index) as u32;
+            let blocks = self.read_positions(segment, first, count).await?;
+            report.bytes_read += u64::from(count) * BLOCK_BYTES as u64;
+            for (offset, block) in blocks.chunks(BLOCK_BYTES).enumerate() {
+                let index = block_index + offset as u64;
+                entries.clear();
+                decode_checkpoint_block(
+                    block,
+                    &geometry,
+                    root.checkpoint_id,
+                    index as u32,
+                    &mut entries,
+                )
+                .map_err(|source| LogError::CheckpointCorrupt {
+                    checkpoint_id: root.checkpoint_id,
+                    block: index,
+                    source,
+                })?;
+                for entry in &entries {
+                    let volume = engine.index.get_or_create(entry.volume);
+                    volume.swap(entry.block, pack(entry.location, entry.crc));
+                    loaded += 1;
+                }
+            }
+            block_index += u64::from(count);
+        }
+        if loaded != root.entry_count {
+            return Err(LogError::CheckpointInvalid {
+                checkpoint_id: root.checkpoint_id,
+                reason: "its blocks hold fewer entries than the root records",
+            });
+        }
+        report.checkpoint_entries = loaded;
+
+        // 3. Probe every other segment's first header; replay the recent ones.
+        let mut seqs: Vec<Option<u64>> = vec![None; geometry.segment_count as usize];
+        let mut lsn_seen = 0u64;
+        let mut seq_seen = 0u64;
+        let mut batches: BTreeMap<u64, BatchHeader> = BTreeMap::new();
+        for segment in 0..geometry.segment_count {
+            if is_checkpoint[segment as usize] {
+                continue;
+            }
+            report.segments_probed += 1;
+            let block = self.read_positions(segment, 0, 1).await?;
+            report.bytes_read += BLOCK_BYTES as u64;
+            let Ok(first) = BatchHeader::decode(&block, &geometry, segment, 0) else { continue };
+            seqs[segment as usize] = Some(first.segment_seq);
+            seq_seen = seq_seen.max(first.segment_seq);
+            lsn_seen = lsn_seen.max(first.lsn);
+            if !replayed(&root, first.segment_seq) {
+                continue;
+            }
+            report.segments_replayed += 1;
+            let mut header = first;
+            loop {
+                let data_blocks = header.data_blocks();
+                let next = header.position + header.positions();
+                // Verify the batch's data: a torn batch ends the segment's log.
+                let mut whole = true;
+                if data_blocks > 0 {
+                    let data =
+                        self.read_positions(segment, header.position + 1, data_blocks).await?;
+                    report.bytes_read += u64::from(data_blocks) * BLOCK_BYTES as u64;
+                    let crcs = header.entries.iter().filter_map(|entry| match entry.kind {
+                        EntryKind::Data { crc } | EntryKind::Relocated { crc, .. } => Some(crc),
+                        _ => None,
+                    });
+                    whole = crcs
+                        .zip(data.chunks(BLOCK_BYTES))
+                        .all(|(crc, block)| crc32c::crc32c(block) == crc);
+                }
+                if !whole {
+                    report.batches_torn += 1;
+                    break;
+                }
+                lsn_seen = lsn_seen.max(header.lsn);
+                if header.lsn >= root.lsn_floor {
+                    if batches.insert(header.lsn, header).is_some() {
+                        return Err(LogError::SegmentCorrupt {
+                            segment,
+                            position: next,
+                            reason: "two batches carry the same LSN",
+                            live_blocks: 0,
+                        });
+                    }
+                } else {
+                    report.batches_skipped += 1;
+                }
+                if next >= per_segment {
+                    break;
+                }
+                let block = self.read_positions(segment, next, 1).await?;
+                report.bytes_read += BLOCK_BYTES as u64;
+                match BatchHeader::decode(&block, &geometry, segment, next) {
+                    Ok(found) if found.segment_seq == seqs[segment as usize].unwrap_or(0) => {
+                        header = found
+                    }
+                    _ => break,
+                }
+            }
+        }
+        for header in batches.values() {
+            engine.apply(header, false);
+            report.batches_replayed += 1;
+        }
+
+        // 4. Live counts and segment states from the index.
+        let mut live = vec![0u32; geometry.segment_count as usize];
+        let mut mapped = 0u64;
+        for volume in engine.index.volumes() {
+            volume.for_each_mapped(|_, entry| {
+                if let Some((location, _)) = unpack(entry) {
+                    live[engine.segment_of(location) as usize] += 1;
+                    mapped += 1;
+                }
+            });
+        }
+        for segment in 0..geometry.segment_count {
+            let index = segment as usize;
+            if is_checkpoint[index] {
+                if live[index] > 0 {
+                    return Err(LogError::CheckpointInvalid {
+                        checkpoint_id: root.checkpoint_id,
+                        reason: "an index entry points into a checkpoint segment",
+                    });
+                }
+                continue;
+            }
+            let recent = seqs[index].is_some_and(|seq| replayed(&root, seq));
+            if live[index] == 0 && !recent {
+                continue;
+            }
+            engine.segments.claim(segment, SegmentState::Sealed);
+            engine.segments.set_seq(segment, seqs[index].unwrap_or(0));
+            for _ in 0..live[index] {
+                engine.segments.add_live(segment);
+            }
+        }
+        for header in batches.values() {
+            engine.segments.note_lsn(header.segment, header.lsn);
+        }
+        engine.counters.mapped_blocks.store(mapped, Ordering::Release);
+        engine.lsn_next.store(root.lsn_next.max(lsn_seen + 1), Ordering::SeqCst);
+        engine.segment_seq_next.store(root.segment_seq_next.max(seq_seen + 1), Ordering::SeqCst);
+        engine.gc_seq_floor.store(root.segment_seq_floor, Ordering::Release);
+        *engine.gc_excluded_seqs.lock().unwrap_or_else(|e| e.into_inner()) = root.open_seqs.clone();
+        let replayed_segments = u32::try_from(
+            seqs.iter().filter(|seq| seq.is_some_and(|seq| replayed(&root, seq))).count(),
+        )
+        .unwrap_or(u32::MAX);
+        engine.sealed_since_checkpoint.store(replayed_segments, Ordering::Release);
+        *engine.checkpoint.lock().unwrap_or_else(|e| e.into_inner()) =
+            CheckpointRecord { id: root.checkpoint_id, segments: root.segments.clone() };
+        report.mapped_blocks = mapped;
+        Ok(())
+    }
+}

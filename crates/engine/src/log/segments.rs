@@ -1,0 +1,168 @@
+//! The segment table: what each segment is used for, its sequence number, and how many live
+//! blocks it holds (the GC's live-byte accounting). Shared by every data-path thread: counters
+//! are atomics updated on every install; the free list takes a lock only when a segment is
+//! allocated or freed (once per segment, not per I/O).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::Mutex;
+
+/// What a segment holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentState {
+    Free = 0,
+    /// A thread is appending batches to it.
+    Open = 1,
+    /// Full (or abandoned by recovery); immutable until GC frees it.
+    Sealed = 2,
+    /// Holds blocks of the current (or the next) checkpoint.
+    Checkpoint = 3,
+    /// GC is relocating its live blocks.
+    Cleaning = 4,
+}
+
+impl SegmentState {
+    fn from_u8(value: u8) -> Self {
+        match value {
+            0 => Self::Free,
+            1 => Self::Open,
+            2 => Self::Sealed,
+            3 => Self::Checkpoint,
+            4 => Self::Cleaning,
+            other => unreachable!("segment state {other} is never stored"),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct SegmentTable {
+    states: Box<[AtomicU8]>,
+    /// The sequence number given when the segment was last opened for batches.
+    seqs: Box<[AtomicU64]>,
+    live_blocks: Box<[AtomicU32]>,
+    /// The highest LSN of a batch in the segment: its age for GC.
+    lsn_max: Box<[AtomicU64]>,
+    /// Free segments, highest index first, so allocation takes the lowest.
+    free: Mutex<Vec<u32>>,
+    free_count: AtomicU32,
+}
+
+impl SegmentTable {
+    /// A table where every segment is free.
+    pub fn new(segment_count: u32) -> Self {
+        let count = segment_count as usize;
+        Self {
+            states: (0..count).map(|_| AtomicU8::new(SegmentState::Free as u8)).collect(),
+            seqs: (0..count).map(|_| AtomicU64::new(0)).collect(),
+            live_blocks: (0..count).map(|_| AtomicU32::new(0)).collect(),
+            lsn_max: (0..count).map(|_| AtomicU64::new(0)).collect(),
+            free: Mutex::new((0..segment_count).rev().collect()),
+            free_count: AtomicU32::new(segment_count),
+        }
+    }
+
+    pub fn count(&self) -> u32 {
+        self.states.len() as u32
+    }
+
+    pub fn state(&self, segment: u32) -> SegmentState {
+        SegmentState::from_u8(self.states[segment as usize].load(Ordering::Acquire))
+    }
+
+    pub fn set_state(&self, segment: u32, state: SegmentState) {
+        assert!(state != SegmentState::Free, "segments become free through release");
+        self.states[segment as usize].store(state as u8, Ordering::Release);
+    }
+
+    pub fn seq(&self, segment: u32) -> u64 {
+        self.seqs[segment as usize].load(Ordering::Acquire)
+    }
+
+    pub fn set_seq(&self, segment: u32, seq: u64) {
+        self.seqs[segment as usize].store(seq, Ordering::Release);
+    }
+
+    pub fn live_blocks(&self, segment: u32) -> u32 {
+        self.live_blocks[segment as usize].load(Ordering::Acquire)
+    }
+
+    pub fn add_live(&self, segment: u32) {
+        self.live_blocks[segment as usize].fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn remove_live(&self, segment: u32) {
+        let before = self.live_blocks[segment as usize].fetch_sub(1, Ordering::AcqRel);
+        assert!(before > 0, "segment {segment} live count went below zero");
+    }
+
+    pub fn lsn_max(&self, segment: u32) -> u64 {
+        self.lsn_max[segment as usize].load(Ordering::Acquire)
+    }
+
+    pub fn note_lsn(&self, segment: u32, lsn: u64) {
+        self.lsn_max[segment as usize].fetch_max(lsn, Ordering::AcqRel);
+    }
+
+    pub fn free_count(&self) -> u32 {
+        self.free_count.load(Ordering::Acquire)
+    }
+
+    /// Takes the lowest free segment for `state`, if more than `keep_free` are free.
+    pub fn allocate(&self, state: SegmentState, keep_free: u32) -> Option<u32> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() as u32 <= keep_free {
+            return None;
+        }
+        let segment = free.pop()?;
+        self.free_count.store(free.len() as u32, Ordering::Release);
+        assert_eq!(self.state(segment), SegmentState::Free);
+        assert_eq!(self.live_blocks(segment), 0, "a free segment holds no live block");
+        self.lsn_max[segment as usize].store(0, Ordering::Release);
+        self.states[segment as usize].store(state as u8, Ordering::Release);
+        Some(segment)
+    }
+
+    /// Gives a segment back to the free list.
+    pub fn release(&self, segment: u32) {
+        assert_eq!(self.live_blocks(segment), 0, "segment {segment} still holds live blocks");
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(self.state(segment) != SegmentState::Free, "segment {segment} freed twice");
+        self.states[segment as usize].store(SegmentState::Free as u8, Ordering::Release);
+        // Keep the list sorted (highest first) so allocation stays deterministic.
+        let at = free.partition_point(|other| *other > segment);
+        free.insert(at, segment);
+        self.free_count.store(free.len() as u32, Ordering::Release);
+    }
+
+    /// Recovery: marks a segment in use (it must be free) without going through `allocate`.
+    pub fn claim(&self, segment: u32, state: SegmentState) {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(at) = free.iter().position(|other| *other == segment) else {
+            panic!("segment {segment} claimed twice");
+        };
+        free.remove(at);
+        self.free_count.store(free.len() as u32, Ordering::Release);
+        self.states[segment as usize].store(state as u8, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocation_keeps_a_reserve_and_reuses_lowest() {
+        let table = SegmentTable::new(4);
+        assert_eq!(table.allocate(SegmentState::Open, 0), Some(0));
+        assert_eq!(table.allocate(SegmentState::Open, 2), Some(1));
+        assert_eq!(table.allocate(SegmentState::Open, 2), None, "the reserve is kept");
+        assert_eq!(table.allocate(SegmentState::Checkpoint, 0), Some(2));
+        table.claim(3, SegmentState::Sealed);
+        assert_eq!(table.free_count(), 0);
+        table.add_live(1);
+        table.remove_live(1);
+        table.release(1);
+        table.release(0);
+        assert_eq!(table.allocate(SegmentState::Open, 0), Some(0));
+        assert_eq!(table.state(1), SegmentState::Free);
+    }
+}
