@@ -28,6 +28,9 @@ use crate::queue::{
     ADMIN_QUEUE_DEPTH, COMMAND_TRANSFER_BYTES_MAX, QUEUE_DEPTH_MAX,
 };
 
+/// The fewest entries an I/O submission queue may have (SQSIZE 1, 0's based).
+const IO_QUEUE_ENTRIES_MIN: u16 = 2;
+
 /// Keep Alive Timeout asked for in the admin Connect unless the caller says otherwise.
 pub const KEEP_ALIVE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
 /// Time allowed for resolving the address, the TCP connect and ICReq/ICResp.
@@ -475,9 +478,12 @@ impl Controller {
             command_timeout: shared.options.command_timeout,
         })
         .await?;
-        // KATO is reserved in I/O queue Connects.
+        // SQSIZE is 0's based and at least 1 (a queue has two entries or more), so a queue of
+        // depth 1 asks for two entries and still keeps one command in flight. KATO is reserved
+        // in I/O queue Connects.
+        let sqsize = depth.max(IO_QUEUE_ENTRIES_MIN) - 1;
         let cntlid =
-            fabrics_connect(&mut queue, &shared.subnqn, &shared.host, depth - 1, 0, shared.cntlid)
+            fabrics_connect(&mut queue, &shared.subnqn, &shared.host, sqsize, 0, shared.cntlid)
                 .await?;
         if cntlid != shared.cntlid {
             return Err(protocol(

@@ -337,6 +337,20 @@ async fn flush_write_zeroes_and_deallocate() {
 }
 
 #[tokio::test]
+async fn a_queue_of_depth_one_connects_and_works() {
+    // SQSIZE is 0's based with a minimum of 1: a depth-1 queue must still be accepted.
+    let server = start_server().await;
+    with_timeout(async {
+        let controller = connect(&server).await;
+        let mut queue = controller.open_io_queue(1).await.unwrap();
+        let written = queue.write(3, pattern(1, 77)).await.unwrap();
+        let read = queue.read(3, empty(1)).await.unwrap();
+        assert_eq!(&read[..], &written[..]);
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn pipelined_submit_and_poll() {
     with_timeout(async {
         let server = start_server().await;
