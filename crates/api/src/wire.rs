@@ -37,6 +37,14 @@ pub struct VolumeInfo {
     /// Absent from nodes older than host access control, whose volumes are all open.
     #[serde(default)]
     pub access: AccessMode,
+    /// Bytes of the volume written and not deallocated (thin: `size_bytes` is provisioned).
+    /// Only `GET /v1/volumes/{name}` (and resize) report it: lists stay stable while data
+    /// changes. Absent from older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mapped_bytes: Option<u64>,
+    /// Drive space the volume's mapped blocks take; reported like `mapped_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub physical_used_bytes: Option<u64>,
 }
 
 impl VolumeInfo {
@@ -85,16 +93,31 @@ pub struct HostAccess {
 }
 
 /// Space on the node's drives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Capacity {
     pub total_bytes: u64,
     pub free_bytes: u64,
-    /// The unit in which drive space is given to volumes; 0 when no data path allocates space.
+    /// The unit in which drive space is given to volumes; 0 for thin volumes.
     pub chunk_size_bytes: u64,
+    /// The sum of the volumes' sizes; volumes are thin, so it may exceed `total_bytes`.
+    #[serde(default)]
+    pub provisioned_bytes: u64,
+    /// Bytes of volume blocks written and not deallocated.
+    #[serde(default)]
+    pub mapped_bytes: u64,
+    /// Drive space in use: live data, garbage not yet collected, checkpoints.
+    #[serde(default)]
+    pub physical_used_bytes: u64,
+    /// Device bytes written per host byte written (0 before any write).
+    #[serde(default)]
+    pub write_amplification: f64,
+    /// Blocks that failed their checksum when read since the node started.
+    #[serde(default)]
+    pub checksum_errors: u64,
 }
 
 /// `GET /v1/node`: the node and its capacity.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeInfo {
     pub node_uuid: String,
     /// The version of the `ferrite` build serving the API.
@@ -268,6 +291,8 @@ mod tests {
             nvme_host: "127.0.0.1".to_owned(),
             nvme_port: 4420,
             access: AccessMode::Restricted,
+            mapped_bytes: Some(8192),
+            physical_used_bytes: None,
         };
         assert_eq!(
             info.nvme_connect_command(),

@@ -37,10 +37,15 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
         ("drives", format!("{} x {}", node.drive_count, ByteSize(node.drive_size_bytes))),
         ("capacity", format!("{} total", ByteSize(capacity.total_bytes))),
         ("free", format!("{}", ByteSize(capacity.free_bytes))),
+        ("provisioned", format!("{} (thin)", ByteSize(capacity.provisioned_bytes))),
+        ("mapped", format!("{}", ByteSize(capacity.mapped_bytes))),
+        ("used", format!("{} on the drives", ByteSize(capacity.physical_used_bytes))),
+        ("write amp", format!("{:.2}", capacity.write_amplification)),
+        ("checksum errors", capacity.checksum_errors.to_string()),
         ("volumes", node.volume_count.to_string()),
     ];
     for (key, value) in rows {
-        println!("{:<10}{value}", format!("{key}:"));
+        println!("{:<17}{value}", format!("{key}:"));
     }
     Ok(())
 }
@@ -64,6 +69,8 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
         ("name", volume.name.clone()),
         ("id", volume.id.to_string()),
         ("size", format!("{} ({} bytes)", ByteSize(volume.size_bytes), volume.size_bytes)),
+        ("mapped", optional_bytes(volume.mapped_bytes, "")),
+        ("used", optional_bytes(volume.physical_used_bytes, " on the drives")),
         ("uuid", volume.uuid.clone()),
         ("created", api::rfc3339_utc(volume.created_unix_ms)),
         ("nqn", volume.nqn.clone()),
@@ -75,6 +82,14 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
         println!("{:<9}{value}", format!("{key}:"));
     }
     Ok(())
+}
+
+/// A size the node may not have reported (an older node).
+fn optional_bytes(bytes: Option<u64>, suffix: &str) -> String {
+    match bytes {
+        Some(bytes) => format!("{}{suffix} ({bytes} bytes)", ByteSize(bytes)),
+        None => "unknown (the node does not report it)".to_owned(),
+    }
 }
 
 pub fn volume_list(json: bool, volumes: Vec<VolumeInfo>) -> anyhow::Result<()> {

@@ -1,7 +1,9 @@
-//! The on-drive format, version 1: a reserved header region holding the superblock, then chunks.
+//! The on-drive format, version 2: a reserved header region holding the drive superblock, then the
+//! log area of the log-structured engine (docs/format-log-v1.md).
 //!
 //! The byte layout and its crash analysis are specified in docs/format-drive-v1.md; this module is
-//! the only code that knows them. Everything here is a pure function over bytes: `io` reads and
+//! the only code that knows the drive superblock. Version 1 (the walking skeleton's in-place
+//! chunks) is refused with a message saying the data dir is of an older format. Everything here is a pure function over bytes: `io` reads and
 //! writes the superblock, this module decides what the bytes mean. Bytes read from a drive are
 //! never trusted: [`Superblock::decode`] checks the magic, the version, the checksum and every
 //! field before anything else sees them.
@@ -12,15 +14,14 @@ use types::BLOCK_SIZE_BYTES;
 
 /// The first 16 bytes of every Ferrite drive.
 pub const SUPERBLOCK_MAGIC: [u8; 16] = *b"FERRITE\0DRIVE\0\0\0";
-/// The only drive format this build reads and writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// The only drive format this build reads and writes. Version 1 held in-place 64 MiB chunks;
+/// version 2 holds the log area of the log-structured engine after the header region.
+pub const FORMAT_VERSION: u32 = 2;
 /// The superblock is one 4 KiB block at byte 0 of the drive.
 pub const SUPERBLOCK_SIZE_BYTES: usize = 4096;
-/// The region at the start of a drive reserved for the superblock and future headers; chunks
-/// start right after it, so they stay 1 MiB aligned on any device.
+/// The region at the start of a drive reserved for the superblock and future headers; the log
+/// area starts right after it, so it stays 1 MiB aligned on any device.
 pub const HEADER_REGION_BYTES: u64 = 1 << 20;
-/// The unit of allocation: a volume owns whole chunks of this size.
-pub const CHUNK_SIZE_BYTES: u64 = 64 << 20;
 /// The most drives one node may have. Bounds per-drive tables and loops.
 pub const DRIVE_COUNT_MAX: u16 = 256;
 
@@ -28,7 +29,6 @@ const BLOCK_BYTES: u64 = BLOCK_SIZE_BYTES as u64;
 /// Where the checksum sits: the last four bytes of the superblock block.
 const CHECKSUM_OFFSET: usize = SUPERBLOCK_SIZE_BYTES - 4;
 
-const _: () = assert!(CHUNK_SIZE_BYTES % BLOCK_BYTES == 0);
 const _: () = assert!(HEADER_REGION_BYTES % BLOCK_BYTES == 0);
 const _: () = assert!(SUPERBLOCK_SIZE_BYTES as u64 == BLOCK_BYTES);
 const _: () = assert!(SUPERBLOCK_SIZE_BYTES as u64 <= HEADER_REGION_BYTES);
@@ -51,20 +51,10 @@ impl fmt::Display for NodeUuid {
     }
 }
 
-/// The byte offset on a drive of the first byte of chunk `index`.
-pub fn chunk_offset_bytes(index: u32) -> u64 {
-    HEADER_REGION_BYTES + u64::from(index) * CHUNK_SIZE_BYTES
-}
-
-/// How many whole chunks fit on a drive of `drive_size_bytes` (zero if not even one does).
-pub fn chunks_per_drive(drive_size_bytes: u64) -> u64 {
-    drive_size_bytes.saturating_sub(HEADER_REGION_BYTES) / CHUNK_SIZE_BYTES
-}
-
-/// The smallest drive: the header region and one chunk.
-pub const DRIVE_SIZE_BYTES_MIN: u64 = HEADER_REGION_BYTES + CHUNK_SIZE_BYTES;
-/// The largest drive: chunk indexes are u32.
-pub const DRIVE_SIZE_BYTES_MAX: u64 = HEADER_REGION_BYTES + (u32::MAX as u64) * CHUNK_SIZE_BYTES;
+/// The smallest drive: the header region and 32 MiB for the log.
+pub const DRIVE_SIZE_BYTES_MIN: u64 = HEADER_REGION_BYTES + (32 << 20);
+/// The largest drive the superblock describes (the log may limit a node further).
+pub const DRIVE_SIZE_BYTES_MAX: u64 = 1 << 50;
 
 /// Why a superblock was refused. The messages name the problem and what to do; `io` adds the
 /// file name in front.
@@ -75,6 +65,12 @@ pub enum SuperblockError {
          data directory was being created, remove it and start again"
     )]
     NotFormatted,
+    #[error(
+        "this data dir was created by an older Ferrite format; move it away or start with a new \
+         --data-dir (its drives use format version {found}, this build reads only version \
+         {FORMAT_VERSION})"
+    )]
+    VersionOlder { found: u32 },
     #[error(
         "it uses drive format version {found}, but this build reads only version {FORMAT_VERSION}: \
          run the Ferrite release that wrote it"
@@ -112,8 +108,7 @@ pub struct Superblock {
     pub drive_index: u16,
     pub drive_count: u16,
     pub drive_size_bytes: u64,
-    pub chunk_size_bytes: u64,
-    /// Where chunk 0 starts; always [`HEADER_REGION_BYTES`] in version 1.
+    /// Where the log area starts; always [`HEADER_REGION_BYTES`] in version 2.
     pub data_offset_bytes: u64,
 }
 
@@ -130,17 +125,10 @@ impl Superblock {
             drive_index,
             drive_count,
             drive_size_bytes,
-            chunk_size_bytes: CHUNK_SIZE_BYTES,
             data_offset_bytes: HEADER_REGION_BYTES,
         };
         superblock.check_fields()?;
         Ok(superblock)
-    }
-
-    /// How many chunks this drive holds.
-    pub fn chunks_per_drive(&self) -> u32 {
-        // check_fields bounded the drive size so that the count fits.
-        u32::try_from(chunks_per_drive(self.drive_size_bytes)).expect("checked at construction")
     }
 
     /// The 4 KiB block written at byte 0 of the drive.
@@ -152,7 +140,6 @@ impl Superblock {
         bytes[22..24].copy_from_slice(&self.drive_count.to_le_bytes());
         bytes[24..40].copy_from_slice(&self.node_uuid.0);
         bytes[40..48].copy_from_slice(&self.drive_size_bytes.to_le_bytes());
-        bytes[48..56].copy_from_slice(&self.chunk_size_bytes.to_le_bytes());
         bytes[56..64].copy_from_slice(&self.data_offset_bytes.to_le_bytes());
         let checksum = crc32c::crc32c(&bytes[..CHECKSUM_OFFSET]);
         bytes[CHECKSUM_OFFSET..].copy_from_slice(&checksum.to_le_bytes());
@@ -172,6 +159,9 @@ impl Superblock {
             return Err(SuperblockError::NotFormatted);
         }
         let version = read_u32(bytes, 16);
+        if version < FORMAT_VERSION {
+            return Err(SuperblockError::VersionOlder { found: version });
+        }
         if version != FORMAT_VERSION {
             return Err(SuperblockError::VersionUnsupported { found: version });
         }
@@ -187,9 +177,16 @@ impl Superblock {
             drive_index: read_u16(bytes, 20),
             drive_count: read_u16(bytes, 22),
             drive_size_bytes: read_u64(bytes, 40),
-            chunk_size_bytes: read_u64(bytes, 48),
             data_offset_bytes: read_u64(bytes, 56),
         };
+        let reserved = read_u64(bytes, 48);
+        if reserved != 0 {
+            return Err(SuperblockError::FieldInvalid {
+                field: "reserved",
+                value: reserved,
+                reason: "bytes 48..56 are zero in format version 2",
+            });
+        }
         superblock.check_fields()?;
         Ok(superblock)
     }
@@ -231,18 +228,11 @@ impl Superblock {
         if self.drive_index >= self.drive_count {
             return invalid("drive_index", self.drive_index.into(), "it must be below drive_count");
         }
-        if self.chunk_size_bytes != CHUNK_SIZE_BYTES {
-            return invalid(
-                "chunk_size_bytes",
-                self.chunk_size_bytes,
-                "this build uses 64 MiB chunks, the only size of format version 1",
-            );
-        }
         if self.data_offset_bytes != HEADER_REGION_BYTES {
             return invalid(
                 "data_offset_bytes",
                 self.data_offset_bytes,
-                "chunks start at 1 MiB in format version 1",
+                "the log area starts at 1 MiB in format version 2",
             );
         }
         if !(DRIVE_SIZE_BYTES_MIN..=DRIVE_SIZE_BYTES_MAX).contains(&self.drive_size_bytes)
@@ -251,8 +241,8 @@ impl Superblock {
             return invalid(
                 "drive_size_bytes",
                 self.drive_size_bytes,
-                "a drive is a multiple of 4096 bytes holding the 1 MiB header and at least one \
-                 64 MiB chunk",
+                "a drive is a multiple of 4096 bytes of at least 33 MiB (the 1 MiB header and \
+                 32 MiB of log) and at most 1 PiB",
             );
         }
         Ok(())
@@ -282,7 +272,7 @@ mod tests {
     use super::*;
 
     const NODE: NodeUuid = NodeUuid([0x11; 16]);
-    const DRIVE_SIZE_BYTES: u64 = HEADER_REGION_BYTES + 10 * CHUNK_SIZE_BYTES;
+    const DRIVE_SIZE_BYTES: u64 = HEADER_REGION_BYTES + (640 << 20);
 
     fn sample() -> Superblock {
         Superblock::new(NODE, 2, 4, DRIVE_SIZE_BYTES).unwrap()
@@ -301,16 +291,15 @@ mod tests {
     fn layout_is_pinned() {
         let bytes = sample().encode();
         assert_eq!(&bytes[0..16], b"FERRITE\0DRIVE\0\0\0");
-        assert_eq!(bytes[16..20], [1, 0, 0, 0]);
+        assert_eq!(bytes[16..20], [2, 0, 0, 0]);
         assert_eq!(bytes[20..22], [2, 0]);
         assert_eq!(bytes[22..24], [4, 0]);
         assert_eq!(bytes[24..40], [0x11; 16]);
         assert_eq!(bytes[40..48], DRIVE_SIZE_BYTES.to_le_bytes());
-        assert_eq!(bytes[48..56], [0, 0, 0, 4, 0, 0, 0, 0]);
+        assert_eq!(bytes[48..56], [0; 8]);
         assert_eq!(bytes[56..64], [0, 0, 16, 0, 0, 0, 0, 0]);
         assert!(bytes[64..CHECKSUM_OFFSET].iter().all(|b| *b == 0));
         assert_eq!(read_u32(&bytes, CHECKSUM_OFFSET), crc32c::crc32c(&bytes[..CHECKSUM_OFFSET]));
-        assert_eq!(sample().chunks_per_drive(), 10);
     }
 
     #[test]
@@ -341,9 +330,20 @@ mod tests {
         };
         check(&[0u8; SUPERBLOCK_SIZE_BYTES], |e| *e == SuperblockError::NotFormatted);
         check(&sample().encode()[..100], |e| *e == SuperblockError::NotFormatted);
-        check(&with_field(16, &2u32.to_le_bytes()), |e| {
-            *e == SuperblockError::VersionUnsupported { found: 2 }
+        check(&with_field(16, &3u32.to_le_bytes()), |e| {
+            *e == SuperblockError::VersionUnsupported { found: 3 }
         });
+        // A drive of the skeleton's chunk format (version 1): refused, naming the remedy.
+        let old = with_field(16, &1u32.to_le_bytes());
+        check(&old, |e| *e == SuperblockError::VersionOlder { found: 1 });
+        let message = Superblock::decode(&old).unwrap_err().to_string();
+        assert!(
+            message.starts_with(
+                "this data dir was created by an older Ferrite format; move it away or start \
+                 with a new --data-dir"
+            ),
+            "{message}"
+        );
         for flipped_byte in [20, 30, 45, 70, 4000, CHECKSUM_OFFSET + 1] {
             let mut bytes = sample().encode();
             bytes[flipped_byte] ^= 0x40;
@@ -359,7 +359,7 @@ mod tests {
         check(&with_field(20, &4u16.to_le_bytes()), field_invalid);
         check(&with_field(40, &(HEADER_REGION_BYTES + 100).to_le_bytes()), field_invalid);
         check(&with_field(40, &(DRIVE_SIZE_BYTES + 512).to_le_bytes()), field_invalid);
-        check(&with_field(48, &(32u64 << 20).to_le_bytes()), field_invalid);
+        check(&with_field(48, &(64u64 << 20).to_le_bytes()), field_invalid);
         check(&with_field(56, &0u64.to_le_bytes()), field_invalid);
     }
 
@@ -378,14 +378,5 @@ mod tests {
             0xcd, 0xef,
         ]);
         assert_eq!(uuid.to_string(), "12345678-9abc-def0-0123-456789abcdef");
-    }
-
-    #[test]
-    fn chunk_geometry() {
-        assert_eq!(chunk_offset_bytes(0), 1 << 20);
-        assert_eq!(chunk_offset_bytes(3), (1 << 20) + 3 * (64 << 20));
-        assert_eq!(chunks_per_drive(HEADER_REGION_BYTES + CHUNK_SIZE_BYTES - 1), 0);
-        assert_eq!(chunks_per_drive(DRIVE_SIZE_BYTES + CHUNK_SIZE_BYTES - 4096), 10);
-        assert_eq!(chunks_per_drive(0), 0);
     }
 }

@@ -1,13 +1,13 @@
 //! The interface a frontend (NVMe/TCP, later NBD and replication) uses to reach a volume's data.
 //!
-//! Today [`crate::ChunkStore`] implements it; the log-structured engine will implement the same
-//! trait, so frontends do not change when it lands. One store per data-path thread: its futures
+//! The log-structured engine's [`crate::log::LogHandle`] implements it. One store per data-path
+//! thread: its futures
 //! are not `Send`, and buffers are owned and handed back with the result (io_uring style).
 
 use types::AlignedBuf;
 
 use crate::drive::DriveError;
-use crate::layout::{VolumeId, VolumeMap};
+use crate::volumes::{VolumeId, VolumeMap};
 
 /// Why a volume I/O failed. The messages are meant for logs and for mapping to NVMe status codes.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +34,20 @@ pub enum StoreError {
         #[source]
         source: DriveError,
     },
+    /// A write needs more blocks than the node has free (thin provisioning: the volumes may
+    /// provision more than the drives hold). Nothing was written.
+    #[error(
+        "the node is full: this write needs {needed_blocks} more 4 KiB blocks but {mapped_blocks} \
+         of {capacity_blocks} are in use; deallocate data, delete volumes or add drives"
+    )]
+    CapacityExceeded { mapped_blocks: u64, capacity_blocks: u64, needed_blocks: u64 },
+    /// A block read back failed its checksum: the data on the drive is damaged. Never returned
+    /// as data.
+    #[error(
+        "block {block} of {volume} failed its checksum (drive {drive}, log location {location}): \
+         the data on the drive is damaged; restore it from a replica or a backup"
+    )]
+    ChecksumMismatch { volume: VolumeId, block: u64, drive: u16, location: u32 },
 }
 
 /// Block storage for volumes, used by one data-path thread.

@@ -6,17 +6,17 @@
 //! `open_drives` refuses it; the node then formats again only if it was still creating its data
 //! directory (it records that the directory is complete after `format_drives` returns).
 //!
-//! These run on the control-plane thread with blocking std I/O (no ring needed): at startup, and
-//! [`zero_chunks`] when a volume is created or grown.
+//! These run on the control-plane thread with blocking std I/O (no ring needed), at startup. The
+//! log area after the superblock's header region is formatted by the engine
+//! (`engine::log::LogEngine::format`) through the data-path threads' rings.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use engine::format::{chunk_offset_bytes, CHUNK_SIZE_BYTES, SUPERBLOCK_SIZE_BYTES};
-use engine::{ChunkId, NodeUuid, Superblock, SuperblockError};
+use engine::format::SUPERBLOCK_SIZE_BYTES;
+use engine::{NodeUuid, Superblock, SuperblockError};
 
 /// Why drive files could not be created or opened. Each message names the file and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -189,38 +189,6 @@ pub fn open_drives(dir: &Path, node_uuid: NodeUuid) -> Result<Vec<DriveInfo>, Dr
     Ok(drives)
 }
 
-/// Punches whole chunks so they read as zeros, durably: `fallocate(PUNCH_HOLE | KEEP_SIZE)` on
-/// each, then `fdatasync` of every drive touched. Blocking, for the control plane, on chunks no
-/// I/O uses (the new chunks of a reservation, before it is published: a chunk may still hold the
-/// data of a deleted volume). `drive_paths[i]` is drive `i`'s file.
-pub fn zero_chunks(drive_paths: &[PathBuf], chunks: &[ChunkId]) -> Result<(), DriveSetupError> {
-    let mut files: Vec<Option<File>> = drive_paths.iter().map(|_| None).collect();
-    for chunk in chunks {
-        let drive = usize::from(chunk.drive);
-        assert!(drive < drive_paths.len(), "{chunk} is not on this node's {} drives", files.len());
-        let path = &drive_paths[drive];
-        if files[drive].is_none() {
-            let file = OpenOptions::new().write(true).open(path).map_err(io_error("open", path))?;
-            files[drive] = Some(file);
-        }
-        let file = files[drive].as_ref().expect("opened above");
-        let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-        let offset = libc::off_t::try_from(chunk_offset_bytes(chunk.index)).expect("offset fits");
-        let length = libc::off_t::try_from(CHUNK_SIZE_BYTES).expect("chunk size fits");
-        // SAFETY: fallocate takes no pointers; the descriptor is open for the whole call.
-        let result = unsafe { libc::fallocate(file.as_raw_fd(), mode, offset, length) };
-        if result != 0 {
-            return Err(io_error("punch a hole in", path)(io::Error::last_os_error()));
-        }
-    }
-    for (path, file) in drive_paths.iter().zip(&files) {
-        if let Some(file) = file {
-            file.sync_data().map_err(io_error("fdatasync", path))?;
-        }
-    }
-    Ok(())
-}
-
 fn check_drive(
     path: PathBuf,
     superblock: Superblock,
@@ -245,11 +213,11 @@ fn check_drive(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use engine::format::HEADER_REGION_BYTES;
+    use engine::format::{DRIVE_SIZE_BYTES_MIN, HEADER_REGION_BYTES};
 
     const NODE: NodeUuid = NodeUuid([0xab; 16]);
     const OTHER: NodeUuid = NodeUuid([0xcd; 16]);
-    const SIZE_BYTES: u64 = HEADER_REGION_BYTES + 3 * CHUNK_SIZE_BYTES;
+    const SIZE_BYTES: u64 = HEADER_REGION_BYTES + (192 << 20);
 
     fn formatted() -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
@@ -269,7 +237,7 @@ mod tests {
         for (index, drive) in drives.iter().enumerate() {
             assert_eq!(drive.path, drive_path(dir.path(), index as u16));
             assert_eq!(drive.superblock.drive_index, index as u16);
-            assert_eq!(drive.superblock.chunks_per_drive(), 3);
+            assert_eq!(drive.superblock.drive_size_bytes, SIZE_BYTES);
             let metadata = fs::metadata(&drive.path).unwrap();
             assert_eq!(metadata.len(), SIZE_BYTES);
             use std::os::unix::fs::MetadataExt;
@@ -316,6 +284,22 @@ mod tests {
             },
             &["drive-001.img", "version 9"],
         );
+        // A data dir of the skeleton's chunk format (drive format version 1).
+        check(
+            &|dir| {
+                let mut bytes = [0u8; 4096];
+                File::open(drive_path(dir, 0)).unwrap().read_exact_at(&mut bytes, 0).unwrap();
+                bytes[16] = 1;
+                let checksum = crc32c::crc32c(&bytes[..4092]);
+                bytes[4092..].copy_from_slice(&checksum.to_le_bytes());
+                write_at(drive_path(dir, 0), 0, &bytes);
+            },
+            &[
+                "drive-000.img",
+                "this data dir was created by an older Ferrite format; move it away or start \
+                 with a new --data-dir",
+            ],
+        );
         check(&|dir| fs::remove_file(drive_path(dir, 2)).unwrap(), &["drive-002.img", "missing"]);
         check(
             &|dir| fs::rename(drive_path(dir, 2), drive_path(dir, 1)).unwrap(),
@@ -350,36 +334,10 @@ mod tests {
     }
 
     #[test]
-    fn zero_chunks_punches_whole_chunks() {
-        let dir = formatted();
-        let paths: Vec<PathBuf> = (0..3).map(|index| drive_path(dir.path(), index)).collect();
-        let write = |path: &Path, offset: u64| {
-            let file = OpenOptions::new().write(true).open(path).unwrap();
-            file.write_all_at(&[7; 4096], offset).unwrap();
-        };
-        let chunk_1 = chunk_offset_bytes(1);
-        write(&paths[2], chunk_1);
-        write(&paths[2], chunk_1 + CHUNK_SIZE_BYTES - 4096);
-        write(&paths[2], chunk_offset_bytes(2));
-        zero_chunks(&paths, &[ChunkId { drive: 2, index: 1 }]).unwrap();
-        let read = |offset: u64| {
-            let mut bytes = [1u8; 4096];
-            File::open(&paths[2]).unwrap().read_exact_at(&mut bytes, offset).unwrap();
-            bytes
-        };
-        assert_eq!(read(chunk_1), [0; 4096]);
-        assert_eq!(read(chunk_1 + CHUNK_SIZE_BYTES - 4096), [0; 4096]);
-        assert_eq!(read(chunk_offset_bytes(2)), [7; 4096], "the next chunk is untouched");
-        assert_eq!(fs::metadata(&paths[2]).unwrap().len(), SIZE_BYTES);
-        fs::remove_file(&paths[0]).unwrap();
-        let error = message(zero_chunks(&paths, &[ChunkId { drive: 0, index: 0 }]).unwrap_err());
-        assert!(error.contains("drive-000.img"), "{error}");
-    }
-
-    #[test]
     fn refuses_impossible_sizes() {
         let dir = tempfile::tempdir().unwrap();
-        let error = message(format_drives(dir.path(), NODE, 1, CHUNK_SIZE_BYTES).unwrap_err());
+        let error =
+            message(format_drives(dir.path(), NODE, 1, DRIVE_SIZE_BYTES_MIN - 4096).unwrap_err());
         assert!(error.contains("drive_size_bytes"), "{error}");
     }
 }

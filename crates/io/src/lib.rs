@@ -4,8 +4,8 @@
 //! - [`Ring`]: one io_uring per data-path thread, driven from that thread's tokio
 //!   current_thread runtime; batched submission, eventfd completions, cancel-safe buffers.
 //! - [`DriveFile`]: `engine::Drive` over an O_DIRECT file through a `Ring`.
-//! - [`format_drives`] / [`open_drives`]: the drive files of a node's data directory;
-//!   [`zero_chunks`]: the control plane's blocking punch of newly reserved chunks.
+//! - [`format_drives`] / [`open_drives`]: the drive files of a node's data directory (the
+//!   superblock; the engine formats the log area behind it).
 //!
 //! The engine decides what to read and write; this crate only moves the bytes.
 
@@ -14,7 +14,7 @@ mod drives;
 mod ring;
 
 pub use drive_file::DriveFile;
-pub use drives::{drive_path, format_drives, open_drives, zero_chunks, DriveInfo, DriveSetupError};
+pub use drives::{drive_path, format_drives, open_drives, DriveInfo, DriveSetupError};
 pub use ring::{Ring, RingError, INFLIGHT_OPS_MAX, RING_ENTRIES};
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
 //! Tests of the ring on real O_DIRECT files (the temp dir is ext4 here), and the engine's
-//! conformance check of `ChunkStore` run over `DriveFile`s through io_uring.
+//! conformance check of the log engine (writers on several handles, GC, checkpoints, restarts,
+//! crashes that abandon everything in flight, a deleted volume) over `DriveFile`s through
+//! io_uring.
 
 use std::fs::{File, OpenOptions};
 use std::future::Future;
@@ -9,9 +11,10 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Waker};
 
-use engine::format::{CHUNK_SIZE_BYTES, HEADER_REGION_BYTES};
-use engine::testing::{check_store, join_all, CheckConfig, LocalBoxFuture};
-use engine::{ChunkStore, Drive, DriveError, NodeUuid, Volumes};
+use engine::format::HEADER_REGION_BYTES;
+use engine::log::LogConfig;
+use engine::testing::{check_log_engine, join_all, CheckConfig, LocalBoxFuture};
+use engine::{Drive, DriveError, NodeUuid};
 use types::AlignedBuf;
 
 use crate::{format_drives, open_drives, DriveFile, Ring, INFLIGHT_OPS_MAX};
@@ -221,24 +224,22 @@ fn drive_file_checks_bounds_and_names_files() {
 }
 
 #[test]
-fn chunk_store_conformance_over_io_uring() {
+fn log_engine_conformance_over_io_uring() {
     let dir = tempfile::tempdir().unwrap();
     let node = NodeUuid([0x5a; 16]);
-    let drive_size_bytes = HEADER_REGION_BYTES + 6 * CHUNK_SIZE_BYTES;
+    let drive_size_bytes = HEADER_REGION_BYTES + (96 << 20);
     format_drives(dir.path(), node, 3, drive_size_bytes).unwrap();
     let infos = open_drives(dir.path(), node).unwrap();
     run_on_ring(|ring| async move {
-        let drives: Vec<DriveFile> =
-            infos.iter().map(|info| DriveFile::open(&info.path, &ring).unwrap()).collect();
-        let store = ChunkStore::new(drives);
-        let volumes = Volumes::new(3, infos[0].superblock.chunks_per_drive());
-        let config = CheckConfig { seed: 7, operations_per_writer: 100, ..CheckConfig::default() };
-        let report = check_store(&store, &volumes, &config).await;
-        let syncs: u64 = (0..3).map(|drive| store.syncs_started(drive)).sum();
-        let mutations = report.writes + report.write_zeroes + report.deallocates;
-        assert!(syncs < mutations, "group commit shares syncs: {syncs} for {mutations}");
+        let open = || -> Vec<DriveFile> {
+            infos.iter().map(|info| DriveFile::open(&info.path, &ring).unwrap()).collect()
+        };
+        let log_config = LogConfig::for_drives(node, drive_size_bytes, 3);
+        assert_eq!(log_config.unit_bytes, 256 << 10, "small drives get small units");
+        let config = CheckConfig { seed: 7, volume_blocks: 4000, ..CheckConfig::default() };
+        let report = check_log_engine(open, &log_config, &config).await;
         assert!(report.blocks_verified > 1000, "{report:?}");
-        assert!(store.failed_drives().is_empty());
+        assert_eq!((report.restarts, report.crashes), (2, 2), "{report:?}");
         settle(&ring).await;
     });
 }

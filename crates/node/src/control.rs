@@ -3,14 +3,14 @@
 //! Each mutation validates its input into domain types, then runs in a fixed order against the
 //! metadata store and the data plane so that a failure at any step leaves both consistent:
 //!
-//! - create: check the name is free, allocate an id, reserve chunks, write the record (or cancel
-//!   the reservation), publish.
-//! - resize: read the record, refuse to shrink, reserve the extra chunks, write the grown record
-//!   (or cancel), publish.
-//! - delete: delete the record, then tell the data plane to free the chunks. Freed after the
-//!   record is gone, so a crash in between leaks the chunks only until the next start, when the
-//!   allocator is rebuilt from the records; the other order could hand out chunks a record
-//!   still names.
+//! - create: check the name is free, allocate an id, reserve (thin data planes reserve no
+//!   space), write the record (or cancel the reservation), publish.
+//! - resize: read the record, refuse to shrink, reserve, write the grown record (or cancel),
+//!   publish.
+//! - delete: delete the record, then tell the data plane to free the volume's space. Freed
+//!   after the record is gone, so a crash in between leaks the space only until the next start,
+//!   when the data plane drops data no record names; the other order could leave a record
+//!   naming space already given away.
 //! - host access (allow or deny a host, or any host): read the record, write it with the new
 //!   [`HostAccess`], then tell the data plane, which refuses and disconnects hosts no longer
 //!   allowed. A crash in between is harmless: the data path starts from the records.
@@ -26,7 +26,7 @@
 //! reserve-write-publish sequence atomic with respect to the others. Reads do not take it.
 //! Every method blocks (metadata commits fsync); the HTTP layer calls them off the runtime.
 
-use crate::data_plane::{Capacity, DataPlane, DataPlaneError};
+use crate::data_plane::{Capacity, DataPlane, DataPlaneError, VolumeSpace};
 use crate::metrics::Registry;
 use meta::{HostAccess, MetaError, MetaStore, VolumeRecord, ALLOWED_HOSTS_MAX};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -298,6 +298,11 @@ impl VolumeService {
         self.data_plane.capacity()
     }
 
+    /// A volume's provisioned, mapped and used space, if the data path serves it.
+    pub fn volume_space(&self, id: u64) -> Option<VolumeSpace> {
+        self.data_plane.volume_space(id)
+    }
+
     pub fn meta_revision(&self) -> Result<u64, ControlError> {
         self.meta.revision().map_err(ControlError::from_meta)
     }
@@ -435,6 +440,7 @@ mod tests {
                 total_bytes: u64::from(self.chunk_count) * CHUNK_SIZE_BYTES,
                 free_bytes: self.free_chunks() as u64 * CHUNK_SIZE_BYTES,
                 chunk_size_bytes: CHUNK_SIZE_BYTES,
+                ..Capacity::default()
             }
         }
 

@@ -1,20 +1,22 @@
-//! The seam between the control plane and the data path (drives, chunk allocation, NVMe/TCP).
+//! The seam between the control plane and the data path (drives, the log engine, NVMe/TCP).
 //!
 //! The control plane decides what volumes exist; the data path stores and serves them. They meet
 //! here, in two traits:
 //!
 //! - [`DataPathBuilder`] runs once at start: it formats the drives on the node's first start
-//!   (`io::format_drives`), then opens them (`io::open_drives`), rebuilds the chunk allocator
-//!   from the volume records, starts the data-path threads and returns the running
-//!   [`DataPlane`].
-//! - [`DataPlane`] is the running data path as the volume service sees it. Space is reserved in
-//!   two phases around the metadata write: `reserve_*` before it, then `publish` once the record
+//!   (`io::format_drives`, then the log area), then opens them (`io::open_drives`, then
+//!   recovery of the log engine), registers the volume records, starts the data-path threads
+//!   and returns the running [`DataPlane`].
+//! - [`DataPlane`] is the running data path as the volume service sees it. Volumes are thin:
+//!   creating or growing one takes no drive space (the records' chunk lists stay empty), and a
+//!   write beyond the node's real capacity fails with Capacity Exceeded. Size changes are still
+//!   two-phase around the metadata write: `reserve_*` before it, then `publish` once the record
 //!   is durable, or `cancel` if the write failed. This follows `engine::Volumes` one to one
 //!   (`reserve_create`/`reserve_grow` -> `publish` | `cancel`, `remove`), with records in place of
-//!   `VolumeLayout`s: `VolumeLayout { volume: VolumeId(record.id), size_bytes, chunks }`. A crash between the two leaks nothing: the
-//!   allocator is rebuilt from the durable records at the next start, and a reservation that
-//!   never reached a record is simply not there. A change of who may connect reserves nothing:
-//!   `set_host_access` follows the durable record.
+//!   `VolumeLayout { volume: VolumeId(record.id), size_bytes }`. A crash between the two leaks
+//!   nothing: the registry is rebuilt from the durable records at the next start, and the data
+//!   of a volume whose record is gone is dropped then. A change of who may connect reserves
+//!   nothing: `set_host_access` follows the durable record.
 //!
 //! The NVMe/TCP data path (`crate::nvme`) is the one implementation `Node::start` uses; tests
 //! may supply their own builder through `Node::start_with`.
@@ -26,12 +28,32 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Space on the node's drives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Capacity {
+    /// What hosts may map in total (the drives' space less the engine's reserve and overhead).
     pub total_bytes: u64,
+    /// What hosts may still map: `total_bytes - mapped_bytes`.
     pub free_bytes: u64,
-    /// The unit in which drive space is given to volumes; 0 when nothing allocates chunks.
+    /// The unit in which drive space is given to volumes; 0 for thin volumes (the log engine).
     pub chunk_size_bytes: u64,
+    /// The sum of the volumes' sizes; thin, so it may exceed `total_bytes`.
+    pub provisioned_bytes: u64,
+    /// Bytes of volume blocks written and not deallocated.
+    pub mapped_bytes: u64,
+    /// Drive space in use: live data, garbage not yet collected, checkpoints.
+    pub physical_used_bytes: u64,
+    /// Device bytes written per host byte written (0 before any write).
+    pub write_amplification: f64,
+    /// Blocks that failed their checksum when read (returned as errors, never as data).
+    pub checksum_errors: u64,
+}
+
+/// One volume's space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct VolumeSpace {
+    pub provisioned_bytes: u64,
+    pub mapped_bytes: u64,
+    pub physical_used_bytes: u64,
 }
 
 /// Why the data path refused or failed an operation.
@@ -66,8 +88,8 @@ pub struct DataPathContext {
     pub drives: DriveSet,
     /// Where to serve NVMe/TCP.
     pub nvme_listen: SocketAddr,
-    /// Every volume in the metadata store: the allocator is rebuilt from their chunks and each is
-    /// served from the start. The volume service publishes only later changes.
+    /// Every volume in the metadata store: each is served from the start, and data of volumes
+    /// not among them (deleted just before a crash) is dropped. The volume service publishes only later changes.
     pub volumes: Vec<VolumeRecord>,
     /// Where to record per-volume I/O metrics; every volume in `volumes` is registered already.
     pub metrics: Arc<Registry>,
@@ -93,10 +115,9 @@ pub trait DataPathBuilder: Send {
 /// The volume service calls the mutating methods one at a time (it serialises create, resize and
 /// delete), from a blocking thread of the control plane; they may block briefly.
 pub trait DataPlane: Send + Sync {
-    /// Reserves the chunks of a new volume `id` of `size_bytes` and returns them, in volume
-    /// order. They are not yet the volume's: [`DataPlane::publish`] or [`DataPlane::cancel`]
-    /// follows. May do I/O (zeroing the chunks a deleted volume left behind); on failure it
-    /// keeps nothing reserved.
+    /// Reserves a new volume `id` of `size_bytes` and returns its chunks, in volume order
+    /// (none for thin volumes). It is not yet served: [`DataPlane::publish`] or
+    /// [`DataPlane::cancel`] follows. On failure it keeps nothing reserved.
     fn reserve_create(&self, id: u64, size_bytes: u64) -> Result<Vec<Chunk>, DataPlaneError>;
 
     /// Reserves what `volume` needs to grow to `size_bytes` (larger than its size) and returns
@@ -115,7 +136,8 @@ pub trait DataPlane: Send + Sync {
     /// The volume's record, created or grown, is durable: serve it as it now is.
     fn publish(&self, volume: &VolumeRecord);
 
-    /// The volume's record is deleted: stop serving it and free its chunks.
+    /// The volume's record is deleted: stop serving it and free its space (durably: its blocks
+    /// never reappear, even after a crash).
     fn remove(&self, volume: &VolumeRecord);
 
     /// The volume's record with a changed `host_access` is durable: from now on only the hosts
@@ -125,6 +147,11 @@ pub trait DataPlane: Send + Sync {
     fn set_host_access(&self, volume: &VolumeRecord);
 
     fn capacity(&self) -> Capacity;
+
+    /// A served volume's space, or `None` if the data path does not know it.
+    fn volume_space(&self, _id: u64) -> Option<VolumeSpace> {
+        None
+    }
 
     /// The address NVMe/TCP is served on, or `None` if this data path serves no I/O.
     fn nvme_addr(&self) -> Option<SocketAddr>;

@@ -7,6 +7,7 @@
 //! service calls block (metadata commits fsync), so they run on tokio's blocking pool.
 
 use crate::control::{ControlError, VolumeService};
+use crate::data_plane::VolumeSpace;
 use crate::metrics::{NodeGauges, Registry};
 use api::{ErrorBody, ErrorCode, VolumeInfo};
 use axum::body::Bytes;
@@ -179,7 +180,7 @@ fn host_access(record: &VolumeRecord) -> api::HostAccess {
     }
 }
 
-fn volume_info(record: &VolumeRecord, node: &NodeView) -> VolumeInfo {
+fn volume_info(record: &VolumeRecord, node: &NodeView, space: Option<VolumeSpace>) -> VolumeInfo {
     VolumeInfo {
         name: record.name.to_string(),
         id: record.id,
@@ -190,12 +191,14 @@ fn volume_info(record: &VolumeRecord, node: &NodeView) -> VolumeInfo {
         nvme_host: node.nvme_advertised.ip().to_string(),
         nvme_port: node.nvme_advertised.port(),
         access: access_mode(&record.host_access),
+        mapped_bytes: space.map(|space| space.mapped_bytes),
+        physical_used_bytes: space.map(|space| space.physical_used_bytes),
     }
 }
 
 async fn list_volumes(State(state): State<ApiState>) -> Result<Json<api::VolumeList>, ApiError> {
     let records = call(&state, |service| service.volumes()).await?;
-    let volumes = records.iter().map(|record| volume_info(record, &state.node)).collect();
+    let volumes = records.iter().map(|record| volume_info(record, &state.node, None)).collect();
     Ok(Json(api::VolumeList { volumes }))
 }
 
@@ -206,7 +209,7 @@ async fn create_volume(
     let request: api::CreateVolume = parse_body(body)?;
     let record =
         call(&state, move |service| service.create(&request.name, request.size_bytes)).await?;
-    Ok((StatusCode::CREATED, Json(volume_info(&record, &state.node))))
+    Ok((StatusCode::CREATED, Json(volume_info(&record, &state.node, None))))
 }
 
 async fn show_volume(
@@ -214,8 +217,13 @@ async fn show_volume(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<VolumeInfo>, ApiError> {
     let name = parse_name(path)?;
-    let record = call(&state, move |service| service.volume(&name)).await?;
-    Ok(Json(volume_info(&record, &state.node)))
+    let (record, space) = call(&state, move |service| {
+        let record = service.volume(&name)?;
+        let space = service.volume_space(record.id);
+        Ok((record, space))
+    })
+    .await?;
+    Ok(Json(volume_info(&record, &state.node, space)))
 }
 
 async fn delete_volume(
@@ -224,7 +232,7 @@ async fn delete_volume(
 ) -> Result<Json<VolumeInfo>, ApiError> {
     let name = parse_name(path)?;
     let record = call(&state, move |service| service.delete(&name)).await?;
-    Ok(Json(volume_info(&record, &state.node)))
+    Ok(Json(volume_info(&record, &state.node, None)))
 }
 
 async fn resize_volume(
@@ -234,8 +242,13 @@ async fn resize_volume(
 ) -> Result<Json<VolumeInfo>, ApiError> {
     let name = parse_name(path)?;
     let request: api::ResizeVolume = parse_body(body)?;
-    let record = call(&state, move |service| service.resize(&name, request.size_bytes)).await?;
-    Ok(Json(volume_info(&record, &state.node)))
+    let (record, space) = call(&state, move |service| {
+        let record = service.resize(&name, request.size_bytes)?;
+        let space = service.volume_space(record.id);
+        Ok((record, space))
+    })
+    .await?;
+    Ok(Json(volume_info(&record, &state.node, space)))
 }
 
 async fn show_host_access(
@@ -304,6 +317,11 @@ async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>,
             total_bytes: capacity.total_bytes,
             free_bytes: capacity.free_bytes,
             chunk_size_bytes: capacity.chunk_size_bytes,
+            provisioned_bytes: capacity.provisioned_bytes,
+            mapped_bytes: capacity.mapped_bytes,
+            physical_used_bytes: capacity.physical_used_bytes,
+            write_amplification: capacity.write_amplification,
+            checksum_errors: capacity.checksum_errors,
         },
     }))
 }
@@ -315,6 +333,11 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
             volumes: service.volumes()?.len() as u64,
             capacity_total_bytes: capacity.total_bytes,
             capacity_free_bytes: capacity.free_bytes,
+            provisioned_bytes: capacity.provisioned_bytes,
+            mapped_bytes: capacity.mapped_bytes,
+            physical_used_bytes: capacity.physical_used_bytes,
+            write_amplification: capacity.write_amplification,
+            checksum_errors: capacity.checksum_errors,
         })
     })
     .await?;

@@ -10,7 +10,7 @@
 //!    makes the next start a first start again. Later starts: check the configuration against
 //!    the recorded drive geometry.
 //! 3. Start the control plane's tokio runtime and bind the REST API socket.
-//! 4. Start the data path with every volume record (it rebuilds its allocator from them).
+//! 4. Start the data path with every volume record (it recovers the log engine and serves them).
 //! 5. Serve the API until [`Node::stop`], a [`StopHandle`], or (with
 //!    [`NodeConfig::stop_on_signals`]) SIGINT or SIGTERM.
 //!
@@ -26,7 +26,7 @@ pub mod nvme;
 
 pub use config::{ConfigError, NodeConfig};
 pub use data_plane::{
-    Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
+    Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet, VolumeSpace,
 };
 
 use control::VolumeService;

@@ -9,7 +9,9 @@
 //! counters, gauges and fixed-bucket histograms do not justify a metrics framework.
 //!
 //! Families:
-//! - `ferrite_volumes` (gauge), `ferrite_capacity_total_bytes`, `ferrite_capacity_free_bytes`
+//! - `ferrite_volumes` (gauge), `ferrite_capacity_total_bytes`, `ferrite_capacity_free_bytes`,
+//!   `ferrite_provisioned_bytes`, `ferrite_mapped_bytes`, `ferrite_physical_used_bytes`,
+//!   `ferrite_write_amplification` (gauges), `ferrite_checksum_errors_total` (counter)
 //! - `ferrite_volume_operations_total{volume,volume_id,op}` (counter), `op` one of `read`,
 //!   `write`, `flush`, `write_zeroes`, `deallocate`
 //! - `ferrite_volume_bytes_total{volume,volume_id,op}` (counter), all but `flush`
@@ -165,11 +167,16 @@ impl VolumeMetrics {
 }
 
 /// Node-wide values read from the control plane at scrape time.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct NodeGauges {
     pub volumes: u64,
     pub capacity_total_bytes: u64,
     pub capacity_free_bytes: u64,
+    pub provisioned_bytes: u64,
+    pub mapped_bytes: u64,
+    pub physical_used_bytes: u64,
+    pub write_amplification: f64,
+    pub checksum_errors: u64,
 }
 
 struct Entry {
@@ -231,9 +238,41 @@ impl Registry {
         render_gauge(
             &mut out,
             "ferrite_capacity_free_bytes",
-            "Drive space not given to any volume.",
+            "Space hosts may still write (capacity less mapped).",
             node.capacity_free_bytes,
         );
+        render_gauge(
+            &mut out,
+            "ferrite_provisioned_bytes",
+            "Sum of the volumes' sizes (thin: may exceed the capacity).",
+            node.provisioned_bytes,
+        );
+        render_gauge(
+            &mut out,
+            "ferrite_mapped_bytes",
+            "Volume bytes written and not deallocated.",
+            node.mapped_bytes,
+        );
+        render_gauge(
+            &mut out,
+            "ferrite_physical_used_bytes",
+            "Drive space in use (live data, garbage not yet collected, checkpoints).",
+            node.physical_used_bytes,
+        );
+        family(
+            &mut out,
+            "ferrite_write_amplification",
+            "gauge",
+            "Device bytes written per host byte written.",
+        );
+        let _ = writeln!(out, "ferrite_write_amplification {}", node.write_amplification);
+        family(
+            &mut out,
+            "ferrite_checksum_errors_total",
+            "counter",
+            "Blocks that failed their checksum when read (returned as errors, never as data).",
+        );
+        let _ = writeln!(out, "ferrite_checksum_errors_total {}", node.checksum_errors);
 
         family(&mut out, "ferrite_volume_operations_total", "counter", "I/O commands completed.");
         for (id, name, metrics) in &volumes {
@@ -442,12 +481,19 @@ mod tests {
         registry.volume(2).record_deallocate(1 << 20);
         registry.register_volume(3, &VolumeName::new("gone").unwrap());
         registry.remove_volume(3);
-        let gauges =
-            NodeGauges { volumes: 2, capacity_total_bytes: 1 << 30, capacity_free_bytes: 1 << 29 };
+        let gauges = NodeGauges {
+            volumes: 2,
+            capacity_total_bytes: 1 << 30,
+            capacity_free_bytes: 1 << 29,
+            checksum_errors: 3,
+            ..NodeGauges::default()
+        };
         let text = registry.render(&gauges);
 
         assert_eq!(value(&text, "ferrite_volumes"), 2);
         assert_eq!(value(&text, "ferrite_capacity_free_bytes"), 1 << 29);
+        assert_eq!(value(&text, "ferrite_checksum_errors_total"), 3);
+        assert!(text.contains("ferrite_write_amplification 0\n"), "{text}");
         assert_eq!(
             value(
                 &text,

@@ -1,10 +1,13 @@
 //! The NVMe/TCP data path of a node: drives, data-path threads, the acceptor, and the driver that
 //! moves bytes between each connection's socket, its `nvmf::target::Queue` and the store.
 //!
-//! Threads: `data_threads` threads, each a tokio current_thread runtime with its own `io::Ring`
-//! and its own O_DIRECT handles on every drive file (a `ChunkStore<DriveFile>`). Thread 0 also
-//! accepts connections and deals them out round robin over bounded channels; a connection then
-//! lives on its thread until it closes (run to completion, no work stealing).
+//! Storage is the log-structured engine (`engine::log`): thread 0 opens it at start (recovery),
+//! then every thread gets its own `LogHandle<DriveFile>` over its own `io::Ring` and its own
+//! O_DIRECT handles on every drive file. Thread 0 also accepts connections and deals them out
+//! round robin over bounded channels; a connection then lives on its thread until it closes
+//! (run to completion, no work stealing). Thread 0 also runs the engine's background work: GC
+//! paced by free space, periodic checkpoints (bounding recovery), the deletion of volumes, and
+//! a final checkpoint when the node stops cleanly.
 //!
 //! Per connection, one task owns the socket and the `Queue`. It reads into a fixed buffer,
 //! feeds whole PDUs to the queue, starts a storage task for each request the queue hands out,
@@ -12,16 +15,17 @@
 //! queue and the socket. Storage tasks report back through a small completion list.
 //!
 //! Deleting a volume fences it first (new I/O is refused), waits for its in-flight I/O to drain,
-//! and only then frees its chunks, so a late write can never land in a chunk already given to
-//! another volume.
+//! and only then deletes its data in the engine (durably), so a late write can never recreate
+//! blocks of a deleted volume.
 
+use crate::data_plane::VolumeSpace;
 use crate::data_plane::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
 };
 use crate::metrics::{Registry, VolumeMetrics};
+use engine::log::{GcOutcome, LogConfig, LogEngine, LogHandle};
 use engine::{
-    ChunkId, ChunkStore, DriveLatches, NodeUuid, StoreError, VolumeId, VolumeLayout, VolumeMap,
-    VolumeStore, Volumes,
+    DriveLatches, NodeUuid, StoreError, VolumeId, VolumeLayout, VolumeMap, VolumeStore, Volumes,
 };
 use io::{DriveFile, Ring};
 use meta::{Chunk, HostAccess, VolumeRecord};
@@ -56,6 +60,19 @@ const CLOSE_DRAIN_TIMEOUT_MS: u64 = 500;
 const CLOSE_DRAIN_BYTES_MAX: usize = 4 << 20;
 /// Data-path threads at most.
 pub const DATA_THREADS_MAX: usize = 64;
+/// How often the background task looks at free space and the checkpoint clock.
+const BACKGROUND_TICK_MS: u64 = 50;
+/// GC steps per tick while space is merely getting low: a step relocates at most one segment,
+/// so this bounds how much foreground bandwidth GC takes.
+const GC_STEPS_PER_TICK: u32 = 2;
+/// GC steps per tick when the free segments are within twice the reserve: catch up.
+const GC_STEPS_PER_TICK_URGENT: u32 = 16;
+/// A checkpoint is taken at least this often while data changes, bounding recovery time.
+const CHECKPOINT_INTERVAL_MS: u64 = 30_000;
+/// Commands (volume deletions) queued for the background task.
+const COMMANDS_QUEUED_MAX: usize = 16;
+/// How long deleting a volume waits for the engine to make the deletion durable.
+const DELETE_TIMEOUT_MS: u64 = 30_000;
 
 /// Builds the NVMe/TCP data path: formats and opens the drives, starts the threads.
 #[derive(Debug)]
@@ -76,11 +93,59 @@ fn node_uuid(drives: &DriveSet) -> NodeUuid {
     NodeUuid(drives.node_uuid)
 }
 
+/// The engine configuration of a node's drives served by `data_threads` threads.
+fn log_config(drives: &DriveSet, data_threads: usize) -> LogConfig {
+    let handles_max = u16::try_from(data_threads).unwrap_or(u16::MAX);
+    LogConfig::for_drives(node_uuid(drives), drives.size_bytes, handles_max)
+}
+
+/// Runs `work` on a throwaway current_thread runtime with its own ring, on this thread.
+fn with_ring<T>(
+    work: impl AsyncFnOnce(&Rc<Ring>) -> Result<T, String>,
+) -> Result<T, DataPlaneError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(DataPlaneError::failed)?;
+    let local = tokio::task::LocalSet::new();
+    local
+        .block_on(&runtime, async move {
+            let ring = Ring::new().map_err(|error| format!("cannot set up io_uring: {error}"))?;
+            let driver = tokio::task::spawn_local(Rc::clone(&ring).run());
+            let output = work(&ring).await;
+            driver.abort();
+            output
+        })
+        .map_err(DataPlaneError::failed)
+}
+
+fn open_drive_files(paths: &[PathBuf], ring: &Rc<Ring>) -> Result<Vec<DriveFile>, String> {
+    paths
+        .iter()
+        .map(|path| DriveFile::open(path, ring))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|error| error.to_string())
+}
+
 impl DataPathBuilder for NvmeDataPathBuilder {
     fn format_drives(&mut self, drives: &DriveSet) -> Result<(), DataPlaneError> {
-        io::format_drives(&drives.dir, node_uuid(drives), drives.count, drives.size_bytes)
-            .map_err(DataPlaneError::failed)?;
-        Ok(())
+        let infos =
+            io::format_drives(&drives.dir, node_uuid(drives), drives.count, drives.size_bytes)
+                .map_err(DataPlaneError::failed)?;
+        let paths: Vec<PathBuf> = infos.into_iter().map(|info| info.path).collect();
+        let config = log_config(drives, self.data_threads);
+        with_ring(async |ring| {
+            let files = open_drive_files(&paths, ring)?;
+            let geometry = LogEngine::format(&files, &config)
+                .await
+                .map_err(|error| format!("cannot format the log: {error}"))?;
+            tracing::info!(
+                segments = geometry.segment_count,
+                segment_size = %types::ByteSize(geometry.segment_bytes()),
+                "formatted the drives for the log-structured engine"
+            );
+            Ok(())
+        })
     }
 
     fn start(
@@ -90,9 +155,8 @@ impl DataPathBuilder for NvmeDataPathBuilder {
         let infos = io::open_drives(&context.drives.dir, node_uuid(&context.drives))
             .map_err(DataPlaneError::failed)?;
         let drive_count = u16::try_from(infos.len()).map_err(DataPlaneError::failed)?;
-        let chunks_per_drive = infos[0].superblock.chunks_per_drive();
         let drive_paths: Vec<PathBuf> = infos.iter().map(|info| info.path.clone()).collect();
-        let volumes = Arc::new(Volumes::new(drive_count, chunks_per_drive));
+        let volumes = Arc::new(Volumes::new());
         volumes
             .restore(context.volumes.iter().map(layout_of).collect())
             .map_err(DataPlaneError::failed)?;
@@ -129,8 +193,11 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             catalog: Arc::clone(&catalog),
             drive_paths,
             latches: Arc::new(DriveLatches::new(drive_count)),
+            log_config: log_config(&context.drives, self.data_threads),
+            known_volumes: context.volumes.iter().map(|record| record.id).collect(),
         });
         let (stop_sender, stop_receiver) = watch::channel(false);
+        let (command_sender, command_receiver) = mpsc::channel(COMMANDS_QUEUED_MAX);
         let mut senders = Vec::with_capacity(self.data_threads);
         let mut receivers = Vec::with_capacity(self.data_threads);
         for _ in 0..self.data_threads {
@@ -141,6 +208,9 @@ impl DataPathBuilder for NvmeDataPathBuilder {
         let (ready_sender, ready_receiver) = std::sync::mpsc::channel();
         let mut threads = Vec::with_capacity(self.data_threads);
         let mut listener = Some(listener);
+        let mut commands = Some(command_receiver);
+        let mut engine: Option<Arc<LogEngine>> = None;
+        // Thread 0 first: it recovers the engine, which the other threads then share.
         for (index, receiver) in receivers.into_iter().enumerate() {
             let thread = DataThread {
                 index,
@@ -148,6 +218,8 @@ impl DataPathBuilder for NvmeDataPathBuilder {
                 connections: receiver,
                 stop: stop_receiver.clone(),
                 acceptor: listener.take().map(|listener| (listener, senders.clone())),
+                engine: engine.clone(),
+                commands: commands.take(),
             };
             let ready = ready_sender.clone();
             let handle = std::thread::Builder::new()
@@ -155,12 +227,8 @@ impl DataPathBuilder for NvmeDataPathBuilder {
                 .spawn(move || thread.run(ready))
                 .map_err(DataPlaneError::failed)?;
             threads.push(handle);
-        }
-        drop(senders);
-        drop(ready_sender);
-        for _ in 0..threads.len() {
             match ready_receiver.recv() {
-                Ok(Ok(())) => {}
+                Ok(Ok(opened)) => engine = Some(opened),
                 Ok(Err(message)) => {
                     let _ = stop_sender.send(true);
                     return Err(DataPlaneError::failed(message));
@@ -171,6 +239,10 @@ impl DataPathBuilder for NvmeDataPathBuilder {
                 }
             }
         }
+        drop(senders);
+        let Some(engine) = engine else {
+            return Err(DataPlaneError::failed("no data-path thread started"));
+        };
         tracing::info!(
             nvme = %nvme_addr,
             threads = threads.len(),
@@ -179,6 +251,8 @@ impl DataPathBuilder for NvmeDataPathBuilder {
         );
         Ok(Arc::new(NvmeDataPlane {
             volumes,
+            engine,
+            commands: command_sender,
             catalog,
             target,
             shared,
@@ -200,19 +274,7 @@ fn advertised_ip(addr: SocketAddr) -> String {
 }
 
 fn layout_of(record: &VolumeRecord) -> VolumeLayout {
-    VolumeLayout {
-        volume: VolumeId(record.id),
-        size_bytes: record.size_bytes,
-        chunks: record
-            .chunks
-            .iter()
-            .map(|chunk| ChunkId { drive: chunk.0, index: chunk.1 })
-            .collect(),
-    }
-}
-
-fn chunks_of(layout: &VolumeLayout) -> Vec<Chunk> {
-    layout.chunks.iter().map(|chunk| (chunk.drive, chunk.index)).collect()
+    VolumeLayout { volume: VolumeId(record.id), size_bytes: record.size_bytes }
 }
 
 /// What the I/O path needs of a volume, shared by every connection to it.
@@ -370,6 +432,16 @@ struct ThreadShared {
     catalog: Arc<NodeCatalog>,
     drive_paths: Vec<PathBuf>,
     latches: Arc<DriveLatches>,
+    log_config: LogConfig,
+    /// The volume ids the metadata store held at start: the engine's data of any other volume
+    /// (deleted just before a crash) is dropped once recovery is done.
+    known_volumes: std::collections::HashSet<u64>,
+}
+
+/// Work the control plane hands to the background task on thread 0.
+enum Command {
+    /// Deletes a fenced, drained volume's data durably.
+    DeleteVolume { id: u64, done: std::sync::mpsc::SyncSender<Result<(), String>> },
 }
 
 struct DataThread {
@@ -379,10 +451,14 @@ struct DataThread {
     stop: watch::Receiver<bool>,
     /// Thread 0 accepts connections and deals them out to every thread (itself included).
     acceptor: Option<(std::net::TcpListener, Vec<mpsc::Sender<std::net::TcpStream>>)>,
+    /// The engine, for threads other than 0 (thread 0 opens it).
+    engine: Option<Arc<LogEngine>>,
+    /// Thread 0 runs the background work and the control plane's commands.
+    commands: Option<mpsc::Receiver<Command>>,
 }
 
 impl DataThread {
-    fn run(self, ready: std::sync::mpsc::Sender<Result<(), String>>) {
+    fn run(self, ready: std::sync::mpsc::Sender<Result<Arc<LogEngine>, String>>) {
         let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(runtime) => runtime,
             Err(error) => {
@@ -394,32 +470,31 @@ impl DataThread {
         local.block_on(&runtime, self.serve(ready));
     }
 
-    async fn serve(mut self, ready: std::sync::mpsc::Sender<Result<(), String>>) {
-        let setup = || -> Result<(Rc<Ring>, Rc<ChunkStore<DriveFile>>), String> {
-            let ring = Ring::new().map_err(|error| format!("cannot set up io_uring: {error}"))?;
-            let drives = self
-                .shared
-                .drive_paths
-                .iter()
-                .map(|path| DriveFile::open(path, &ring))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|error| error.to_string())?;
-            let store = ChunkStore::with_latches(drives, Arc::clone(&self.shared.latches));
-            Ok((ring, Rc::new(store)))
+    async fn serve(mut self, ready: std::sync::mpsc::Sender<Result<Arc<LogEngine>, String>>) {
+        let ring = match Ring::new() {
+            Ok(ring) => ring,
+            Err(error) => {
+                let _ = ready.send(Err(format!("cannot set up io_uring: {error}")));
+                return;
+            }
         };
-        let (ring, store) = match setup() {
-            Ok(parts) => parts,
+        let ring_for_driver = Rc::clone(&ring);
+        let index = self.index;
+        tokio::task::spawn_local(async move {
+            let Err(error) = ring_for_driver.run().await;
+            // Operations waiting on this ring would never complete: stop rather than hang.
+            tracing::error!(thread = index, %error, "io_uring failed; stopping the node");
+            std::process::abort();
+        });
+        let store = match self.open_store(&ring).await {
+            Ok(store) => Rc::new(store),
             Err(message) => {
                 let _ = ready.send(Err(message));
                 return;
             }
         };
-        let index = self.index;
-        tokio::task::spawn_local(async move {
-            let Err(error) = ring.run().await;
-            // Operations waiting on this ring would never complete: stop rather than hang.
-            tracing::error!(thread = index, %error, "io_uring failed; stopping the node");
-            std::process::abort();
+        let background = self.commands.take().map(|commands| {
+            tokio::task::spawn_local(background(Rc::clone(&store), commands, self.stop.clone()))
         });
         if let Some((listener, senders)) = self.acceptor.take() {
             match TcpListener::from_std(listener) {
@@ -432,7 +507,7 @@ impl DataThread {
                 }
             }
         }
-        let _ = ready.send(Ok(()));
+        let _ = ready.send(Ok(Arc::clone(store.engine())));
         drop(ready);
         loop {
             tokio::select! {
@@ -447,6 +522,116 @@ impl DataThread {
                 }
                 _ = self.stop.changed() => break,
             }
+        }
+        if let Some(background) = background {
+            // It sees the stop too, takes the final checkpoint and returns.
+            if let Err(error) = background.await {
+                tracing::error!(%error, "the background task failed");
+            }
+        }
+    }
+
+    /// Thread 0 opens the engine (recovery); the others take a handle on it. Each over this
+    /// thread's own drive files.
+    async fn open_store(&self, ring: &Rc<Ring>) -> Result<LogHandle<DriveFile>, String> {
+        let drives = open_drive_files(&self.shared.drive_paths, ring)?;
+        if let Some(engine) = &self.engine {
+            return Ok(engine.handle(drives));
+        }
+        let started = Instant::now();
+        let latches = Arc::clone(&self.shared.latches);
+        let (_engine, handle, report) =
+            LogEngine::open(drives, self.shared.log_config.clone(), latches)
+                .await
+                .map_err(|error| format!("cannot open the log: {error}"))?;
+        tracing::info!(
+            seconds = started.elapsed().as_secs_f64(),
+            bytes_read = report.bytes_read,
+            blocks_recovered = report.mapped_blocks,
+            checkpoint = report.checkpoint_id,
+            segments_replayed = report.segments_replayed,
+            batches_replayed = report.batches_replayed,
+            batches_torn = report.batches_torn,
+            "recovered the log"
+        );
+        for volume in handle.engine().volume_ids() {
+            if self.shared.known_volumes.contains(&volume) {
+                continue;
+            }
+            tracing::info!(volume, "dropping the data of a volume deleted before the last stop");
+            handle
+                .delete_volume(volume)
+                .await
+                .map_err(|error| format!("cannot drop deleted volume {volume}: {error}"))?;
+        }
+        Ok(handle)
+    }
+}
+
+/// The engine's background work, on thread 0: paced GC, periodic checkpoints, volume deletions,
+/// and a final checkpoint when the node stops.
+async fn background(
+    store: Rc<LogHandle<DriveFile>>,
+    mut commands: mpsc::Receiver<Command>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(BACKGROUND_TICK_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_checkpoint = Instant::now();
+    let mut written_at_checkpoint = store.engine().stats().host_bytes_written;
+    let mut gc_failed_logged = false;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            command = commands.recv() => {
+                match command {
+                    Some(Command::DeleteVolume { id, done }) => {
+                        let result = store.delete_volume(id).await.map_err(|e| e.to_string());
+                        let _ = done.send(result);
+                    }
+                    None => break,
+                }
+                continue;
+            }
+            _ = stop.changed() => break,
+        }
+        let stats = store.engine().stats();
+        let reserve = stats.segments_total / 20;
+        let steps = if stats.segments_free < 2 * reserve.max(8) {
+            GC_STEPS_PER_TICK_URGENT
+        } else {
+            GC_STEPS_PER_TICK
+        };
+        for _ in 0..steps {
+            match store.gc_step().await {
+                Ok(GcOutcome::Cleaned { .. }) => {}
+                Ok(GcOutcome::Idle | GcOutcome::NoVictim) => break,
+                Err(error) => {
+                    if !gc_failed_logged {
+                        tracing::error!(%error, "garbage collection failed");
+                        gc_failed_logged = true;
+                    }
+                    break;
+                }
+            }
+        }
+        let written = stats.host_bytes_written;
+        let interval = Duration::from_millis(CHECKPOINT_INTERVAL_MS);
+        if written != written_at_checkpoint && last_checkpoint.elapsed() >= interval {
+            match store.checkpoint().await {
+                Ok(()) => {
+                    last_checkpoint = Instant::now();
+                    written_at_checkpoint = written;
+                }
+                Err(error) => tracing::warn!(%error, "periodic checkpoint failed"),
+            }
+        }
+    }
+    // A clean stop: a checkpoint now makes the next start read little.
+    if store.engine().latches().failed_drives().is_empty() {
+        match store.checkpoint().await {
+            Ok(()) => tracing::info!("took the final checkpoint"),
+            Err(error) => tracing::warn!(%error, "the final checkpoint failed"),
         }
     }
 }
@@ -506,7 +691,7 @@ fn now_ms(start: Instant) -> u64 {
 async fn serve_connection(
     stream: std::net::TcpStream,
     shared: Arc<ThreadShared>,
-    store: Rc<ChunkStore<DriveFile>>,
+    store: Rc<LogHandle<DriveFile>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let peer = stream.peer_addr().map_or_else(|_| "unknown".to_owned(), |addr| addr.to_string());
@@ -649,7 +834,7 @@ async fn close_gracefully(mut stream: TcpStream) {
 fn start_request(
     request: StorageRequest,
     shared: &Arc<ThreadShared>,
-    store: &Rc<ChunkStore<DriveFile>>,
+    store: &Rc<LogHandle<DriveFile>>,
     completions: &Rc<Completions>,
     cached: &mut Option<Arc<VolumeHandle>>,
 ) {
@@ -713,7 +898,7 @@ enum Done {
 }
 
 async fn execute(
-    store: &ChunkStore<DriveFile>,
+    store: &LogHandle<DriveFile>,
     handle: &VolumeHandle,
     operation: StorageOperation,
 ) -> (Result<Done, StoreError>, Option<AlignedBuf>) {
@@ -770,6 +955,8 @@ fn storage_status(error: &StoreError) -> StorageStatus {
             StorageStatus::LbaOutOfRange
         }
         StoreError::VolumeRemoved { .. } => StorageStatus::NotReady,
+        StoreError::CapacityExceeded { .. } => StorageStatus::CapacityExceeded,
+        StoreError::ChecksumMismatch { .. } => StorageStatus::UnrecoveredReadError,
         StoreError::DriveFailed { .. } | StoreError::Io { .. } => StorageStatus::Internal,
     }
 }
@@ -777,6 +964,8 @@ fn storage_status(error: &StoreError) -> StorageStatus {
 /// The running data path as the control plane sees it.
 struct NvmeDataPlane {
     volumes: Arc<Volumes>,
+    engine: Arc<LogEngine>,
+    commands: mpsc::Sender<Command>,
     catalog: Arc<NodeCatalog>,
     target: Arc<Target>,
     shared: Arc<ThreadShared>,
@@ -786,32 +975,25 @@ struct NvmeDataPlane {
     metrics: Arc<Registry>,
 }
 
-fn no_space(error: engine::EngineError) -> DataPlaneError {
-    match error {
-        engine::EngineError::NoSpace { needed, free } => DataPlaneError::NoSpace {
-            requested_bytes: needed * engine::CHUNK_SIZE_BYTES,
-            free_bytes: free * engine::CHUNK_SIZE_BYTES,
-        },
-        other => DataPlaneError::failed(other),
-    }
-}
-
 impl NvmeDataPlane {
-    /// Punches the new chunks of a reservation so that they read as zeros: a chunk may hold the
-    /// data of a volume deleted earlier.
-    fn zero(&self, chunks: &[ChunkId]) -> Result<(), DataPlaneError> {
-        io::zero_chunks(&self.shared.drive_paths, chunks).map_err(DataPlaneError::failed)
+    /// Deletes a volume's data in the engine, through thread 0, and waits until it is durable.
+    fn delete_data(&self, id: u64) -> Result<(), String> {
+        let (done, result) = std::sync::mpsc::sync_channel(1);
+        self.commands
+            .blocking_send(Command::DeleteVolume { id, done })
+            .map_err(|_| "the data path is stopping".to_owned())?;
+        match result.recv_timeout(Duration::from_millis(DELETE_TIMEOUT_MS)) {
+            Ok(outcome) => outcome,
+            Err(_) => Err(format!("the deletion did not finish within {DELETE_TIMEOUT_MS} ms")),
+        }
     }
 }
 
 impl DataPlane for NvmeDataPlane {
     fn reserve_create(&self, id: u64, size_bytes: u64) -> Result<Vec<Chunk>, DataPlaneError> {
-        let layout = self.volumes.reserve_create(VolumeId(id), size_bytes).map_err(no_space)?;
-        if let Err(error) = self.zero(&layout.chunks) {
-            self.volumes.cancel(&layout);
-            return Err(error);
-        }
-        Ok(chunks_of(&layout))
+        // Thin: nothing is reserved on the drives, only the intent is recorded.
+        self.volumes.reserve_create(VolumeId(id), size_bytes).map_err(DataPlaneError::failed)?;
+        Ok(Vec::new())
     }
 
     fn reserve_grow(
@@ -819,13 +1001,10 @@ impl DataPlane for NvmeDataPlane {
         volume: &VolumeRecord,
         size_bytes: u64,
     ) -> Result<Vec<Chunk>, DataPlaneError> {
-        let layout =
-            self.volumes.reserve_grow(VolumeId(volume.id), size_bytes).map_err(no_space)?;
-        if let Err(error) = self.zero(self.volumes.new_chunks(&layout)) {
-            self.volumes.cancel(&layout);
-            return Err(error);
-        }
-        Ok(chunks_of(&layout))
+        self.volumes
+            .reserve_grow(VolumeId(volume.id), size_bytes)
+            .map_err(DataPlaneError::failed)?;
+        Ok(volume.chunks.clone())
     }
 
     fn cancel(&self, proposed: &VolumeRecord) {
@@ -863,10 +1042,11 @@ impl DataPlane for NvmeDataPlane {
                 if Instant::now() > deadline {
                     tracing::error!(
                         volume = %volume.name,
-                        "in-flight I/O did not drain; keeping the volume's chunks reserved \
-                         until restart"
+                        "in-flight I/O did not drain; the volume's data is dropped at the next \
+                         start"
                     );
                     self.catalog.remove(volume.id);
+                    self.volumes.remove(VolumeId(volume.id));
                     return;
                 }
                 std::thread::sleep(Duration::from_millis(1));
@@ -875,9 +1055,12 @@ impl DataPlane for NvmeDataPlane {
         }
         self.volumes.remove(VolumeId(volume.id));
         self.target.notify_subsystems_changed();
-        // Give the space back to the host filesystem now; a later reservation zeroes again.
-        if let Err(error) = io::zero_chunks(&self.shared.drive_paths, &layout_of(volume).chunks) {
-            tracing::warn!(volume = %volume.name, %error, "could not release a deleted volume's space");
+        if let Err(error) = self.delete_data(volume.id) {
+            tracing::error!(
+                volume = %volume.name,
+                %error,
+                "could not delete the volume's data now; it is dropped at the next start"
+            );
         }
     }
 
@@ -923,12 +1106,27 @@ impl DataPlane for NvmeDataPlane {
     }
 
     fn capacity(&self) -> Capacity {
-        let capacity = self.volumes.capacity();
+        let stats = self.engine.stats();
         Capacity {
-            total_bytes: capacity.total_chunks * capacity.chunk_size_bytes,
-            free_bytes: capacity.free_chunks * capacity.chunk_size_bytes,
-            chunk_size_bytes: capacity.chunk_size_bytes,
+            total_bytes: stats.capacity_bytes,
+            free_bytes: stats.free_bytes,
+            chunk_size_bytes: 0,
+            provisioned_bytes: self.volumes.provisioned_bytes(),
+            mapped_bytes: stats.mapped_bytes,
+            physical_used_bytes: stats.physical_used_bytes,
+            write_amplification: stats.write_amplification,
+            checksum_errors: stats.checksum_errors,
         }
+    }
+
+    fn volume_space(&self, id: u64) -> Option<VolumeSpace> {
+        let map = self.volumes.mapping(VolumeId(id))?;
+        let stats = self.engine.volume_stats(&map);
+        Some(VolumeSpace {
+            provisioned_bytes: stats.provisioned_bytes,
+            mapped_bytes: stats.mapped_bytes,
+            physical_used_bytes: stats.physical_used_bytes,
+        })
     }
 
     fn nvme_addr(&self) -> Option<SocketAddr> {

@@ -137,6 +137,7 @@ impl DataPlane for FixturePlane {
             total_bytes: u64::from(self.chunk_count) * CHUNK_SIZE_BYTES,
             free_bytes: self.free.lock().unwrap().len() as u64 * CHUNK_SIZE_BYTES,
             chunk_size_bytes: CHUNK_SIZE_BYTES,
+            ..Capacity::default()
         }
     }
 
@@ -377,26 +378,34 @@ fn restart_keeps_volumes_and_drives() {
 }
 
 #[test]
-fn the_real_data_path_accounts_space_in_chunks() {
-    const CHUNK: u64 = engine::CHUNK_SIZE_BYTES;
+fn the_real_data_path_is_thin() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = config(dir.path());
-    // The 1 MiB header and two chunks.
-    config.drive_size_bytes = Some(MIB + 2 * CHUNK);
-    let node = Node::start(config).unwrap();
+    let node = Node::start(config(dir.path())).unwrap();
     assert!(node.nvme_serving());
     assert!(node.data_dir().join("drives").join("drive-000.img").exists());
     let client = Client::new(&node.api_url()).unwrap();
     let info = client.node().unwrap();
     assert!(info.nvme_serving);
-    assert_eq!(info.capacity.total_bytes, 2 * CHUNK);
-    create(&client, "a", 40 * MIB).unwrap();
-    assert_eq!(client.node().unwrap().capacity.free_bytes, CHUNK);
-    assert_api_error(create(&client, "b", CHUNK + MIB), ErrorCode::NoSpace, "64MiB is free");
-    client.resize_volume("a", 2 * CHUNK).unwrap();
-    assert_eq!(client.node().unwrap().capacity.free_bytes, 0);
+    let capacity = info.capacity;
+    assert!(capacity.total_bytes > 32 * MIB && capacity.total_bytes < 64 * MIB, "{capacity:?}");
+    assert_eq!(capacity.free_bytes, capacity.total_bytes);
+    assert_eq!((capacity.chunk_size_bytes, capacity.mapped_bytes), (0, 0));
+    // Thin: volumes larger than the node are created, and take no space until written.
+    let volume = create(&client, "a", 1 << 30).unwrap();
+    assert_eq!(volume.mapped_bytes, None, "create reports the record only");
+    let info = client.node().unwrap();
+    assert_eq!(info.capacity.free_bytes, capacity.total_bytes);
+    assert_eq!(info.capacity.provisioned_bytes, 1 << 30);
+    client.resize_volume("a", 2 << 30).unwrap();
+    let shown = client.volume("a").unwrap();
+    assert_eq!((shown.size_bytes, shown.mapped_bytes), (2 << 30, Some(0)));
+    assert_eq!(shown.physical_used_bytes, Some(0));
+    assert_eq!(client.node().unwrap().capacity.provisioned_bytes, 2 << 30);
     client.delete_volume("a").unwrap();
-    assert_eq!(client.node().unwrap().capacity.free_bytes, 2 * CHUNK);
+    assert_eq!(client.node().unwrap().capacity.provisioned_bytes, 0);
+    let metrics = client.metrics().unwrap();
+    assert!(metrics.contains("ferrite_mapped_bytes 0\n"), "{metrics}");
+    assert!(metrics.contains("ferrite_checksum_errors_total 0\n"), "{metrics}");
 
     let stop = node.stop_handle();
     let waiter = std::thread::spawn(move || {

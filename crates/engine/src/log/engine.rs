@@ -15,7 +15,7 @@
 //! next batch, so one sync covers many writes. Batches of a handle complete in order.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::io;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -31,11 +31,11 @@ use super::index::{pack, unpack, Index, VolumeIndex};
 use super::join::{join_all, LocalFuture};
 use super::segments::{SegmentState, SegmentTable};
 use super::{LogConfig, LogError};
-use crate::chunk_store::DriveLatches;
 use crate::drive::{Drive, DriveError, DriveOperation};
-use crate::layout::VolumeMap;
+use crate::latches::DriveLatches;
 use crate::local_sync::LocalNotify;
 use crate::store::{StoreError, VolumeStore};
+use crate::volumes::VolumeMap;
 
 const BLOCK_BYTES_U64: u64 = BLOCK_BYTES as u64;
 /// Batches a handle holds queued behind the one being committed; writers wait beyond it.
@@ -240,6 +240,7 @@ impl LogEngine {
             slot,
             volumes: RefCell::new(HashMap::new()),
             queue: RefCell::new(VecDeque::new()),
+            admission: Admission::default(),
             leader: Cell::new(false),
             changed: LocalNotify::new(),
             streams: [RefCell::new(StreamState::default()), RefCell::new(StreamState::default())],
@@ -283,6 +284,11 @@ impl LogEngine {
             mapped_bytes: mapped_blocks * BLOCK_BYTES_U64,
             physical_used_bytes: mapped_blocks * BLOCK_BYTES_U64,
         }
+    }
+
+    /// The ids of the volumes the index holds data of (mapped blocks or not).
+    pub fn volume_ids(&self) -> Vec<u64> {
+        self.index.volumes().iter().map(|volume| volume.volume()).collect()
     }
 
     /// The blocks hosts may map in total.
@@ -514,6 +520,74 @@ impl Drop for CommitGuard<'_> {
     }
 }
 
+/// First-come first-served entry to a full batch queue: a writer that finds no room takes a
+/// ticket; while tickets are waiting, only the oldest may add to the queue, so under overload
+/// no writer waits behind an unbounded number of later ones.
+#[derive(Debug, Default)]
+struct Admission {
+    next_ticket: Cell<u64>,
+    serving: Cell<u64>,
+    /// Tickets whose writers were dropped while waiting; skipped when their turn comes.
+    abandoned: RefCell<BTreeSet<u64>>,
+}
+
+impl Admission {
+    fn waiting(&self) -> bool {
+        self.serving.get() < self.next_ticket.get()
+    }
+
+    fn take(&self) -> u64 {
+        let ticket = self.next_ticket.get();
+        self.next_ticket.set(ticket + 1);
+        ticket
+    }
+
+    /// The ticket `ticket` was served or abandoned: move on past it and abandoned ones.
+    fn done(&self, ticket: u64) {
+        if ticket != self.serving.get() {
+            self.abandoned.borrow_mut().insert(ticket);
+            return;
+        }
+        let mut serving = ticket + 1;
+        let mut abandoned = self.abandoned.borrow_mut();
+        while abandoned.remove(&serving) {
+            serving += 1;
+        }
+        self.serving.set(serving);
+    }
+}
+
+/// Gives a ticket back if its writer is dropped while waiting.
+struct Ticket<'a> {
+    admission: &'a Admission,
+    ticket: Option<u64>,
+    changed: &'a LocalNotify,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            self.admission.done(ticket);
+            self.changed.notify_all();
+        }
+    }
+}
+
+/// Seals a stream's segment when a batch written to it did not complete (see `commit_one`).
+struct SealOnDrop<'a, D: Drive> {
+    handle: &'a LogHandle<D>,
+    stream: Stream,
+    armed: bool,
+}
+
+impl<D: Drive> Drop for SealOnDrop<'_, D> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.handle.seal_stream(self.stream);
+        }
+    }
+}
+
 /// [`VolumeStore`] over the log, for one data-path thread. Not `Send`: it owns that thread's
 /// drive handles. Create one per thread with [`LogEngine::handle`].
 pub struct LogHandle<D> {
@@ -522,6 +596,8 @@ pub struct LogHandle<D> {
     pub(super) slot: Arc<HandleSlot>,
     volumes: RefCell<HashMap<u64, Arc<VolumeIndex>>>,
     queue: RefCell<VecDeque<Pending>>,
+    /// Writers that found the queue full enter in arrival order (no starvation).
+    admission: Admission,
     pub(super) leader: Cell<bool>,
     pub(super) changed: LocalNotify,
     pub(super) streams: [RefCell<StreamState>; 2],
@@ -584,8 +660,14 @@ impl<D: Drive> LogHandle<D> {
             batch.entries.len() < BATCH_ENTRIES_MAX
                 && (data.is_none() || batch.data_blocks < batch_data_max)
         };
+        let mut ticket =
+            Ticket { admission: &self.admission, ticket: None, changed: &self.changed };
         loop {
-            {
+            let my_turn = match ticket.ticket {
+                None => !self.admission.waiting(),
+                Some(number) => number == self.admission.serving.get(),
+            };
+            if my_turn {
                 let mut queue = self.queue.borrow_mut();
                 if !queue.back().is_some_and(has_room) && queue.len() < BATCHES_QUEUED_MAX {
                     queue.push_back(Pending {
@@ -606,8 +688,15 @@ impl<D: Drive> LogHandle<D> {
                     batch.entries.push(entry);
                     batch.admitted_blocks += u64::from(admitted);
                     batch.host_bytes += host_bytes;
-                    return Rc::clone(&batch.cell);
+                    let cell = Rc::clone(&batch.cell);
+                    drop(queue);
+                    // Served: the next ticket's turn (dropping the guard does it).
+                    drop(ticket);
+                    return cell;
                 }
+            }
+            if ticket.ticket.is_none() {
+                ticket.ticket = Some(self.admission.take());
             }
             // The queue is full: help drain it, or wait for the leader to take a batch.
             if self.leader.get() {
@@ -747,15 +836,31 @@ impl<D: Drive> LogHandle<D> {
                 &data[at..at + BLOCK_BYTES]
             }
         };
+        // If this batch is abandoned or fails, its positions may hold nothing valid, and
+        // recovery walks a segment's header chain only up to the first gap: a later batch in
+        // the same segment would be lost. So the stream moves to a new segment.
+        let mut gap_guard = SealOnDrop { handle: self, stream, armed: true };
         let mut result = self.write_positions(segment, position, positions, block_of).await;
         if let Ok(touched) = result {
             result = self.sync_drives(touched).await.map(|()| touched);
         }
         if result.is_ok() {
             engine.install(&header);
+            gap_guard.armed = false;
         }
+        drop(gap_guard);
         self.slot.lsn_floor.store(u64::MAX, Ordering::SeqCst);
         result.map(|_| ())
+    }
+
+    /// Seals `stream`'s open segment (RAM only): its next batch opens a new segment.
+    fn seal_stream(&self, stream: Stream) {
+        let mut state = self.streams[stream as usize].borrow_mut();
+        let Some(segment) = state.segment.take() else { return };
+        let _switch = self.slot.switch.lock().unwrap_or_else(|e| e.into_inner());
+        self.engine.segments.set_state(segment, SegmentState::Sealed);
+        self.slot.open_seqs[stream as usize].store(u64::MAX, Ordering::SeqCst);
+        self.engine.sealed_since_checkpoint.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Makes sure `stream`'s open segment has `positions` free positions, sealing it and opening
@@ -982,7 +1087,7 @@ impl<D: Drive> LogHandle<D> {
         offset_bytes: u64,
         mut buf: AlignedBuf,
     ) -> (Result<(), LogError>, AlignedBuf) {
-        if let Err(error) = volume.pieces(offset_bytes, buf.len() as u64) {
+        if let Err(error) = volume.check_range(offset_bytes, buf.len() as u64) {
             return (Err(error.into()), buf);
         }
         let first = offset_bytes / BLOCK_BYTES_U64;
@@ -1016,7 +1121,7 @@ impl<D: Drive> LogHandle<D> {
         offset_bytes: u64,
         data: &[u8],
     ) -> Result<(), LogError> {
-        volume.pieces(offset_bytes, data.len() as u64)?;
+        volume.check_range(offset_bytes, data.len() as u64)?;
         let volume_id = volume.volume().0;
         let first = offset_bytes / BLOCK_BYTES_U64;
         let count = data.len() / BLOCK_BYTES;
@@ -1066,7 +1171,7 @@ impl<D: Drive> LogHandle<D> {
         offset_bytes: u64,
         length_bytes: u64,
     ) -> Result<(), LogError> {
-        volume.pieces(offset_bytes, length_bytes)?;
+        volume.check_range(offset_bytes, length_bytes)?;
         let mut first = offset_bytes / BLOCK_BYTES_U64;
         let mut remaining = length_bytes / BLOCK_BYTES_U64;
         let mut cells: Vec<Rc<BatchCell>> = Vec::new();
@@ -1143,5 +1248,25 @@ impl<D: Drive> VolumeStore for LogHandle<D> {
         self.trim_blocks(volume, offset_bytes, length_bytes)
             .await
             .map_err(LogError::into_store_error)
+    }
+}
+
+#[cfg(test)]
+mod admission_tests {
+    use super::Admission;
+
+    #[test]
+    fn tickets_are_served_in_order_and_abandoned_ones_skipped() {
+        let admission = Admission::default();
+        assert!(!admission.waiting());
+        let (first, second, third) = (admission.take(), admission.take(), admission.take());
+        assert!(admission.waiting());
+        // The second writer gives up while the first is still waiting.
+        admission.done(second);
+        assert_eq!(admission.serving.get(), first);
+        admission.done(first);
+        assert_eq!(admission.serving.get(), third, "the abandoned ticket is skipped");
+        admission.done(third);
+        assert!(!admission.waiting());
     }
 }

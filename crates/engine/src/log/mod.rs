@@ -35,6 +35,7 @@ use std::io;
 use crate::drive::{DriveError, DriveOperation};
 use crate::format::NodeUuid;
 use crate::store::StoreError;
+use crate::volumes::VolumeId;
 use format::DecodeError;
 
 /// How a node's log is laid out and run. Fixed at format time except `handles_max` and the
@@ -64,7 +65,36 @@ impl LogConfig {
             checkpoint_interval_segments: 64,
         }
     }
+
+    /// The configuration for a node's drives of `drive_size_bytes` each, served by
+    /// `handles_max` handles: units as large as possible up to 8 MiB while each drive still
+    /// holds about [`SEGMENTS_PER_DRIVE_TARGET`] of them, so small (test) drives get enough
+    /// segments for the free-space reserve and GC, and large ones get long sequential writes.
+    pub fn for_drives(node_uuid: NodeUuid, drive_size_bytes: u64, handles_max: u16) -> Self {
+        let area_offset_bytes = crate::format::HEADER_REGION_BYTES;
+        let usable = drive_size_bytes.saturating_sub(area_offset_bytes + format::LOG_HEADER_BYTES);
+        let per_segment = (usable / SEGMENTS_PER_DRIVE_TARGET).max(1);
+        // The largest power of two not above per_segment, within the bounds.
+        let floor = 1u64 << (63 - per_segment.leading_zeros());
+        let unit_bytes = floor.clamp(UNIT_BYTES_SMALLEST, UNIT_BYTES_LARGEST);
+        // Bounds what recovery replays to about REPLAY_BYTES_PER_DRIVE_TARGET per drive (the
+        // engine still lets the interval grow to a quarter of the segments in use).
+        let checkpoint_interval_segments =
+            (REPLAY_BYTES_PER_DRIVE_TARGET / unit_bytes).clamp(4, 64) as u32;
+        Self { unit_bytes, handles_max, checkpoint_interval_segments, ..Self::new(node_uuid) }
+    }
 }
+
+/// Segments per drive [`LogConfig::for_drives`] aims for.
+pub const SEGMENTS_PER_DRIVE_TARGET: u64 = 256;
+/// Bytes per drive written between checkpoints that [`LogConfig::for_drives`] aims for.
+pub const REPLAY_BYTES_PER_DRIVE_TARGET: u64 = 128 << 20;
+/// The smallest unit [`LogConfig::for_drives`] picks.
+pub const UNIT_BYTES_SMALLEST: u64 = 256 << 10;
+/// The largest unit [`LogConfig::for_drives`] picks.
+pub const UNIT_BYTES_LARGEST: u64 = 8 << 20;
+const _: () = assert!(UNIT_BYTES_SMALLEST >= format::UNIT_BYTES_MIN);
+const _: () = assert!(UNIT_BYTES_LARGEST <= format::UNIT_BYTES_MAX);
 
 /// Why a log operation failed. The messages say what happened, to what, and what to do.
 #[derive(Debug, thiserror::Error)]
@@ -140,31 +170,27 @@ impl LogError {
         Self::Io { drive, source }
     }
 
-    /// The nearest [`StoreError`], for the [`VolumeStore`](crate::VolumeStore) trait. Capacity
-    /// exceeded and checksum mismatch have no variant of their own there yet: they become
-    /// `Io` errors of kind `StorageFull` and `InvalidData` (see the report for the lead).
+    /// The [`StoreError`] a frontend sees, for the [`VolumeStore`](crate::VolumeStore) trait.
     pub fn into_store_error(self) -> StoreError {
-        let synthetic = |drive: u16, operation, kind, message: String| StoreError::Io {
-            drive,
-            source: DriveError::Io {
-                operation,
-                offset_bytes: 0,
-                length_bytes: 0,
-                source: io::Error::new(kind, message),
-            },
-        };
         match self {
             Self::Request(error) => error,
             Self::DriveFailed { drive } => StoreError::DriveFailed { drive },
             Self::Io { drive, source } => StoreError::Io { drive, source },
-            error @ Self::CapacityExceeded { .. } => {
-                synthetic(0, DriveOperation::Write, io::ErrorKind::StorageFull, error.to_string())
+            Self::CapacityExceeded { mapped_blocks, capacity_blocks, needed_blocks } => {
+                StoreError::CapacityExceeded { mapped_blocks, capacity_blocks, needed_blocks }
             }
-            Self::ChecksumMismatch { drive, .. } => {
-                let message = self.to_string();
-                synthetic(drive, DriveOperation::Read, io::ErrorKind::InvalidData, message)
+            Self::ChecksumMismatch { volume, block, location, drive } => {
+                StoreError::ChecksumMismatch { volume: VolumeId(volume), block, drive, location }
             }
-            other => synthetic(0, DriveOperation::Write, io::ErrorKind::Other, other.to_string()),
+            other => StoreError::Io {
+                drive: 0,
+                source: DriveError::Io {
+                    operation: DriveOperation::Write,
+                    offset_bytes: 0,
+                    length_bytes: 0,
+                    source: io::Error::other(other.to_string()),
+                },
+            },
         }
     }
 }

@@ -24,8 +24,8 @@ use super::format::{
 use super::index::{pack, unpack};
 use super::segments::SegmentState;
 use super::{LogConfig, LogError};
-use crate::chunk_store::DriveLatches;
 use crate::drive::Drive;
+use crate::latches::DriveLatches;
 
 /// What recovery read and rebuilt; for logs and the recovery benchmark.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -16,16 +16,16 @@ use types::AlignedBuf;
 
 use super::format::{BLOCK_BYTES, LOG_HEADER_BYTES};
 use super::{GcOutcome, LogConfig, LogEngine, LogError, LogHandle, RecoveryReport};
-use crate::chunk_store::DriveLatches;
 use crate::drive::Drive;
 use crate::format::{NodeUuid, HEADER_REGION_BYTES};
-use crate::layout::{VolumeId, VolumeMap, Volumes};
+use crate::latches::DriveLatches;
 use crate::local_sync::LocalNotify;
 use crate::store::VolumeStore;
 use crate::testing::{
     block_matches, block_on, describe_block, fill_block, join_all, run_writer, verify_volume,
     CheckReport, LocalBoxFuture, Oracle, Rng, SimDrive, WriterContext,
 };
+use crate::volumes::{VolumeId, VolumeMap, Volumes};
 
 const UUID: NodeUuid = NodeUuid([0x42; 16]);
 const UNIT_BYTES: u64 = 64 << 10;
@@ -99,7 +99,7 @@ impl Node {
 }
 
 fn volume_maps(sizes_blocks: &[u64]) -> (Volumes, Vec<Arc<VolumeMap>>) {
-    let volumes = Volumes::new(1, 4096);
+    let volumes = Volumes::new();
     let maps = sizes_blocks
         .iter()
         .enumerate()
@@ -608,4 +608,14 @@ fn deleted_volumes_stay_deleted_after_recovery() {
     let (result, buf) = block_on(node.handles[0].read(&maps[0], 0, AlignedBuf::new(BLOCK_BYTES)));
     result.unwrap();
     assert!(buf.iter().all(|b| *b == 0));
+}
+
+#[test]
+fn conformance_over_simulated_drives() {
+    let drives = sim_drives(256, 11, 3);
+    let log_config = LogConfig { handles_max: 3, ..config() };
+    let check = crate::testing::CheckConfig { seed: 11, volume_blocks: 2500, ..Default::default() };
+    let report = block_on(crate::testing::check_log_engine(|| drives.clone(), &log_config, &check));
+    assert!(report.blocks_verified > 1000, "{report:?}");
+    assert_eq!((report.restarts, report.crashes), (2, 2), "{report:?}");
 }

@@ -9,8 +9,7 @@ mod check;
 mod sim;
 
 pub use check::{
-    check_store, create_volume, run_writer, verify_volume, CheckConfig, CheckReport, Oracle,
-    WriterContext,
+    check_log_engine, run_writer, verify_volume, CheckConfig, CheckReport, Oracle, WriterContext,
 };
 pub use sim::{SimDrive, SimEvent, SimStats};
 
@@ -20,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 
-use crate::layout::VolumeId;
+use crate::volumes::VolumeId;
 
 /// A boxed future that need not be `Send`.
 pub type LocalBoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
