@@ -122,19 +122,12 @@ impl BlockQueue for NvmeQueue {
 
 #[cfg(test)]
 mod tests {
-    //! The bench engine over the initiator against `nvmf`'s target, served from RAM by a small
-    //! in-test TCP driver.
+    //! The bench engine over the initiator against `nvmf`'s target, served from RAM by the
+    //! `initiator::testing::RamTarget` fixture.
 
-    use std::sync::atomic::AtomicU64;
-    use std::sync::{Arc, Mutex};
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
-    use nvmf::target::{
-        Catalog, NamespaceInfo, Queue, StorageOperation, SubsystemInfo, Target, TargetConfig,
-    };
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
-    use types::AlignedBuf;
+    use initiator::testing::{RamTarget, RamTargetOptions};
 
     use super::*;
     use crate::{run, BenchConfig, STANDARD_WORKLOADS};
@@ -146,115 +139,23 @@ mod tests {
         Nqn::new("nqn.2024-01.io.ferrite:vol:bench").unwrap()
     }
 
-    struct RamCatalog(NamespaceInfo);
-
-    impl Catalog for RamCatalog {
-        fn subsystems(&self) -> Vec<SubsystemInfo> {
-            vec![SubsystemInfo { nqn: subsystem() }]
-        }
-        fn namespace(&self, subnqn: &Nqn) -> Option<NamespaceInfo> {
-            (*subnqn == subsystem()).then(|| self.0.clone())
-        }
-    }
-
-    async fn start_target() -> String {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap().to_string();
-        let namespace = NamespaceInfo {
-            volume: 1,
-            size_blocks: Arc::new(AtomicU64::new(DISK_BLOCKS)),
+    /// Starts the target and returns it with its `host:port`; the target serves until dropped.
+    async fn start_target() -> (RamTarget, String) {
+        let target = RamTarget::start(RamTargetOptions {
+            subnqn: subsystem(),
+            size_blocks: DISK_BLOCKS,
             block_size_bytes: BLOCK_BYTES as u32,
-            nguid: [1; 16],
-            uuid: [2; 16],
-            eui64: [3; 8],
             serial_number: "bench-test".into(),
-        };
-        let target =
-            Arc::new(Target::new(TargetConfig::default(), Arc::new(RamCatalog(namespace))));
-        let disk = Arc::new(Mutex::new(vec![0u8; DISK_BLOCKS as usize * BLOCK_BYTES]));
-        tokio::spawn(async move {
-            let started = Instant::now();
-            while let Ok((stream, peer)) = listener.accept().await {
-                let queue = Queue::new(Arc::clone(&target), peer.to_string(), 0);
-                tokio::spawn(serve(queue, stream, Arc::clone(&disk), started));
-            }
-        });
-        address
-    }
-
-    async fn serve(
-        mut queue: Queue,
-        mut stream: TcpStream,
-        disk: Arc<Mutex<Vec<u8>>>,
-        started: Instant,
-    ) {
-        let mut buffer = vec![0u8; Queue::pdu_size_max() + 64 * 1024];
-        let mut filled = 0;
-        loop {
-            while let Some(request) = queue.next_request() {
-                let buf = execute(&disk, request.operation);
-                queue.complete(request.id, Ok(()), buf);
-            }
-            let length = queue.output().len();
-            if length > 0 {
-                if stream.write_all(queue.output()).await.is_err() {
-                    return;
-                }
-                queue.consume_output(length);
-            }
-            if queue.wants_close() {
-                return;
-            }
-            match stream.read(&mut buffer[filled..]).await {
-                Ok(0) | Err(_) => return,
-                Ok(read) => filled += read,
-            }
-            let Ok(consumed) =
-                queue.receive(&buffer[..filled], started.elapsed().as_millis() as u64)
-            else {
-                let _ = stream.write_all(queue.output()).await;
-                return;
-            };
-            buffer.copy_within(consumed..filled, 0);
-            filled -= consumed;
-        }
-    }
-
-    fn execute(disk: &Mutex<Vec<u8>>, operation: StorageOperation) -> Option<AlignedBuf> {
-        let mut disk = disk.lock().unwrap();
-        let range = |lba: u64, blocks: u32| {
-            lba as usize * BLOCK_BYTES..(lba as usize + blocks as usize) * BLOCK_BYTES
-        };
-        match operation {
-            StorageOperation::Read { lba, blocks, mut buf } => {
-                let bytes = range(lba, blocks);
-                let length = bytes.len();
-                buf[..length].copy_from_slice(&disk[bytes]);
-                Some(buf)
-            }
-            StorageOperation::Write { lba, blocks, buf } => {
-                let bytes = range(lba, blocks);
-                let length = bytes.len();
-                disk[bytes].copy_from_slice(&buf[..length]);
-                Some(buf)
-            }
-            StorageOperation::Flush => None,
-            StorageOperation::WriteZeroes { lba, blocks } => {
-                disk[range(lba, blocks)].fill(0);
-                None
-            }
-            StorageOperation::Deallocate { ranges } => {
-                for (lba, blocks) in ranges.iter() {
-                    disk[range(lba, blocks)].fill(0);
-                }
-                Some(ranges.into_buf())
-            }
-        }
+            ..RamTargetOptions::default()
+        })
+        .await;
+        let address = target.address().to_string();
+        (target, address)
     }
 
     #[tokio::test]
     async fn five_workloads_verify_over_nvme_tcp() {
-        let address = start_target().await;
+        let (_target, address) = start_target().await;
         let target: NvmeTcpTarget = match format!("nvme+tcp://{address}/{}", subsystem()).parse() {
             Ok(crate::TargetUrl::NvmeTcp(target)) => target,
             other => panic!("{other:?}"),
@@ -287,7 +188,7 @@ mod tests {
 
     #[tokio::test]
     async fn unknown_subsystem_fails_the_connect() {
-        let address = start_target().await;
+        let (_target, address) = start_target().await;
         let unknown = Nqn::new("nqn.2024-01.io.ferrite:vol:missing").unwrap();
         let mut connector = NvmeConnector::new(address, unknown, ConnectOptions::default());
         let error = connector.connect(1, 4).await.unwrap_err();

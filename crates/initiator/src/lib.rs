@@ -8,6 +8,9 @@
 //! against what was asked before it is used, and a violation is an [`InitiatorError`], never a
 //! panic.
 //!
+//! With the `testing` feature, `testing::RamTarget` serves `nvmf`'s target over RAM on local
+//! ports: a fixture for this crate's tests and for those of crates built on it.
+//!
 //! **API Boundary:** the wire format is `nvmf`'s; this crate calls its encoders and decoders and
 //! writes no PDU or command layout of its own (see `identify.rs` for the two Identify fields it
 //! still decodes itself).
@@ -19,6 +22,8 @@ mod host;
 mod io_queue;
 mod multipath;
 mod queue;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use controller::{
     ConnectOptions, Controller, Namespace, ACTIVE_NAMESPACE_PAGES_MAX, ADMIN_TRANSFER_BYTES,

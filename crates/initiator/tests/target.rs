@@ -1,22 +1,16 @@
-//! The initiator against `nvmf`'s sans-IO target, driven by a small TCP server in this test with
-//! a RAM disk behind it: bring-up, data in both directions (in-capsule, R2T, split transfers),
-//! the other I/O commands, discovery, several queues at once, keep-alive, and failures.
+//! The initiator against `nvmf`'s sans-IO target, served with a RAM disk behind it by the
+//! `initiator::testing::RamTarget` fixture: bring-up, data in both directions (in-capsule, R2T,
+//! split transfers), the other I/O commands, discovery, several queues at once, keep-alive, and
+//! failures.
 
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use initiator::testing::{RamTarget, RamTargetOptions};
 use initiator::{
     discover, AlignedBuf, ConnectOptions, Controller, InitiatorError, IoQueue, LbaRange, Nqn,
     Status,
 };
-use nvmf::target::{
-    Catalog, Listener, NamespaceInfo, Queue, StorageOperation, StorageStatus, SubsystemInfo,
-    Target, TargetConfig,
-};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 const BLOCK_BYTES: usize = 4096;
 const DISK_BLOCKS: u64 = 4096; // 16 MiB
@@ -29,173 +23,16 @@ fn subsystem() -> Nqn {
     Nqn::new("nqn.2024-01.io.ferrite:vol:test").unwrap()
 }
 
-struct RamCatalog {
-    namespace: NamespaceInfo,
-}
-
-impl Catalog for RamCatalog {
-    fn subsystems(&self) -> Vec<SubsystemInfo> {
-        vec![SubsystemInfo { nqn: subsystem() }]
-    }
-
-    fn namespace(&self, subnqn: &Nqn) -> Option<NamespaceInfo> {
-        (*subnqn == subsystem()).then(|| self.namespace.clone())
-    }
-}
-
-/// What the server shares with the test.
-struct Shared {
-    disk: Mutex<Vec<u8>>,
-    /// A Read of this LBA makes the server drop the connection without answering.
-    close_on_read_lba: AtomicU64,
-    /// Set when a connection closed because its keep-alive expired.
-    keep_alive_expired: AtomicBool,
-}
-
-struct Server {
-    address: SocketAddr,
-    shared: Arc<Shared>,
-    accept_task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.accept_task.abort();
-    }
-}
-
-async fn start_server() -> Server {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let config = TargetConfig {
-        listeners: vec![Listener {
-            traddr: "127.0.0.1".into(),
-            trsvcid: address.port().to_string(),
-            port_id: 1,
-        }],
-        ..TargetConfig::default()
-    };
-    let namespace = NamespaceInfo {
-        volume: 7,
-        size_blocks: Arc::new(AtomicU64::new(DISK_BLOCKS)),
+async fn start_server() -> RamTarget {
+    RamTarget::start(RamTargetOptions {
+        subnqn: subsystem(),
+        ports: 1,
+        size_blocks: DISK_BLOCKS,
         block_size_bytes: BLOCK_BYTES as u32,
-        nguid: [1; 16],
-        uuid: [2; 16],
-        eui64: [3; 8],
         serial_number: "test-serial".into(),
-    };
-    let target = Arc::new(Target::new(config, Arc::new(RamCatalog { namespace })));
-    let shared = Arc::new(Shared {
-        disk: Mutex::new(vec![0; DISK_BLOCKS as usize * BLOCK_BYTES]),
-        close_on_read_lba: AtomicU64::new(u64::MAX),
-        keep_alive_expired: AtomicBool::new(false),
-    });
-    let accept_shared = Arc::clone(&shared);
-    let accept_task = tokio::spawn(async move {
-        let started = Instant::now();
-        loop {
-            let Ok((stream, peer)) = listener.accept().await else { return };
-            let queue = Queue::new(
-                Arc::clone(&target),
-                peer.to_string(),
-                started.elapsed().as_millis() as u64,
-            );
-            tokio::spawn(serve(queue, stream, Arc::clone(&accept_shared), started));
-        }
-    });
-    Server { address, shared, accept_task }
-}
-
-/// The driver of one connection: feeds received bytes to the queue, runs its storage requests
-/// against the RAM disk, sends its output. Closes when the queue wants to.
-async fn serve(mut queue: Queue, mut stream: TcpStream, shared: Arc<Shared>, started: Instant) {
-    stream.set_nodelay(true).unwrap();
-    let now_ms = || started.elapsed().as_millis() as u64;
-    let mut buffer = vec![0u8; Queue::pdu_size_max() + 64 * 1024];
-    let mut filled = 0;
-    loop {
-        while let Some(request) = queue.next_request() {
-            let (result, buf) = match execute(&shared, request.operation) {
-                Some(outcome) => outcome,
-                None => return, // Drop the connection mid-command.
-            };
-            queue.complete(request.id, result, buf);
-        }
-        let output = queue.output();
-        if !output.is_empty() {
-            let length = output.len();
-            if stream.write_all(output).await.is_err() {
-                return;
-            }
-            queue.consume_output(length);
-        }
-        if queue.wants_close() {
-            return;
-        }
-        if queue.keep_alive_expired(now_ms()) {
-            shared.keep_alive_expired.store(true, Ordering::SeqCst);
-            return;
-        }
-        let read = match tokio::time::timeout(SERVER_TICK, stream.read(&mut buffer[filled..])).await
-        {
-            Err(_) => {
-                queue.poll(now_ms());
-                continue;
-            }
-            Ok(Ok(0)) | Ok(Err(_)) => return,
-            Ok(Ok(read)) => read,
-        };
-        filled += read;
-        match queue.receive(&buffer[..filled], now_ms()) {
-            Ok(consumed) => {
-                buffer.copy_within(consumed..filled, 0);
-                filled -= consumed;
-            }
-            Err(_) => {
-                let _ = stream.write_all(queue.output()).await;
-                return;
-            }
-        }
-    }
-}
-
-/// Runs one storage operation on the RAM disk; `None` asks the driver to drop the connection.
-fn execute(
-    shared: &Shared,
-    operation: StorageOperation,
-) -> Option<(Result<(), StorageStatus>, Option<AlignedBuf>)> {
-    let mut disk = shared.disk.lock().unwrap();
-    let range = |lba: u64, blocks: u32| {
-        lba as usize * BLOCK_BYTES..(lba as usize + blocks as usize) * BLOCK_BYTES
-    };
-    Some(match operation {
-        StorageOperation::Read { lba, blocks, mut buf } => {
-            if lba == shared.close_on_read_lba.load(Ordering::SeqCst) {
-                return None;
-            }
-            let bytes = range(lba, blocks);
-            let length = bytes.len();
-            buf[..length].copy_from_slice(&disk[bytes]);
-            (Ok(()), Some(buf))
-        }
-        StorageOperation::Write { lba, blocks, buf } => {
-            let bytes = range(lba, blocks);
-            let length = bytes.len();
-            disk[bytes].copy_from_slice(&buf[..length]);
-            (Ok(()), Some(buf))
-        }
-        StorageOperation::Flush => (Ok(()), None),
-        StorageOperation::WriteZeroes { lba, blocks } => {
-            disk[range(lba, blocks)].fill(0);
-            (Ok(()), None)
-        }
-        StorageOperation::Deallocate { ranges } => {
-            for (lba, blocks) in ranges.iter() {
-                disk[range(lba, blocks)].fill(0);
-            }
-            (Ok(()), Some(ranges.into_buf()))
-        }
+        tick: SERVER_TICK,
     })
+    .await
 }
 
 /// A buffer of `blocks` blocks filled with a pattern that differs per `seed` and per byte.
@@ -215,8 +52,8 @@ fn empty(blocks: usize) -> AlignedBuf {
     buffer
 }
 
-async fn connect(server: &Server) -> Controller {
-    Controller::connect(server.address, &subsystem(), ConnectOptions::default()).await.unwrap()
+async fn connect(server: &RamTarget) -> Controller {
+    Controller::connect(server.address(), &subsystem(), ConnectOptions::default()).await.unwrap()
 }
 
 async fn with_timeout<F: std::future::Future>(future: F) -> F::Output {
@@ -228,7 +65,7 @@ async fn connect_identify_and_shutdown() {
     with_timeout(async {
         let server = start_server().await;
         let controller = Controller::connect(
-            server.address.to_string().as_str(),
+            server.address().to_string().as_str(),
             &subsystem(),
             ConnectOptions::default(),
         )
@@ -276,10 +113,7 @@ async fn read_write_in_capsule_r2t_and_split() {
             let returned = queue.write(lba, written).await.unwrap();
             assert_eq!(&returned[..], &expected[..], "the write buffer comes back unchanged");
             let start = lba as usize * BLOCK_BYTES;
-            assert_eq!(
-                &server.shared.disk.lock().unwrap()[start..start + expected.len()],
-                &expected[..]
-            );
+            assert_eq!(&server.disk()[start..start + expected.len()], &expected[..]);
             let read = queue.read(lba, empty(blocks)).await.unwrap();
             assert!(read[..] == expected[..], "read back {blocks} blocks at {lba}");
         }
@@ -397,7 +231,8 @@ async fn several_io_queues_at_once_with_digests() {
         let server = start_server().await;
         let options =
             ConnectOptions { header_digest: true, data_digest: true, ..ConnectOptions::default() };
-        let controller = Controller::connect(server.address, &subsystem(), options).await.unwrap();
+        let controller =
+            Controller::connect(server.address(), &subsystem(), options).await.unwrap();
         let mut queues = Vec::new();
         for _ in 0..4 {
             queues.push(controller.open_io_queue(16).await.unwrap());
@@ -438,14 +273,14 @@ async fn several_io_queues_at_once_with_digests() {
 async fn discovery_log_lists_the_subsystem() {
     with_timeout(async {
         let server = start_server().await;
-        let entries = discover(server.address, &initiator::default_host().nqn).await.unwrap();
+        let entries = discover(server.address(), &initiator::default_host().nqn).await.unwrap();
         let nqns: Vec<&str> = entries.iter().map(|entry| entry.subnqn.as_str()).collect();
         assert_eq!(nqns, [types_discovery_nqn(), subsystem().as_str()]);
         let entry = &entries[1];
         assert_eq!(entry.trtype, nvmf::structures::trtype::TCP);
         assert_eq!(entry.subtype, nvmf::structures::subtype::NVM);
         assert_eq!(entry.traddr, "127.0.0.1");
-        assert_eq!(entry.trsvcid, server.address.port().to_string());
+        assert_eq!(entry.trsvcid, server.address().port().to_string());
     })
     .await
 }
@@ -463,11 +298,12 @@ async fn keep_alive_keeps_the_controller() {
             keep_alive_timeout: Duration::from_secs(1),
             ..ConnectOptions::default()
         };
-        let controller = Controller::connect(server.address, &subsystem(), options).await.unwrap();
+        let controller =
+            Controller::connect(server.address(), &subsystem(), options).await.unwrap();
         let mut queue = controller.open_io_queue(4).await.unwrap();
         tokio::time::sleep(Duration::from_millis(2500)).await;
         queue.write(0, pattern(1, 5)).await.unwrap();
-        assert!(!server.shared.keep_alive_expired.load(Ordering::SeqCst));
+        assert!(!server.keep_alive_expired());
         assert_eq!(controller.keep_alive_error(), None);
     })
     .await
@@ -478,7 +314,7 @@ async fn unknown_subsystem_is_a_clear_error() {
     with_timeout(async {
         let server = start_server().await;
         let unknown = Nqn::new("nqn.2024-01.io.ferrite:vol:nope").unwrap();
-        let error = Controller::connect(server.address, &unknown, ConnectOptions::default())
+        let error = Controller::connect(server.address(), &unknown, ConnectOptions::default())
             .await
             .unwrap_err();
         let message = error.to_string();
@@ -519,7 +355,7 @@ async fn server_closing_mid_command_is_an_error_not_a_hang() {
         let controller = connect(&server).await;
         let mut queue = controller.open_io_queue(4).await.unwrap();
         queue.write(40, pattern(1, 1)).await.unwrap();
-        server.shared.close_on_read_lba.store(40, Ordering::SeqCst);
+        server.close_on_read(40);
         let error = queue.read(40, empty(1)).await.unwrap_err();
         assert!(matches!(error, InitiatorError::ConnectionClosed { qid: 1, .. }), "{error}");
         // The queue stays broken, with the reason.
