@@ -1,7 +1,7 @@
 //! The on-drive format, version 2: a reserved header region holding the drive superblock, then the
 //! log area of the log-structured engine (docs/format-log-v1.md).
 //!
-//! The byte layout and its crash analysis are specified in docs/format-drive-v1.md; this module is
+//! The byte layout and its crash analysis are specified in docs/format-drive.md; this module is
 //! the only code that knows the drive superblock. Version 1 (the walking skeleton's in-place
 //! chunks) is refused with a message saying the data dir is of an older format. Everything here is a pure function over bytes: `io` reads and
 //! writes the superblock, this module decides what the bytes mean. Bytes read from a drive are

@@ -4,7 +4,7 @@
 //! Sans-IO: the engine is generic over [`Drive`] and never opens a file, spawns a task or reads a
 //! clock; `io` implements `Drive` with io_uring, and [`testing`] (feature `testing`) implements it
 //! in RAM with crashes and injected faults. The pieces:
-//! - [`format`](mod@format): the drive superblock, docs/format-drive-v1.md;
+//! - [`format`](mod@format): the drive superblock, docs/format-drive.md;
 //! - [`log`]: the log-structured engine ([`log::LogEngine`], one [`log::LogHandle`] per
 //!   data-path thread), docs/format-log-v1.md; it implements [`VolumeStore`];
 //! - [`Volumes`]: the control plane's registry of thin volumes and their [`VolumeMap`]s;

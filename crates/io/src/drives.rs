@@ -1,4 +1,4 @@
-//! Creating a node's drive files and checking them at startup (docs/format-drive-v1.md).
+//! Creating a node's drive files and checking them at startup (docs/format-drive.md).
 //!
 //! Formatting a drive: truncate the file to zero (dropping any stale bytes), extend it sparse to
 //! its size, fsync; write the superblock, fsync; after all drives, fsync the directory. The
