@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Recovery time after kill -9: write SIZE into a volume (a sequential fill, then 4K random
+# overwrites), SIGKILL the node mid-flight of nothing in particular, restart it on the same data
+# dir and time how long until the API answers; prints the engine's own recovery report line
+# (seconds, bytes read, blocks recovered). Repeats ROUNDS times on fresh data dirs.
+#
+#   SIZE=3G ROUNDS=3 scripts/bench-recovery.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+size=${SIZE:-3G}
+rounds=${ROUNDS:-3}
+ferrite=./target/release/ferrite
+[ -x "$ferrite" ] || cargo build --release --locked --bin ferrite
+work=$(mktemp -d "${TMPDIR:-/var/tmp}/ferrite-recovery.XXXXXX")
+server=""
+cleanup() {
+    if [ -n "$server" ] && kill -0 "$server" 2>/dev/null; then
+        kill -TERM "$server"; wait "$server" || true
+    fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+start() { # data dir
+    "$ferrite" up --data-dir "$1" --api-listen "127.0.0.1:$api_port" \
+        --nvme-listen "127.0.0.1:$nvme_port" >>"$work/up.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 1200); do "$ferrite" node show >/dev/null 2>&1 && return 0; sleep 0.05; done
+    echo "the node did not answer within 60 s" >&2
+    return 1
+}
+
+for round in $(seq 1 "$rounds"); do
+    api_port=$(port); nvme_port=$(port)
+    export FERRITE_API=http://127.0.0.1:$api_port
+    data="$work/data-$round"
+    start "$data"
+    "$ferrite" volume create rec --size "$size" >/dev/null
+    target="nvme+tcp://127.0.0.1:$nvme_port/nqn.2024-01.io.ferrite:vol:rec"
+    "$ferrite" bench --target "$target" --fill --workloads 4k_randwrite --runtime 5 --ramp 0 \
+        --quiet >/dev/null
+    "$ferrite" node show --json >"$work/node.json"
+    written=$(python3 - "$work/node.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["capacity"]
+gib = 2 ** 30
+print(f"mapped {c['mapped_bytes'] / gib:.2f} GiB, physically used {c['physical_used_bytes'] / gib:.2f} GiB, "
+      f"write amplification {c['write_amplification']:.2f}")
+PY
+)
+    kill -KILL "$server"; wait "$server" 2>/dev/null || true
+    server=""
+    begin=$(date +%s.%N)
+    start "$data"
+    end=$(date +%s.%N)
+    echo "round $round: $size filled + 5 s of 4K random writes; restart to API ready: $(python3 -c "print(round($end-$begin, 2))") s"
+    echo "  before the kill: $written"
+    grep "recovered the log" "$work/up.log" | tail -1 | sed 's/^.*INFO //; s/^/  /'
+    kill -TERM "$server"; wait "$server" || true
+    server=""
+    rm -rf "$data"
+done
