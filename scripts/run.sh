@@ -22,14 +22,24 @@ stop() {
 trap stop EXIT
 trap 'stop; exit 130' INT TERM
 
-for _ in $(seq 1 100); do
-    if "$ferrite" node show >/dev/null 2>&1; then break; fi
+# Wait for this node's API; if our `ferrite up` exits first (ports or data dir in use), stop
+# here rather than talk to whatever else answers on the API address.
+ready=false
+for _ in $(seq 1 300); do
     if ! kill -0 "$server" 2>/dev/null; then
-        echo "run: ferrite up exited; see the messages above" >&2
+        echo "run: ferrite up exited; see its message above" >&2
         exit 1
+    fi
+    if "$ferrite" node show >/dev/null 2>&1; then
+        ready=true
+        break
     fi
     sleep 0.1
 done
+if ! $ready || ! kill -0 "$server" 2>/dev/null; then
+    echo "run: ferrite up did not become ready; see its messages above" >&2
+    exit 1
+fi
 
 if ! "$ferrite" volume show "$volume" >/dev/null 2>&1; then
     "$ferrite" volume create "$volume" --size "$volume_size"
