@@ -13,6 +13,7 @@
 
 mod drive;
 pub mod format;
+pub mod join;
 mod latches;
 pub mod local_sync;
 pub mod log;

@@ -28,10 +28,10 @@ use super::format::{
     CHECKPOINT_ENTRIES_PER_BLOCK, ROOT_SEGMENTS_MAX,
 };
 use super::index::{pack, unpack, Index, VolumeIndex};
-use super::join::{join_all, LocalFuture};
 use super::segments::{SegmentState, SegmentTable};
 use super::{LogConfig, LogError};
 use crate::drive::{Drive, DriveError, DriveOperation};
+use crate::join::{join_all, LocalFuture};
 use crate::latches::DriveLatches;
 use crate::local_sync::LocalNotify;
 use crate::store::{StoreError, VolumeStore};

@@ -26,10 +26,10 @@ use super::format::{
     CHECKPOINT_ENTRIES_PER_BLOCK, ROOT_SEGMENTS_MAX, ROOT_SLOT_BLOCKS,
 };
 use super::index::{pack, unpack};
-use super::join::yield_now;
 use super::segments::SegmentState;
 use super::LogError;
 use crate::drive::Drive;
+use crate::join::yield_now;
 
 /// Victims a host write cleans while looking for a segment before it gives up. Each round
 /// frees a segment but may open one for the relocated blocks, so several rounds can be needed

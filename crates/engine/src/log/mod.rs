@@ -19,7 +19,6 @@ mod engine;
 pub mod format;
 mod gc;
 pub mod index;
-mod join;
 mod recovery;
 pub mod segments;
 

@@ -14,15 +14,13 @@ pub use check::{
 pub use sim::{SimDrive, SimEvent, SimStats};
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 
 use crate::volumes::VolumeId;
 
-/// A boxed future that need not be `Send`.
-pub type LocalBoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
+pub use crate::join::{join_all, yield_now, JoinAll, LocalFuture as LocalBoxFuture, YieldNow};
 
 /// The most polls `block_on` makes before declaring the future stuck.
 pub const BLOCK_ON_POLLS_MAX: u64 = 100_000_000;
@@ -73,70 +71,6 @@ pub fn block_on<F: Future>(future: F) -> F::Output {
     match run_polls(future, BLOCK_ON_POLLS_MAX) {
         Ok(output) => output,
         Err(stopped) => panic!("block_on: the future did not finish: {stopped:?}"),
-    }
-}
-
-/// Returns `Pending` once, after asking to be polled again: lets other futures run.
-pub fn yield_now() -> YieldNow {
-    YieldNow { yielded: false }
-}
-
-#[derive(Debug)]
-pub struct YieldNow {
-    yielded: bool,
-}
-
-impl Future for YieldNow {
-    type Output = ();
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        if self.yielded {
-            return Poll::Ready(());
-        }
-        self.yielded = true;
-        cx.waker().wake_by_ref();
-        Poll::Pending
-    }
-}
-
-/// Runs futures concurrently on the current task and returns their outputs in order. Works under
-/// any executor (the test executor here, or tokio).
-pub fn join_all<'a, T>(futures: Vec<LocalBoxFuture<'a, T>>) -> JoinAll<'a, T> {
-    let outputs = futures.iter().map(|_| None).collect();
-    JoinAll { futures: futures.into_iter().map(Some).collect(), outputs }
-}
-
-pub struct JoinAll<'a, T> {
-    futures: Vec<Option<LocalBoxFuture<'a, T>>>,
-    outputs: Vec<Option<T>>,
-}
-
-// Outputs are never pinned: they are moved out when all futures finished.
-impl<T> Unpin for JoinAll<'_, T> {}
-
-impl<T> Future for JoinAll<'_, T> {
-    type Output = Vec<T>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Vec<T>> {
-        let this = self.get_mut();
-        let mut all_done = true;
-        for (slot, output) in this.futures.iter_mut().zip(this.outputs.iter_mut()) {
-            if let Some(future) = slot {
-                match future.as_mut().poll(cx) {
-                    Poll::Ready(value) => {
-                        *output = Some(value);
-                        *slot = None;
-                    }
-                    Poll::Pending => all_done = false,
-                }
-            }
-        }
-        if !all_done {
-            return Poll::Pending;
-        }
-        Poll::Ready(
-            this.outputs.iter_mut().map(|o| o.take().expect("every future finished")).collect(),
-        )
     }
 }
 

@@ -1,16 +1,21 @@
-//! Runs a bounded set of futures concurrently on the current task: the per-drive writes, reads
-//! and syncs of one batch. The engine has no runtime of its own, so it cannot spawn; this polls
-//! each future in turn whenever the task is woken. At most one future per drive.
+//! Runs a bounded set of futures concurrently on the current task, and yields to the others.
+//! The engine has no runtime of its own, so it cannot spawn: the log engine joins the per-drive
+//! writes, reads and syncs of one batch with this, and the test executor in `testing` joins its
+//! writers with the same code.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+/// A boxed future that need not be `Send`.
 pub type LocalFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
+
+/// The most futures one `join_all` takes: a bound, far above one per drive.
+pub const JOIN_FUTURES_MAX: usize = 4096;
 
 /// Resolves to every output, in the order of `futures`.
 pub fn join_all<T>(futures: Vec<LocalFuture<'_, T>>) -> JoinAll<'_, T> {
-    assert!(futures.len() <= usize::from(super::format::DRIVE_COUNT_MAX));
+    assert!(futures.len() <= JOIN_FUTURES_MAX, "join_all of {} futures", futures.len());
     let outputs = futures.iter().map(|_| None).collect();
     JoinAll { futures: futures.into_iter().map(Some).collect(), outputs }
 }
@@ -48,11 +53,12 @@ impl<T> Future for JoinAll<'_, T> {
 }
 
 /// Returns `Pending` once after asking to be polled again: lets other tasks of the thread run
-/// while a checkpoint waits for other threads' batches.
+/// (for example while a checkpoint waits for other threads' batches).
 pub fn yield_now() -> YieldNow {
     YieldNow { yielded: false }
 }
 
+#[derive(Debug)]
 pub struct YieldNow {
     yielded: bool,
 }
