@@ -7,14 +7,10 @@ mod common;
 
 use common::{
     assert_no_error_lines, ferrite_ok, free_port, pattern, pattern_mismatch, runtime, volume_nqn,
-    wait_with_timeout, BLOCK_BYTES, FERRITE, NODE_TIMEOUT,
+    Node, BLOCK_BYTES,
 };
 use initiator::{AlignedBuf, ConnectOptions, Controller, IoQueue, LbaRange, Status};
-use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
 
 /// One drive of 64 MiB: about 50 MiB of capacity after the engine's reserve.
 const DRIVE_ARGS: [&str; 4] = ["--drives", "1", "--drive-size", "64M"];
@@ -23,95 +19,14 @@ const WRITE_BLOCKS: usize = 64;
 /// Writes at most before the node must have said it is full (64 MiB, more than the drive).
 const WRITES_MAX: u64 = 256;
 
-/// A `ferrite up` with small drives; killed (only this child) when dropped.
-struct SmallNode {
-    child: Child,
-    api_url: String,
-    stdout: mpsc::Receiver<String>,
-    stderr: Option<std::thread::JoinHandle<String>>,
+/// A `ferrite up` with one small drive, so that a volume can be written until the node is full.
+fn start(data_dir: &Path, nvme_port: u16) -> Node {
+    Node::start_with_drives(data_dir, nvme_port, &DRIVE_ARGS)
 }
 
-impl SmallNode {
-    fn start(data_dir: &Path, nvme_port: u16) -> Self {
-        let mut child = Command::new(FERRITE)
-            .args(["up", "--data-dir"])
-            .arg(data_dir)
-            .args(["--api-listen", "127.0.0.1:0"])
-            .args(["--nvme-listen", &format!("127.0.0.1:{nvme_port}")])
-            .args(DRIVE_ARGS)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn `ferrite up`");
-        let (sender, stdout) = mpsc::channel();
-        let reader = BufReader::new(child.stdout.take().expect("piped stdout"));
-        std::thread::spawn(move || {
-            for line in reader.lines() {
-                let Ok(line) = line else { break };
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut pipe = child.stderr.take().expect("piped stderr");
-        let stderr = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = pipe.read_to_string(&mut text);
-            text
-        });
-        let mut node = Self { child, api_url: String::new(), stdout, stderr: Some(stderr) };
-        let line = node.line_containing("REST API:");
-        node.api_url = line.split_whitespace().last().unwrap_or_default().to_owned();
-        let client = api::Client::new(&node.api_url).expect("API client");
-        let deadline = std::time::Instant::now() + NODE_TIMEOUT;
-        while client.health().is_err() {
-            assert!(std::time::Instant::now() < deadline, "/healthz never answered");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        node
-    }
-
-    fn line_containing(&mut self, needle: &str) -> String {
-        loop {
-            match self.stdout.recv_timeout(NODE_TIMEOUT) {
-                Ok(line) if line.contains(needle) => return line,
-                Ok(_) => {}
-                Err(_) => {
-                    let _ = self.child.kill();
-                    let _ = self.child.wait();
-                    let stderr = self.stderr.take().map(|t| t.join().unwrap_or_default());
-                    panic!("`ferrite up` printed no {needle:?}; stderr:\n{stderr:?}");
-                }
-            }
-        }
-    }
-
-    /// SIGTERM; requires exit status 0. Returns stderr.
-    fn stop_cleanly(mut self) -> String {
-        let pid = libc::pid_t::try_from(self.child.id()).expect("PID fits");
-        // SAFETY: kill(2) has no memory effects; `pid` is our own child, not yet waited for.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-        let status = wait_with_timeout(&mut self.child, NODE_TIMEOUT).expect("exit on SIGTERM");
-        let stderr = self.stderr.take().map(|t| t.join().unwrap_or_default()).unwrap_or_default();
-        assert!(status.success(), "exit status {status}; stderr:\n{stderr}");
-        stderr
-    }
-
-    fn node_json(&self) -> serde_json::Value {
-        let text = ferrite_ok(&self.api_url, &["node", "show", "--json"]);
-        serde_json::from_str(&text).expect("node show --json")
-    }
-}
-
-impl Drop for SmallNode {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+fn node_json(node: &Node) -> serde_json::Value {
+    let text = ferrite_ok(&node.api_url, &["node", "show", "--json"]);
+    serde_json::from_str(&text).expect("node show --json")
 }
 
 async fn connect(address: &str) -> (Controller, IoQueue) {
@@ -140,13 +55,13 @@ fn thin_volumes_fill_up_cleanly_and_free_space_on_deallocate() {
     let nvme_port = free_port();
     let address = format!("127.0.0.1:{nvme_port}");
     let rt = runtime();
-    let node = SmallNode::start(&data_dir, nvme_port);
-    let before = node.node_json();
+    let node = start(&data_dir, nvme_port);
+    let before = node_json(&node);
     let total = capacity(&before, "total_bytes");
     assert!(total > 16 << 20 && total < 64 << 20, "{before}");
     // Larger than the node: created, using no space.
     ferrite_ok(&node.api_url, &["volume", "create", "big", "--size", "1G"]);
-    let created = node.node_json();
+    let created = node_json(&node);
     assert_eq!(capacity(&created, "provisioned_bytes"), 1 << 30);
     assert_eq!(capacity(&created, "free_bytes"), total);
 
@@ -192,7 +107,7 @@ fn thin_volumes_fill_up_cleanly_and_free_space_on_deallocate() {
         controller.shutdown().await.expect("shut down");
         written
     });
-    let full = node.node_json();
+    let full = node_json(&node);
     let mapped = capacity(&full, "mapped_bytes");
     let expected_mapped = (written - written / 2 + 1) * stride * BLOCK_BYTES as u64;
     assert_eq!(mapped, expected_mapped, "{full}");
@@ -211,8 +126,8 @@ fn thin_volumes_fill_up_cleanly_and_free_space_on_deallocate() {
     assert_no_error_lines(&stderr, &[], "first run");
 
     // After a restart: the same data, the same space.
-    let node = SmallNode::start(&data_dir, nvme_port);
-    assert_eq!(capacity(&node.node_json(), "mapped_bytes"), expected_mapped);
+    let node = start(&data_dir, nvme_port);
+    assert_eq!(capacity(&node_json(&node), "mapped_bytes"), expected_mapped);
     rt.block_on(async {
         let (controller, mut queue) = connect(&address).await;
         for index in 0..written {

@@ -58,9 +58,15 @@ impl Node {
     /// Starts `ferrite up` on `data_dir` serving NVMe/TCP on `nvme_port`, and waits until its
     /// REST API answers. If the port is still taken (a killed node's sockets), tries again.
     pub fn start(data_dir: &Path, nvme_port: u16) -> Node {
+        Node::start_with_drives(data_dir, nvme_port, &DRIVE_ARGS)
+    }
+
+    /// [`Node::start`] with other drive arguments than [`DRIVE_ARGS`] (for example one small
+    /// drive, to fill it).
+    pub fn start_with_drives(data_dir: &Path, nvme_port: u16, drive_args: &[&str]) -> Node {
         let mut attempt = 1;
         loop {
-            match Node::try_start(data_dir, nvme_port) {
+            match Node::try_start(data_dir, nvme_port, drive_args) {
                 Ok(node) => return node,
                 Err(exit)
                     if attempt < START_ATTEMPTS_MAX
@@ -77,13 +83,13 @@ impl Node {
         }
     }
 
-    fn try_start(data_dir: &Path, nvme_port: u16) -> Result<Node, Exit> {
+    fn try_start(data_dir: &Path, nvme_port: u16, drive_args: &[&str]) -> Result<Node, Exit> {
         let mut child = Command::new(FERRITE)
             .args(["up", "--data-dir"])
             .arg(data_dir)
             .args(["--api-listen", "127.0.0.1:0"])
             .args(["--nvme-listen", &format!("127.0.0.1:{nvme_port}")])
-            .args(DRIVE_ARGS)
+            .args(drive_args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
