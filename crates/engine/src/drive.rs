@@ -57,6 +57,26 @@ pub enum DriveError {
     OutOfBounds { operation: DriveOperation, offset_bytes: u64, length_bytes: u64, size_bytes: u64 },
 }
 
+/// Checks one request against a drive, for every `Drive` implementation: offsets and lengths
+/// are block aligned (a programmer error otherwise: the engine only issues such I/O, and O_DIRECT
+/// needs it), and the range lies inside the drive (an error the caller sees).
+pub fn check_request(
+    operation: DriveOperation,
+    offset_bytes: u64,
+    length_bytes: u64,
+    size_bytes: u64,
+) -> Result<(), DriveError> {
+    let block_bytes = u64::from(types::BLOCK_SIZE_BYTES);
+    assert!(
+        offset_bytes % block_bytes == 0 && length_bytes % block_bytes == 0,
+        "{operation} of {length_bytes} bytes at {offset_bytes} is not block aligned"
+    );
+    if offset_bytes.checked_add(length_bytes).is_none_or(|end| end > size_bytes) {
+        return Err(DriveError::OutOfBounds { operation, offset_bytes, length_bytes, size_bytes });
+    }
+    Ok(())
+}
+
 /// One drive, used by one data-path thread. Offsets and lengths are multiples of
 /// [`types::BLOCK_SIZE_BYTES`]; implementations may assert it.
 ///

@@ -22,7 +22,7 @@ mod store;
 pub mod testing;
 mod volumes;
 
-pub use drive::{Drive, DriveError, DriveOperation};
+pub use drive::{check_request, Drive, DriveError, DriveOperation};
 pub use format::{NodeUuid, Superblock, SuperblockError};
 pub use latches::DriveLatches;
 pub use store::{StoreError, VolumeStore};

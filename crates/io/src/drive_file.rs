@@ -11,12 +11,10 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use engine::{Drive, DriveError, DriveOperation};
-use types::{AlignedBuf, BLOCK_SIZE_BYTES};
+use types::AlignedBuf;
 
 use crate::drives::DriveSetupError;
 use crate::ring::Ring;
-
-const BLOCK_BYTES: u64 = BLOCK_SIZE_BYTES as u64;
 
 /// One thread's handle of one drive file.
 #[derive(Debug)]
@@ -64,20 +62,7 @@ impl DriveFile {
         offset_bytes: u64,
         length_bytes: u64,
     ) -> Result<(), DriveError> {
-        // O_DIRECT needs block-aligned offsets and lengths; the engine only issues such I/O.
-        assert!(
-            offset_bytes % BLOCK_BYTES == 0 && length_bytes % BLOCK_BYTES == 0,
-            "{operation} of {length_bytes} bytes at {offset_bytes} is not block aligned"
-        );
-        match offset_bytes.checked_add(length_bytes) {
-            Some(end) if end <= self.size_bytes => Ok(()),
-            _ => Err(DriveError::OutOfBounds {
-                operation,
-                offset_bytes,
-                length_bytes,
-                size_bytes: self.size_bytes,
-            }),
-        }
+        engine::check_request(operation, offset_bytes, length_bytes, self.size_bytes)
     }
 }
 

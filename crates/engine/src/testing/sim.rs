@@ -20,7 +20,7 @@ use std::rc::Rc;
 use types::AlignedBuf;
 
 use super::{yield_now, Rng};
-use crate::drive::{Drive, DriveError, DriveOperation};
+use crate::drive::{check_request, Drive, DriveError, DriveOperation};
 
 const BLOCK_BYTES: u64 = types::BLOCK_SIZE_BYTES as u64;
 const SECTOR_BYTES: usize = 512;
@@ -265,20 +265,8 @@ impl SimDrive {
         offset_bytes: u64,
         length_bytes: u64,
     ) -> Result<(), DriveError> {
-        assert!(
-            offset_bytes % BLOCK_BYTES == 0 && length_bytes % BLOCK_BYTES == 0,
-            "{operation} of {length_bytes} bytes at {offset_bytes} is not block aligned"
-        );
         let size_bytes = self.state.borrow().size_bytes;
-        if offset_bytes.checked_add(length_bytes).is_none_or(|end| end > size_bytes) {
-            return Err(DriveError::OutOfBounds {
-                operation,
-                offset_bytes,
-                length_bytes,
-                size_bytes,
-            });
-        }
-        Ok(())
+        check_request(operation, offset_bytes, length_bytes, size_bytes)
     }
 
     fn injected(operation: DriveOperation, offset_bytes: u64, length_bytes: u64) -> DriveError {
