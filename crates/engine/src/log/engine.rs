@@ -28,6 +28,7 @@ use super::format::{
     CHECKPOINT_ENTRIES_PER_BLOCK, ROOT_SEGMENTS_MAX,
 };
 use super::index::{pack, unpack, Index, VolumeIndex};
+use super::pool::BufferPool;
 use super::segments::{SegmentState, SegmentTable};
 use super::{LogConfig, LogError};
 use crate::drive::{Drive, DriveError, DriveOperation};
@@ -80,6 +81,11 @@ pub(super) struct Counters {
     pub mapped_blocks: AtomicU64,
     /// Blocks admitted for writes in flight that were unmapped when admitted.
     pub admitted_blocks: AtomicU64,
+    /// Host batches made durable, and the host blocks they carried (group-commit width).
+    pub host_batches: AtomicU64,
+    pub host_batch_blocks: AtomicU64,
+    /// Drive syncs issued (by host batches, GC and checkpoints).
+    pub drive_syncs: AtomicU64,
 }
 
 /// The durable checkpoint: its id and the segments holding it.
@@ -113,6 +119,11 @@ pub struct LogStats {
     pub checksum_errors: u64,
     pub index_ram_bytes: u64,
     pub failed_drives: Vec<u16>,
+    /// Host batches made durable and the blocks they carried: their ratio is how many writes
+    /// one group commit covers.
+    pub host_batches: u64,
+    pub host_batch_blocks: u64,
+    pub drive_syncs: u64,
 }
 
 /// One volume's space figures.
@@ -244,6 +255,7 @@ impl LogEngine {
             leader: Cell::new(false),
             changed: LocalNotify::new(),
             streams: [RefCell::new(StreamState::default()), RefCell::new(StreamState::default())],
+            buffers: BufferPool::new((self.batch_data_max + 1) * BLOCK_BYTES),
         }
     }
 
@@ -273,6 +285,9 @@ impl LogEngine {
             checksum_errors: counters.checksum_errors.load(Ordering::Relaxed),
             index_ram_bytes: self.index.allocated_bytes(),
             failed_drives: self.latches.failed_drives(),
+            host_batches: counters.host_batches.load(Ordering::Relaxed),
+            host_batch_blocks: counters.host_batch_blocks.load(Ordering::Relaxed),
+            drive_syncs: counters.drive_syncs.load(Ordering::Relaxed),
         }
     }
 
@@ -601,6 +616,8 @@ pub struct LogHandle<D> {
     pub(super) leader: Cell<bool>,
     pub(super) changed: LocalNotify,
     pub(super) streams: [RefCell<StreamState>; 2],
+    /// Batch data and per-drive write buffers, reused.
+    pub(super) buffers: BufferPool,
 }
 
 impl<D> std::fmt::Debug for LogHandle<D> {
@@ -672,7 +689,7 @@ impl<D: Drive> LogHandle<D> {
                 if !queue.back().is_some_and(has_room) && queue.len() < BATCHES_QUEUED_MAX {
                     queue.push_back(Pending {
                         entries: Vec::with_capacity(BATCH_ENTRIES_MAX),
-                        data: AlignedBuf::new(batch_data_max * BLOCK_BYTES),
+                        data: self.buffers.take(batch_data_max * BLOCK_BYTES),
                         data_blocks: 0,
                         admitted_blocks: 0,
                         host_bytes: 0,
@@ -738,9 +755,13 @@ impl<D: Drive> LogHandle<D> {
         let result = self.commit_batch(Stream::Host, entries, &data, data_blocks).await;
         self.engine.counters.admitted_blocks.fetch_sub(admitted_blocks, Ordering::AcqRel);
         if result.is_ok() {
-            self.engine.counters.host_bytes_written.fetch_add(host_bytes, Ordering::Relaxed);
+            let counters = &self.engine.counters;
+            counters.host_bytes_written.fetch_add(host_bytes, Ordering::Relaxed);
+            counters.host_batches.fetch_add(1, Ordering::Relaxed);
+            counters.host_batch_blocks.fetch_add(data_blocks as u64, Ordering::Relaxed);
         }
         guard.armed = false;
+        self.buffers.give(data);
         cell.result.set(Some(result));
         self.changed.notify_all();
         if result.is_ok() && self.checkpoint_due() {
@@ -939,7 +960,7 @@ impl<D: Drive> LogHandle<D> {
             if self.engine.latches.is_failed(drive) {
                 return Err(Failure::DriveFailed(drive));
             }
-            let mut buf = AlignedBuf::new(rows as usize * BLOCK_BYTES);
+            let mut buf = self.buffers.take(rows as usize * BLOCK_BYTES);
             for row in 0..rows {
                 let position = (first_row + row) * drives + u32::from(drive);
                 let at = row as usize * BLOCK_BYTES;
@@ -949,7 +970,8 @@ impl<D: Drive> LogHandle<D> {
             let offset_bytes = geometry.row_offset_bytes(segment, first_row);
             let target = &self.drives[usize::from(drive)];
             writes.push(Box::pin(async move {
-                let (result, _) = target.write_at(offset_bytes, buf).await;
+                let (result, buf) = target.write_at(offset_bytes, buf).await;
+                self.buffers.give(buf);
                 (drive, result)
             }));
         }
@@ -975,6 +997,7 @@ impl<D: Drive> LogHandle<D> {
                 return Err(Failure::DriveFailed(drive));
             }
             let target = &self.drives[usize::from(drive)];
+            self.engine.counters.drive_syncs.fetch_add(1, Ordering::Relaxed);
             syncs.push(Box::pin(async move { (drive, target.sync().await) }));
         }
         let mut failure = None;
@@ -1036,29 +1059,28 @@ impl<D: Drive> LogHandle<D> {
         (result.map_err(|source| LogError::io(drive, source)), buf)
     }
 
-    /// Reads one mapped block into `out`, verifying its checksum; re-reads if GC moved it.
+    /// Reads one mapped block into `buf` (exactly one block long), verifying its checksum;
+    /// re-reads if GC moved it. An unmapped block reads as zeros.
     async fn read_block(
         &self,
         index: &VolumeIndex,
         block: u64,
         mut entry: u64,
-        out: &mut [u8],
-        scratch: AlignedBuf,
+        mut buf: AlignedBuf,
     ) -> (Result<(), LogError>, AlignedBuf) {
-        let mut scratch = scratch;
+        debug_assert_eq!(buf.len(), BLOCK_BYTES);
         for _ in 0..READ_RETRIES_MAX {
             let Some((location, crc)) = unpack(entry) else {
-                out.fill(0);
-                return (Ok(()), scratch);
+                buf.fill(0);
+                return (Ok(()), buf);
             };
-            let (result, buf) = self.read_location(location, scratch).await;
-            scratch = buf;
+            let (result, returned) = self.read_location(location, buf).await;
+            buf = returned;
             if let Err(error) = result {
-                return (Err(error), scratch);
+                return (Err(error), buf);
             }
-            if crc32c::crc32c(&scratch) == crc {
-                out.copy_from_slice(&scratch);
-                return (Ok(()), scratch);
+            if crc32c::crc32c(&buf) == crc {
+                return (Ok(()), buf);
             }
             let now = index.get(block);
             if now == entry {
@@ -1067,7 +1089,7 @@ impl<D: Drive> LogHandle<D> {
                 let drive = self.engine.geometry.place(segment, position).0;
                 let error =
                     LogError::ChecksumMismatch { volume: index.volume(), block, location, drive };
-                return (Err(error), scratch);
+                return (Err(error), buf);
             }
             entry = now;
         }
@@ -1077,7 +1099,7 @@ impl<D: Drive> LogHandle<D> {
         let (segment, position) = self.engine.geometry.split(location);
         let drive = self.engine.geometry.place(segment, position).0;
         let error = LogError::ChecksumMismatch { volume: index.volume(), block, location, drive };
-        (Err(error), scratch)
+        (Err(error), buf)
     }
 
     /// Fills `buf` from the volume at `offset_bytes`.
@@ -1096,7 +1118,12 @@ impl<D: Drive> LogHandle<D> {
             buf.fill(0);
             return (Ok(()), buf);
         };
-        let mut scratch = AlignedBuf::new(BLOCK_BYTES);
+        if count == 1 {
+            // The common 4 KiB read: straight into the host's buffer, no copy.
+            let entry = index.get(first);
+            return self.read_block(&index, first, entry, buf).await;
+        }
+        let mut scratch = self.buffers.take(BLOCK_BYTES);
         for slot in 0..count {
             let block = first + slot as u64;
             let entry = index.get(block);
@@ -1105,12 +1132,15 @@ impl<D: Drive> LogHandle<D> {
                 out.fill(0);
                 continue;
             }
-            let (result, returned) = self.read_block(&index, block, entry, out, scratch).await;
+            let (result, returned) = self.read_block(&index, block, entry, scratch).await;
             scratch = returned;
             if let Err(error) = result {
+                self.buffers.give(scratch);
                 return (Err(error), buf);
             }
+            out.copy_from_slice(&scratch);
         }
+        self.buffers.give(scratch);
         (Ok(()), buf)
     }
 

@@ -19,6 +19,7 @@ mod engine;
 pub mod format;
 mod gc;
 pub mod index;
+mod pool;
 mod recovery;
 pub mod segments;
 

@@ -619,3 +619,43 @@ fn conformance_over_simulated_drives() {
     assert!(report.blocks_verified > 1000, "{report:?}");
     assert_eq!((report.restarts, report.crashes), (2, 2), "{report:?}");
 }
+
+#[test]
+fn concurrent_writes_share_group_commits_and_single_block_reads_verify() {
+    const WRITERS: u64 = 64;
+    let node = Node::format(64, 11, 3, 1);
+    let (_volumes, maps) = volume_maps(&[1_000]);
+    let map = &maps[0];
+    let volume = map.volume();
+    let handle = &node.handles[0];
+    let writes: Vec<LocalBoxFuture<'_, ()>> = (0..WRITERS)
+        .map(|number| -> LocalBoxFuture<'_, ()> {
+            Box::pin(async move {
+                let buf = block_buf(volume, number * 3, 1, 5);
+                let (result, _) = handle.write(map, number * 3 * BLOCK, buf).await;
+                result.unwrap();
+            })
+        })
+        .collect();
+    block_on(join_all(writes));
+    let stats = node.engine.stats();
+    assert_eq!(stats.host_batch_blocks, WRITERS, "every write went through a batch");
+    assert!(
+        stats.host_batches * 4 <= WRITERS,
+        "{} batches for {WRITERS} concurrent writes: group commit did not group",
+        stats.host_batches
+    );
+    assert!(stats.drive_syncs >= stats.host_batches);
+    for number in 0..WRITERS {
+        for (block, tag) in [(number * 3, 5), (number * 3 + 1, 0)] {
+            let (result, buf) =
+                block_on(handle.read(map, block * BLOCK, AlignedBuf::new(BLOCK_BYTES)));
+            result.unwrap();
+            assert!(
+                block_matches(&buf, volume, block, tag),
+                "block {block}: {}",
+                describe_block(&buf)
+            );
+        }
+    }
+}
