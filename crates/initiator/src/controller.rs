@@ -1,11 +1,14 @@
 //! A connection to one NVMe controller over TCP: the admin queue and its bring-up (Connect, CAP,
-//! CC.EN, CSTS.RDY, Identify, Number of Queues), the keep-alive task, namespace identification,
-//! the opening of I/O queues and the orderly shutdown.
+//! CC.EN, CSTS.RDY, Identify, Number of Queues, asynchronous event notices and the first ANA log
+//! page), the keep-alive task, the asynchronous event task, namespace identification, the
+//! opening of I/O queues and the orderly shutdown.
 //!
-//! The admin queue is shared behind an async mutex by the caller and the keep-alive task; admin
-//! commands run one at a time. Each I/O queue holds the controller's shared state, so the admin
-//! connection (and the keep-alive that keeps the controller alive on the target) lasts as long as
-//! the [`Controller`] or any of its [`IoQueue`]s.
+//! The admin queue belongs to its driver task (`admin.rs`); the caller, the keep-alive task and
+//! the event task (`events.rs`) send it commands, which run concurrently, so the Asynchronous
+//! Event Request that stays outstanding never holds up another command. Each I/O queue holds the
+//! controller's shared state, so the admin connection (and the keep-alive that keeps the
+//! controller alive on the target) lasts as long as the [`Controller`] or any of its
+//! [`IoQueue`]s; when the last goes, its tasks are aborted and the connection closes.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU16, Ordering};
@@ -16,11 +19,18 @@ use nvmf::command::{
     cns, csi, feature, property, ConnectData, PropertySize, Sqe, CNTLID_DYNAMIC,
     CONNECT_DATA_BYTES, SQE_BYTES,
 };
-use nvmf::structures::{IdentifyController, IdentifyNamespace, IDENTIFY_BYTES};
+use nvmf::structures::{
+    cmic, IdentifyController, IdentifyNamespace, ANA_GROUP_DESCRIPTOR_BYTES, ANA_LOG_HEADER_BYTES,
+    IDENTIFY_BYTES,
+};
+use nvmf::target::AnaState;
+use tokio::sync::watch;
 use tokio::task::AbortHandle;
 use types::{AlignedBuf, Nqn};
 
+use crate::admin::AdminQueue;
 use crate::error::InitiatorError;
+use crate::events::{self, AnaGroupState, AsyncEventState, EventContext, Events};
 use crate::host::{default_host, HostIdentity};
 use crate::io_queue::IoQueue;
 use crate::queue::{
@@ -119,6 +129,11 @@ impl Namespace {
     }
 }
 
+/// ANA log page bytes read at least: the header and one group descriptor with a few NSIDs.
+const ANA_LOG_BYTES_MIN: usize = 64;
+/// Bytes of one NSID in an ANA group descriptor.
+const ANA_NSID_BYTES: usize = 4;
+
 /// A connected, enabled controller. Dropping it (and every [`IoQueue`] opened from it) closes
 /// the connections; [`Controller::shutdown`] first tells the controller to shut down cleanly.
 #[derive(Debug)]
@@ -129,7 +144,7 @@ pub struct Controller {
 /// What the controller's queues share: the admin queue and what bring-up learned.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    admin: tokio::sync::Mutex<QueuePair>,
+    admin: AdminQueue,
     pub address: SocketAddr,
     pub subnqn: Nqn,
     pub host: HostIdentity,
@@ -146,15 +161,29 @@ pub(crate) struct Shared {
     pub io_queues_allowed: u16,
     next_qid: AtomicU16,
     namespace: Option<Namespace>,
-    keep_alive_task: OnceLock<AbortHandle>,
+    /// What asynchronous events and ANA log reads have told the host.
+    events: Arc<Events>,
+    keep_alive_task: OnceLock<TaskGuard>,
     keep_alive_error: Mutex<Option<String>>,
+    /// The asynchronous event task, when the controller offers notices this host handles.
+    _event_task: Option<TaskGuard>,
+    /// Declared last: the driver is aborted after the other tasks.
+    _admin_task: TaskGuard,
 }
 
-impl Drop for Shared {
+impl Shared {
+    pub fn current_namespace(&self) -> Option<Namespace> {
+        self.events.namespace()
+    }
+}
+
+/// Aborts a task the controller owns when the controller goes.
+#[derive(Debug)]
+struct TaskGuard(AbortHandle);
+
+impl Drop for TaskGuard {
     fn drop(&mut self) {
-        if let Some(task) = self.keep_alive_task.get() {
-            task.abort();
-        }
+        self.0.abort();
     }
 }
 
@@ -242,9 +271,13 @@ impl Controller {
             CNTLID_DYNAMIC,
         )
         .await?;
+        // From here on the admin queue belongs to its driver; a failed bring-up drops the guard
+        // and with it the connection.
+        let (admin, admin_task) = AdminQueue::start(admin);
+        let admin_task = TaskGuard(admin_task);
 
-        let cap = property_get(&mut admin, property::CAP, PropertySize::Bytes8, "Property Get CAP")
-            .await?;
+        let cap =
+            property_get(&admin, property::CAP, PropertySize::Bytes8, "Property Get CAP").await?;
         let queue_entries_max = (cap & 0xFFFF) as u16 + 1;
         let ready_timeout = (CAP_TIMEOUT_UNIT * ((cap >> 24) & 0xFF) as u32)
             .clamp(READY_TIMEOUT_MIN, READY_TIMEOUT_MAX);
@@ -253,8 +286,8 @@ impl Controller {
             | (mps_min << property::CC_MPS_SHIFT)
             | (CC_IOSQES << property::CC_IOSQES_SHIFT)
             | (CC_IOCQES << property::CC_IOCQES_SHIFT);
-        property_set(&mut admin, property::CC, u64::from(cc), "Property Set CC").await?;
-        let ready = wait_status(&mut admin, ready_timeout, "enabling the controller", |csts| {
+        property_set(&admin, property::CC, u64::from(cc), "Property Set CC").await?;
+        let ready = wait_status(&admin, ready_timeout, "enabling the controller", |csts| {
             csts & property::CSTS_READY != 0
         })
         .await?;
@@ -265,7 +298,7 @@ impl Controller {
             });
         }
 
-        let data = identify(&mut admin, cns::CONTROLLER, 0, "Identify Controller").await?;
+        let data = identify(&admin, cns::CONTROLLER, 0, "Identify Controller").await?;
         let identify = IdentifyController::decode(&data)
             .ok_or_else(|| protocol(address, "short Identify Controller data"))?;
         let page_bytes = 4096u64 << mps_min;
@@ -292,15 +325,46 @@ impl Controller {
             let wanted = u32::from(options.io_queues_requested - 1);
             let sqe = Sqe::set_features(0, feature::NUMBER_OF_QUEUES, wanted | (wanted << 16));
             let completion =
-                execute(&mut admin, sqe, Submission::none(), "Set Features Number of Queues")
-                    .await?;
+                admin.execute(sqe, Submission::none(), "Set Features Number of Queues").await?;
             let dw0 = completion.result as u32;
             let granted = (dw0 & 0xFFFF).min(dw0 >> 16) as u16;
             granted.saturating_add(1).min(options.io_queues_requested)
         };
 
-        let mut shared = Shared {
-            admin: tokio::sync::Mutex::new(admin),
+        let mut namespace = None;
+        if !discovery {
+            let nsid = match options.nsid {
+                Some(nsid) => Some(nsid),
+                None => active_namespaces(&admin, address).await?.first().copied(),
+            };
+            if let Some(nsid) = nsid {
+                namespace = Some(identify_namespace(&admin, subnqn, nsid).await?);
+            }
+        }
+
+        // Asynchronous events, as Linux's nvme_start_ctrl: enable the notices, keep requests
+        // outstanding, then read the ANA states (after enabling, so no change is missed). A
+        // discovery controller gets none of it.
+        let events = Arc::new(Events::new(
+            EventContext {
+                address,
+                subnqn: subnqn.clone(),
+                nsid: namespace.map(|namespace| namespace.nsid),
+                ana_reporting: !discovery && identify.cmic & cmic::ANA_REPORTING != 0,
+                ana_log_bytes: ana_log_bytes(&identify),
+            },
+            namespace,
+        ));
+        let mut event_task = None;
+        if !discovery && events::enable(&admin, identify.oaes).await != 0 {
+            let requests = events::requests_for(identify.aerl);
+            event_task =
+                Some(TaskGuard(events::spawn(admin.downgrade(), Arc::clone(&events), requests)));
+        }
+        events::read_ana_log(&admin, &events).await?;
+
+        let shared = Arc::new(Shared {
+            admin,
             address,
             subnqn: subnqn.clone(),
             host,
@@ -313,25 +377,17 @@ impl Controller {
             transfer_bytes_max,
             io_queues_allowed,
             next_qid: AtomicU16::new(1),
-            namespace: None,
+            namespace,
+            events,
             keep_alive_task: OnceLock::new(),
             keep_alive_error: Mutex::new(None),
-        };
-        if !discovery {
-            let admin = shared.admin.get_mut();
-            let nsid = match shared.options.nsid {
-                Some(nsid) => Some(nsid),
-                None => active_namespaces(admin, address).await?.first().copied(),
-            };
-            if let Some(nsid) = nsid {
-                shared.namespace = Some(identify_namespace(admin, &shared.subnqn, nsid).await?);
-            }
-        }
-        let shared = Arc::new(shared);
+            _event_task: event_task,
+            _admin_task: admin_task,
+        });
         if !shared.options.keep_alive_timeout.is_zero() {
             let task =
                 spawn_keep_alive(Arc::downgrade(&shared), shared.options.keep_alive_timeout / 2);
-            shared.keep_alive_task.set(task).expect("the keep-alive task starts once");
+            shared.keep_alive_task.set(TaskGuard(task)).expect("the keep-alive task starts once");
         }
         tracing::debug!(%address, %subnqn, cntlid, "controller connected");
         Ok(Controller { shared })
@@ -391,14 +447,52 @@ impl Controller {
 
     /// Identify Namespace `nsid`: its size and logical block size.
     pub async fn identify_namespace(&self, nsid: u32) -> Result<Namespace, InitiatorError> {
-        let mut admin = self.shared.admin.lock().await;
-        identify_namespace(&mut admin, &self.shared.subnqn, nsid).await
+        identify_namespace(&self.shared.admin, &self.shared.subnqn, nsid).await
     }
 
     /// The active namespace IDs, in increasing order.
     pub async fn active_namespaces(&self) -> Result<Vec<u32>, InitiatorError> {
-        let mut admin = self.shared.admin.lock().await;
-        active_namespaces(&mut admin, self.shared.address).await
+        active_namespaces(&self.shared.admin, self.shared.address).await
+    }
+
+    /// The namespace of [`Controller::namespace`] as last identified: namespace attribute
+    /// notices update its size. `None` without a namespace, or once it is no longer usable.
+    pub fn current_namespace(&self) -> Option<Namespace> {
+        self.shared.current_namespace()
+    }
+
+    /// The ANA state of namespace `nsid` through this controller, as the last ANA log page read
+    /// reported it (ANA change notices and [`Controller::refresh_ana`] read it); optimized when
+    /// the controller does not report ANA.
+    pub fn ana_state(&self, nsid: u32) -> AnaState {
+        self.shared.events.ana_state(nsid)
+    }
+
+    /// Every ANA group of the last ANA log page read; empty without ANA reporting.
+    pub fn ana_states(&self) -> Vec<AnaGroupState> {
+        self.shared.events.snapshot().ana_groups
+    }
+
+    /// Reads the ANA log page now (as Linux does after an I/O fails with an ANA status) and
+    /// records the states it reports.
+    pub async fn refresh_ana(&self) -> Result<(), InitiatorError> {
+        events::read_ana_log(&self.shared.admin, &self.shared.events).await
+    }
+
+    /// What asynchronous events have told the host so far, with its generation.
+    pub fn async_events(&self) -> AsyncEventState {
+        self.shared.events.snapshot()
+    }
+
+    /// A receiver that wakes on every change of [`Controller::async_events`].
+    pub fn watch_async_events(&self) -> watch::Receiver<AsyncEventState> {
+        self.shared.events.subscribe()
+    }
+
+    /// Whether the admin queue still runs; `false` once its connection broke or the controller
+    /// ended it (the controller is then unusable).
+    pub fn is_live(&self) -> bool {
+        self.shared.admin.stopped().is_none()
     }
 
     /// Runs one admin command (for log pages and features not wrapped here); `data` is the
@@ -413,8 +507,7 @@ impl Controller {
             Some(buffer) => Submission::data(Direction::FromController, buffer, true),
             None => Submission::none(),
         };
-        let mut admin = self.shared.admin.lock().await;
-        execute(&mut admin, sqe, submission, command).await
+        self.shared.admin.execute(sqe, submission, command).await
     }
 
     /// Opens an I/O queue of `depth` commands on the controller's namespace.
@@ -495,16 +588,18 @@ impl Controller {
     }
 
     /// Shuts the controller down cleanly (CC.SHN normal, then waits for CSTS.SHST complete) and
-    /// drops it. I/O queues still open stop working.
+    /// drops it. I/O queues still open stop working. Outstanding Asynchronous Event Requests do
+    /// not delay it: they end with the connection and are not submitted again.
     pub async fn shutdown(self) -> Result<(), InitiatorError> {
         if let Some(task) = self.shared.keep_alive_task.get() {
-            task.abort();
+            task.0.abort();
         }
-        let mut admin = self.shared.admin.lock().await;
+        self.shared.events.stop_rearming();
+        let admin = &self.shared.admin;
         let cc = (self.shared.cc & !(property::CC_SHN_MASK << property::CC_SHN_SHIFT))
             | CC_SHUTDOWN_NORMAL;
-        property_set(&mut admin, property::CC, u64::from(cc), "Property Set CC (shutdown)").await?;
-        let done = wait_status(&mut admin, SHUTDOWN_TIMEOUT, "shutting down", |csts| {
+        property_set(admin, property::CC, u64::from(cc), "Property Set CC (shutdown)").await?;
+        let done = wait_status(admin, SHUTDOWN_TIMEOUT, "shutting down", |csts| {
             csts & property::CSTS_SHST_MASK == property::CSTS_SHST_COMPLETE
         })
         .await?;
@@ -549,23 +644,15 @@ fn protocol(address: SocketAddr, problem: &str) -> InitiatorError {
     InitiatorError::Protocol { address, qid: 0, problem: problem.to_owned() }
 }
 
-/// Runs an admin command and turns a failed status into [`InitiatorError::CommandFailed`].
-pub(crate) async fn execute(
-    queue: &mut QueuePair,
-    sqe: Sqe,
-    submission: Submission,
-    command: &'static str,
-) -> Result<Completion, InitiatorError> {
-    let completion = queue.execute(sqe, submission, command).await?;
-    if completion.status.is_success() {
-        Ok(completion)
-    } else {
-        Err(InitiatorError::CommandFailed {
-            address: queue.params().address,
-            command,
-            status: completion.status,
-        })
-    }
+/// Bytes of the ANA log page to read: the header, a descriptor per group and an entry per
+/// namespace the controller may have, in whole dwords, within one admin transfer (as Linux sizes
+/// its ANA log buffer).
+fn ana_log_bytes(identify: &IdentifyController) -> usize {
+    let namespaces = identify.mnan.max(identify.nn) as usize;
+    let wanted = ANA_LOG_HEADER_BYTES
+        .saturating_add(ANA_GROUP_DESCRIPTOR_BYTES.saturating_mul(identify.nanagrpid as usize))
+        .saturating_add(ANA_NSID_BYTES.saturating_mul(namespaces));
+    wanted.clamp(ANA_LOG_BYTES_MIN, ADMIN_TRANSFER_BYTES).next_multiple_of(4)
 }
 
 /// Fabrics Connect on `queue` (its qid is in its parameters); returns the controller ID.
@@ -612,13 +699,13 @@ async fn fabrics_connect(
 }
 
 async fn property_get(
-    queue: &mut QueuePair,
+    admin: &AdminQueue,
     offset: u32,
     size: PropertySize,
     command: &'static str,
 ) -> Result<u64, InitiatorError> {
     let completion =
-        execute(queue, Sqe::property_get(0, offset, size), Submission::none(), command).await?;
+        admin.execute(Sqe::property_get(0, offset, size), Submission::none(), command).await?;
     Ok(match size {
         PropertySize::Bytes4 => completion.result & 0xFFFF_FFFF,
         PropertySize::Bytes8 => completion.result,
@@ -626,26 +713,26 @@ async fn property_get(
 }
 
 async fn property_set(
-    queue: &mut QueuePair,
+    admin: &AdminQueue,
     offset: u32,
     value: u64,
     command: &'static str,
 ) -> Result<(), InitiatorError> {
     let sqe = Sqe::property_set(0, offset, PropertySize::Bytes4, value);
-    execute(queue, sqe, Submission::none(), command).await.map(drop)
+    admin.execute(sqe, Submission::none(), command).await.map(drop)
 }
 
 /// Reads CSTS until `done` says so (`true`), CFS is set (an error) or `timeout` passes (`false`).
 async fn wait_status(
-    queue: &mut QueuePair,
+    admin: &AdminQueue,
     timeout: Duration,
     during: &'static str,
     done: impl Fn(u32) -> bool,
 ) -> Result<bool, InitiatorError> {
-    let address = queue.params().address;
+    let address = admin.address();
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let csts = property_get(queue, property::CSTS, PropertySize::Bytes4, "Property Get CSTS")
+        let csts = property_get(admin, property::CSTS, PropertySize::Bytes4, "Property Get CSTS")
             .await? as u32;
         if csts & property::CSTS_FATAL != 0 {
             return Err(InitiatorError::ControllerFatal { address, during });
@@ -662,25 +749,26 @@ async fn wait_status(
 
 /// Identify with CNS `cns` for `nsid`: the 4096 bytes.
 async fn identify(
-    queue: &mut QueuePair,
+    admin: &AdminQueue,
     cns: u8,
     nsid: u32,
     command: &'static str,
 ) -> Result<AlignedBuf, InitiatorError> {
     let sqe = Sqe::identify(0, cns, nsid, csi::NVM, IDENTIFY_BYTES as u32);
     let buffer = AlignedBuf::new(IDENTIFY_BYTES);
-    let completion =
-        execute(queue, sqe, Submission::data(Direction::FromController, buffer, true), command)
-            .await?;
+    let completion = admin
+        .execute(sqe, Submission::data(Direction::FromController, buffer, true), command)
+        .await?;
     Ok(completion.buffer.expect("a command that reads data returns its buffer"))
 }
 
-async fn identify_namespace(
-    queue: &mut QueuePair,
+/// Identify Namespace `nsid`, checked to be a namespace this initiator can use.
+pub(crate) async fn identify_namespace(
+    admin: &AdminQueue,
     subnqn: &Nqn,
     nsid: u32,
 ) -> Result<Namespace, InitiatorError> {
-    let data = identify(queue, cns::NAMESPACE, nsid, "Identify Namespace").await?;
+    let data = identify(admin, cns::NAMESPACE, nsid, "Identify Namespace").await?;
     let unusable =
         |problem: String| InitiatorError::Namespace { subnqn: subnqn.clone(), nsid, problem };
     let Some(fields) = IdentifyNamespace::decode(&data) else {
@@ -719,14 +807,14 @@ async fn identify_namespace(
 }
 
 async fn active_namespaces(
-    queue: &mut QueuePair,
+    admin: &AdminQueue,
     address: SocketAddr,
 ) -> Result<Vec<u32>, InitiatorError> {
     let mut nsids: Vec<u32> = Vec::new();
     for _ in 0..ACTIVE_NAMESPACE_PAGES_MAX {
         let after = nsids.last().copied().unwrap_or(0);
         let data =
-            identify(queue, cns::ACTIVE_NAMESPACE_LIST, after, "Identify Active Namespace List")
+            identify(admin, cns::ACTIVE_NAMESPACE_LIST, after, "Identify Active Namespace List")
                 .await?;
         let page = nvmf::structures::decode_active_namespace_list(&data).ok_or_else(|| {
             protocol(address, "the active namespace list is not in increasing order")
@@ -752,10 +840,8 @@ fn spawn_keep_alive(shared: Weak<Shared>, interval: Duration) -> AbortHandle {
         loop {
             tokio::time::sleep(interval).await;
             let Some(shared) = shared.upgrade() else { return };
-            let result = {
-                let mut admin = shared.admin.lock().await;
-                execute(&mut admin, Sqe::keep_alive(0), Submission::none(), "Keep Alive").await
-            };
+            let result =
+                shared.admin.execute(Sqe::keep_alive(0), Submission::none(), "Keep Alive").await;
             if let Err(error) = result {
                 tracing::warn!(address = %shared.address, cntlid = shared.cntlid, %error, "keep-alive failed");
                 *shared.keep_alive_error.lock().unwrap_or_else(|poison| poison.into_inner()) =

@@ -92,6 +92,11 @@ pub enum InitiatorError {
     #[error("queue {qid} to {address} is broken by an earlier error ({reason}); drop it and open a new one")]
     QueueBroken { address: SocketAddr, qid: u16, reason: String },
     #[error(
+        "no usable path to {subnqn} ({states}): every path is inaccessible, changing or down; \
+         check the node's ANA states and that its listeners are reachable"
+    )]
+    NoUsablePath { subnqn: Nqn, states: String },
+    #[error(
         "the discovery log at {address} changed {attempts} times while it was read; try again \
          when the target's configuration settles"
     )]

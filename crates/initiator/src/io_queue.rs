@@ -49,13 +49,18 @@ impl IoQueue {
         self.queue.params().depth
     }
 
+    /// The namespace as it was when the queue opened.
     pub fn namespace(&self) -> &Namespace {
         &self.namespace
     }
 
-    /// The namespace's size in bytes.
+    /// The namespace's size in bytes as its controller last identified it (namespace attribute
+    /// notices update it).
     pub fn size_bytes(&self) -> u64 {
-        self.namespace.size_bytes()
+        self.controller
+            .current_namespace()
+            .filter(|namespace| namespace.nsid == self.namespace.nsid)
+            .map_or(self.namespace.size_bytes(), |namespace| namespace.size_bytes())
     }
 
     /// The controller ID this queue belongs to.

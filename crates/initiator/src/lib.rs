@@ -4,20 +4,26 @@
 //! [`Controller::connect`] opens the admin queue and enables the controller; [`Controller::
 //! open_io_queue`] opens an [`IoQueue`] per TCP connection; [`discover`] reads a target's
 //! discovery log; [`MultipathNamespace`] reaches one namespace through every port of its
-//! subsystem and fails over between them as Linux's native multipath does. Every wait is bounded by a named timeout; every byte received is checked
-//! against what was asked before it is used, and a violation is an [`InitiatorError`], never a
-//! panic.
+//! subsystem and fails over between them as Linux's native multipath does. Each I/O controller
+//! keeps an Asynchronous Event Request outstanding and acts on ANA change and namespace
+//! attribute notices as Linux does ([`Controller::async_events`]), so path states and sizes
+//! change without an I/O error. Every wait is bounded by a named timeout, except the event
+//! request's, which waits for an event and ends with the connection; every byte received is
+//! checked against what was asked before it is used, and a violation is an [`InitiatorError`],
+//! never a panic.
 //!
 //! With the `testing` feature, `testing::RamTarget` serves `nvmf`'s target over RAM on local
 //! ports: a fixture for this crate's tests and for those of crates built on it.
 //!
 //! **API Boundary:** the wire format is `nvmf`'s; this crate calls its encoders and decoders and
-//! writes no PDU or command layout of its own (see `identify.rs` for the two Identify fields it
-//! still decodes itself).
+//! writes no PDU or command layout of its own, except the Asynchronous Event Request completion
+//! dword, whose layout `nvmf` keeps private to its target (see `events.rs`).
 
+mod admin;
 mod controller;
 mod discovery;
 mod error;
+mod events;
 mod host;
 mod io_queue;
 mod multipath;
@@ -35,6 +41,10 @@ pub use discovery::{
     discover, discover_with, DiscoveryEntry, DISCOVERY_ATTEMPTS_MAX, DISCOVERY_RECORDS_MAX,
 };
 pub use error::{fatal_error_name, status_name, InitiatorError};
+pub use events::{
+    event_type, notice, AnaGroupState, AsyncEvent, AsyncEventState, ASYNC_EVENT_ANA_CHANGE,
+    ASYNC_EVENT_NAMESPACE_ATTRIBUTE, ASYNC_EVENT_REQUESTS,
+};
 pub use host::{default_host, HostIdentity};
 pub use io_queue::{IoQueue, LbaRange, WRITE_ZEROES_BLOCKS_MAX};
 pub use multipath::{
@@ -43,6 +53,7 @@ pub use multipath::{
 };
 pub use nvmf::command::Status;
 pub use nvmf::structures::IdentifyController;
+pub use nvmf::target::AnaState;
 pub use queue::{
     Completion, ADMIN_IN_CAPSULE_BYTES, ADMIN_QUEUE_DEPTH, COMMAND_TRANSFER_BYTES_MAX,
     QUEUE_DEPTH_MAX,

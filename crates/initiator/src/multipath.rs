@@ -1,23 +1,25 @@
 //! Native NVMe multipath for one namespace, done the way the Linux host does it: connect a
 //! controller on every path (port) of the subsystem, learn each path's Asymmetric Namespace
-//! Access state from the ANA log page, send I/O down the first optimized path (else the first
-//! non-optimized one), and on a path error (a path related status such as ANA Inaccessible, or a
-//! broken connection) mark the path, reread the ANA states and retry the command on another
-//! path. Command errors that are not about the path (LBA out of range, ...) are returned as they
-//! are, as Linux does.
+//! Access state from the ANA log page, send I/O down the current path while it stays optimized,
+//! else the first optimized path, else the first non-optimized one (`nvme_find_path`); paths in
+//! the inaccessible, persistent loss or change states, and paths whose controller is gone, get
+//! no I/O. On a path error (a path related status such as ANA Inaccessible, or a broken
+//! connection) the host rereads the ANA states and retries the command on the path chosen then.
+//! Command errors that are not about the path (LBA out of range, ...) are returned as they are,
+//! as Linux does.
 //!
-//! ANA changes are learnt from path errors and from [`MultipathNamespace::refresh`]; this
-//! initiator submits no Asynchronous Event Requests. Each retry copies the command's data again
-//! (a write's data is kept by the caller's slice), so this is for tests and tools, not a hot
-//! path.
+//! Each path's state is read live from its [`Controller`], whose asynchronous event task rereads
+//! the ANA log page on every ANA change notice: a path changes state, and I/O moves, without any
+//! I/O failing first. Path errors and [`MultipathNamespace::refresh`] reread the log too. Each
+//! retry copies the command's data again (a write's data is kept by the caller's slice), so this
+//! is for tests and tools, not a hot path.
 
 use std::time::Duration;
 
-use nvmf::command::{log_page, Sqe, NSID_ALL};
-use nvmf::structures::{ana_state, cmic, AnaLog};
+use nvmf::target::AnaState;
 use types::{AlignedBuf, Nqn};
 
-use crate::controller::{ConnectOptions, Controller, ADMIN_TRANSFER_BYTES};
+use crate::controller::{ConnectOptions, Controller};
 use crate::error::InitiatorError;
 use crate::io_queue::IoQueue;
 
@@ -43,11 +45,13 @@ pub enum PathState {
 }
 
 impl PathState {
-    fn from_ana(code: u8) -> PathState {
-        match code {
-            ana_state::OPTIMIZED => PathState::Optimized,
-            ana_state::NON_OPTIMIZED => PathState::NonOptimized,
-            _ => PathState::Inaccessible,
+    fn from_ana(state: AnaState) -> PathState {
+        match state {
+            AnaState::Optimized => PathState::Optimized,
+            AnaState::NonOptimized => PathState::NonOptimized,
+            AnaState::Inaccessible | AnaState::PersistentLoss | AnaState::Change => {
+                PathState::Inaccessible
+            }
         }
     }
 }
@@ -65,7 +69,18 @@ struct Path {
     address: String,
     /// The controller and its one I/O queue; None when down.
     connection: Option<(Controller, IoQueue)>,
-    state: PathState,
+}
+
+impl Path {
+    /// Down without a live controller, else what its last ANA log page read says of `nsid`.
+    fn state(&self, nsid: u32) -> PathState {
+        match &self.connection {
+            Some((controller, _)) if controller.is_live() => {
+                PathState::from_ana(controller.ana_state(nsid))
+            }
+            _ => PathState::Down,
+        }
+    }
 }
 
 /// One namespace reached through several paths. See the module documentation.
@@ -79,6 +94,8 @@ pub struct MultipathNamespace {
     paths: Vec<Path>,
     /// The path I/O goes to while it stays usable (Linux's current path).
     current: Option<usize>,
+    /// Commands that failed on a path and were tried again.
+    failovers: u64,
 }
 
 impl std::fmt::Debug for MultipathNamespace {
@@ -118,13 +135,10 @@ impl MultipathNamespace {
             options,
             paths: addresses
                 .iter()
-                .map(|address| Path {
-                    address: address.clone(),
-                    connection: None,
-                    state: PathState::Down,
-                })
+                .map(|address| Path { address: address.clone(), connection: None })
                 .collect(),
             current: None,
+            failovers: 0,
         };
         let mut last_error = None;
         for index in 0..device.paths.len() {
@@ -140,8 +154,8 @@ impl MultipathNamespace {
         Ok(device)
     }
 
-    /// Connects path `index`, checks it reaches the same namespace as the others, and reads its
-    /// ANA state.
+    /// Connects path `index` (the controller reads its ANA state as it connects) and checks it
+    /// reaches the same namespace as the others.
     async fn connect_path(&mut self, index: usize) -> Result<(), InitiatorError> {
         let address = self.paths[index].address.clone();
         let controller =
@@ -168,42 +182,42 @@ impl MultipathNamespace {
                 problem: format!("path {address} repeats a controller ID of another path"),
             });
         }
-        let state = read_path_state(&controller, self.nsid).await?;
         let queue = controller.open_io_queue(self.queue_depth).await?;
         self.paths[index].connection = Some((controller, queue));
-        self.paths[index].state = state;
         Ok(())
     }
 
-    /// Linux's path choice: keep the current path while it is optimized; else the first
+    /// Linux's path choice from `current`: keep it while it is optimized; else the first
     /// optimized path, else the first non-optimized one.
-    fn select_path(&mut self) {
-        if let Some(current) = self.current {
-            if self.paths[current].state == PathState::Optimized {
-                return;
+    fn choose(&self, current: Option<usize>) -> Option<usize> {
+        let states: Vec<PathState> = self.paths.iter().map(|path| path.state(self.nsid)).collect();
+        if let Some(current) = current {
+            if states[current] == PathState::Optimized {
+                return Some(current);
             }
         }
-        let first = |wanted: PathState| self.paths.iter().position(|path| path.state == wanted);
-        self.current = first(PathState::Optimized).or_else(|| first(PathState::NonOptimized));
+        let first = |wanted: PathState| states.iter().position(|state| *state == wanted);
+        first(PathState::Optimized).or_else(|| first(PathState::NonOptimized))
     }
 
-    /// Rereads the ANA state of every connected path, reconnects paths that are down, and
-    /// picks the current path again.
+    fn select_path(&mut self) {
+        self.current = self.choose(self.current);
+    }
+
+    /// Rereads the ANA log page of every live path, reconnects paths that are down, and picks
+    /// the current path again.
     pub async fn refresh(&mut self) -> Result<(), InitiatorError> {
         for index in 0..self.paths.len() {
-            let state = match &self.paths[index].connection {
-                Some((controller, _)) => read_path_state(controller, self.nsid).await,
-                None => match self.connect_path(index).await {
-                    Ok(()) => continue,
-                    Err(error) => Err(error),
-                },
-            };
-            match state {
-                Ok(state) => self.paths[index].state = state,
-                Err(error) => {
-                    tracing::debug!(address = %self.paths[index].address, %error, "path down");
+            let read = match &self.paths[index].connection {
+                Some((controller, _)) if controller.is_live() => controller.refresh_ana().await,
+                _ => {
                     self.mark_down(index);
+                    self.connect_path(index).await
                 }
+            };
+            if let Err(error) = read {
+                tracing::debug!(address = %self.paths[index].address, %error, "path down");
+                self.mark_down(index);
             }
         }
         self.current = None;
@@ -213,32 +227,47 @@ impl MultipathNamespace {
 
     fn mark_down(&mut self, index: usize) {
         self.paths[index].connection = None;
-        self.paths[index].state = PathState::Down;
     }
 
-    /// Every path with its state.
+    /// Every path with its state now (ANA changes notified by the controllers show at once).
     pub fn paths(&self) -> Vec<PathInfo> {
         self.paths
             .iter()
             .map(|path| PathInfo {
                 address: path.address.clone(),
                 cntlid: path.connection.as_ref().map(|(controller, _)| controller.cntlid()),
-                state: path.state,
+                state: path.state(self.nsid),
             })
             .collect()
     }
 
-    /// The index (into [`MultipathNamespace::paths`]) of the path I/O goes to now.
+    /// The index (into [`MultipathNamespace::paths`]) of the path the next I/O goes to, from the
+    /// paths' states now.
     pub fn current_path(&self) -> Option<usize> {
-        self.current
+        self.choose(self.current)
+    }
+
+    /// How many times a command failed on a path (path status or broken connection) and was
+    /// tried again; a path change learnt from an ANA change notice costs none.
+    pub fn failovers(&self) -> u64 {
+        self.failovers
     }
 
     pub fn lba_size_bytes(&self) -> u32 {
         self.lba_size_bytes
     }
 
+    /// The namespace size in blocks, as the current path's controller last identified it
+    /// (namespace attribute notices update it), else as any live path's, else as at connect.
     pub fn size_blocks(&self) -> u64 {
-        self.size_blocks
+        let live = |index: usize| {
+            let (controller, _) = self.paths[index].connection.as_ref()?;
+            controller.current_namespace().filter(|namespace| namespace.nsid == self.nsid)
+        };
+        self.current_path()
+            .and_then(live)
+            .or_else(|| (0..self.paths.len()).find_map(live))
+            .map_or(self.size_blocks, |namespace| namespace.size_blocks)
     }
 
     /// Reads `length_bytes` from `lba`, failing over between paths.
@@ -281,6 +310,8 @@ impl MultipathNamespace {
     {
         let mut last_error = None;
         for _ in 0..MULTIPATH_ATTEMPTS_MAX {
+            // The states may have changed since the last command (ANA change notices).
+            self.select_path();
             let Some(index) = self.current else {
                 // No usable path: let a transition finish, then look again.
                 tokio::time::sleep(MULTIPATH_RETRY_DELAY).await;
@@ -288,9 +319,7 @@ impl MultipathNamespace {
                 continue;
             };
             let Some((_, queue)) = self.paths[index].connection.as_mut() else {
-                self.mark_down(index);
                 self.current = None;
-                self.select_path();
                 continue;
             };
             match command(queue).await {
@@ -313,43 +342,22 @@ impl MultipathNamespace {
                     tracing::debug!(address = %self.paths[index].address, %error, "failing over");
                     if broken {
                         self.mark_down(index);
-                    } else {
-                        self.paths[index].state = PathState::Inaccessible;
                     }
+                    // Like Linux after an ANA error: reread the ANA states before choosing again.
+                    self.failovers += 1;
                     last_error = Some(error);
                     self.refresh().await?;
                 }
             }
         }
-        Err(last_error.unwrap_or_else(|| {
-            InitiatorError::InvalidRequest(format!("no usable path to {}", self.subnqn))
+        Err(last_error.unwrap_or_else(|| InitiatorError::NoUsablePath {
+            subnqn: self.subnqn.clone(),
+            states: self
+                .paths()
+                .iter()
+                .map(|path| format!("{} {:?}", path.address, path.state))
+                .collect::<Vec<_>>()
+                .join(", "),
         }))
     }
-}
-
-/// The ANA state of namespace `nsid` through `controller`: optimized when the controller does
-/// not report ANA.
-async fn read_path_state(controller: &Controller, nsid: u32) -> Result<PathState, InitiatorError> {
-    let identify = controller.identify_controller();
-    if identify.cmic & cmic::ANA_REPORTING == 0 {
-        return Ok(PathState::Optimized);
-    }
-    let wanted = 16 + 32 * identify.nanagrpid as usize + 4 * identify.mnan as usize;
-    let length = wanted.clamp(64, ADMIN_TRANSFER_BYTES).next_multiple_of(4);
-    let sqe = Sqe::get_log_page(0, NSID_ALL, log_page::ANA, 0, length as u32);
-    let mut buffer = AlignedBuf::new(length);
-    buffer.set_len(length);
-    let completion = controller.admin_command(sqe, Some(buffer), "Get Log Page (ANA)").await?;
-    let data = completion.buffer.expect("a command that reads data returns its buffer");
-    let log = AnaLog::decode(&data).ok_or_else(|| InitiatorError::Protocol {
-        address: controller.address(),
-        qid: 0,
-        problem: "the ANA log page is malformed".to_owned(),
-    })?;
-    let group = log
-        .groups
-        .iter()
-        .find(|group| group.nsids.contains(&nsid))
-        .or_else(|| (log.groups.len() == 1).then(|| &log.groups[0]));
-    Ok(group.map_or(PathState::Inaccessible, |group| PathState::from_ana(group.state)))
 }

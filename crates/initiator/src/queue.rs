@@ -455,8 +455,9 @@ impl QueuePair {
         }
     }
 
-    /// Runs one command to completion on a queue used one command at a time (the admin queue):
-    /// completions nobody waits for any more (their waiter was cancelled) are dropped first.
+    /// Runs one command to completion on a queue used one command at a time (the Fabrics
+    /// Connect, before the admin queue's driver takes it over): completions nobody waits for any
+    /// more (their waiter was cancelled) are dropped first.
     pub async fn execute(
         &mut self,
         sqe: Sqe,
@@ -474,6 +475,44 @@ impl QueuePair {
         };
         self.submit(tag, sqe, submission)?;
         self.wait_for(tag, operation).await
+    }
+
+    /// Moves what it can both ways and, if that completed nothing, waits for the socket (at most
+    /// `timeout`, forever with `None`; a timeout is reported as `reported`) and processes what
+    /// arrived. Completes nothing by itself:
+    /// finished commands wait for [`QueuePair::take_completion`]. Cancel-safe, for a driver
+    /// that keeps commands outstanding indefinitely (Asynchronous Event Requests) and selects
+    /// between this and new submissions. Any error breaks the queue.
+    pub async fn progress(
+        &mut self,
+        operation: &'static str,
+        timeout: Option<Duration>,
+        reported: Duration,
+    ) -> Result<(), InitiatorError> {
+        self.check_usable()?;
+        let result = async {
+            self.try_flush()?;
+            self.process_received()?;
+            if self.ready.is_empty() {
+                self.wait_io_for(operation, timeout, reported).await?;
+                self.process_received()?;
+            }
+            Ok(())
+        }
+        .await;
+        result.map_err(|error| self.latch(error))
+    }
+
+    /// The oldest finished command, handed back (its tag is free again).
+    pub fn take_completion(&mut self) -> Option<Completion> {
+        let completion = self.ready.pop_front()?;
+        self.release(completion.tag);
+        Some(completion)
+    }
+
+    /// Whether the queue failed and every call now fails, and why.
+    pub fn broken_reason(&self) -> Option<&str> {
+        self.broken.as_deref()
     }
 
     fn release(&mut self, tag: u16) {
@@ -548,22 +587,40 @@ impl QueuePair {
         timeout: Duration,
         reported: Duration,
     ) -> Result<(), InitiatorError> {
+        match tokio::time::timeout(timeout, self.wait_io_unbounded(operation)).await {
+            Err(_) => Err(InitiatorError::Timeout {
+                address: self.params.address,
+                operation,
+                timeout_ms: duration_ms(reported),
+            }),
+            Ok(result) => result,
+        }
+    }
+
+    /// [`QueuePair::wait_io`] bounded by `timeout` when there is one, else waiting as long as
+    /// the socket stays silent. Cancel-safe: nothing changes until the socket is ready.
+    async fn wait_io_for(
+        &mut self,
+        operation: &'static str,
+        timeout: Option<Duration>,
+        reported: Duration,
+    ) -> Result<(), InitiatorError> {
+        match timeout {
+            Some(timeout) => self.wait_io(operation, timeout, reported).await,
+            None => self.wait_io_unbounded(operation).await,
+        }
+    }
+
+    async fn wait_io_unbounded(&mut self, operation: &'static str) -> Result<(), InitiatorError> {
         self.try_flush()?;
         let interest = if self.send_pending() {
             Interest::READABLE | Interest::WRITABLE
         } else {
             Interest::READABLE
         };
-        let ready = match tokio::time::timeout(timeout, self.stream.ready(interest)).await {
-            Err(_) => {
-                return Err(InitiatorError::Timeout {
-                    address: self.params.address,
-                    operation,
-                    timeout_ms: duration_ms(reported),
-                })
-            }
-            Ok(Err(source)) => return Err(self.io_error(source)),
-            Ok(Ok(ready)) => ready,
+        let ready = match self.stream.ready(interest).await {
+            Err(source) => return Err(self.io_error(source)),
+            Ok(ready) => ready,
         };
         if ready.is_writable() {
             self.try_flush()?;

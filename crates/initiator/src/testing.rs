@@ -6,7 +6,9 @@
 //!
 //! The hooks let a test break things on purpose: drop a connection in the middle of a Read
 //! ([`RamTarget::close_on_read`]), cut every connection of one port ([`RamTarget::set_port_cut`]),
-//! change ANA states through [`RamTarget::target`], and count what was served
+//! change a port's ANA state ([`RamTarget::set_ana_state`], which raises ANA change notices),
+//! resize the namespace ([`RamTarget::resize_namespace`], which raises namespace attribute
+//! notices), reach the target itself ([`RamTarget::target`]), and count what was served
 //! ([`RamTarget::reads_on_port`], [`RamTarget::keep_alive_expired`]).
 
 use std::net::SocketAddr;
@@ -16,8 +18,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use nvmf::target::{
-    Catalog, Listener, NamespaceInfo, Queue, StorageOperation, StorageStatus, SubsystemInfo,
-    Target, TargetConfig,
+    AnaState, Catalog, Listener, NamespaceInfo, Queue, StorageOperation, StorageStatus,
+    SubsystemInfo, Target, TargetConfig,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -123,6 +125,8 @@ pub struct RamTarget {
     subnqn: Nqn,
     target: Arc<Target>,
     shared: Arc<Shared>,
+    /// The namespace size the target reports, shared with its catalog.
+    size_blocks: Arc<AtomicU64>,
     accept_tasks: Vec<JoinHandle<()>>,
 }
 
@@ -186,9 +190,10 @@ impl RamTarget {
                 .collect(),
             ..TargetConfig::default()
         };
+        let size_blocks = Arc::new(AtomicU64::new(options.size_blocks));
         let namespace = NamespaceInfo {
             volume: 1,
-            size_blocks: Arc::new(AtomicU64::new(options.size_blocks)),
+            size_blocks: Arc::clone(&size_blocks),
             block_size_bytes: options.block_size_bytes,
             nguid: [1; 16],
             uuid: [2; 16],
@@ -214,7 +219,7 @@ impl RamTarget {
                 tokio::spawn(accept(listener, port_id, Arc::clone(&target), Arc::clone(&shared)))
             })
             .collect();
-        RamTarget { addresses, subnqn: options.subnqn, target, shared, accept_tasks }
+        RamTarget { addresses, subnqn: options.subnqn, target, shared, size_blocks, accept_tasks }
     }
 
     /// The first port's address.
@@ -257,6 +262,42 @@ impl RamTarget {
     /// accepted and dropped the same way).
     pub fn set_port_cut(&self, port_id: u16, cut: bool) {
         self.shared.port_cut[Shared::port_index(port_id)].store(cut, Ordering::SeqCst);
+    }
+
+    /// Sets the ANA state of the subsystem through port `port_id`, as a node does: I/O through
+    /// that port fails with the state's path status, and every controller on it gets an ANA
+    /// change notice.
+    pub fn set_ana_state(&self, port_id: u16, state: AnaState) {
+        assert!(
+            (1..=self.addresses.len()).contains(&usize::from(port_id)),
+            "port {port_id} of {}",
+            self.addresses.len()
+        );
+        self.target.set_ana_state(&self.subnqn, port_id, state);
+    }
+
+    /// Resizes the namespace to `size_blocks` (grown blocks read as zeros) and tells every
+    /// connected host with a namespace attribute notice, as a node does when a volume is resized.
+    ///
+    /// # Panics
+    /// When the new size is zero or over [`RAM_TARGET_DISK_BYTES_MAX`].
+    pub fn resize_namespace(&self, size_blocks: u64) {
+        let disk_bytes = size_blocks * self.shared.block_size_bytes as u64;
+        assert!(
+            size_blocks > 0 && disk_bytes <= RAM_TARGET_DISK_BYTES_MAX,
+            "a RAM disk of {size_blocks} blocks"
+        );
+        // Under the disk lock, so no storage request sees the new size with the old disk.
+        let mut disk = self.shared.disk();
+        disk.resize(disk_bytes as usize, 0);
+        self.size_blocks.store(size_blocks, Ordering::SeqCst);
+        drop(disk);
+        self.target.notify_namespace_changed(&self.subnqn);
+    }
+
+    /// The namespace size the target reports now.
+    pub fn size_blocks(&self) -> u64 {
+        self.size_blocks.load(Ordering::SeqCst)
     }
 
     /// Read commands served through port `port_id`.
@@ -339,13 +380,31 @@ async fn serve(mut queue: Queue, port_id: u16, mut stream: TcpStream, shared: Ar
 type Outcome = (Result<(), StorageStatus>, Option<AlignedBuf>);
 
 /// Runs one storage operation on the RAM disk; `None` asks the driver to drop the connection.
-/// The target has checked every range against the namespace size before it asks.
+/// The target has checked every range against the namespace size before it asks; a range the
+/// disk no longer holds (it shrank since) fails with LBA Out of Range.
 fn execute(shared: &Shared, port_index: usize, operation: StorageOperation) -> Option<Outcome> {
     let block_bytes = shared.block_size_bytes;
     let range = |lba: u64, blocks: u32| -> Range<usize> {
         lba as usize * block_bytes..(lba as usize + blocks as usize) * block_bytes
     };
     let mut disk = shared.disk();
+    let beyond = match &operation {
+        StorageOperation::Read { lba, blocks, .. }
+        | StorageOperation::Write { lba, blocks, .. }
+        | StorageOperation::WriteZeroes { lba, blocks } => range(*lba, *blocks).end > disk.len(),
+        StorageOperation::Deallocate { ranges } => {
+            ranges.iter().any(|(lba, blocks)| range(lba, blocks).end > disk.len())
+        }
+        StorageOperation::Flush => false,
+    };
+    if beyond {
+        let buffer = match operation {
+            StorageOperation::Read { buf, .. } | StorageOperation::Write { buf, .. } => Some(buf),
+            StorageOperation::Deallocate { ranges } => Some(ranges.into_buf()),
+            StorageOperation::Flush | StorageOperation::WriteZeroes { .. } => None,
+        };
+        return Some((Err(StorageStatus::LbaOutOfRange), buffer));
+    }
     Some(match operation {
         StorageOperation::Read { lba, blocks, mut buf } => {
             if lba == shared.close_on_read_lba.load(Ordering::SeqCst) {

@@ -1,13 +1,14 @@
 //! Multipath against `nvmf`'s target (the `initiator::testing::RamTarget` fixture) exposed on two
 //! listeners (two ports of one subsystem, as a node with two listen addresses serves it): the
 //! initiator connects a controller on each path, sends I/O down the optimized one, and fails over
-//! when the node makes that path inaccessible (ANA) or when its connection breaks, as Linux's
-//! native multipath does.
+//! when the node makes that path inaccessible (ANA, learnt from the notice or from the failed
+//! I/O, whichever comes first) or when its connection breaks, as Linux's native multipath does.
+//! `async_events.rs` covers the notices themselves.
 
 use std::time::Duration;
 
 use initiator::testing::{RamTarget, RamTargetOptions};
-use initiator::{ConnectOptions, MultipathNamespace, Nqn, PathState, Status};
+use initiator::{ConnectOptions, InitiatorError, MultipathNamespace, Nqn, PathState, Status};
 use nvmf::target::AnaState;
 
 const BLOCK_BYTES: usize = 4096;
@@ -111,8 +112,17 @@ async fn every_path_inaccessible_is_an_error_after_bounded_retries() {
                 .unwrap();
         server.target().set_ana_state(&nqn, 1, AnaState::Inaccessible);
         server.target().set_ana_state(&nqn, 2, AnaState::PersistentLoss);
+        // The ANA change notices tell the host before any I/O is tried.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while device.paths().iter().any(|path| path.state != PathState::Inaccessible) {
+            assert!(std::time::Instant::now() < deadline, "{:?}", device.paths());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(device.current_path(), None);
         let error = device.read(0, BLOCK_BYTES).await.unwrap_err();
-        assert!(error.status().is_some_and(|status| status.is_path_error()), "{error}");
+        assert!(matches!(error, InitiatorError::NoUsablePath { .. }), "{error}");
+        assert!(error.to_string().contains("Inaccessible"), "{error}");
+        assert_eq!(device.failovers(), 0, "no command was sent down an unusable path");
         assert_eq!(device.current_path(), None);
         // A path that connects but cannot be reached for I/O is not chosen; one that cannot
         // connect at all makes connect fail only when it is the only one.
