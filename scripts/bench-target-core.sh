@@ -13,11 +13,13 @@
 # 1.00, the initiator and not the target limits the IOPS). fio's cores are its own usr+sys CPU.
 # When the drives and not the target limit the IOPS (target cores well below 1), IOPS per target
 # core is an extrapolation: the RAM-backed drives (DRIVE_BACKEND=memory) give the like-for-like
-# figure.
+# figure. With them the node has no data dir (memory drives are NOT DURABLE; the node keeps its
+# metadata in a scratch directory of its own), the drives are DRIVE_SIZE (default 4G) each, and
+# fio's raw file goes to /dev/shm (RAM as well, buffered: O_DIRECT means nothing on tmpfs).
 #
 #   scripts/bench-target-core.sh                     # 1 GiB, QD32 (1 queue x 32), 3 rounds, 10 s
 #   ROUNDS=5 RUNTIME=20 QUEUES=2 IODEPTH=16 scripts/bench-target-core.sh
-#   DRIVE_BACKEND=memory scripts/bench-target-core.sh  # RAM drives, once `ferrite up` has them
+#   DRIVE_BACKEND=memory scripts/bench-target-core.sh  # RAM drives on both sides
 #
 # Note what the peer is: fio writes without fsync, so its random-write figure is the drive's
 # volatile-cache speed, while every Ferrite write is durable when acknowledged (an fdatasync of
@@ -34,6 +36,11 @@ iodepth=${IODEPTH:-32}
 target_cpu=${TARGET_CPU:-0}
 initiator_cpu=${INITIATOR_CPU:-1}
 drive_backend=${DRIVE_BACKEND:-}
+if [ "$drive_backend" = memory ]; then
+    drive_size=${DRIVE_SIZE:-4G}
+else
+    drive_size=${DRIVE_SIZE:-8G}
+fi
 ferrite=${FERRITE:-./target/release/ferrite}
 if [ "$ramp" -lt 1 ]; then
     echo "RAMP must be at least 1 s: the CPU window starts RAMP/2 s into each bench" >&2
@@ -42,6 +49,9 @@ fi
 [ -x "$ferrite" ] || cargo build --release --locked --bin ferrite
 command -v fio >/dev/null || scripts/deps.sh
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/ferrite-core.XXXXXX")
+# fio's raw file: beside the drive files, or in RAM for memory drives (set below).
+raw="$work/raw.dat"
+fio_direct=1
 
 server=""
 child=""
@@ -53,6 +63,7 @@ cleanup() {
         kill -TERM "$server"; wait "$server" || true
     fi
     rm -rf "$work"
+    [ "$raw" = "$work/raw.dat" ] || rm -f "$raw"
 }
 trap cleanup EXIT
 
@@ -60,10 +71,16 @@ echo "load before: $(uptime)"
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 api_port=$(port); nvme_port=$(port)
 export FERRITE_API=http://127.0.0.1:$api_port
-backend_args=()
-[ -n "$drive_backend" ] && backend_args=(--drive-backend "$drive_backend")
-taskset -c "$target_cpu" "$ferrite" up --data-dir "$work/data" --data-threads 1 \
-    --drives 2 --drive-size 8G "${backend_args[@]}" \
+if [ "$drive_backend" = memory ]; then
+    backend_args=(--drive-backend memory)
+    raw=$(mktemp /dev/shm/ferrite-core-raw.XXXXXX)
+    fio_direct=0
+else
+    backend_args=(--data-dir "$work/data")
+    [ -n "$drive_backend" ] && backend_args+=(--drive-backend "$drive_backend")
+fi
+taskset -c "$target_cpu" "$ferrite" up --data-threads 1 \
+    --drives 2 --drive-size "$drive_size" "${backend_args[@]}" \
     --api-listen "127.0.0.1:$api_port" --nvme-listen "127.0.0.1:$nvme_port" >"$work/up.log" 2>&1 &
 server=$!
 for _ in $(seq 1 100); do "$ferrite" node show >/dev/null 2>&1 && break; sleep 0.1; done
@@ -75,7 +92,7 @@ target="nvme+tcp://127.0.0.1:$nvme_port/nqn.2024-01.io.ferrite:vol:core"
 
 echo "filling the volume and the raw file ($size each)"
 "$ferrite" bench --target "$target" --fill --workloads 4k_randread --runtime 1 --ramp 0 --quiet >/dev/null
-fio --name=fill --filename="$work/raw.dat" --size="$size" --rw=write --bs=1M --direct=1 \
+fio --name=fill --filename="$raw" --size="$size" --rw=write --bs=1M --direct="$fio_direct" \
     --ioengine=io_uring --iodepth=16 >/dev/null
 
 clock_ticks=$(getconf CLK_TCK)
@@ -124,8 +141,8 @@ PY
 # fio_run ROUND LABEL RW QUEUES IODEPTH: fio on INITIATOR_CPU against the raw file.
 fio_run() {
     local round=$1 label=$2 rw=$3 q=$4 d=$5
-    taskset -c "$initiator_cpu" fio --name="$label" --filename="$work/raw.dat" --size="$size" \
-        --rw="$rw" --bs=4k --direct=1 --ioengine=io_uring --iodepth="$d" --numjobs="$q" \
+    taskset -c "$initiator_cpu" fio --name="$label" --filename="$raw" --size="$size" \
+        --rw="$rw" --bs=4k --direct="$fio_direct" --ioengine=io_uring --iodepth="$d" --numjobs="$q" \
         --group_reporting --time_based --runtime="$runtime" --ramp_time="$ramp" \
         --lat_percentiles=1 --output-format=json >"$work/fio.json"
     python3 - "$work/fio.json" "$round" "$label" >>"$results" <<'PY'
@@ -159,7 +176,8 @@ if grep -q " ERROR " "$work/up.log"; then
 fi
 echo
 echo "target: ferrite up --data-threads 1 on CPU $target_cpu${drive_backend:+, --drive-backend $drive_backend};" \
-    "initiator and fio on CPU $initiator_cpu; $size, $rounds rounds, ${runtime} s (+${ramp} s ramp) each"
+    "initiator and fio on CPU $initiator_cpu (fio's file in $(dirname "$raw")); $size, $rounds rounds," \
+    "${runtime} s (+${ramp} s ramp) each"
 python3 - "$results" "$qd" <<'PY'
 import statistics, sys
 rows = [line.split("\t") for line in open(sys.argv[1]).read().split("\n") if line]

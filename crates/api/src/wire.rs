@@ -124,6 +124,10 @@ pub struct NodeInfo {
     pub version: String,
     pub drive_count: u16,
     pub drive_size_bytes: u64,
+    /// What holds the drives' bytes: "file" (durable) or "memory" (NOT DURABLE: everything is
+    /// lost when the node stops). Nodes that predate the field have file drives.
+    #[serde(default = "file_drive_backend")]
+    pub drive_backend: String,
     pub created_unix_ms: u64,
     pub nvme_host: String,
     pub nvme_port: u16,
@@ -133,6 +137,11 @@ pub struct NodeInfo {
     /// The metadata store's revision: it changes whenever any metadata changes.
     pub meta_revision: u64,
     pub capacity: Capacity,
+}
+
+/// [`NodeInfo::drive_backend`] of a node that does not report it.
+fn file_drive_backend() -> String {
+    "file".to_owned()
 }
 
 /// The body of every error response.

@@ -29,9 +29,18 @@ Examples:
       REST API on 127.0.0.1:8080.
   ferrite up --data-dir /var/lib/ferrite --drives 8 --drive-size 100G
   ferrite up --nvme-listen 0.0.0.0:4420 --api-listen 127.0.0.1:9000
+  ferrite up --drive-backend memory --data-threads 1
+      4 drives of 1 GiB in RAM, NOT DURABLE: for measuring the target's own cost (IOPS per
+      target core) with no drive in the way, like a target serving from RAM.
 
 Drives are created on the first start in DATA-DIR; later starts reuse them and keep every
-volume, so --drives and --drive-size matter only the first time. Stop with Ctrl-C or SIGTERM.";
+volume, so --drives and --drive-size matter only the first time. Stop with Ctrl-C or SIGTERM.
+
+With --drive-backend memory, nothing is durable: the drives are anonymous memory that goes away
+with the process, and the metadata lives in a scratch directory under $TMPDIR (or /tmp) that is
+removed when the node stops, so every start begins with no volumes. --data-dir is refused. The
+drives together may take at most 75% of the RAM available at start (MemAvailable); they are
+sparse, so RAM is used only as volumes are written.";
 
 const VOLUME_EXAMPLES: &str = "\
 Examples:
@@ -92,7 +101,8 @@ enum Command {
     /// Run a single-node cluster in the foreground.
     ///
     /// Runs a node with its metadata in DATA-DIR/meta.redb and its drives in DATA-DIR/drives,
-    /// serving volumes over NVMe/TCP and the REST API that `ferrite volume` uses.
+    /// serving volumes over NVMe/TCP and the REST API that `ferrite volume` uses. With
+    /// --drive-backend memory the drives are in RAM and NOT DURABLE.
     #[command(after_long_help = UP_EXAMPLES)]
     Up(UpArgs),
     /// Create, list, show, resize and delete volumes.
@@ -179,13 +189,19 @@ enum HostCommand {
 
 #[derive(Args)]
 struct UpArgs {
-    /// Where the node keeps its metadata and drives.
-    #[arg(long, value_name = "DIR", default_value = node::config::DEFAULT_DATA_DIR)]
-    data_dir: PathBuf,
+    /// Where the node keeps its metadata and drives [default: ferrite-data]. Not with
+    /// --drive-backend memory.
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// What holds the drives: `file` (sparse files in DATA-DIR/drives, durable) or `memory`
+    /// (RAM: NOT DURABLE, every volume is lost when the node stops; for benchmarking).
+    #[arg(long, value_name = "BACKEND", value_enum, default_value_t = DriveBackendArg::File)]
+    drive_backend: DriveBackendArg,
     /// Drives to create on the first start [default: 4].
     #[arg(long, value_name = "N")]
     drives: Option<u16>,
-    /// Size of each drive file (sparse) on the first start, such as 16G [default: 16GiB].
+    /// Size of each drive (sparse) on the first start, such as 16G [default: 16GiB; 1GiB with
+    /// --drive-backend memory].
     #[arg(long, value_name = "SIZE")]
     drive_size: Option<ByteSize>,
     /// Address to serve NVMe/TCP on.
@@ -197,6 +213,15 @@ struct UpArgs {
     /// Data-path threads serving NVMe/TCP (one runtime and io_uring ring each) [default: one per CPU].
     #[arg(long, value_name = "N", default_value_t = 0, hide_default_value = true)]
     data_threads: usize,
+}
+
+/// `--drive-backend`: the CLI's names of `node::DriveBackend`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DriveBackendArg {
+    /// Sparse drive files in DATA-DIR/drives, written with O_DIRECT: durable.
+    File,
+    /// Drives in RAM: NOT DURABLE, everything is lost when the node stops.
+    Memory,
 }
 
 #[derive(Args)]
@@ -274,8 +299,19 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    let backend = match args.drive_backend {
+        DriveBackendArg::File => node::DriveBackend::File,
+        DriveBackendArg::Memory => node::DriveBackend::Memory,
+    };
+    if backend == node::DriveBackend::Memory && args.data_dir.is_some() {
+        anyhow::bail!(
+            "--data-dir cannot be used with --drive-backend memory: memory drives are not \
+             durable, and their metadata lives in a scratch directory removed when the node \
+             stops; drop --data-dir, or use --drive-backend file to keep data"
+        );
+    }
     let config = node::NodeConfig {
-        data_dir: args.data_dir,
+        data_dir: args.data_dir.unwrap_or_else(|| PathBuf::from(node::config::DEFAULT_DATA_DIR)),
         drive_count: args.drives,
         drive_size_bytes: args.drive_size.map(ByteSize::bytes),
         nvme_listen: args.nvme_listen,
@@ -283,7 +319,7 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         stop_on_signals: true,
         data_threads: args.data_threads,
     };
-    let node = node::Node::start(config)?;
+    let node = node::Node::start_on(config, backend)?;
     print::started(&node);
     std::io::stdout().flush().context("write to stdout")?;
     node.wait_for_stop();

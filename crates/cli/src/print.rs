@@ -6,12 +6,14 @@ use types::ByteSize;
 
 pub fn started(node: &node::Node) {
     let record = node.record();
-    let drives = format!(
-        "{} x {} in {}",
-        record.drive_count,
-        ByteSize(record.drive_size_bytes),
-        node.drives_dir().display()
-    );
+    let memory = node.drive_backend() == node::DriveBackend::Memory;
+    let place = if memory {
+        "RAM (memory backend)".to_owned()
+    } else {
+        node.drives_dir().display().to_string()
+    };
+    let drives =
+        format!("{} x {} in {place}", record.drive_count, ByteSize(record.drive_size_bytes));
     println!(
         "Ferrite node {} {}",
         api::format_uuid(&record.uuid),
@@ -21,6 +23,10 @@ pub fn started(node: &node::Node) {
     println!("  NVMe/TCP:  {}", node.nvme_addr());
     println!("  drives:    {drives}");
     println!("  metadata:  {}", node.meta_path().display());
+    if memory {
+        println!("  WARNING:   {}", node::MEMORY_BACKEND_WARNING);
+        println!("             (the metadata's scratch directory is removed at stop too)");
+    }
     println!("Stop with Ctrl-C.");
 }
 
@@ -35,6 +41,7 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
         ("created", api::rfc3339_utc(node.created_unix_ms)),
         ("nvme", format!("tcp {}:{}", node.nvme_host, node.nvme_port)),
         ("drives", format!("{} x {}", node.drive_count, ByteSize(node.drive_size_bytes))),
+        ("drive backend", drive_backend(&node.drive_backend)),
         ("capacity", format!("{} total", ByteSize(capacity.total_bytes))),
         ("free", format!("{}", ByteSize(capacity.free_bytes))),
         ("provisioned", format!("{} (thin)", ByteSize(capacity.provisioned_bytes))),
@@ -48,6 +55,14 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
         println!("{:<17}{value}", format!("{key}:"));
     }
     Ok(())
+}
+
+/// The backend as `node show` prints it: memory drives are flagged, loudly.
+fn drive_backend(backend: &str) -> String {
+    match backend {
+        "memory" => "memory (NOT DURABLE: every volume is lost when the node stops)".to_owned(),
+        other => other.to_owned(),
+    }
 }
 
 pub fn volume_changed(json: bool, verb: &str, volume: &VolumeInfo) -> anyhow::Result<()> {

@@ -4,16 +4,27 @@
 //! Each data-path thread opens its own descriptor of each drive file, so a descriptor and the
 //! ring it is used on never cross threads, and each descriptor sees a write-back error once
 //! (Linux reports it to every open file description).
+//!
+//! A memory drive ([`crate::MemoryDrives`], NOT DURABLE) is opened without O_DIRECT (its file
+//! is in the page cache and nowhere else) and served inline, not through the ring: each read
+//! or write is one pread/pwrite in which the kernel copies between the buffer and RAM, and a
+//! sync has nothing to write back. io_uring hands buffered I/O on tmpfs to its worker threads
+//! (tmpfs cannot do it without blocking, by io_uring's rules; measured on Linux 6.18), which
+//! would add a thread hop to every I/O and charge the target's CPU for it: the very figure
+//! memory drives exist to measure. The copies being the kernel's, no two threads ever share
+//! the drive's memory in our code.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use engine::{Drive, DriveError, DriveOperation};
 use types::AlignedBuf;
 
-use crate::drives::DriveSetupError;
+use crate::drives::{is_in_memory, is_memory_drive_link, DriveSetupError};
 use crate::ring::Ring;
 
 /// One thread's handle of one drive file.
@@ -23,24 +34,30 @@ pub struct DriveFile {
     file: Rc<File>,
     ring: Rc<Ring>,
     size_bytes: u64,
+    /// A memory drive, served inline instead of through `ring` (see the module comment).
+    memory: bool,
 }
 
 impl DriveFile {
-    /// Opens a drive file for direct I/O through `ring`. The file's superblock is not read:
-    /// [`crate::open_drives`] validated it at startup.
+    /// Opens a drive file for direct I/O through `ring`, or a memory drive's link for inline
+    /// buffered I/O. The file's superblock is not read: [`crate::open_drives`] validated it at startup.
     pub fn open(path: &Path, ring: &Rc<Ring>) -> Result<Self, DriveSetupError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-            .map_err(|source| {
-                if source.raw_os_error() == Some(libc::EINVAL) {
-                    DriveSetupError::DirectIoUnsupported { path: path.to_owned(), source }
-                } else {
-                    DriveSetupError::Io { action: "open", path: path.to_owned(), source }
-                }
-            })?;
+        let memory = is_memory_drive_link(path);
+        let mut options = OpenOptions::new();
+        options.read(true).write(true);
+        if !memory {
+            options.custom_flags(libc::O_DIRECT);
+        }
+        let file = options.open(path).map_err(|source| {
+            if !memory && source.raw_os_error() == Some(libc::EINVAL) {
+                DriveSetupError::DirectIoUnsupported { path: path.to_owned(), source }
+            } else {
+                DriveSetupError::Io { action: "open", path: path.to_owned(), source }
+            }
+        })?;
+        if memory && !is_in_memory(&file, path)? {
+            return Err(DriveSetupError::NotMemoryDrive { path: path.to_owned() });
+        }
         let size_bytes = file
             .metadata()
             .map_err(|source| DriveSetupError::Io {
@@ -49,11 +66,22 @@ impl DriveFile {
                 source,
             })?
             .len();
-        Ok(Self { path: path.to_owned(), file: Rc::new(file), ring: Rc::clone(ring), size_bytes })
+        Ok(Self {
+            path: path.to_owned(),
+            file: Rc::new(file),
+            ring: Rc::clone(ring),
+            size_bytes,
+            memory,
+        })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether this is a memory drive (NOT DURABLE).
+    pub fn is_memory(&self) -> bool {
+        self.memory
     }
 
     fn check(
@@ -85,6 +113,20 @@ fn transfer_result(
     }
 }
 
+/// fallocate(2) on this thread, for a memory drive (tmpfs frees the pages at once).
+fn fallocate_now(file: &File, offset_bytes: u64, length_bytes: u64, mode: i32) -> io::Result<()> {
+    // `check_request` bounded both by the drive's size, which fits a file offset.
+    let offset = libc::off_t::try_from(offset_bytes).map_err(io::Error::other)?;
+    let length = libc::off_t::try_from(length_bytes).map_err(io::Error::other)?;
+    // SAFETY: fallocate takes an open descriptor and integers; it shares no memory with us.
+    let result = unsafe { libc::fallocate(file.as_raw_fd(), mode, offset, length) };
+    if result == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 impl Drive for DriveFile {
     async fn read_at(
         &self,
@@ -94,6 +136,14 @@ impl Drive for DriveFile {
         let length_bytes = buf.len() as u64;
         if let Err(error) = self.check(DriveOperation::Read, offset_bytes, length_bytes) {
             return (Err(error), buf);
+        }
+        if self.memory {
+            let mut buf = buf;
+            let result = self.file.read_exact_at(&mut buf, offset_bytes).map(|()| buf.len());
+            return (
+                transfer_result(DriveOperation::Read, offset_bytes, length_bytes, result),
+                buf,
+            );
         }
         let (result, buf) = self.ring.read_at(&self.file, offset_bytes, buf).await;
         (transfer_result(DriveOperation::Read, offset_bytes, length_bytes, result), buf)
@@ -108,11 +158,23 @@ impl Drive for DriveFile {
         if let Err(error) = self.check(DriveOperation::Write, offset_bytes, length_bytes) {
             return (Err(error), buf);
         }
+        if self.memory {
+            let result = self.file.write_all_at(&buf, offset_bytes).map(|()| buf.len());
+            return (
+                transfer_result(DriveOperation::Write, offset_bytes, length_bytes, result),
+                buf,
+            );
+        }
         let (result, buf) = self.ring.write_at(&self.file, offset_bytes, buf).await;
         (transfer_result(DriveOperation::Write, offset_bytes, length_bytes, result), buf)
     }
 
     async fn sync(&self) -> Result<(), DriveError> {
+        if self.memory {
+            // RAM is the medium: a completed write is all there is (fdatasync on tmpfs does
+            // nothing either).
+            return Ok(());
+        }
         self.ring.fdatasync(&self.file).await.map_err(|source| DriveError::Io {
             operation: DriveOperation::Sync,
             offset_bytes: 0,
@@ -124,7 +186,11 @@ impl Drive for DriveFile {
     async fn punch_hole(&self, offset_bytes: u64, length_bytes: u64) -> Result<(), DriveError> {
         self.check(DriveOperation::PunchHole, offset_bytes, length_bytes)?;
         let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-        let result = self.ring.fallocate(&self.file, offset_bytes, length_bytes, mode).await;
+        let result = if self.memory {
+            fallocate_now(&self.file, offset_bytes, length_bytes, mode)
+        } else {
+            self.ring.fallocate(&self.file, offset_bytes, length_bytes, mode).await
+        };
         result.map_err(|source| DriveError::Io {
             operation: DriveOperation::PunchHole,
             offset_bytes,

@@ -9,9 +9,14 @@
 //! These run on the control-plane thread with blocking std I/O (no ring needed), at startup. The
 //! log area after the superblock's header region is formatted by the engine
 //! (`engine::log::LogEngine::format`) through the data-path threads' rings.
+//!
+//! [`MemoryDrives`] are RAM-backed drives (`ferrite up --drive-backend memory`, NOT DURABLE):
+//! anonymous memory files linked into a drive folder under the drive files' names, so the
+//! functions above and [`crate::DriveFile`] handle them like drive files.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -69,6 +74,12 @@ pub enum DriveSetupError {
         path.display()
     )]
     AlreadyFormatted { path: PathBuf, found: NodeUuid, expected: NodeUuid },
+    #[error(
+        "{} links into {PROC_SELF_FD} but is not a memory drive (the file it names is not in \
+         RAM); memory drives exist only inside the process that created them",
+        path.display()
+    )]
+    NotMemoryDrive { path: PathBuf },
 }
 
 /// A drive file whose superblock was validated.
@@ -208,6 +219,108 @@ fn check_drive(
         });
     }
     Ok(DriveInfo { path, superblock })
+}
+
+/// Where a process finds its own open descriptors by number; a memory drive's link points here.
+const PROC_SELF_FD: &str = "/proc/self/fd";
+
+/// RAM-backed drives for `ferrite up --drive-backend memory`. NOT DURABLE: their bytes are gone
+/// when the process ends, however it ends.
+///
+/// Each drive is an anonymous memory file (memfd_create(2)) extended sparse to its size: RAM is
+/// taken only as blocks are written, and given back when the engine punches holes. Its bytes
+/// live as long as some descriptor of it is open: this value holds one per drive, and each
+/// data-path thread opens its own. Each drive is linked into the drive folder under its drive
+/// file name (`drive-000.img -> /proc/self/fd/N`), so [`format_drives`], [`open_drives`] and
+/// [`crate::DriveFile::open`] find memory drives as they find drive files; only `DriveFile::open`
+/// tells them apart: it opens them without O_DIRECT (the page cache is the medium itself) and
+/// serves them with the kernel's copies inline rather than through the ring.
+///
+/// A link means something only inside this process and only while this value lives, so
+/// dropping it removes the links before it closes the descriptors: no later open through a
+/// stale link can reach another file that reuses a descriptor number.
+#[derive(Debug)]
+pub struct MemoryDrives {
+    dir: PathBuf,
+    /// Drive `index` is `files[index]`, linked as `drive_path(dir, index)`.
+    files: Vec<File>,
+}
+
+impl MemoryDrives {
+    /// Creates `count` memory drives of `size_bytes` each and links them into `dir` (created if
+    /// needed), which must hold no drive file yet. They hold no superblock: format them with
+    /// [`format_drives`] on `dir`.
+    pub fn create(dir: &Path, count: u16, size_bytes: u64) -> Result<Self, DriveSetupError> {
+        assert!(count > 0, "a node has at least one drive");
+        fs::create_dir_all(dir).map_err(io_error("create directory", dir))?;
+        let mut drives =
+            Self { dir: dir.to_owned(), files: Vec::with_capacity(usize::from(count)) };
+        for index in 0..count {
+            let path = drive_path(dir, index);
+            let file = memory_file(index).map_err(io_error("create the memory file for", &path))?;
+            file.set_len(size_bytes).map_err(io_error("size", &path))?;
+            let target = Path::new(PROC_SELF_FD).join(file.as_raw_fd().to_string());
+            std::os::unix::fs::symlink(&target, &path)
+                .map_err(io_error("link the memory drive", &path))?;
+            // Only linked drives are pushed, so dropping `drives` removes only our own links.
+            drives.files.push(file);
+        }
+        Ok(drives)
+    }
+
+    /// The drive folder the drives are linked into.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn count(&self) -> u16 {
+        u16::try_from(self.files.len()).unwrap_or(u16::MAX)
+    }
+}
+
+impl Drop for MemoryDrives {
+    fn drop(&mut self) {
+        for index in 0..self.count() {
+            // Nothing to hand an error to. A link left behind is harmless: `DriveFile::open`
+            // refuses it unless it reaches a memory file (`NotMemoryDrive`), and the node
+            // removes its whole scratch folder next.
+            let _ = fs::remove_file(drive_path(&self.dir, index));
+        }
+        // The descriptors close after the links are gone (`files` drops next).
+    }
+}
+
+/// A new anonymous memory file, closed on exec (a child never holds a node's RAM).
+fn memory_file(index: u16) -> io::Result<File> {
+    // The name shows in /proc/PID/fd and /proc/PID/maps, for whoever looks at the process.
+    let name = format!("ferrite-drive-{index:03}\0");
+    // SAFETY: `name` is NUL-terminated and outlives the call, which only reads it; the call
+    // returns a new descriptor or -1.
+    let fd = unsafe { libc::memfd_create(name.as_ptr().cast(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by memfd_create: open, and owned by nothing else.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// Whether `path` is a memory drive's link (see [`MemoryDrives`]). `DriveFile::open` then opens
+/// it without O_DIRECT, checks with [`is_in_memory`] that it reached a memory file, and serves
+/// it inline.
+pub(crate) fn is_memory_drive_link(path: &Path) -> bool {
+    fs::read_link(path).is_ok_and(|target| target.starts_with(PROC_SELF_FD))
+}
+
+/// Whether an open file lives in RAM (on tmpfs, where memory files live too).
+pub(crate) fn is_in_memory(file: &File, path: &Path) -> Result<bool, DriveSetupError> {
+    // SAFETY: statfs is plain integers, for which all zeros is a valid value.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `stat` is valid for writes of one statfs for the call; the descriptor is open.
+    let result = unsafe { libc::fstatfs(file.as_raw_fd(), &mut stat) };
+    if result != 0 {
+        return Err(io_error("find the filesystem of", path)(io::Error::last_os_error()));
+    }
+    Ok(stat.f_type == libc::TMPFS_MAGIC)
 }
 
 #[cfg(test)]

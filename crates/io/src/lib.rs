@@ -6,6 +6,8 @@
 //! - [`DriveFile`]: `engine::Drive` over an O_DIRECT file through a `Ring`.
 //! - [`format_drives`] / [`open_drives`]: the drive files of a node's data directory (the
 //!   superblock; the engine formats the log area behind it).
+//! - [`MemoryDrives`]: RAM-backed drives (memfd), NOT DURABLE, linked into a drive folder so
+//!   the functions above and `DriveFile` serve them like drive files.
 //!
 //! The engine decides what to read and write; this crate only moves the bytes.
 
@@ -14,7 +16,9 @@ mod drives;
 mod ring;
 
 pub use drive_file::DriveFile;
-pub use drives::{drive_path, format_drives, open_drives, DriveInfo, DriveSetupError};
+pub use drives::{
+    drive_path, format_drives, open_drives, DriveInfo, DriveSetupError, MemoryDrives,
+};
 pub use ring::{Ring, RingError, INFLIGHT_OPS_MAX, RING_ENTRIES};
 
 #[cfg(test)]

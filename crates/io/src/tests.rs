@@ -1,7 +1,7 @@
-//! Tests of the ring on real O_DIRECT files (the temp dir is ext4 here), and the engine's
-//! conformance check of the log engine (writers on several handles, GC, checkpoints, restarts,
-//! crashes that abandon everything in flight, a deleted volume) over `DriveFile`s through
-//! io_uring.
+//! Tests of the ring on real O_DIRECT files (the temp dir is ext4 here), of memory drives, and
+//! the engine's conformance check of the log engine (writers on several handles, GC,
+//! checkpoints, restarts, crashes that abandon everything in flight, a deleted volume) over
+//! `DriveFile`s through io_uring, on drive files and on memory drives.
 
 use std::fs::{File, OpenOptions};
 use std::future::Future;
@@ -17,7 +17,10 @@ use engine::testing::{check_log_engine, join_all, CheckConfig, LocalBoxFuture};
 use engine::{Drive, DriveError, NodeUuid};
 use types::AlignedBuf;
 
-use crate::{format_drives, open_drives, DriveFile, Ring, INFLIGHT_OPS_MAX};
+use crate::{
+    drive_path, format_drives, open_drives, DriveFile, DriveSetupError, MemoryDrives, Ring,
+    INFLIGHT_OPS_MAX,
+};
 
 const BLOCK: usize = 4096;
 /// Bounds the waits for the ring to settle: 1 ms sleeps.
@@ -210,6 +213,7 @@ fn drive_file_checks_bounds_and_names_files() {
         let path = dir.path().join("drive.img");
         File::create(&path).unwrap().set_len(1 << 20).unwrap();
         let drive = DriveFile::open(&path, &ring).unwrap();
+        assert!(!drive.is_memory());
         assert_eq!(drive.size_bytes(), 1 << 20);
         let (result, _) = drive.read_at(1 << 20, AlignedBuf::new(BLOCK)).await;
         assert!(matches!(result, Err(DriveError::OutOfBounds { .. })), "{result:?}");
@@ -242,4 +246,96 @@ fn log_engine_conformance_over_io_uring() {
         assert_eq!((report.restarts, report.crashes), (2, 2), "{report:?}");
         settle(&ring).await;
     });
+}
+
+#[test]
+fn memory_drives_format_open_serve_and_vanish() {
+    let dir = tempfile::tempdir().unwrap();
+    let drives_dir = dir.path().join("drives");
+    let node = NodeUuid([0x3c; 16]);
+    let size_bytes = HEADER_REGION_BYTES + (64 << 20);
+    let memory = MemoryDrives::create(&drives_dir, 2, size_bytes).unwrap();
+    assert_eq!((memory.dir(), memory.count()), (drives_dir.as_path(), 2));
+    format_drives(&drives_dir, node, 2, size_bytes).unwrap();
+    let infos = open_drives(&drives_dir, node).unwrap();
+    assert_eq!(infos.len(), 2);
+    // fs::metadata follows the link to the memory file: its size, and the RAM it holds.
+    let ram_bytes = |index: u16| fs_blocks(&drive_path(&drives_dir, index)) * 512;
+    assert_eq!(std::fs::metadata(&infos[1].path).unwrap().len(), size_bytes);
+    assert!(ram_bytes(1) <= 64 << 10, "memory drives are sparse: {}", ram_bytes(1));
+    run_on_ring(|ring| async move {
+        let drive = DriveFile::open(&infos[1].path, &ring).unwrap();
+        assert!(drive.is_memory());
+        assert_eq!(drive.size_bytes(), size_bytes);
+        let offset = HEADER_REGION_BYTES + (1 << 20);
+        let (result, _) = drive.write_at(offset, pattern(5, 64 * BLOCK)).await;
+        result.unwrap();
+        drive.sync().await.unwrap();
+        // Another thread's handle (its own descriptor) sees the same bytes.
+        let other = DriveFile::open(&infos[1].path, &ring).unwrap();
+        let (result, read) = other.read_at(offset, AlignedBuf::new(64 * BLOCK)).await;
+        result.unwrap();
+        assert_eq!(&read[..], &pattern(5, 64 * BLOCK)[..]);
+        assert!(ram_bytes(1) >= (64 * BLOCK) as u64);
+        let held = ram_bytes(1);
+        other.punch_hole(offset, (64 * BLOCK) as u64).await.unwrap();
+        assert!(ram_bytes(1) < held, "a hole gives the RAM back");
+        let (result, read) = drive.read_at(offset, AlignedBuf::new(BLOCK)).await;
+        result.unwrap();
+        assert!(read.iter().all(|b| *b == 0));
+        let (result, _) = drive.read_at(size_bytes, AlignedBuf::new(BLOCK)).await;
+        assert!(matches!(result, Err(DriveError::OutOfBounds { .. })), "{result:?}");
+        assert_eq!(ring.inflight(), 0, "memory drives are served inline, not by the ring");
+    });
+    // A second set cannot be linked over the first.
+    let error = MemoryDrives::create(&drives_dir, 1, size_bytes).unwrap_err().to_string();
+    assert!(error.contains("drive-000.img"), "{error}");
+    drop(memory);
+    assert!(!drive_path(&drives_dir, 0).exists() && !drive_path(&drives_dir, 1).is_symlink());
+    let error = open_drives(&drives_dir, node).unwrap_err().to_string();
+    assert!(error.contains("holds no Ferrite drives"), "{error}");
+}
+
+fn fs_blocks(path: &Path) -> u64 {
+    std::fs::metadata(path).unwrap().blocks()
+}
+
+#[test]
+fn a_memory_drive_link_must_reach_a_memory_file() {
+    // A link into /proc/self/fd that names a file on disk is refused, not served without
+    // O_DIRECT as if it were a memory drive.
+    let dir = tempfile::tempdir().unwrap();
+    let on_disk = File::create(dir.path().join("disk.img")).unwrap();
+    on_disk.set_len(1 << 20).unwrap();
+    let link = dir.path().join("drive-000.img");
+    let target = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&on_disk));
+    std::os::unix::fs::symlink(target, &link).unwrap();
+    run_on_ring(|ring| async move {
+        let error = DriveFile::open(&link, &ring).unwrap_err();
+        assert!(matches!(error, DriveSetupError::NotMemoryDrive { .. }), "{error:?}");
+        assert!(error.to_string().contains("drive-000.img"), "{error}");
+    });
+    drop(on_disk);
+}
+
+#[test]
+fn log_engine_conformance_over_memory_drives() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = NodeUuid([0x6b; 16]);
+    let drive_size_bytes = HEADER_REGION_BYTES + (96 << 20);
+    let memory = MemoryDrives::create(dir.path(), 3, drive_size_bytes).unwrap();
+    format_drives(dir.path(), node, 3, drive_size_bytes).unwrap();
+    let infos = open_drives(dir.path(), node).unwrap();
+    run_on_ring(|ring| async move {
+        let open = || -> Vec<DriveFile> {
+            infos.iter().map(|info| DriveFile::open(&info.path, &ring).unwrap()).collect()
+        };
+        let log_config = LogConfig::for_drives(node, drive_size_bytes, 3);
+        let config = CheckConfig { seed: 11, volume_blocks: 4000, ..CheckConfig::default() };
+        let report = check_log_engine(open, &log_config, &config).await;
+        assert!(report.blocks_verified > 1000, "{report:?}");
+        assert_eq!((report.restarts, report.crashes), (2, 2), "{report:?}");
+        settle(&ring).await;
+    });
+    drop(memory);
 }

@@ -3,6 +3,10 @@
 //! Drive geometry is chosen once, on the node's first start, and recorded in the metadata store;
 //! on later starts the recorded geometry wins, and asking for a different one is an error
 //! rather than a silent reformat.
+//!
+//! The drive backend ([`DriveBackend`]) says what holds the drives' bytes: files (durable) or
+//! RAM (NOT DURABLE, for measuring the target without a drive in the way). Memory drives must
+//! fit in RAM with room to spare ([`NodeConfig::check_memory_drives`]).
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
@@ -28,6 +32,42 @@ pub const DRIVE_SIZE_BYTES_MAX: u64 = 1 << 50;
 pub const DRIVE_SIZE_ALIGNMENT_BYTES: u64 = 1 << 20;
 /// The directory under the data dir that holds the drive files.
 pub const DRIVES_DIR_NAME: &str = "drives";
+/// The size of each memory drive when none is given: 4 drives take at most 4 GiB of RAM, and
+/// only as volumes are written (memory drives are sparse too).
+pub const DEFAULT_MEMORY_DRIVE_SIZE_BYTES: u64 = 1 << 30;
+/// Memory drives may promise at most this share of the RAM available at start (MemAvailable in
+/// /proc/meminfo), so that filling them cannot push the machine into the OOM killer.
+pub const MEMORY_DRIVES_AVAILABLE_PERCENT_MAX: u64 = 75;
+
+/// What holds the drives' bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DriveBackend {
+    /// Sparse drive files in DATA-DIR/drives, written with O_DIRECT: durable.
+    #[default]
+    File,
+    /// Anonymous memory files (`io::MemoryDrives`) that live as long as the node's process:
+    /// NOT DURABLE. The node keeps its metadata in a fresh scratch directory, removed when it
+    /// stops, so a restart starts empty instead of finding volumes whose data is gone.
+    Memory,
+}
+
+impl DriveBackend {
+    /// The name users see: in `--drive-backend`, the node API and the metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::File => "file",
+            Self::Memory => "memory",
+        }
+    }
+
+    /// The size of each drive on a first start when none is given.
+    pub fn default_drive_size_bytes(self) -> u64 {
+        match self {
+            Self::File => DEFAULT_DRIVE_SIZE_BYTES,
+            Self::Memory => DEFAULT_MEMORY_DRIVE_SIZE_BYTES,
+        }
+    }
+}
 
 /// Everything a node needs to start.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,6 +112,14 @@ pub enum ConfigError {
         ByteSize(*.0), ByteSize(DRIVE_SIZE_BYTES_MIN), ByteSize(DRIVE_SIZE_BYTES_MAX)
     )]
     DriveSize(u64),
+    #[error(
+        "memory drives of {} ({drive_count} x {}) do not fit in RAM: at most \
+         {MEMORY_DRIVES_AVAILABLE_PERCENT_MAX}% of the {:.1} GiB available (MemAvailable) may \
+         be promised to them; give a smaller --drive-size or fewer --drives",
+        ByteSize(drive_count.saturating_mul(*drive_size_bytes)), ByteSize(*drive_size_bytes),
+        *available_bytes as f64 / f64::from(1u32 << 30)
+    )]
+    MemoryDrivesTooLarge { drive_count: u64, drive_size_bytes: u64, available_bytes: u64 },
 }
 
 impl NodeConfig {
@@ -87,6 +135,25 @@ impl NodeConfig {
             if !valid {
                 return Err(ConfigError::DriveSize(size_bytes));
             }
+        }
+        Ok(())
+    }
+
+    /// Checks that memory drives of this configuration fit in `available_bytes` of RAM (at most
+    /// [`MEMORY_DRIVES_AVAILABLE_PERCENT_MAX`] percent of it). Call after [`Self::validate`].
+    pub fn check_memory_drives(&self, available_bytes: u64) -> Result<(), ConfigError> {
+        let drive_count = u64::from(self.drive_count.unwrap_or(DEFAULT_DRIVE_COUNT));
+        let drive_size_bytes =
+            self.drive_size_bytes.unwrap_or(DriveBackend::Memory.default_drive_size_bytes());
+        // Validated sizes (at most 64 drives of 1 PiB) and RAM sizes cannot overflow u128.
+        let promised = u128::from(drive_count) * u128::from(drive_size_bytes) * 100;
+        let allowed = u128::from(available_bytes) * u128::from(MEMORY_DRIVES_AVAILABLE_PERCENT_MAX);
+        if promised > allowed {
+            return Err(ConfigError::MemoryDrivesTooLarge {
+                drive_count,
+                drive_size_bytes,
+                available_bytes,
+            });
         }
         Ok(())
     }
@@ -124,5 +191,29 @@ mod tests {
         check(None, Some((1 << 30) + 4096), false);
         let message = ConfigError::DriveSize(1000).to_string();
         assert!(message.contains("64MiB"), "{message}");
+    }
+
+    #[test]
+    fn memory_drives_must_fit_in_ram() {
+        const GIB: u64 = 1 << 30;
+        let check = |drive_count: Option<u16>, drive_size_bytes: Option<u64>, available: u64| {
+            let config = NodeConfig { drive_count, drive_size_bytes, ..NodeConfig::default() };
+            config.check_memory_drives(available)
+        };
+        // The defaults, 4 x 1 GiB, need 4 GiB / 75% = 5.33 GiB available.
+        assert_eq!(check(None, None, 6 * GIB), Ok(()));
+        assert!(check(None, None, 5 * GIB).is_err());
+        assert_eq!(check(Some(3), Some(GIB), 4 * GIB), Ok(()), "exactly 75%");
+        assert!(check(Some(3), Some(GIB), 4 * GIB - 1).is_err());
+        // The largest request (2^56 bytes) against the largest RAM: no overflow either way.
+        assert_eq!(check(Some(DRIVE_COUNT_MAX), Some(DRIVE_SIZE_BYTES_MAX), u64::MAX), Ok(()));
+        assert!(check(Some(DRIVE_COUNT_MAX), Some(DRIVE_SIZE_BYTES_MAX), 1 << 56).is_err());
+        let message = check(Some(2), Some(8 * GIB), 10 * GIB).unwrap_err().to_string();
+        for part in ["16GiB (2 x 8GiB)", "75% of the 10.0 GiB available", "--drive-size"] {
+            assert!(message.contains(part), "{message:?} lacks {part:?}");
+        }
+        assert_eq!(DriveBackend::default(), DriveBackend::File);
+        assert_eq!(DriveBackend::Memory.default_drive_size_bytes(), GIB);
+        assert_eq!(DriveBackend::Memory.as_str(), "memory");
     }
 }

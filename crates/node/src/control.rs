@@ -26,8 +26,9 @@
 //! reserve-write-publish sequence atomic with respect to the others. Reads do not take it.
 //! Every method blocks (metadata commits fsync); the HTTP layer calls them off the runtime.
 
-use crate::data_plane::{Capacity, DataPlane, DataPlaneError, VolumeSpace};
+use crate::data_plane::{Capacity, DataPlane, DataPlaneError, VolumePath, VolumeSpace};
 use crate::metrics::Registry;
+use nvmf::target::AnaState;
 use meta::{HostAccess, MetaError, MetaStore, VolumeRecord, ALLOWED_HOSTS_MAX};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -71,6 +72,8 @@ pub enum ControlError {
          longer use it first"
     )]
     TooManyHosts(VolumeName),
+    #[error("volume {name}: {message}")]
+    InvalidPath { name: VolumeName, message: String },
     #[error("the data path failed on volume {name}: {source}")]
     DataPlane { name: VolumeName, source: DataPlaneError },
     #[error(transparent)]
@@ -91,6 +94,7 @@ impl ControlError {
             DataPlaneError::NoSpace { requested_bytes, free_bytes } => {
                 Self::NoSpace { name: name.clone(), requested_bytes, free_bytes }
             }
+            DataPlaneError::Invalid(message) => Self::InvalidPath { name: name.clone(), message },
             source => Self::DataPlane { name: name.clone(), source },
         }
     }
@@ -219,6 +223,30 @@ impl VolumeService {
     /// Allows the host `hostnqn` to connect to the volume. On an open volume this restricts it
     /// to this one host (connected hosts are disconnected, see [`DataPlane::set_host_access`]);
     /// allowing a host already allowed changes nothing.
+    /// The volume's NVMe/TCP paths (one per listen address of the node) and its ANA state on each.
+    pub fn paths(&self, name: &str) -> Result<(VolumeRecord, Vec<VolumePath>), ControlError> {
+        let record = self.volume(name)?;
+        let paths = self.data_plane.paths(&record);
+        Ok((record, paths))
+    }
+
+    /// Sets the volume's ANA state through port `port_id` (hosts connected there get an ANA
+    /// change notice and move their I/O as their multipath policy says). Not persisted: a
+    /// restarted node serves every path optimized.
+    pub fn set_path_state(
+        &self,
+        name: &str,
+        port_id: u16,
+        state: AnaState,
+    ) -> Result<Vec<VolumePath>, ControlError> {
+        let record = self.volume(name)?;
+        let _serialised = self.lock_mutations();
+        self.data_plane
+            .set_path_state(&record, port_id, state)
+            .map_err(|error| ControlError::from_data_plane(&record.name, error))?;
+        Ok(self.data_plane.paths(&record))
+    }
+
     pub fn allow_host(&self, name: &str, hostnqn: &str) -> Result<VolumeRecord, ControlError> {
         let name = parse_name(name)?;
         let host = Nqn::new(hostnqn).map_err(ControlError::InvalidHost)?;

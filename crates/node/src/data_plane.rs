@@ -23,6 +23,7 @@
 
 use crate::metrics::Registry;
 use meta::{Chunk, VolumeRecord};
+use nvmf::target::AnaState;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -62,6 +63,10 @@ pub enum DataPlaneError {
     /// The drives have no room: an expected condition, reported to the user as `no_space`.
     #[error("not enough free space: {requested_bytes} bytes requested, {free_bytes} bytes free")]
     NoSpace { requested_bytes: u64, free_bytes: u64 },
+    /// The request names something the data path does not have (a port, say): the user's
+    /// mistake, reported as a bad request.
+    #[error("{0}")]
+    Invalid(String),
     /// Anything else; reported to the user as an internal error.
     #[error(transparent)]
     Failed(Box<dyn std::error::Error + Send + Sync>),
@@ -70,6 +75,10 @@ pub enum DataPlaneError {
 impl DataPlaneError {
     pub fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         Self::Failed(error.into())
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::Invalid(message.into())
     }
 }
 
@@ -83,11 +92,20 @@ pub struct DriveSet {
     pub size_bytes: u64,
 }
 
+/// One NVMe/TCP path to a volume: a listener of this node and the volume's ANA state there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumePath {
+    /// The NVMe port ID (the listener's place in `--nvme-listen`, from 1).
+    pub port_id: u16,
+    pub address: SocketAddr,
+    pub state: AnaState,
+}
+
 /// What the data path needs to start.
 pub struct DataPathContext {
     pub drives: DriveSet,
-    /// Where to serve NVMe/TCP.
-    pub nvme_listen: SocketAddr,
+    /// Where to serve NVMe/TCP: one listener (an NVMe port, ID `i + 1`) per address.
+    pub nvme_listen: Vec<SocketAddr>,
     /// Every volume in the metadata store: each is served from the start, and data of volumes
     /// not among them (deleted just before a crash) is dropped. The volume service publishes only later changes.
     pub volumes: Vec<VolumeRecord>,
@@ -153,8 +171,30 @@ pub trait DataPlane: Send + Sync {
         None
     }
 
-    /// The address NVMe/TCP is served on, or `None` if this data path serves no I/O.
+    /// The address NVMe/TCP is served on (the first, if several), or `None` if this data path
+    /// serves no I/O.
     fn nvme_addr(&self) -> Option<SocketAddr>;
+
+    /// The paths to a served volume: one per NVMe/TCP listener, with the volume's ANA state
+    /// through it.
+    fn paths(&self, _volume: &VolumeRecord) -> Vec<VolumePath> {
+        Vec::new()
+    }
+
+    /// Sets the volume's ANA state through port `port_id`; connected hosts get an ANA change
+    /// notice. The state lasts until the node stops (a restarted node serves every path
+    /// optimized).
+    fn set_path_state(
+        &self,
+        volume: &VolumeRecord,
+        _port_id: u16,
+        _state: AnaState,
+    ) -> Result<(), DataPlaneError> {
+        Err(DataPlaneError::failed(format!(
+            "volume {}: this data path has no NVMe/TCP ports",
+            volume.name
+        )))
+    }
 
     /// Stops serving and joins the data-path threads. Called once, when the node stops, after
     /// the REST API stopped.

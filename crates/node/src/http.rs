@@ -6,6 +6,7 @@
 //! run at once; more are answered `503 busy` at once rather than queued without bound. Volume
 //! service calls block (metadata commits fsync), so they run on tokio's blocking pool.
 
+use crate::config::DriveBackend;
 use crate::control::{ControlError, VolumeService};
 use crate::data_plane::VolumeSpace;
 use crate::metrics::{NodeGauges, Registry};
@@ -37,6 +38,8 @@ pub struct NodeView {
     /// The NVMe/TCP address hosts are told to connect to.
     pub nvme_advertised: SocketAddr,
     pub nvme_serving: bool,
+    /// What holds the drives' bytes; memory is NOT DURABLE.
+    pub drive_backend: DriveBackend,
 }
 
 #[derive(Clone)]
@@ -95,6 +98,7 @@ impl From<ControlError> for ApiError {
             ControlError::InvalidHost(_) => ErrorCode::InvalidNqn,
             ControlError::HostAccessOpen(_) => ErrorCode::HostAccessOpen,
             ControlError::TooManyHosts(_) => ErrorCode::TooManyHosts,
+            ControlError::InvalidPath { .. } => ErrorCode::InvalidRequest,
             ControlError::DataPlane { .. } | ControlError::Meta(_) => {
                 tracing::error!(%error, "volume operation failed");
                 ErrorCode::Internal
@@ -307,6 +311,7 @@ async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>,
         version: env!("CARGO_PKG_VERSION").to_owned(),
         drive_count: node.record.drive_count,
         drive_size_bytes: node.record.drive_size_bytes,
+        drive_backend: node.drive_backend.as_str().to_owned(),
         created_unix_ms: node.record.created_unix_ms,
         nvme_host: node.nvme_advertised.ip().to_string(),
         nvme_port: node.nvme_advertised.port(),
@@ -327,9 +332,11 @@ async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>,
 }
 
 async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
-    let gauges = call(&state, |service| {
+    let drive_backend = state.node.drive_backend;
+    let gauges = call(&state, move |service| {
         let capacity = service.capacity();
         Ok(NodeGauges {
+            drive_backend,
             volumes: service.volumes()?.len() as u64,
             capacity_total_bytes: capacity.total_bytes,
             capacity_free_bytes: capacity.free_bytes,

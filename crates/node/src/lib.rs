@@ -16,6 +16,11 @@
 //!
 //! Stopping drains the API (in-flight requests finish), then shuts the data path down, then
 //! closes the metadata store.
+//!
+//! With [`DriveBackend::Memory`] (NOT DURABLE) the drives are `io::MemoryDrives` in RAM, and the
+//! data dir is replaced by a fresh scratch directory in the system's temporary directory that
+//! holds the metadata store and the drives' links and is removed when the node stops: the
+//! metadata never outlives the data it describes, so every start is a first start.
 
 pub mod config;
 pub mod control;
@@ -24,7 +29,7 @@ pub mod http;
 pub mod metrics;
 pub mod nvme;
 
-pub use config::{ConfigError, NodeConfig};
+pub use config::{ConfigError, DriveBackend, NodeConfig};
 pub use data_plane::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet, VolumeSpace,
 };
@@ -41,6 +46,12 @@ use tokio::sync::watch;
 pub const API_SHUTDOWN_TIMEOUT_MS: u64 = 10_000;
 /// Threads tokio may start for blocking volume-service calls (metadata commits).
 pub const CONTROL_BLOCKING_THREADS_MAX: usize = 4;
+/// Names tried for a memory-backed node's scratch directory before giving up (each is random,
+/// so a second attempt is already a surprise).
+const SCRATCH_DIR_ATTEMPTS_MAX: u32 = 8;
+/// The line logged (at WARN) when a node starts on memory drives.
+pub const MEMORY_BACKEND_WARNING: &str =
+    "drive backend: memory — NOT DURABLE, data is lost when the node stops";
 
 /// Why a node could not start or stop cleanly. Messages say what to do.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +60,16 @@ pub enum NodeError {
     Config(#[from] ConfigError),
     #[error("cannot create the data dir {}: {source}", path.display())]
     DataDir { path: PathBuf, source: std::io::Error },
+    #[error(
+        "cannot create a scratch directory {} for the memory-backed node's metadata: {source}; \
+         point TMPDIR at a writable directory",
+        path.display()
+    )]
+    ScratchDir { path: PathBuf, source: std::io::Error },
+    #[error("cannot read how much RAM is available from /proc/meminfo: {0}")]
+    MemoryInfo(std::io::Error),
+    #[error("cannot create the memory drives: {0}")]
+    MemoryDrives(io::DriveSetupError),
     #[error(transparent)]
     Meta(#[from] MetaError),
     #[error(
@@ -97,21 +118,56 @@ pub struct Node {
     record: NodeRecord,
     first_start: bool,
     data_dir: PathBuf,
+    /// Memory drives and their scratch directory; declared last so they outlive everything
+    /// else of the node (dropped after the data path stopped).
+    memory: Option<MemoryBacking>,
 }
 
 impl Node {
-    /// Starts a node with this build's data path.
+    /// Starts a node with this build's data path, on drive files.
     pub fn start(config: NodeConfig) -> Result<Self, NodeError> {
-        let data_path = nvme::NvmeDataPathBuilder::new(config.data_threads);
-        Self::start_with(config, Box::new(data_path))
+        Self::start_on(config, DriveBackend::File)
     }
 
-    /// Starts a node with the given data path.
+    /// Starts a node with this build's data path, on drives held by `backend`. With
+    /// [`DriveBackend::Memory`], `config.data_dir` is not used (see the module comment).
+    pub fn start_on(config: NodeConfig, backend: DriveBackend) -> Result<Self, NodeError> {
+        let data_path = nvme::NvmeDataPathBuilder::new(config.data_threads);
+        Self::start_with_backend(config, backend, Box::new(data_path))
+    }
+
+    /// Starts a node with the given data path, on drive files.
     pub fn start_with(
         config: NodeConfig,
+        data_path: Box<dyn DataPathBuilder>,
+    ) -> Result<Self, NodeError> {
+        Self::start_with_backend(config, DriveBackend::File, data_path)
+    }
+
+    /// Starts a node with the given data path, on drives held by `backend`.
+    pub fn start_with_backend(
+        mut config: NodeConfig,
+        backend: DriveBackend,
         mut data_path: Box<dyn DataPathBuilder>,
     ) -> Result<Self, NodeError> {
         config.validate()?;
+        // Dropped last on every early return, so a failed start leaves no RAM or files behind.
+        let memory = match backend {
+            DriveBackend::File => None,
+            DriveBackend::Memory => {
+                config.check_memory_drives(memory_available_bytes()?)?;
+                let scratch = ScratchDir::create()?;
+                config.data_dir = scratch.path.clone();
+                let drives = io::MemoryDrives::create(
+                    &config.drives_dir(),
+                    config.drive_count.unwrap_or(config::DEFAULT_DRIVE_COUNT),
+                    config.drive_size_bytes.unwrap_or(backend.default_drive_size_bytes()),
+                )
+                .map_err(NodeError::MemoryDrives)?;
+                tracing::warn!(scratch_dir = %scratch.path.display(), "{MEMORY_BACKEND_WARNING}");
+                Some(MemoryBacking { drives, scratch })
+            }
+        };
         std::fs::create_dir_all(&config.data_dir)
             .map_err(|source| NodeError::DataDir { path: config.data_dir.clone(), source })?;
         let meta = Arc::new(EmbeddedStore::open_in(&config.data_dir)?);
@@ -127,7 +183,7 @@ impl Node {
                     drive_count: config.drive_count.unwrap_or(config::DEFAULT_DRIVE_COUNT),
                     drive_size_bytes: config
                         .drive_size_bytes
-                        .unwrap_or(config::DEFAULT_DRIVE_SIZE_BYTES),
+                        .unwrap_or(backend.default_drive_size_bytes()),
                     created_unix_ms: control::now_unix_ms(),
                 };
                 let drives = drive_set(&config, &record);
@@ -140,6 +196,7 @@ impl Node {
                     node_uuid = %api::format_uuid(&record.uuid),
                     drives = record.drive_count,
                     drive_size = %types::ByteSize(record.drive_size_bytes),
+                    drive_backend = backend.as_str(),
                     "first start: created the node"
                 );
                 (record, true)
@@ -175,7 +232,7 @@ impl Node {
         }
         let context = DataPathContext {
             drives: drive_set(&config, &record),
-            nvme_listen: config.nvme_listen,
+            nvme_listen: vec![config.nvme_listen],
             volumes,
             metrics: Arc::clone(&metrics),
         };
@@ -188,7 +245,12 @@ impl Node {
             Arc::clone(&data_plane),
             Arc::clone(&metrics),
         ));
-        let view = http::NodeView { record: record.clone(), nvme_advertised, nvme_serving };
+        let view = http::NodeView {
+            record: record.clone(),
+            nvme_advertised,
+            nvme_serving,
+            drive_backend: backend,
+        };
         let router = http::router(service, metrics, view);
         let server_stop = stop.clone();
         let server = runtime.spawn(async move {
@@ -212,6 +274,7 @@ impl Node {
             record,
             first_start,
             data_dir: config.data_dir,
+            memory,
         })
     }
 
@@ -244,18 +307,34 @@ impl Node {
         self.first_start
     }
 
+    /// Where the metadata and the drives are: the configured data dir, or with memory drives
+    /// the scratch directory that replaces it.
     pub fn data_dir(&self) -> &Path {
-        &self.data_dir
+        match &self.memory {
+            Some(memory) => &memory.scratch.path,
+            None => &self.data_dir,
+        }
+    }
+
+    /// What holds the drives' bytes; [`DriveBackend::Memory`] is NOT DURABLE.
+    pub fn drive_backend(&self) -> DriveBackend {
+        match self.memory {
+            Some(_) => DriveBackend::Memory,
+            None => DriveBackend::File,
+        }
     }
 
     /// The embedded metadata store's file.
     pub fn meta_path(&self) -> PathBuf {
-        self.data_dir.join(meta::META_FILE_NAME)
+        self.data_dir().join(meta::META_FILE_NAME)
     }
 
-    /// Where the drive files live.
+    /// Where the drive files live (with memory drives: their links).
     pub fn drives_dir(&self) -> PathBuf {
-        self.data_dir.join(config::DRIVES_DIR_NAME)
+        match &self.memory {
+            Some(memory) => memory.drives.dir().to_owned(),
+            None => self.data_dir.join(config::DRIVES_DIR_NAME),
+        }
     }
 
     pub fn stop_handle(&self) -> StopHandle {
@@ -313,6 +392,76 @@ impl Drop for Node {
             }
         }
     }
+}
+
+/// What a memory-backed node holds for its life.
+struct MemoryBacking {
+    /// Declared first: the links go before the folder that holds them.
+    drives: io::MemoryDrives,
+    scratch: ScratchDir,
+}
+
+/// A memory-backed node's private directory (mode 0700) in the system's temporary directory,
+/// removed with everything in it on drop. A node killed with SIGKILL leaves it behind: it holds
+/// only the metadata store and the drives' links (the drives' RAM goes with the process).
+struct ScratchDir {
+    path: PathBuf,
+}
+
+impl ScratchDir {
+    fn create() -> Result<Self, NodeError> {
+        use std::os::unix::fs::DirBuilderExt;
+        let parent = std::env::temp_dir();
+        let mut last_error = None;
+        for _ in 0..SCRATCH_DIR_ATTEMPTS_MAX {
+            let suffix: u32 = rand::random();
+            let path = parent.join(format!("ferrite-memory-{}-{suffix:08x}", std::process::id()));
+            match std::fs::DirBuilder::new().mode(0o700).create(&path) {
+                Ok(()) => return Ok(Self { path }),
+                Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => {
+                    last_error = Some((path, error));
+                }
+                Err(source) => return Err(NodeError::ScratchDir { path, source }),
+            }
+        }
+        let (path, source) = last_error
+            .unwrap_or_else(|| (parent, std::io::Error::from(std::io::ErrorKind::AlreadyExists)));
+        Err(NodeError::ScratchDir { path, source })
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        if let Err(error) = std::fs::remove_dir_all(&self.path) {
+            tracing::warn!(
+                path = %self.path.display(),
+                %error,
+                "cannot remove the memory-backed node's scratch directory; remove it by hand"
+            );
+        }
+    }
+}
+
+/// RAM the kernel expects to be available for new work without swapping (MemAvailable).
+fn memory_available_bytes() -> Result<u64, NodeError> {
+    let text = std::fs::read_to_string("/proc/meminfo").map_err(NodeError::MemoryInfo)?;
+    parse_mem_available(&text).ok_or_else(|| {
+        NodeError::MemoryInfo(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "no readable \"MemAvailable: N kB\" line",
+        ))
+    })
+}
+
+/// The MemAvailable line of /proc/meminfo, in bytes.
+fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    let rest = meminfo.lines().find_map(|line| line.strip_prefix("MemAvailable:"))?;
+    let mut words = rest.split_whitespace();
+    let kibibytes: u64 = words.next()?.parse().ok()?;
+    if words.next() != Some("kB") {
+        return None;
+    }
+    kibibytes.checked_mul(1024)
 }
 
 fn drive_set(config: &NodeConfig, record: &NodeRecord) -> DriveSet {
@@ -396,5 +545,29 @@ mod tests {
         check("0.0.0.0:4420", "127.0.0.1:4420");
         check("[::]:4420", "[::1]:4420");
         check("10.0.0.5:4420", "10.0.0.5:4420");
+    }
+
+    #[test]
+    fn reads_mem_available() {
+        let check = |text: &str, expect: Option<u64>| assert_eq!(parse_mem_available(text), expect);
+        check("MemTotal:       24684096 kB\nMemAvailable:   24202052 kB\n", Some(24202052 * 1024));
+        check("MemTotal:       24684096 kB\n", None);
+        check("MemAvailable: lots kB\n", None);
+        check("MemAvailable: 12 MB\n", None);
+        check("MemAvailable: 18446744073709551615 kB\n", None);
+    }
+
+    #[test]
+    fn scratch_dirs_are_private_and_removed() {
+        use std::os::unix::fs::PermissionsExt;
+        let scratch = ScratchDir::create().unwrap();
+        let other = ScratchDir::create().unwrap();
+        assert_ne!(scratch.path, other.path);
+        let mode = std::fs::metadata(&scratch.path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        std::fs::write(scratch.path.join("meta.redb"), b"x").unwrap();
+        let path = scratch.path.clone();
+        drop(scratch);
+        assert!(!path.exists());
     }
 }

@@ -9,6 +9,8 @@
 //! counters, gauges and fixed-bucket histograms do not justify a metrics framework.
 //!
 //! Families:
+//! - `ferrite_node_drive_backend{backend}` (gauge): 1 for the backend holding the drives
+//!   (`file`, or `memory`: NOT DURABLE), 0 for the others
 //! - `ferrite_volumes` (gauge), `ferrite_capacity_total_bytes`, `ferrite_capacity_free_bytes`,
 //!   `ferrite_provisioned_bytes`, `ferrite_mapped_bytes`, `ferrite_physical_used_bytes`,
 //!   `ferrite_write_amplification` (gauges), `ferrite_checksum_errors_total` (counter)
@@ -23,6 +25,8 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use types::VolumeName;
+
+use crate::config::DriveBackend;
 
 /// Upper bounds of the latency histogram buckets, in microseconds; a last `+Inf` bucket follows.
 /// From local NVMe (tens of microseconds) to a stalled drive (a second).
@@ -169,6 +173,7 @@ impl VolumeMetrics {
 /// Node-wide values read from the control plane at scrape time.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct NodeGauges {
+    pub drive_backend: DriveBackend,
     pub volumes: u64,
     pub capacity_total_bytes: u64,
     pub capacity_free_bytes: u64,
@@ -228,6 +233,18 @@ impl Registry {
             .map(|(id, entry)| (*id, entry.name.clone(), Arc::clone(&entry.metrics)))
             .collect();
         let mut out = String::new();
+        family(
+            &mut out,
+            "ferrite_node_drive_backend",
+            "gauge",
+            "What holds the drives (1 for the one in use): file, or memory (NOT DURABLE: \
+             every volume is lost when the node stops).",
+        );
+        for backend in [DriveBackend::File, DriveBackend::Memory] {
+            let value = u8::from(backend == node.drive_backend);
+            let name = backend.as_str();
+            let _ = writeln!(out, "ferrite_node_drive_backend{{backend=\"{name}\"}} {value}");
+        }
         render_gauge(&mut out, "ferrite_volumes", "Volumes on this node.", node.volumes);
         render_gauge(
             &mut out,
@@ -494,6 +511,12 @@ mod tests {
         assert_eq!(value(&text, "ferrite_capacity_free_bytes"), 1 << 29);
         assert_eq!(value(&text, "ferrite_checksum_errors_total"), 3);
         assert!(text.contains("ferrite_write_amplification 0\n"), "{text}");
+        assert_eq!(value(&text, "ferrite_node_drive_backend{backend=\"file\"}"), 1);
+        assert_eq!(value(&text, "ferrite_node_drive_backend{backend=\"memory\"}"), 0);
+        let memory = NodeGauges { drive_backend: DriveBackend::Memory, ..gauges };
+        let memory_text = registry.render(&memory);
+        assert_eq!(value(&memory_text, "ferrite_node_drive_backend{backend=\"memory\"}"), 1);
+        assert_eq!(value(&memory_text, "ferrite_node_drive_backend{backend=\"file\"}"), 0);
         assert_eq!(
             value(
                 &text,

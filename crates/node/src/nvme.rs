@@ -18,7 +18,7 @@
 //! and only then deletes its data in the engine (durably), so a late write can never recreate
 //! blocks of a deleted volume.
 
-use crate::data_plane::VolumeSpace;
+use crate::data_plane::{VolumePath, VolumeSpace};
 use crate::data_plane::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
 };
@@ -30,7 +30,7 @@ use engine::{
 use io::{DriveFile, Ring};
 use meta::{Chunk, HostAccess, VolumeRecord};
 use nvmf::target::{
-    Catalog, Listener, NamespaceInfo, Queue, RequestId, StorageOperation, StorageRequest,
+    AnaState, Catalog, Listener, NamespaceInfo, Queue, RequestId, StorageOperation, StorageRequest,
     StorageStatus, SubsystemInfo, Target, TargetConfig,
 };
 use std::cell::RefCell;
@@ -46,6 +46,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Notify};
 use types::{AlignedBuf, Nqn, VolumeName, LOGICAL_BLOCK_SIZE_BYTES};
 
+/// NVMe/TCP listen addresses (ports, in the discovery log's terms) a node serves at most.
+pub const NVME_LISTENERS_MAX: usize = 16;
 /// Connections waiting to be picked up by one data-path thread.
 const HANDOFF_QUEUE_CONNECTIONS_MAX: usize = 64;
 /// Bytes read from a socket at once; holds at least two of the largest PDUs.
@@ -169,21 +171,41 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             catalog.insert(record, map, context.metrics.volume(record.id));
         }
 
-        let listener = std::net::TcpListener::bind(context.nvme_listen).map_err(|error| {
-            DataPlaneError::failed(format!(
-                "cannot listen for NVMe/TCP on {}: {error}; pass --nvme-listen with a free \
-                 address",
-                context.nvme_listen
-            ))
-        })?;
-        listener.set_nonblocking(true).map_err(DataPlaneError::failed)?;
-        let nvme_addr = listener.local_addr().map_err(DataPlaneError::failed)?;
+        if context.nvme_listen.is_empty() || context.nvme_listen.len() > NVME_LISTENERS_MAX {
+            return Err(DataPlaneError::failed(format!(
+                "serve NVMe/TCP on 1 to {NVME_LISTENERS_MAX} addresses (got {})",
+                context.nvme_listen.len()
+            )));
+        }
+        // Port IDs are 1, 2, ... in the order the addresses were given.
+        let mut listeners = Vec::with_capacity(context.nvme_listen.len());
+        let mut nvme_addrs = Vec::with_capacity(context.nvme_listen.len());
+        for (port_id, address) in (1u16..).zip(&context.nvme_listen) {
+            let listener = std::net::TcpListener::bind(address).map_err(|error| {
+                DataPlaneError::failed(format!(
+                    "cannot listen for NVMe/TCP on {address}: {error}; pass --nvme-listen with \
+                     a free address"
+                ))
+            })?;
+            listener.set_nonblocking(true).map_err(DataPlaneError::failed)?;
+            let bound = listener.local_addr().map_err(DataPlaneError::failed)?;
+            if nvme_addrs.contains(&bound) {
+                return Err(DataPlaneError::failed(format!(
+                    "--nvme-listen {bound} is given twice"
+                )));
+            }
+            nvme_addrs.push(bound);
+            listeners.push((listener, port_id));
+        }
         let target_config = TargetConfig {
-            listeners: vec![Listener {
-                traddr: advertised_ip(nvme_addr),
-                trsvcid: nvme_addr.port().to_string(),
-                port_id: 1,
-            }],
+            listeners: (1u16..)
+                .zip(&nvme_addrs)
+                .map(|(port_id, address)| Listener {
+                    traddr: advertised_ip(*address),
+                    trsvcid: address.port().to_string(),
+                    port_id,
+                })
+                .collect(),
             ..TargetConfig::default()
         };
         let target = Arc::new(Target::new(target_config, Arc::clone(&catalog) as Arc<dyn Catalog>));
@@ -207,7 +229,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
         }
         let (ready_sender, ready_receiver) = std::sync::mpsc::channel();
         let mut threads = Vec::with_capacity(self.data_threads);
-        let mut listener = Some(listener);
+        let mut listeners = Some(listeners);
         let mut commands = Some(command_receiver);
         let mut engine: Option<Arc<LogEngine>> = None;
         // Thread 0 first: it recovers the engine, which the other threads then share.
@@ -217,7 +239,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
                 shared: Arc::clone(&shared),
                 connections: receiver,
                 stop: stop_receiver.clone(),
-                acceptor: listener.take().map(|listener| (listener, senders.clone())),
+                acceptor: listeners.take().map(|listeners| (listeners, senders.clone())),
                 engine: engine.clone(),
                 commands: commands.take(),
             };
@@ -244,7 +266,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             return Err(DataPlaneError::failed("no data-path thread started"));
         };
         tracing::info!(
-            nvme = %nvme_addr,
+            nvme = ?nvme_addrs,
             threads = threads.len(),
             drives = drive_count,
             "serving NVMe/TCP"
@@ -256,7 +278,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             catalog,
             target,
             shared,
-            nvme_addr,
+            nvme_addrs,
             stop: stop_sender,
             threads: Mutex::new(threads),
             metrics: context.metrics,
@@ -447,10 +469,10 @@ enum Command {
 struct DataThread {
     index: usize,
     shared: Arc<ThreadShared>,
-    connections: mpsc::Receiver<std::net::TcpStream>,
+    connections: mpsc::Receiver<Handoff>,
     stop: watch::Receiver<bool>,
     /// Thread 0 accepts connections and deals them out to every thread (itself included).
-    acceptor: Option<(std::net::TcpListener, Vec<mpsc::Sender<std::net::TcpStream>>)>,
+    acceptor: Option<Acceptor>,
     /// The engine, for threads other than 0 (thread 0 opens it).
     engine: Option<Arc<LogEngine>>,
     /// Thread 0 runs the background work and the control plane's commands.
@@ -496,14 +518,25 @@ impl DataThread {
         let background = self.commands.take().map(|commands| {
             tokio::task::spawn_local(background(Rc::clone(&store), commands, self.stop.clone()))
         });
-        if let Some((listener, senders)) = self.acceptor.take() {
-            match TcpListener::from_std(listener) {
-                Ok(listener) => {
-                    tokio::task::spawn_local(accept_loop(listener, senders, self.stop.clone()));
-                }
-                Err(error) => {
-                    let _ = ready.send(Err(format!("cannot watch the NVMe/TCP listener: {error}")));
-                    return;
+        if let Some((listeners, senders)) = self.acceptor.take() {
+            // One accept loop per listener; they deal connections out from one shared turn.
+            let next = Rc::new(std::cell::Cell::new(0usize));
+            for (listener, port_id) in listeners {
+                match TcpListener::from_std(listener) {
+                    Ok(listener) => {
+                        tokio::task::spawn_local(accept_loop(
+                            listener,
+                            port_id,
+                            senders.clone(),
+                            Rc::clone(&next),
+                            self.stop.clone(),
+                        ));
+                    }
+                    Err(error) => {
+                        let _ =
+                            ready.send(Err(format!("cannot watch the NVMe/TCP listener: {error}")));
+                        return;
+                    }
                 }
             }
         }
@@ -517,7 +550,8 @@ impl DataThread {
                     let store = Rc::clone(&store);
                     let stop = self.stop.clone();
                     tokio::task::spawn_local(async move {
-                        serve_connection(connection, shared, store, stop).await;
+                        serve_connection(connection.stream, connection.port_id, shared, store, stop)
+                            .await;
                     });
                 }
                 _ = self.stop.changed() => break,
@@ -638,10 +672,11 @@ async fn background(
 
 async fn accept_loop(
     listener: TcpListener,
-    senders: Vec<mpsc::Sender<std::net::TcpStream>>,
+    port_id: u16,
+    senders: Vec<mpsc::Sender<Handoff>>,
+    next: Rc<std::cell::Cell<usize>>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut next = 0usize;
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -663,12 +698,23 @@ async fn accept_loop(
                 continue;
             }
         };
-        let sender = &senders[next % senders.len()];
-        next = next.wrapping_add(1);
-        if sender.send(stream).await.is_err() {
+        let turn = next.get();
+        next.set(turn.wrapping_add(1));
+        let sender = &senders[turn % senders.len()];
+        if sender.send(Handoff { stream, port_id }).await.is_err() {
             return;
         }
     }
+}
+
+/// Thread 0's listeners (each with its port ID) and the channels to every data-path thread.
+type Acceptor = (Vec<(std::net::TcpListener, u16)>, Vec<mpsc::Sender<Handoff>>);
+
+/// A connection handed to a data-path thread, with the port ID of the listener that accepted it
+/// (its controller reports that port's ANA state).
+struct Handoff {
+    stream: std::net::TcpStream,
+    port_id: u16,
 }
 
 /// A storage result on its way back to the connection task.
@@ -690,6 +736,7 @@ fn now_ms(start: Instant) -> u64 {
 
 async fn serve_connection(
     stream: std::net::TcpStream,
+    port_id: u16,
     shared: Arc<ThreadShared>,
     store: Rc<LogHandle<DriveFile>>,
     mut stop: watch::Receiver<bool>,
@@ -704,7 +751,7 @@ async fn serve_connection(
     };
     let _ = stream.set_nodelay(true);
     let clock = Instant::now();
-    let mut queue = Queue::new(Arc::clone(&shared.target), peer.clone(), 0);
+    let mut queue = Queue::new_on_port(Arc::clone(&shared.target), peer.clone(), port_id, 0);
     let completions = Rc::new(Completions::default());
     let mut input = vec![0u8; RECEIVE_BUFFER_BYTES];
     let mut filled = 0usize;
@@ -969,7 +1016,8 @@ struct NvmeDataPlane {
     catalog: Arc<NodeCatalog>,
     target: Arc<Target>,
     shared: Arc<ThreadShared>,
-    nvme_addr: SocketAddr,
+    /// The bound NVMe/TCP addresses; port ID `i + 1` is `nvme_addrs[i]`.
+    nvme_addrs: Vec<SocketAddr>,
     stop: watch::Sender<bool>,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     metrics: Arc<Registry>,
@@ -1054,6 +1102,8 @@ impl DataPlane for NvmeDataPlane {
             self.catalog.remove(volume.id);
         }
         self.volumes.remove(VolumeId(volume.id));
+        // A volume created later under the same name starts with every path optimized.
+        self.target.forget_ana_states(&volume.name.subsystem_nqn());
         self.target.notify_subsystems_changed();
         if let Err(error) = self.delete_data(volume.id) {
             tracing::error!(
@@ -1130,7 +1180,45 @@ impl DataPlane for NvmeDataPlane {
     }
 
     fn nvme_addr(&self) -> Option<SocketAddr> {
-        Some(self.nvme_addr)
+        self.nvme_addrs.first().copied()
+    }
+
+    fn paths(&self, volume: &VolumeRecord) -> Vec<VolumePath> {
+        let subnqn = volume.name.subsystem_nqn();
+        (1u16..)
+            .zip(&self.nvme_addrs)
+            .map(|(port_id, address)| VolumePath {
+                port_id,
+                address: *address,
+                state: self.target.ana_state(&subnqn, port_id),
+            })
+            .collect()
+    }
+
+    fn set_path_state(
+        &self,
+        volume: &VolumeRecord,
+        port_id: u16,
+        state: AnaState,
+    ) -> Result<(), DataPlaneError> {
+        if port_id == 0 || usize::from(port_id) > self.nvme_addrs.len() {
+            return Err(DataPlaneError::invalid(format!(
+                "this node has no NVMe/TCP port {port_id}; its ports are 1 to {}",
+                self.nvme_addrs.len()
+            )));
+        }
+        if self.catalog.get(volume.id).is_none() {
+            return Err(DataPlaneError::failed(format!("volume {} is not served", volume.name)));
+        }
+        self.target.set_ana_state(&volume.name.subsystem_nqn(), port_id, state);
+        tracing::info!(
+            volume = %volume.name,
+            port = port_id,
+            address = %self.nvme_addrs[usize::from(port_id) - 1],
+            state = ?state,
+            "ANA state changed"
+        );
+        Ok(())
     }
 
     fn shutdown(&self) {
