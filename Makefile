@@ -13,13 +13,13 @@ help:
 	@echo "            '$(VOLUME)', run the five standard workloads over NVMe/TCP, keep serving"
 	@echo "make test   the whole test suite (format, lints, tidy, unit, integration, end to end)"
 
-release:
+release: deps
 	$(CARGO) build --release --locked --bin ferrite
 
 run: release
 	DATA_DIR=$(DATA_DIR) VOLUME=$(VOLUME) VOLUME_SIZE=$(VOLUME_SIZE) scripts/run.sh
 
-# System packages the tests use (fio for the raw-file peer in benchmarks). Installed only when
+# System packages the build and tests use (protoc for the etcd client, etcd, fio). Installed only when
 # missing, so a developer machine that has them is not touched.
 deps:
 	@scripts/deps.sh

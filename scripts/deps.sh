@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the test suite and benchmarks rely on, only if they are missing.
-# Runs as root in CI (a fresh clone on a machine that may lack them); elsewhere it says what to do.
+# Installs the Debian packages the build, the test suite and benchmarks rely on, only if they are
+# missing. Runs as root in CI (a fresh clone on a machine that may lack them); elsewhere it says
+# what to do.
 set -euo pipefail
 needed=()
 command -v fio >/dev/null 2>&1 || needed+=(fio)
+# The build: the etcd client crate compiles etcd's gRPC definitions with protoc, which needs the
+# protobuf well-known types (google/protobuf/descriptor.proto) from libprotobuf-dev.
+command -v protoc >/dev/null 2>&1 || needed+=(protobuf-compiler)
+[ -f /usr/include/google/protobuf/descriptor.proto ] || needed+=(libprotobuf-dev)
+# The metadata store's tests start their own etcd; etcdctl is for looking at a cluster's keys.
+command -v etcd >/dev/null 2>&1 || needed+=(etcd-server)
+command -v etcdctl >/dev/null 2>&1 || needed+=(etcd-client)
 if [ ${#needed[@]} -eq 0 ]; then
     exit 0
 fi

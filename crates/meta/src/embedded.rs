@@ -227,6 +227,13 @@ mod tests {
     }
 
     #[test]
+    fn concurrent_writers() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EmbeddedStore::open_in(dir.path()).unwrap();
+        crate::testing::check_concurrent_writers(&store, &store);
+    }
+
+    #[test]
     fn survives_reopen() {
         let dir = tempfile::tempdir().unwrap();
         let name = VolumeName::new("kept").unwrap();

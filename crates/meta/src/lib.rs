@@ -1,8 +1,8 @@
 //! Cluster metadata behind one trait, so the control plane does not care where it is kept.
 //!
-//! A single node keeps its metadata in an embedded redb file ([`EmbeddedStore`]); a cluster will
-//! keep it in etcd. Both implement [`MetaStore`], and both must pass the same conformance suite,
-//! [`testing::check_store`].
+//! A single node keeps its metadata in an embedded redb file ([`EmbeddedStore`]); a cluster keeps
+//! it in etcd ([`EtcdStore`]). Both implement [`MetaStore`], and both must pass the same
+//! conformance suite, [`testing::check_store`] and [`testing::check_concurrent_writers`].
 //!
 //! What is stored: one [`NodeRecord`] (who this node is and how its drives were formatted) and one
 //! [`VolumeRecord`] per volume, keyed by name. Every call is one transaction: it either happens
@@ -13,10 +13,14 @@
 //! version this build does not know is refused with an error, never guessed at.
 
 mod embedded;
+mod etcd;
 pub mod record;
 pub mod testing;
 
 pub use embedded::{EmbeddedStore, META_FILE_NAME};
+pub use etcd::{
+    EtcdStore, CAS_ATTEMPTS_MAX, ENDPOINTS_MAX, ETCD_TIMEOUT_DEFAULT, PREFIX_LENGTH_MAX,
+};
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -113,6 +117,12 @@ pub enum MetaError {
     Open { path: PathBuf, detail: String },
     #[error("metadata store failed: {detail}")]
     Backend { detail: String },
+    /// etcd did not answer: not running, not reachable, or without a quorum.
+    #[error("cannot reach etcd at {endpoints}: is etcd running? ({detail})")]
+    Unreachable { endpoints: String, detail: String },
+    /// The store's settings are unusable (an etcd key prefix or endpoint list, say).
+    #[error("invalid metadata store setting: {detail}")]
+    Config { detail: String },
     #[error("metadata record {key:?} is corrupt: {detail}")]
     RecordCorrupt { key: String, detail: String },
     #[error(

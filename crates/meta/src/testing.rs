@@ -1,11 +1,23 @@
 //! The conformance suite every [`MetaStore`] implementation must pass.
 //!
-//! One suite for every backend (embedded now, etcd later) keeps them interchangeable: the
-//! control plane's behaviour may not depend on where metadata lives. The suite panics with a
-//! message on the first violation, like any test.
+//! One suite for every backend (embedded and etcd) keeps them interchangeable: the control
+//! plane's behaviour may not depend on where metadata lives. The suite panics with a message on
+//! the first violation, like any test. [`EtcdServer`] runs a private etcd for the etcd store's
+//! tests, here and in other crates.
+
+mod etcd_server;
+
+pub use etcd_server::EtcdServer;
 
 use crate::{HostAccess, MetaError, MetaStore, NodeRecord, VolumeRecord};
+use std::collections::BTreeSet;
+use std::sync::Barrier;
 use types::{Nqn, VolumeName};
+
+/// How many times each race of [`check_concurrent_writers`] is run.
+const RACE_ROUNDS: usize = 8;
+/// How many volume ids each writer allocates in the allocation race.
+const RACE_IDS_PER_WRITER: usize = 50;
 
 /// Checks the [`MetaStore`] contract on `store`, which must be empty.
 pub fn check_store(store: &dyn MetaStore) {
@@ -149,4 +161,107 @@ fn check_volumes(store: &dyn MetaStore) {
         store.delete_volume(&volume.name).expect("delete_volume");
     }
     assert_eq!(store.volumes().expect("volumes"), vec![]);
+}
+
+/// Checks that two writers on one store cannot break its atomicity: `first` and `second` are
+/// two handles on the same store (two clients of one etcd prefix, or the same embedded store
+/// twice), and the store holds no volume named `race-*`.
+///
+/// - Racing creates of one name: exactly one wins, the other gets [`MetaError::VolumeExists`].
+/// - Racing deletes of one volume: exactly one gets the record, the other
+///   [`MetaError::VolumeNotFound`].
+/// - Racing id allocations: every id is distinct and each writer's ids increase.
+pub fn check_concurrent_writers(first: &dyn MetaStore, second: &dyn MetaStore) {
+    let writers = [first, second];
+    for round in 0..RACE_ROUNDS {
+        let volume = name(&format!("race-{round}"));
+        let records = writers
+            .map(|store| VolumeRecord { name: volume.clone(), ..record(store, "race", 1 << 20) });
+        let barrier = Barrier::new(writers.len());
+        let created = std::thread::scope(|scope| {
+            let handles = writers.iter().zip(&records).map(|(store, record)| {
+                let barrier = &barrier;
+                scope.spawn(move || {
+                    barrier.wait();
+                    store.create_volume(record)
+                })
+            });
+            handles
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|handle| handle.join().expect("a writer panicked"))
+                .collect::<Vec<_>>()
+        });
+        let winners: Vec<&VolumeRecord> = created
+            .iter()
+            .zip(&records)
+            .filter_map(|(result, record)| match result {
+                Ok(_) => Some(record),
+                Err(MetaError::VolumeExists(taken)) => {
+                    assert_eq!(taken, &volume);
+                    None
+                }
+                Err(other) => panic!("a racing create failed with {other}"),
+            })
+            .collect();
+        assert_eq!(
+            winners.len(),
+            1,
+            "exactly one of two racing creates of {volume} wins: {created:?}"
+        );
+        for store in writers {
+            assert_eq!(
+                store.volume(&volume).expect("volume").as_ref(),
+                Some(winners[0]),
+                "both writers see the winner"
+            );
+        }
+
+        let deleted = std::thread::scope(|scope| {
+            let handles = writers.map(|store| {
+                let (barrier, volume) = (&barrier, &volume);
+                scope.spawn(move || {
+                    barrier.wait();
+                    store.delete_volume(volume)
+                })
+            });
+            handles.map(|handle| handle.join().expect("a writer panicked"))
+        });
+        let removed: Vec<&VolumeRecord> = deleted
+            .iter()
+            .filter_map(|result| match result {
+                Ok(record) => Some(record),
+                Err(MetaError::VolumeNotFound(_)) => None,
+                Err(other) => panic!("a racing delete failed with {other}"),
+            })
+            .collect();
+        assert_eq!(removed, vec![winners[0]], "exactly one of two racing deletes gets the record");
+        assert_eq!(first.volume(&volume).expect("volume"), None);
+    }
+
+    let barrier = Barrier::new(writers.len());
+    let allocated = std::thread::scope(|scope| {
+        let handles = writers.map(|store| {
+            let barrier = &barrier;
+            scope.spawn(move || {
+                barrier.wait();
+                (0..RACE_IDS_PER_WRITER)
+                    .map(|_| store.allocate_volume_id().expect("allocate_volume_id"))
+                    .collect::<Vec<u64>>()
+            })
+        });
+        handles.map(|handle| handle.join().expect("a writer panicked"))
+    });
+    for ids in &allocated {
+        assert!(
+            ids.windows(2).all(|pair| pair[0] < pair[1]),
+            "each writer's ids increase: {ids:?}"
+        );
+    }
+    let distinct: BTreeSet<u64> = allocated.iter().flatten().copied().collect();
+    assert_eq!(
+        distinct.len(),
+        writers.len() * RACE_IDS_PER_WRITER,
+        "racing allocations give distinct ids"
+    );
 }
