@@ -5,7 +5,8 @@
 //! sees, so callers print it as is.
 
 use crate::wire::{
-    CreateVolume, ErrorBody, ErrorCode, HostAccess, NodeInfo, ResizeVolume, VolumeInfo, VolumeList,
+    AnaState, CreateVolume, ErrorBody, ErrorCode, HostAccess, NodeInfo, ResizeVolume, SetPathState,
+    VolumeInfo, VolumeList, VolumePaths,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -132,6 +133,22 @@ impl Client {
     /// volume, disconnecting it, and returns who may still connect.
     pub fn deny_host(&self, volume: &str, host: &str) -> Result<HostAccess, ClientError> {
         self.call("DELETE", &host_path(volume, host), None)
+    }
+
+    /// The volume's NVMe/TCP paths and its ANA state on each.
+    pub fn volume_paths(&self, volume: &str) -> Result<VolumePaths, ClientError> {
+        self.call("GET", &volume_path(volume, "/paths"), None)
+    }
+
+    /// Sets the volume's ANA state through NVMe port `port_id`; returns every path's state.
+    pub fn set_path_state(
+        &self,
+        volume: &str,
+        port_id: u16,
+        ana_state: AnaState,
+    ) -> Result<VolumePaths, ClientError> {
+        let body = json(&SetPathState { ana_state });
+        self.call("PUT", &volume_path(volume, &format!("/paths/{port_id}")), Some(body))
     }
 
     /// The Prometheus text exposition of the node's metrics.

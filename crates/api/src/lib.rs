@@ -26,6 +26,11 @@ pub mod paths {
     /// `PUT`: allow the host; `DELETE`: deny it. Both answer the new
     /// [`HostAccess`](crate::HostAccess).
     pub const VOLUME_HOST: &str = "/v1/volumes/{name}/hosts/{host}";
+    /// `GET`: the volume's [`VolumePaths`](crate::VolumePaths), one per NVMe/TCP port.
+    pub const VOLUME_PATHS: &str = "/v1/volumes/{name}/paths";
+    /// `PUT` with a [`SetPathState`](crate::SetPathState): sets the volume's ANA state through
+    /// NVMe port `{port}` (its ID); answers the new [`VolumePaths`](crate::VolumePaths).
+    pub const VOLUME_PATH: &str = "/v1/volumes/{name}/paths/{port}";
     pub const NODE: &str = "/v1/node";
     pub const METRICS: &str = "/metrics";
     pub const HEALTHZ: &str = "/healthz";

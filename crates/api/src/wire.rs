@@ -92,6 +92,65 @@ pub struct HostAccess {
     pub hosts: Vec<String>,
 }
 
+/// A volume's Asymmetric Namespace Access state through one NVMe port, as hosts see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AnaState {
+    /// The preferred path: hosts send I/O here.
+    Optimized,
+    /// Served, but hosts prefer an optimized path when there is one.
+    NonOptimized,
+    /// Not served: I/O fails with a path error and hosts move to another path.
+    Inaccessible,
+    /// Gone for good (set by the cluster, never by hand).
+    PersistentLoss,
+    /// Changing (set by the cluster during a failover, never by hand).
+    Change,
+}
+
+impl AnaState {
+    /// The states an operator may set by hand.
+    pub const SETTABLE: [AnaState; 3] =
+        [AnaState::Optimized, AnaState::NonOptimized, AnaState::Inaccessible];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Optimized => "optimized",
+            Self::NonOptimized => "non-optimized",
+            Self::Inaccessible => "inaccessible",
+            Self::PersistentLoss => "persistent-loss",
+            Self::Change => "change",
+        }
+    }
+}
+
+/// One NVMe/TCP path to a volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumePath {
+    /// The NVMe port ID (the listen address's place in `ferrite up --nvme-listen`, from 1).
+    pub port_id: u16,
+    /// `HOST:PORT` hosts connect to.
+    pub address: String,
+    pub ana_state: AnaState,
+}
+
+/// `GET /v1/volumes/{name}/paths` and the answer of `PUT /v1/volumes/{name}/paths/{port}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumePaths {
+    pub volume: String,
+    /// The volume's subsystem NQN, the same on every path.
+    pub nqn: String,
+    pub paths: Vec<VolumePath>,
+}
+
+/// `PUT /v1/volumes/{name}/paths/{port}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetPathState {
+    /// One of [`AnaState::SETTABLE`].
+    pub ana_state: AnaState,
+}
+
 /// Space on the node's drives.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Capacity {

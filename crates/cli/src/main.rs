@@ -204,9 +204,10 @@ struct UpArgs {
     /// --drive-backend memory].
     #[arg(long, value_name = "SIZE")]
     drive_size: Option<ByteSize>,
-    /// Address to serve NVMe/TCP on.
-    #[arg(long, value_name = "ADDR", default_value_t = node::config::DEFAULT_NVME_LISTEN)]
-    nvme_listen: SocketAddr,
+    /// Address to serve NVMe/TCP on; give it several times for several paths (NVMe ports 1, 2,
+    /// ... in that order) that hosts' multipath can use [default: 127.0.0.1:4420].
+    #[arg(long, value_name = "ADDR")]
+    nvme_listen: Vec<SocketAddr>,
     /// Address to serve the REST API on.
     #[arg(long, value_name = "ADDR", default_value_t = node::config::DEFAULT_API_LISTEN)]
     api_listen: SocketAddr,
@@ -270,6 +271,34 @@ enum VolumeCommand {
         /// The new size, larger than the current one, such as 20G.
         size: ByteSize,
     },
+    /// List the volume's NVMe/TCP paths (one per `ferrite up --nvme-listen` address) and their
+    /// ANA states.
+    #[command(after_long_help = "Example:\n  ferrite volume paths db")]
+    Paths { name: String },
+    /// Set the volume's ANA state on one path, so hosts' multipath moves I/O.
+    ///
+    /// Hosts connected through that path get an ANA change notice: Linux native multipath sends
+    /// I/O to an optimized path, to a non-optimized one only if none is optimized, and never to
+    /// an inaccessible one. Use it to drain a path before maintenance. The state lasts until the
+    /// node restarts (every path is then optimized again).
+    #[command(after_long_help = "Examples:\n  ferrite volume set-path db --port 2 --state \
+                                 inaccessible\n  ferrite volume set-path db --port \
+                                 127.0.0.1:4421 --state optimized")]
+    SetPath {
+        name: String,
+        /// The path: its NVMe port ID (1, 2, ... as `volume paths` lists) or its address.
+        #[arg(long, value_name = "PORT")]
+        port: String,
+        /// optimized, non-optimized or inaccessible.
+        #[arg(long, value_name = "STATE", value_parser = parse_ana_state)]
+        state: api::AnaState,
+    },
+}
+
+fn parse_ana_state(text: &str) -> Result<api::AnaState, String> {
+    api::AnaState::SETTABLE.into_iter().find(|state| state.as_str() == text).ok_or_else(|| {
+        format!("{text:?} is not a state to set; give optimized, non-optimized or inaccessible")
+    })
 }
 
 fn main() -> ExitCode {
@@ -314,7 +343,11 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         data_dir: args.data_dir.unwrap_or_else(|| PathBuf::from(node::config::DEFAULT_DATA_DIR)),
         drive_count: args.drives,
         drive_size_bytes: args.drive_size.map(ByteSize::bytes),
-        nvme_listen: args.nvme_listen,
+        nvme_listen: if args.nvme_listen.is_empty() {
+            vec![node::config::DEFAULT_NVME_LISTEN]
+        } else {
+            args.nvme_listen
+        },
         api_listen: args.api_listen,
         stop_on_signals: true,
         data_threads: args.data_threads,
@@ -349,6 +382,30 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
         VolumeCommand::Resize { name, size } => {
             let volume = client.resize_volume(&name, size.bytes())?;
             print::volume_changed(json, "resized", &volume)
+        }
+        VolumeCommand::Paths { name } => print::volume_paths(json, &client.volume_paths(&name)?),
+        VolumeCommand::SetPath { name, port, state } => {
+            let port_id = match port.parse::<u16>() {
+                Ok(port_id) => port_id,
+                Err(_) => {
+                    let paths = client.volume_paths(&name)?;
+                    let found = paths.paths.iter().find(|path| path.address == port);
+                    let Some(path) = found else {
+                        let known: Vec<&str> =
+                            paths.paths.iter().map(|path| path.address.as_str()).collect();
+                        anyhow::bail!(
+                            "volume {name} has no path at {port}; its paths are {}",
+                            known.join(", ")
+                        );
+                    };
+                    path.port_id
+                }
+            };
+            let paths = client.set_path_state(&name, port_id, state)?;
+            if !json {
+                println!("volume {name}: port {port_id} is now {}", state.as_str());
+            }
+            print::volume_paths(json, &paths)
         }
     }
 }

@@ -141,6 +141,23 @@ fn access_summary(access: AccessMode, volume: &str) -> String {
     }
 }
 
+pub fn volume_paths(json: bool, paths: &api::VolumePaths) -> anyhow::Result<()> {
+    if json {
+        return print_json(paths);
+    }
+    println!("volume {} ({})", paths.volume, paths.nqn);
+    let header = ["PORT".to_owned(), "ADDRESS".to_owned(), "ANA STATE".to_owned()];
+    let rows: Vec<[String; 3]> = paths
+        .paths
+        .iter()
+        .map(|path| {
+            [path.port_id.to_string(), path.address.clone(), path.ana_state.as_str().to_owned()]
+        })
+        .collect();
+    print_table(&header, &rows);
+    Ok(())
+}
+
 /// After `ferrite host allow|deny`: what was done, then the volume's access as `list` shows it.
 pub fn host_access_changed(
     json: bool,

@@ -79,7 +79,8 @@ pub struct NodeConfig {
     /// Size of each drive on the first start; `None` means [`DEFAULT_DRIVE_SIZE_BYTES`]. On
     /// later starts it must be `None` or the recorded size.
     pub drive_size_bytes: Option<u64>,
-    pub nvme_listen: SocketAddr,
+    /// Addresses to serve NVMe/TCP on: each is an NVMe port (IDs 1, 2, ... in this order).
+    pub nvme_listen: Vec<SocketAddr>,
     pub api_listen: SocketAddr,
     /// Stop when the process receives SIGINT (Ctrl-C) or SIGTERM. The `ferrite up` binary sets
     /// this; tests that run nodes in-process leave it off.
@@ -94,7 +95,7 @@ impl Default for NodeConfig {
             data_dir: PathBuf::from(DEFAULT_DATA_DIR),
             drive_count: None,
             drive_size_bytes: None,
-            nvme_listen: DEFAULT_NVME_LISTEN,
+            nvme_listen: vec![DEFAULT_NVME_LISTEN],
             api_listen: DEFAULT_API_LISTEN,
             stop_on_signals: false,
             data_threads: 0,
@@ -173,7 +174,8 @@ mod tests {
         let config = NodeConfig::default();
         assert_eq!(config.validate(), Ok(()));
         assert_eq!(config.api_listen.to_string(), "127.0.0.1:8080");
-        assert_eq!(config.nvme_listen.to_string(), "127.0.0.1:4420");
+        assert_eq!(config.nvme_listen, vec![DEFAULT_NVME_LISTEN]);
+        assert_eq!(DEFAULT_NVME_LISTEN.to_string(), "127.0.0.1:4420");
         assert_eq!(config.drives_dir(), PathBuf::from("ferrite-data/drives"));
     }
 

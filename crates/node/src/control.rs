@@ -28,8 +28,8 @@
 
 use crate::data_plane::{Capacity, DataPlane, DataPlaneError, VolumePath, VolumeSpace};
 use crate::metrics::Registry;
-use nvmf::target::AnaState;
 use meta::{HostAccess, MetaError, MetaStore, VolumeRecord, ALLOWED_HOSTS_MAX};
+use nvmf::target::AnaState;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 use types::{ByteSize, InvalidInput, Nqn, VolumeName};

@@ -8,7 +8,7 @@
 
 use crate::config::DriveBackend;
 use crate::control::{ControlError, VolumeService};
-use crate::data_plane::VolumeSpace;
+use crate::data_plane::{VolumePath, VolumeSpace};
 use crate::metrics::{NodeGauges, Registry};
 use api::{ErrorBody, ErrorCode, VolumeInfo};
 use axum::body::Bytes;
@@ -19,6 +19,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use meta::{HostAccess, NodeRecord, VolumeRecord};
+use nvmf::target::AnaState;
 use serde::de::DeserializeOwned;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -64,6 +65,8 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::VOLUME_RESIZE, post(resize_volume))
         .route(api::paths::VOLUME_HOSTS, get(show_host_access))
         .route(api::paths::VOLUME_HOST, put(allow_host).delete(deny_host))
+        .route(api::paths::VOLUME_PATHS, get(show_paths))
+        .route(api::paths::VOLUME_PATH, put(set_path_state))
         .route(api::paths::NODE, get(node_info))
         .route(api::paths::METRICS, get(render_metrics))
         .route(api::paths::HEALTHZ, get(healthz))
@@ -253,6 +256,74 @@ async fn resize_volume(
     })
     .await?;
     Ok(Json(volume_info(&record, &state.node, space)))
+}
+
+/// `GET /v1/volumes/{name}/paths`: the volume's NVMe/TCP paths and their ANA states.
+async fn show_paths(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<api::VolumePaths>, ApiError> {
+    let name = parse_name(path)?;
+    let (record, paths) = call(&state, move |service| service.paths(&name)).await?;
+    Ok(Json(volume_paths(&record, &paths)))
+}
+
+/// `PUT /v1/volumes/{name}/paths/{port}`: sets the volume's ANA state through that port.
+async fn set_path_state(
+    State(state): State<ApiState>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<api::VolumePaths>, ApiError> {
+    let (name, port) = parse_name_and_host(path)?;
+    let port_id: u16 = port.parse().map_err(|_| {
+        ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("{port:?} is not an NVMe port ID (a number from 1; see GET .../paths)"),
+        )
+    })?;
+    let request: api::SetPathState = parse_body(body)?;
+    let ana_state = match request.ana_state {
+        api::AnaState::Optimized => AnaState::Optimized,
+        api::AnaState::NonOptimized => AnaState::NonOptimized,
+        api::AnaState::Inaccessible => AnaState::Inaccessible,
+        other @ (api::AnaState::PersistentLoss | api::AnaState::Change) => {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "the ANA state {} is set by the cluster, not by hand; set optimized, \
+                     non-optimized or inaccessible",
+                    other.as_str()
+                ),
+            ));
+        }
+    };
+    let (record, paths) = call(&state, move |service| {
+        let paths = service.set_path_state(&name, port_id, ana_state)?;
+        Ok((service.volume(&name)?, paths))
+    })
+    .await?;
+    Ok(Json(volume_paths(&record, &paths)))
+}
+
+fn volume_paths(record: &VolumeRecord, paths: &[VolumePath]) -> api::VolumePaths {
+    api::VolumePaths {
+        volume: record.name.to_string(),
+        nqn: record.name.subsystem_nqn().to_string(),
+        paths: paths
+            .iter()
+            .map(|path| api::VolumePath {
+                port_id: path.port_id,
+                address: crate::advertised(path.address).to_string(),
+                ana_state: match path.state {
+                    AnaState::Optimized => api::AnaState::Optimized,
+                    AnaState::NonOptimized => api::AnaState::NonOptimized,
+                    AnaState::Inaccessible => api::AnaState::Inaccessible,
+                    AnaState::PersistentLoss => api::AnaState::PersistentLoss,
+                    AnaState::Change => api::AnaState::Change,
+                },
+            })
+            .collect(),
+    }
 }
 
 async fn show_host_access(

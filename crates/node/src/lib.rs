@@ -232,13 +232,15 @@ impl Node {
         }
         let context = DataPathContext {
             drives: drive_set(&config, &record),
-            nvme_listen: vec![config.nvme_listen],
+            nvme_listen: config.nvme_listen.clone(),
             volumes,
             metrics: Arc::clone(&metrics),
         };
         let data_plane = data_path.start(context).map_err(NodeError::StartDataPath)?;
         let nvme_serving = data_plane.nvme_addr().is_some();
-        let nvme_advertised = advertised(data_plane.nvme_addr().unwrap_or(config.nvme_listen));
+        let first_listen =
+            config.nvme_listen.first().copied().unwrap_or(config::DEFAULT_NVME_LISTEN);
+        let nvme_advertised = advertised(data_plane.nvme_addr().unwrap_or(first_listen));
 
         let service = Arc::new(VolumeService::new(
             meta as Arc<dyn MetaStore>,
@@ -490,7 +492,7 @@ fn check_drives(config: &NodeConfig, record: &NodeRecord) -> Result<(), NodeErro
 
 /// The address to tell clients: a wildcard listen address is advertised as loopback, the one
 /// address certain to reach a single-node cluster from its own host.
-fn advertised(addr: SocketAddr) -> SocketAddr {
+pub(crate) fn advertised(addr: SocketAddr) -> SocketAddr {
     if addr.ip().is_unspecified() {
         let loopback = match addr.ip() {
             IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),

@@ -18,10 +18,10 @@
 //! and only then deletes its data in the engine (durably), so a late write can never recreate
 //! blocks of a deleted volume.
 
-use crate::data_plane::{VolumePath, VolumeSpace};
 use crate::data_plane::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
 };
+use crate::data_plane::{VolumePath, VolumeSpace};
 use crate::metrics::{Registry, VolumeMetrics};
 use engine::log::{GcOutcome, LogConfig, LogEngine, LogHandle};
 use engine::{
