@@ -21,6 +21,9 @@
 #   ROUNDS=5 RUNTIME=20 QUEUES=2 IODEPTH=16 scripts/bench-target-core.sh
 #   DRIVE_BACKEND=memory scripts/bench-target-core.sh  # RAM drives on both sides
 #
+# Each round also times a bare TCP request/response between the two CPUs (scripts/tcp-rtt.py):
+# the floor under any QD1 latency over TCP on this machine, with no storage and no NVMe.
+#
 # Note what the peer is: fio writes without fsync, so its random-write figure is the drive's
 # volatile-cache speed, while every Ferrite write is durable when acknowledged (an fdatasync of
 # its drive, shared by the writes waiting for it). Other jobs on the machine add noise: look at
@@ -168,6 +171,10 @@ for round in $(seq 1 "$rounds"); do
     fio_run "$round" "4k_randread QD1" randread 1 1
     ferrite_run "$round" "4k_randwrite QD1" 4k_randwrite 1 1
     fio_run "$round" "4k_randwrite QD1" randwrite 1 1
+    # The floor under any QD1 latency over TCP here: a bare request/response round trip between
+    # the same two CPUs (scripts/tcp-rtt.py), no storage and no NVMe.
+    scripts/tcp-rtt.py --server-cpu "$target_cpu" --client-cpu "$initiator_cpu" --count 5000 \
+        | sed -n 's/.*median \([0-9.]*\) us.*/\1/p' >>"$work/rtt.txt"
 done
 
 if grep -q " ERROR " "$work/up.log"; then
@@ -212,6 +219,14 @@ print("\nmedians over rounds; per-round rows (round, side, workload, IOPS, mean 
       "target cores, initiator or fio cores):")
 for r in rows:
     print("  " + " ".join(r))
+PY
+echo
+python3 - "$work/rtt.txt" <<'PY'
+import statistics, sys
+values = [float(v) for v in open(sys.argv[1]).read().split()]
+if values:
+    print(f"TCP loopback round trip CPU to CPU (4 KiB answer, no storage; the floor under QD1 "
+          f"latency over TCP): median {statistics.median(values):.1f} us over {len(values)} rounds")
 PY
 echo
 echo "load after: $(uptime)"

@@ -196,7 +196,29 @@ pub struct NodeInfo {
     /// The metadata store's revision: it changes whenever any metadata changes.
     pub meta_revision: u64,
     pub capacity: Capacity,
+    /// Every drive, in index order, with its state. Nodes that predate the field report none.
+    #[serde(default)]
+    pub drives: Vec<DriveInfo>,
 }
+
+/// One drive of a node, in [`NodeInfo::drives`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriveInfo {
+    pub index: u16,
+    /// The drive file, or the block device or file given with `ferrite up --drive`.
+    pub path: String,
+    /// The bytes of the drive the node uses.
+    pub size_bytes: u64,
+    /// [`DRIVE_STATE_OK`] or [`DRIVE_STATE_FAILED`].
+    pub state: String,
+}
+
+/// [`DriveInfo::state`] of a drive in service.
+pub const DRIVE_STATE_OK: &str = "ok";
+/// [`DriveInfo::state`] of a drive latched failed after a failed write, sync or punch: no I/O
+/// reaches it until the node restarts, so every write to the node fails (its batches span the
+/// drives) and reads of blocks stored on it fail; reads of blocks on other drives still work.
+pub const DRIVE_STATE_FAILED: &str = "failed";
 
 /// [`NodeInfo::drive_backend`] of a node that does not report it.
 fn file_drive_backend() -> String {

@@ -29,12 +29,23 @@ Examples:
       REST API on 127.0.0.1:8080.
   ferrite up --data-dir /var/lib/ferrite --drives 8 --drive-size 100G
   ferrite up --nvme-listen 0.0.0.0:4420 --api-listen 127.0.0.1:9000
+  ferrite up --data-dir /var/lib/ferrite --drive /dev/nvme1n1 --drive /dev/nvme2n1
+      The two NVMe devices are the node's drives (formatted on the first start: everything on
+      them is overwritten); the metadata stays in /var/lib/ferrite.
   ferrite up --drive-backend memory --data-threads 1
       4 drives of 1 GiB in RAM, NOT DURABLE: for measuring the target's own cost (IOPS per
       target core) with no drive in the way, like a target serving from RAM.
 
 Drives are created on the first start in DATA-DIR; later starts reuse them and keep every
 volume, so --drives and --drive-size matter only the first time. Stop with Ctrl-C or SIGTERM.
+
+With --drive PATH (repeatable, up to 64), the given block devices or existing regular files
+are the drives instead of files in DATA-DIR/drives. On the first start they are formatted: a
+device that is mounted or in use, smaller than 64 MiB, or already holding another Ferrite
+node's drive is refused. Each drive uses as many bytes as the smallest one holds. Later starts
+must pass the same drives again, in any order and under any name (a /dev/loopN or /dev/sdX that
+was renumbered is fine): each drive is recognised by its superblock (node and drive index), and
+a missing one is an error naming its index. --drives and --drive-size do not apply.
 
 With --drive-backend memory, nothing is durable: the drives are anonymous memory that goes away
 with the process, and the metadata lives in a scratch directory under $TMPDIR (or /tmp) that is
@@ -198,12 +209,17 @@ struct UpArgs {
     #[arg(long, value_name = "BACKEND", value_enum, default_value_t = DriveBackendArg::File)]
     drive_backend: DriveBackendArg,
     /// Drives to create on the first start [default: 4].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", conflicts_with = "drive")]
     drives: Option<u16>,
     /// Size of each drive (sparse) on the first start, such as 16G [default: 16GiB; 1GiB with
     /// --drive-backend memory].
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", conflicts_with = "drive")]
     drive_size: Option<ByteSize>,
+    /// A block device (or an existing file) to use as a drive instead of files in
+    /// DATA-DIR/drives; give it once per drive. Formatted on the first start; later starts
+    /// must pass the same drives, in any order.
+    #[arg(long, value_name = "PATH")]
+    drive: Vec<PathBuf>,
     /// Address to serve NVMe/TCP on; give it several times for several paths (NVMe ports 1, 2,
     /// ... in that order) that hosts' multipath can use [default: 127.0.0.1:4420].
     #[arg(long, value_name = "ADDR")]
@@ -214,6 +230,16 @@ struct UpArgs {
     /// Data-path threads serving NVMe/TCP (one runtime and io_uring ring each) [default: one per CPU].
     #[arg(long, value_name = "N", default_value_t = 0, hide_default_value = true)]
     data_threads: usize,
+    /// Busy-poll each data-path thread for this many microseconds after the last bytes it
+    /// received before letting it sleep; 0 never polls.
+    ///
+    /// Polling keeps a data-path thread's CPU awake while I/O flows, so the next command does
+    /// not wait for the CPU to wake up: on virtual machines a sleeping vCPU takes tens to
+    /// hundreds of microseconds to wake. It costs a busy core per data-path thread while hosts
+    /// send I/O (none while idle). Worth it on a storage server with cores to spare; leave it
+    /// off when the node shares its cores with the applications using it. Example: --poll-us 200.
+    #[arg(long, value_name = "US", default_value_t = 0)]
+    poll_us: u64,
 }
 
 /// `--drive-backend`: the CLI's names of `node::DriveBackend`.
@@ -343,6 +369,7 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         data_dir: args.data_dir.unwrap_or_else(|| PathBuf::from(node::config::DEFAULT_DATA_DIR)),
         drive_count: args.drives,
         drive_size_bytes: args.drive_size.map(ByteSize::bytes),
+        drives: args.drive,
         nvme_listen: if args.nvme_listen.is_empty() {
             vec![node::config::DEFAULT_NVME_LISTEN]
         } else {
@@ -351,6 +378,7 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         api_listen: args.api_listen,
         stop_on_signals: true,
         data_threads: args.data_threads,
+        poll_us: args.poll_us,
     };
     let node = node::Node::start_on(config, backend)?;
     print::started(&node);

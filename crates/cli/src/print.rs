@@ -7,8 +7,12 @@ use types::ByteSize;
 pub fn started(node: &node::Node) {
     let record = node.record();
     let memory = node.drive_backend() == node::DriveBackend::Memory;
+    let external: Vec<String> =
+        node.external_drives().iter().map(|path| path.display().to_string()).collect();
     let place = if memory {
         "RAM (memory backend)".to_owned()
+    } else if !external.is_empty() {
+        external.join(", ")
     } else {
         node.drives_dir().display().to_string()
     };
@@ -53,6 +57,26 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
     ];
     for (key, value) in rows {
         println!("{:<17}{value}", format!("{key}:"));
+    }
+    for drive in &node.drives {
+        let key = format!("drive {}:", drive.index);
+        println!("{key:<17}{} {} ({})", drive.state, drive.path, ByteSize(drive.size_bytes));
+    }
+    let failed: Vec<String> = node
+        .drives
+        .iter()
+        .filter(|drive| drive.state != api::DRIVE_STATE_OK)
+        .map(|drive| format!("{} ({})", drive.index, drive.path))
+        .collect();
+    if !failed.is_empty() {
+        println!(
+            "FAILED DRIVES:   drive {} failed: an I/O error or a failed sync latched it, and no \
+             I/O reaches it until the node restarts. Every write, write-zeroes and deallocate on \
+             this node now fails with an error (each write batch spans the drives); reads of data \
+             on the other drives still work, and reads of data on a failed drive fail with an \
+             error, never wrong data. Check the drive and the kernel log, then restart the node.",
+            failed.join(", drive ")
+        );
     }
     Ok(())
 }

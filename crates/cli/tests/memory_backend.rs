@@ -20,9 +20,20 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 const VOLUME: &str = "ram";
-/// Two small memory drives, one data-path thread: little RAM, and fast on a busy machine.
-const MEMORY_ARGS: [&str; 8] =
-    ["--drive-backend", "memory", "--drives", "2", "--drive-size", "256M", "--data-threads", "1"];
+/// Two small memory drives, one data-path thread that busy-polls (so the verified workload also
+/// runs through the polling path): little RAM, and fast on a busy machine.
+const MEMORY_ARGS: [&str; 10] = [
+    "--drive-backend",
+    "memory",
+    "--drives",
+    "2",
+    "--drive-size",
+    "256M",
+    "--data-threads",
+    "1",
+    "--poll-us",
+    "100",
+];
 
 /// A running `ferrite up --drive-backend memory`, killed and reaped on drop.
 struct MemoryNode {

@@ -24,7 +24,7 @@ use std::rc::Rc;
 use engine::{Drive, DriveError, DriveOperation};
 use types::AlignedBuf;
 
-use crate::drives::{is_in_memory, is_memory_drive_link, DriveSetupError};
+use crate::drives::{is_in_memory, is_memory_drive_link, open_drive_size_bytes, DriveSetupError};
 use crate::ring::Ring;
 
 /// One thread's handle of one drive file.
@@ -36,6 +36,9 @@ pub struct DriveFile {
     size_bytes: u64,
     /// A memory drive, served inline instead of through `ring` (see the module comment).
     memory: bool,
+    /// A block device (`ferrite up --drive`): punching a hole there needs the device's
+    /// write-zeroes support, so it falls back to zeroing the range (see `punch_hole`).
+    block_device: bool,
 }
 
 impl DriveFile {
@@ -58,20 +61,37 @@ impl DriveFile {
         if memory && !is_in_memory(&file, path)? {
             return Err(DriveSetupError::NotMemoryDrive { path: path.to_owned() });
         }
-        let size_bytes = file
-            .metadata()
-            .map_err(|source| DriveSetupError::Io {
-                action: "read the size of",
+        let block_device = {
+            use std::os::unix::fs::FileTypeExt;
+            file.metadata()
+                .map_err(|source| DriveSetupError::Io {
+                    action: "find the type of",
+                    path: path.to_owned(),
+                    source,
+                })?
+                .file_type()
+                .is_block_device()
+        };
+        // A block device's length in its metadata is 0: its size comes from BLKGETSIZE64.
+        let size_bytes = open_drive_size_bytes(&file, path)?;
+        if memory {
+            // Take the drive's RAM now (idempotent: later opens find it allocated), so no write
+            // pays for tmpfs page allocation: measured, first-touch allocation cost more CPU
+            // than the rest of the write path. Formatting is done by now, and nothing punches
+            // holes afterwards.
+            fallocate_now(&file, 0, size_bytes, 0).map_err(|source| DriveSetupError::Io {
+                action: "reserve the RAM of",
                 path: path.to_owned(),
                 source,
-            })?
-            .len();
+            })?;
+        }
         Ok(Self {
             path: path.to_owned(),
             file: Rc::new(file),
             ring: Rc::clone(ring),
             size_bytes,
             memory,
+            block_device,
         })
     }
 
@@ -186,11 +206,21 @@ impl Drive for DriveFile {
     async fn punch_hole(&self, offset_bytes: u64, length_bytes: u64) -> Result<(), DriveError> {
         self.check(DriveOperation::PunchHole, offset_bytes, length_bytes)?;
         let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-        let result = if self.memory {
+        let mut result = if self.memory {
             fallocate_now(&self.file, offset_bytes, length_bytes, mode)
         } else {
             self.ring.fallocate(&self.file, offset_bytes, length_bytes, mode).await
         };
+        if self.block_device
+            && result.as_ref().is_err_and(|error| error.raw_os_error() == Some(libc::EOPNOTSUPP))
+        {
+            // The device cannot zero a range without writing it (no write-zeroes offload), so
+            // the kernel refused the punch before touching anything: nothing was lost, and
+            // zeroing the range (which the kernel may do by writing zeros) gives the same
+            // promise, that the range reads as zeros.
+            let zero = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+            result = self.ring.fallocate(&self.file, offset_bytes, length_bytes, zero).await;
+        }
         result.map_err(|source| DriveError::Io {
             operation: DriveOperation::PunchHole,
             offset_bytes,

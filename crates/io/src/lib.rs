@@ -6,6 +6,8 @@
 //! - [`DriveFile`]: `engine::Drive` over an O_DIRECT file through a `Ring`.
 //! - [`format_drives`] / [`open_drives`]: the drive files of a node's data directory (the
 //!   superblock; the engine formats the log area behind it).
+//! - [`format_external_drives`] / [`open_external_drives`]: block devices or existing files
+//!   given with `ferrite up --drive`, identified by their superblocks, not their paths.
 //! - [`MemoryDrives`]: RAM-backed drives (memfd), NOT DURABLE, linked into a drive folder so
 //!   the functions above and `DriveFile` serve them like drive files.
 //!
@@ -17,7 +19,8 @@ mod ring;
 
 pub use drive_file::DriveFile;
 pub use drives::{
-    drive_path, format_drives, open_drives, DriveInfo, DriveSetupError, MemoryDrives,
+    drive_path, format_drives, format_external_drives, open_drives, open_external_drives,
+    probe_external_drive, DriveInfo, DriveKind, DriveSetupError, ExternalDrive, MemoryDrives,
 };
 pub use ring::{Ring, RingError, INFLIGHT_OPS_MAX, RING_ENTRIES};
 

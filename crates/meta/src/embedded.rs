@@ -257,6 +257,7 @@ mod tests {
                 drive_count: 2,
                 drive_size_bytes: 1 << 30,
                 created_unix_ms: 8,
+                external_drives: false,
             };
             let revision = store.put_node(&node).unwrap();
             (record, revision)

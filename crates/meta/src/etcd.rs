@@ -582,6 +582,7 @@ mod tests {
                     drive_count: 1,
                     drive_size_bytes: 1 << 30,
                     created_unix_ms: 3,
+                    external_drives: false,
                 };
                 assert!(store.put_node(&node).unwrap() > before);
                 assert_eq!(store.node().unwrap(), Some(node));

@@ -98,6 +98,9 @@ pub struct NodeRecord {
     pub drive_count: u16,
     pub drive_size_bytes: u64,
     pub created_unix_ms: u64,
+    /// The drives are block devices or files the operator named (`ferrite up --drive`), found
+    /// by their superblocks; false: drive files in the data directory.
+    pub external_drives: bool,
 }
 
 /// Why a metadata operation failed.

@@ -21,9 +21,17 @@
 //! `allowed_hosts`; it decodes as [`HostAccess::Open`], which is how every volume was served
 //! before host access control existed.
 //!
-//! Node record, version 1:
-//! `{"version":1,"uuid":[16 bytes],"drive_count":4,"drive_size_bytes":17179869184,
-//!   "created_unix_ms":1700000000000}`
+//! Node record, version 2 (written by this build):
+//! `{"version":2,"uuid":[16 bytes],"drive_count":4,"drive_size_bytes":17179869184,
+//!   "created_unix_ms":1700000000000,"external_drives":false}`
+//!
+//! `external_drives` true: the drives are block devices or files given with `ferrite up
+//! --drive`; false: drive files in the data directory. It came with a version bump so that a
+//! build that knows only version 1 refuses the record rather than looking for drive files that
+//! do not exist.
+//!
+//! Node record, version 1 (read only): version 2 without `external_drives`; it decodes as drive
+//! files in the data directory, the only kind of drive before version 2.
 
 use crate::{Chunk, HostAccess, MetaError, NodeRecord, VolumeRecord, ALLOWED_HOSTS_MAX};
 use serde::{Deserialize, Serialize};
@@ -32,8 +40,8 @@ use types::{Nqn, VolumeName};
 
 /// The volume record version this build writes; it reads every version from 1 up to this.
 pub const VOLUME_RECORD_VERSION: u32 = 2;
-/// The node record version this build writes and reads.
-pub const NODE_RECORD_VERSION: u32 = 1;
+/// The node record version this build writes; it reads every version from 1 up to this.
+pub const NODE_RECORD_VERSION: u32 = 2;
 
 #[derive(Deserialize)]
 struct Envelope {
@@ -64,13 +72,23 @@ struct VolumeV2 {
     allowed_hosts: Vec<String>,
 }
 
-#[derive(Serialize, Deserialize)]
+/// Node record version 1, frozen: the decoder of records written before version 2.
+#[derive(Deserialize)]
 struct NodeV1 {
+    uuid: [u8; 16],
+    drive_count: u16,
+    drive_size_bytes: u64,
+    created_unix_ms: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct NodeV2 {
     version: u32,
     uuid: [u8; 16],
     drive_count: u16,
     drive_size_bytes: u64,
     created_unix_ms: u64,
+    external_drives: bool,
 }
 
 pub fn encode_volume(record: &VolumeRecord) -> Vec<u8> {
@@ -161,25 +179,43 @@ fn decode_host_access(
 }
 
 pub fn encode_node(record: &NodeRecord) -> Vec<u8> {
-    let stored = NodeV1 {
+    let stored = NodeV2 {
         version: NODE_RECORD_VERSION,
         uuid: record.uuid,
         drive_count: record.drive_count,
         drive_size_bytes: record.drive_size_bytes,
         created_unix_ms: record.created_unix_ms,
+        external_drives: record.external_drives,
     };
     serde_json::to_vec(&stored).expect("a node record always serialises")
 }
 
 pub fn decode_node(key: &str, bytes: &[u8]) -> Result<NodeRecord, MetaError> {
-    check_version(key, bytes, NODE_RECORD_VERSION)?;
-    let stored: NodeV1 = serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
-    Ok(NodeRecord {
-        uuid: stored.uuid,
-        drive_count: stored.drive_count,
-        drive_size_bytes: stored.drive_size_bytes,
-        created_unix_ms: stored.created_unix_ms,
-    })
+    let record = match check_version(key, bytes, NODE_RECORD_VERSION)? {
+        1 => {
+            let stored: NodeV1 =
+                serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
+            NodeRecord {
+                uuid: stored.uuid,
+                drive_count: stored.drive_count,
+                drive_size_bytes: stored.drive_size_bytes,
+                created_unix_ms: stored.created_unix_ms,
+                external_drives: false,
+            }
+        }
+        _ => {
+            let stored: NodeV2 =
+                serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
+            NodeRecord {
+                uuid: stored.uuid,
+                drive_count: stored.drive_count,
+                drive_size_bytes: stored.drive_size_bytes,
+                created_unix_ms: stored.created_unix_ms,
+                external_drives: stored.external_drives,
+            }
+        }
+    };
+    Ok(record)
 }
 
 /// Reads the record's version: one from 1 to `newest`, or an error.
@@ -258,13 +294,36 @@ mod tests {
 
     #[test]
     fn node_round_trip() {
-        let record = NodeRecord {
+        for external_drives in [false, true] {
+            let record = NodeRecord {
+                uuid: [1; 16],
+                drive_count: 4,
+                drive_size_bytes: 16 << 30,
+                created_unix_ms: 5,
+                external_drives,
+            };
+            let bytes = encode_node(&record);
+            assert_eq!(decode_node("node", &bytes).unwrap(), record);
+            let value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            assert_eq!(value["version"], 2);
+            assert_eq!(value["external_drives"], external_drives);
+        }
+    }
+
+    /// A node record exactly as version 1 builds wrote it loads, with drive files.
+    #[test]
+    fn version_1_node_records_load_with_drive_files() {
+        let bytes = br#"{"version":1,"uuid":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],"drive_count":4,"drive_size_bytes":17179869184,"created_unix_ms":5}"#;
+        let expected = NodeRecord {
             uuid: [1; 16],
             drive_count: 4,
             drive_size_bytes: 16 << 30,
             created_unix_ms: 5,
+            external_drives: false,
         };
-        assert_eq!(decode_node("node", &encode_node(&record)).unwrap(), record);
+        assert_eq!(decode_node("node", bytes).unwrap(), expected);
+        let missing = br#"{"version":2,"uuid":[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1],"drive_count":4,"drive_size_bytes":1,"created_unix_ms":5}"#;
+        assert!(matches!(decode_node("node", missing), Err(MetaError::RecordCorrupt { .. })));
     }
 
     #[test]
@@ -281,11 +340,11 @@ mod tests {
             );
             assert!(error.to_string().contains(&format!("format version {version}")), "{error}");
         }
-        value["version"] = 2.into();
+        value["version"] = 3.into();
         let bytes = serde_json::to_vec(&value).unwrap();
         assert!(matches!(
             decode_node("node", &bytes),
-            Err(MetaError::RecordVersionUnsupported { version: 2, supported: 1, .. })
+            Err(MetaError::RecordVersionUnsupported { version: 3, supported: 2, .. })
         ));
     }
 

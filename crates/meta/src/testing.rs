@@ -58,6 +58,7 @@ fn check_node(store: &dyn MetaStore) {
         drive_count: 4,
         drive_size_bytes: 16 << 30,
         created_unix_ms: 1_700_000_000_000,
+        external_drives: true,
     };
     let revision = store.put_node(&node).expect("put_node");
     assert!(revision > before, "put_node advances the revision");

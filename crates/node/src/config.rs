@@ -4,6 +4,10 @@
 //! on later starts the recorded geometry wins, and asking for a different one is an error
 //! rather than a silent reformat.
 //!
+//! The drives are either files the node creates in DATA-DIR/drives, or block devices (or
+//! existing files) the operator names with `--drive` ([`NodeConfig::drives`]); the node record
+//! remembers which, and external drives are recognised by their superblocks, not their paths.
+//!
 //! The drive backend ([`DriveBackend`]) says what holds the drives' bytes: files (durable) or
 //! RAM (NOT DURABLE, for measuring the target without a drive in the way). Memory drives must
 //! fit in RAM with room to spare ([`NodeConfig::check_memory_drives`]).
@@ -79,6 +83,11 @@ pub struct NodeConfig {
     /// Size of each drive on the first start; `None` means [`DEFAULT_DRIVE_SIZE_BYTES`]. On
     /// later starts it must be `None` or the recorded size.
     pub drive_size_bytes: Option<u64>,
+    /// External drives (`--drive`): block devices or existing regular files used as the
+    /// node's drives instead of files in DATA-DIR/drives. On the first start they are
+    /// formatted, drive `i` being `drives[i]`; later starts must name the same drives, in any
+    /// order. Empty for drive files. Not with `drive_count` or `drive_size_bytes`.
+    pub drives: Vec<PathBuf>,
     /// Addresses to serve NVMe/TCP on: each is an NVMe port (IDs 1, 2, ... in this order).
     pub nvme_listen: Vec<SocketAddr>,
     pub api_listen: SocketAddr,
@@ -87,6 +96,9 @@ pub struct NodeConfig {
     pub stop_on_signals: bool,
     /// Data-path threads serving NVMe/TCP; 0 means one per CPU.
     pub data_threads: usize,
+    /// Busy-poll window of each data-path thread after the last received bytes, in
+    /// microseconds; 0 never polls (see `nvme::Poller`).
+    pub poll_us: u64,
 }
 
 impl Default for NodeConfig {
@@ -95,10 +107,12 @@ impl Default for NodeConfig {
             data_dir: PathBuf::from(DEFAULT_DATA_DIR),
             drive_count: None,
             drive_size_bytes: None,
+            drives: Vec::new(),
             nvme_listen: vec![DEFAULT_NVME_LISTEN],
             api_listen: DEFAULT_API_LISTEN,
             stop_on_signals: false,
             data_threads: 0,
+            poll_us: 0,
         }
     }
 }
@@ -121,10 +135,33 @@ pub enum ConfigError {
         *available_bytes as f64 / f64::from(1u32 << 30)
     )]
     MemoryDrivesTooLarge { drive_count: u64, drive_size_bytes: u64, available_bytes: u64 },
+    #[error("--drive is given {0} times: give 1 to {DRIVE_COUNT_MAX} drives")]
+    DrivePathCount(usize),
+    #[error(
+        "--drives and --drive-size cannot be used with --drive: the drives given with --drive \
+         are the node's drives, and their size is the smallest one's"
+    )]
+    DrivePathsWithGeometry,
+    #[error(
+        "--poll-us {0} is out of range: give 0 (never poll) to {max} microseconds",
+        max = crate::nvme::POLL_US_MAX
+    )]
+    PollWindow(u64),
 }
 
 impl NodeConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if !self.drives.is_empty() {
+            if self.drives.len() > usize::from(DRIVE_COUNT_MAX) {
+                return Err(ConfigError::DrivePathCount(self.drives.len()));
+            }
+            if self.drive_count.is_some() || self.drive_size_bytes.is_some() {
+                return Err(ConfigError::DrivePathsWithGeometry);
+            }
+        }
+        if self.poll_us > crate::nvme::POLL_US_MAX {
+            return Err(ConfigError::PollWindow(self.poll_us));
+        }
         if let Some(count) = self.drive_count {
             if !(1..=DRIVE_COUNT_MAX).contains(&count) {
                 return Err(ConfigError::DriveCount(count));
@@ -193,6 +230,30 @@ mod tests {
         check(None, Some((1 << 30) + 4096), false);
         let message = ConfigError::DriveSize(1000).to_string();
         assert!(message.contains("64MiB"), "{message}");
+    }
+
+    #[test]
+    fn drive_paths() {
+        let check = |count: usize, drive_count: Option<u16>, expect: Result<(), ConfigError>| {
+            let drives =
+                (0..count).map(|index| PathBuf::from(format!("/dev/loop{index}"))).collect();
+            let config = NodeConfig { drives, drive_count, ..NodeConfig::default() };
+            assert_eq!(config.validate(), expect, "{count} {drive_count:?}");
+        };
+        check(1, None, Ok(()));
+        check(usize::from(DRIVE_COUNT_MAX), None, Ok(()));
+        check(usize::from(DRIVE_COUNT_MAX) + 1, None, Err(ConfigError::DrivePathCount(65)));
+        check(2, Some(2), Err(ConfigError::DrivePathsWithGeometry));
+    }
+
+    #[test]
+    fn poll_window_is_bounded() {
+        let check = |poll_us| NodeConfig { poll_us, ..NodeConfig::default() }.validate();
+        assert_eq!(check(0), Ok(()));
+        assert_eq!(check(crate::nvme::POLL_US_MAX), Ok(()));
+        let over = crate::nvme::POLL_US_MAX + 1;
+        assert_eq!(check(over), Err(ConfigError::PollWindow(over)));
+        assert!(check(over).unwrap_err().to_string().contains("--poll-us"));
     }
 
     #[test]

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Space on the node's drives.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Capacity {
     /// What hosts may map in total (the drives' space less the engine's reserve and overhead).
     pub total_bytes: u64,
@@ -47,6 +47,19 @@ pub struct Capacity {
     pub write_amplification: f64,
     /// Blocks that failed their checksum when read (returned as errors, never as data).
     pub checksum_errors: u64,
+    /// Every drive, in index order, and whether it is latched failed.
+    pub drives: Vec<DriveStatus>,
+}
+
+/// One drive of the node as the data path sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriveStatus {
+    pub index: u16,
+    /// The drive file, or the block device or file given with `--drive`.
+    pub path: PathBuf,
+    /// Latched failed after a failed write, sync or punch (`engine::DriveLatches`): no I/O
+    /// reaches it until the node restarts.
+    pub failed: bool,
 }
 
 /// One volume's space.
@@ -87,6 +100,9 @@ impl DataPlaneError {
 pub struct DriveSet {
     /// `DATA-DIR/drives`.
     pub dir: PathBuf,
+    /// External drives (`--drive`), in the order given; empty for drive files in `dir`. On the
+    /// first start drive `i` is `external[i]`; later, each drive's index is in its superblock.
+    pub external: Vec<PathBuf>,
     pub node_uuid: [u8; 16],
     pub count: u16,
     pub size_bytes: u64,
@@ -164,6 +180,7 @@ pub trait DataPlane: Send + Sync {
     /// the data path starts with, are served with their record's `host_access` already.)
     fn set_host_access(&self, volume: &VolumeRecord);
 
+    /// Space on the drives, and the state of each drive (`Capacity::drives`).
     fn capacity(&self) -> Capacity;
 
     /// A served volume's space, or `None` if the data path does not know it.

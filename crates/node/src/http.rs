@@ -399,6 +399,17 @@ async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>,
             write_amplification: capacity.write_amplification,
             checksum_errors: capacity.checksum_errors,
         },
+        drives: capacity
+            .drives
+            .iter()
+            .map(|drive| api::DriveInfo {
+                index: drive.index,
+                path: drive.path.display().to_string(),
+                size_bytes: node.record.drive_size_bytes,
+                state: if drive.failed { api::DRIVE_STATE_FAILED } else { api::DRIVE_STATE_OK }
+                    .to_owned(),
+            })
+            .collect(),
     }))
 }
 
@@ -416,6 +427,7 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
             physical_used_bytes: capacity.physical_used_bytes,
             write_amplification: capacity.write_amplification,
             checksum_errors: capacity.checksum_errors,
+            drives: capacity.drives,
         })
     })
     .await?;

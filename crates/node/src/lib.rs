@@ -8,7 +8,8 @@
 //! 2. First start (no node record yet): pick a node UUID, format the drives through the
 //!    [`DataPathBuilder`] seam, then write the node record. A crash before the record is written
 //!    makes the next start a first start again. Later starts: check the configuration against
-//!    the recorded drive geometry.
+//!    the recorded drive geometry and kind (files in DATA-DIR/drives, or external drives given
+//!    with `--drive`, whose geometry comes from the devices: the smallest one's size).
 //! 3. Start the control plane's tokio runtime and bind the REST API socket.
 //! 4. Start the data path with every volume record (it recovers the log engine and serves them).
 //! 5. Serve the API until [`Node::stop`], a [`StopHandle`], or (with
@@ -31,7 +32,8 @@ pub mod nvme;
 
 pub use config::{ConfigError, DriveBackend, NodeConfig};
 pub use data_plane::{
-    Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet, VolumeSpace,
+    Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet, DriveStatus,
+    VolumeSpace,
 };
 
 use control::VolumeService;
@@ -81,6 +83,34 @@ pub enum NodeError {
     DrivesChanged { data_dir: PathBuf, recorded: String, requested: String },
     #[error("cannot format the drives in {}: {source}", dir.display())]
     FormatDrives { dir: PathBuf, source: DataPlaneError },
+    #[error("cannot format the drives given with --drive: {0}")]
+    FormatExternalDrives(DataPlaneError),
+    #[error(transparent)]
+    ExternalDrive(io::DriveSetupError),
+    #[error(
+        "--drive {} is given twice (as {}): give each drive once",
+        canonical.display(),
+        given.display()
+    )]
+    ExternalDriveTwice { canonical: PathBuf, given: PathBuf },
+    #[error(
+        "--drive cannot be used with --drive-backend memory: memory drives are in RAM; drop \
+         --drive, or drop --drive-backend memory to use the given drives"
+    )]
+    ExternalDrivesWithMemory,
+    #[error(
+        "this node's drives are block devices or files given with --drive when it was created \
+         (the data dir {} holds no drive files); pass --drive PATH for each of its {count} \
+         drives, in any order",
+        data_dir.display()
+    )]
+    ExternalDrivesNeeded { data_dir: PathBuf, count: u16 },
+    #[error(
+        "this node's drives are files in {}, not block devices: drop --drive, or use another \
+         --data-dir for a node on the given drives",
+        dir.display()
+    )]
+    DriveFilesNode { dir: PathBuf },
     #[error("cannot start the data path: {0}")]
     StartDataPath(DataPlaneError),
     #[error("cannot start the control plane runtime: {0}")]
@@ -118,6 +148,8 @@ pub struct Node {
     record: NodeRecord,
     first_start: bool,
     data_dir: PathBuf,
+    /// The drives given with `--drive`, as given (empty for drive files).
+    external_drives: Vec<PathBuf>,
     /// Memory drives and their scratch directory; declared last so they outlive everything
     /// else of the node (dropped after the data path stopped).
     memory: Option<MemoryBacking>,
@@ -132,7 +164,8 @@ impl Node {
     /// Starts a node with this build's data path, on drives held by `backend`. With
     /// [`DriveBackend::Memory`], `config.data_dir` is not used (see the module comment).
     pub fn start_on(config: NodeConfig, backend: DriveBackend) -> Result<Self, NodeError> {
-        let data_path = nvme::NvmeDataPathBuilder::new(config.data_threads);
+        let data_path = nvme::NvmeDataPathBuilder::new(config.data_threads)
+            .with_poll(std::time::Duration::from_micros(config.poll_us));
         Self::start_with_backend(config, backend, Box::new(data_path))
     }
 
@@ -151,6 +184,9 @@ impl Node {
         mut data_path: Box<dyn DataPathBuilder>,
     ) -> Result<Self, NodeError> {
         config.validate()?;
+        if backend == DriveBackend::Memory && !config.drives.is_empty() {
+            return Err(NodeError::ExternalDrivesWithMemory);
+        }
         // Dropped last on every early return, so a failed start leaves no RAM or files behind.
         let memory = match backend {
             DriveBackend::File => None,
@@ -178,18 +214,29 @@ impl Node {
                 (record, false)
             }
             None => {
+                let external_drives = !config.drives.is_empty();
+                let (drive_count, drive_size_bytes) = if external_drives {
+                    external_geometry(&config.drives)?
+                } else {
+                    (
+                        config.drive_count.unwrap_or(config::DEFAULT_DRIVE_COUNT),
+                        config.drive_size_bytes.unwrap_or(backend.default_drive_size_bytes()),
+                    )
+                };
                 let record = NodeRecord {
                     uuid: control::new_uuid(),
-                    drive_count: config.drive_count.unwrap_or(config::DEFAULT_DRIVE_COUNT),
-                    drive_size_bytes: config
-                        .drive_size_bytes
-                        .unwrap_or(backend.default_drive_size_bytes()),
+                    drive_count,
+                    drive_size_bytes,
                     created_unix_ms: control::now_unix_ms(),
+                    external_drives,
                 };
                 let drives = drive_set(&config, &record);
-                data_path.format_drives(&drives).map_err(|source| NodeError::FormatDrives {
-                    dir: drives.dir.clone(),
-                    source,
+                data_path.format_drives(&drives).map_err(|source| {
+                    if external_drives {
+                        NodeError::FormatExternalDrives(source)
+                    } else {
+                        NodeError::FormatDrives { dir: drives.dir.clone(), source }
+                    }
                 })?;
                 meta.put_node(&record)?;
                 tracing::info!(
@@ -275,6 +322,7 @@ impl Node {
             nvme_serving,
             record,
             first_start,
+            external_drives: config.drives.clone(),
             data_dir: config.data_dir,
             memory,
         })
@@ -329,6 +377,12 @@ impl Node {
     /// The embedded metadata store's file.
     pub fn meta_path(&self) -> PathBuf {
         self.data_dir().join(meta::META_FILE_NAME)
+    }
+
+    /// The block devices or files given with `--drive` (empty when the drives are files in
+    /// [`Node::drives_dir`]).
+    pub fn external_drives(&self) -> &[PathBuf] {
+        &self.external_drives
     }
 
     /// Where the drive files live (with memory drives: their links).
@@ -469,13 +523,63 @@ fn parse_mem_available(meminfo: &str) -> Option<u64> {
 fn drive_set(config: &NodeConfig, record: &NodeRecord) -> DriveSet {
     DriveSet {
         dir: config.drives_dir(),
+        external: config.drives.clone(),
         node_uuid: record.uuid,
         count: record.drive_count,
         size_bytes: record.drive_size_bytes,
     }
 }
 
+/// The geometry of a new node on external drives: as many drives as given, each used up to
+/// the smallest one's size (whole MiB, at most `DRIVE_SIZE_BYTES_MAX`). Refuses a drive given
+/// twice (under any name), one that is not a block device or file, mounted or in use, and a
+/// smallest drive below `DRIVE_SIZE_BYTES_MIN`.
+fn external_geometry(paths: &[PathBuf]) -> Result<(u16, u64), NodeError> {
+    let mut seen: Vec<PathBuf> = Vec::with_capacity(paths.len());
+    let mut smallest: Option<io::ExternalDrive> = None;
+    for path in paths {
+        let drive = io::probe_external_drive(path).map_err(NodeError::ExternalDrive)?;
+        let canonical = std::fs::canonicalize(path).map_err(|source| {
+            NodeError::ExternalDrive(io::DriveSetupError::Io {
+                action: "resolve",
+                path: path.clone(),
+                source,
+            })
+        })?;
+        if seen.contains(&canonical) {
+            return Err(NodeError::ExternalDriveTwice { canonical, given: path.clone() });
+        }
+        seen.push(canonical);
+        if smallest.as_ref().is_none_or(|small| drive.size_bytes < small.size_bytes) {
+            smallest = Some(drive);
+        }
+    }
+    let count = u16::try_from(paths.len()).map_err(|_| ConfigError::DrivePathCount(paths.len()))?;
+    let Some(smallest) = smallest else {
+        unreachable!("external drives are only looked at when some are given")
+    };
+    let usable_bytes = smallest.size_bytes.min(config::DRIVE_SIZE_BYTES_MAX);
+    let size_bytes = usable_bytes - usable_bytes % config::DRIVE_SIZE_ALIGNMENT_BYTES;
+    if size_bytes < config::DRIVE_SIZE_BYTES_MIN {
+        return Err(NodeError::ExternalDrive(io::DriveSetupError::TooSmall {
+            path: smallest.path,
+            size_bytes: smallest.size_bytes,
+            min_bytes: config::DRIVE_SIZE_BYTES_MIN,
+        }));
+    }
+    Ok((count, size_bytes))
+}
+
 fn check_drives(config: &NodeConfig, record: &NodeRecord) -> Result<(), NodeError> {
+    if record.external_drives && config.drives.is_empty() {
+        return Err(NodeError::ExternalDrivesNeeded {
+            data_dir: config.data_dir.clone(),
+            count: record.drive_count,
+        });
+    }
+    if !record.external_drives && !config.drives.is_empty() {
+        return Err(NodeError::DriveFilesNode { dir: config.drives_dir() });
+    }
     let count = config.drive_count.unwrap_or(record.drive_count);
     let size_bytes = config.drive_size_bytes.unwrap_or(record.drive_size_bytes);
     if count == record.drive_count && size_bytes == record.drive_size_bytes {

@@ -11,6 +11,8 @@
 //! Families:
 //! - `ferrite_node_drive_backend{backend}` (gauge): 1 for the backend holding the drives
 //!   (`file`, or `memory`: NOT DURABLE), 0 for the others
+//! - `ferrite_drive_failed{drive,path}` (gauge): 1 for a drive latched failed (no I/O reaches
+//!   it until the node restarts), 0 for a drive in service
 //! - `ferrite_volumes` (gauge), `ferrite_capacity_total_bytes`, `ferrite_capacity_free_bytes`,
 //!   `ferrite_provisioned_bytes`, `ferrite_mapped_bytes`, `ferrite_physical_used_bytes`,
 //!   `ferrite_write_amplification` (gauges), `ferrite_checksum_errors_total` (counter)
@@ -27,6 +29,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use types::VolumeName;
 
 use crate::config::DriveBackend;
+use crate::data_plane::DriveStatus;
 
 /// Upper bounds of the latency histogram buckets, in microseconds; a last `+Inf` bucket follows.
 /// From local NVMe (tens of microseconds) to a stalled drive (a second).
@@ -171,7 +174,7 @@ impl VolumeMetrics {
 }
 
 /// Node-wide values read from the control plane at scrape time.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct NodeGauges {
     pub drive_backend: DriveBackend,
     pub volumes: u64,
@@ -182,6 +185,8 @@ pub struct NodeGauges {
     pub physical_used_bytes: u64,
     pub write_amplification: f64,
     pub checksum_errors: u64,
+    /// Every drive and whether it is latched failed.
+    pub drives: Vec<DriveStatus>,
 }
 
 struct Entry {
@@ -244,6 +249,21 @@ impl Registry {
             let value = u8::from(backend == node.drive_backend);
             let name = backend.as_str();
             let _ = writeln!(out, "ferrite_node_drive_backend{{backend=\"{name}\"}} {value}");
+        }
+        family(
+            &mut out,
+            "ferrite_drive_failed",
+            "gauge",
+            "1 if the drive is latched failed after a failed write, sync or punch (no I/O \
+             reaches it until the node restarts; every write to the node fails), 0 if in service.",
+        );
+        for drive in &node.drives {
+            let mut path = String::new();
+            escape_label_value(&mut path, &drive.path.display().to_string());
+            let value = u8::from(drive.failed);
+            let index = drive.index;
+            let _ =
+                writeln!(out, "ferrite_drive_failed{{drive=\"{index}\",path=\"{path}\"}} {value}");
         }
         render_gauge(&mut out, "ferrite_volumes", "Volumes on this node.", node.volumes);
         render_gauge(
@@ -503,6 +523,10 @@ mod tests {
             capacity_total_bytes: 1 << 30,
             capacity_free_bytes: 1 << 29,
             checksum_errors: 3,
+            drives: vec![
+                DriveStatus { index: 0, path: "/dev/loop7".into(), failed: false },
+                DriveStatus { index: 1, path: "/srv/d\"1".into(), failed: true },
+            ],
             ..NodeGauges::default()
         };
         let text = registry.render(&gauges);
@@ -512,8 +536,10 @@ mod tests {
         assert_eq!(value(&text, "ferrite_checksum_errors_total"), 3);
         assert!(text.contains("ferrite_write_amplification 0\n"), "{text}");
         assert_eq!(value(&text, "ferrite_node_drive_backend{backend=\"file\"}"), 1);
+        assert_eq!(value(&text, "ferrite_drive_failed{drive=\"0\",path=\"/dev/loop7\"}"), 0);
+        assert_eq!(value(&text, "ferrite_drive_failed{drive=\"1\",path=\"/srv/d\\\"1\"}"), 1);
         assert_eq!(value(&text, "ferrite_node_drive_backend{backend=\"memory\"}"), 0);
-        let memory = NodeGauges { drive_backend: DriveBackend::Memory, ..gauges };
+        let memory = NodeGauges { drive_backend: DriveBackend::Memory, ..gauges.clone() };
         let memory_text = registry.render(&memory);
         assert_eq!(value(&memory_text, "ferrite_node_drive_backend{backend=\"memory\"}"), 1);
         assert_eq!(value(&memory_text, "ferrite_node_drive_backend{backend=\"file\"}"), 0);

@@ -156,10 +156,12 @@ fn config(dir: &Path) -> NodeConfig {
         data_dir: dir.join("data"),
         drive_count: Some(1),
         drive_size_bytes: Some(64 * MIB),
+        drives: Vec::new(),
         nvme_listen: vec!["127.0.0.1:0".parse().unwrap()],
         api_listen: "127.0.0.1:0".parse().unwrap(),
         stop_on_signals: false,
         data_threads: 1,
+        poll_us: 0,
     }
 }
 
