@@ -20,6 +20,7 @@
 #   scripts/bench-target-core.sh                     # 1 GiB, QD32 (1 queue x 32), 3 rounds, 10 s
 #   ROUNDS=5 RUNTIME=20 QUEUES=2 IODEPTH=16 scripts/bench-target-core.sh
 #   DRIVE_BACKEND=memory scripts/bench-target-core.sh  # RAM drives on both sides
+#   POLL_US=200 scripts/bench-target-core.sh           # the target busy-polls (up --poll-us)
 #
 # Each round also times a bare TCP request/response between the two CPUs (scripts/tcp-rtt.py):
 # the floor under any QD1 latency over TCP on this machine, with no storage and no NVMe.
@@ -39,6 +40,7 @@ iodepth=${IODEPTH:-32}
 target_cpu=${TARGET_CPU:-0}
 initiator_cpu=${INITIATOR_CPU:-1}
 drive_backend=${DRIVE_BACKEND:-}
+poll_us=${POLL_US:-0}
 if [ "$drive_backend" = memory ]; then
     drive_size=${DRIVE_SIZE:-4G}
 else
@@ -82,7 +84,7 @@ else
     backend_args=(--data-dir "$work/data")
     [ -n "$drive_backend" ] && backend_args+=(--drive-backend "$drive_backend")
 fi
-taskset -c "$target_cpu" "$ferrite" up --data-threads 1 \
+taskset -c "$target_cpu" "$ferrite" up --data-threads 1 --poll-us "$poll_us" \
     --drives 2 --drive-size "$drive_size" "${backend_args[@]}" \
     --api-listen "127.0.0.1:$api_port" --nvme-listen "127.0.0.1:$nvme_port" >"$work/up.log" 2>&1 &
 server=$!
@@ -182,7 +184,7 @@ if grep -q " ERROR " "$work/up.log"; then
     grep " ERROR " "$work/up.log" >&2
 fi
 echo
-echo "target: ferrite up --data-threads 1 on CPU $target_cpu${drive_backend:+, --drive-backend $drive_backend};" \
+echo "target: ferrite up --data-threads 1 --poll-us $poll_us on CPU $target_cpu${drive_backend:+, --drive-backend $drive_backend};" \
     "initiator and fio on CPU $initiator_cpu (fio's file in $(dirname "$raw")); $size, $rounds rounds," \
     "${runtime} s (+${ramp} s ramp) each"
 python3 - "$results" "$qd" <<'PY'
