@@ -49,6 +49,25 @@ pub struct Capacity {
     pub checksum_errors: u64,
     /// Every drive, in index order, and whether it is latched failed.
     pub drives: Vec<DriveStatus>,
+    /// The engine's traffic since the node started.
+    pub counters: EngineCounters,
+}
+
+/// The storage engine's traffic since the node started: what hosts wrote, what reached the
+/// drives, and how well group commit and GC are doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineCounters {
+    pub host_bytes_written: u64,
+    /// Everything written to the drives: data, batch headers, GC copies, checkpoints.
+    pub device_bytes_written: u64,
+    /// Host batches made durable and the blocks they carried (their ratio is the group-commit
+    /// width).
+    pub host_batches: u64,
+    pub host_batch_blocks: u64,
+    pub drive_syncs: u64,
+    pub gc_relocated_blocks: u64,
+    pub gc_segments_cleaned: u64,
+    pub checkpoints: u64,
 }
 
 /// One drive of the node as the data path sees it.

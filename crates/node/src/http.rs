@@ -428,6 +428,7 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
             write_amplification: capacity.write_amplification,
             checksum_errors: capacity.checksum_errors,
             drives: capacity.drives,
+            counters: capacity.counters,
         })
     })
     .await?;

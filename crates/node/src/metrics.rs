@@ -16,6 +16,10 @@
 //! - `ferrite_volumes` (gauge), `ferrite_capacity_total_bytes`, `ferrite_capacity_free_bytes`,
 //!   `ferrite_provisioned_bytes`, `ferrite_mapped_bytes`, `ferrite_physical_used_bytes`,
 //!   `ferrite_write_amplification` (gauges), `ferrite_checksum_errors_total` (counter)
+//! - `ferrite_host_bytes_written_total`, `ferrite_device_bytes_written_total`,
+//!   `ferrite_log_batches_total`, `ferrite_log_batch_blocks_total`, `ferrite_drive_syncs_total`,
+//!   `ferrite_gc_relocated_blocks_total`, `ferrite_gc_segments_cleaned_total`,
+//!   `ferrite_checkpoints_total` (counters): the engine's traffic since the node started
 //! - `ferrite_volume_operations_total{volume,volume_id,op}` (counter), `op` one of `read`,
 //!   `write`, `flush`, `write_zeroes`, `deallocate`
 //! - `ferrite_volume_bytes_total{volume,volume_id,op}` (counter), all but `flush`
@@ -29,7 +33,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use types::VolumeName;
 
 use crate::config::DriveBackend;
-use crate::data_plane::DriveStatus;
+use crate::data_plane::{DriveStatus, EngineCounters};
 
 /// Upper bounds of the latency histogram buckets, in microseconds; a last `+Inf` bucket follows.
 /// From local NVMe (tens of microseconds) to a stalled drive (a second).
@@ -187,6 +191,7 @@ pub struct NodeGauges {
     pub checksum_errors: u64,
     /// Every drive and whether it is latched failed.
     pub drives: Vec<DriveStatus>,
+    pub counters: EngineCounters,
 }
 
 struct Entry {
@@ -310,6 +315,40 @@ impl Registry {
             "Blocks that failed their checksum when read (returned as errors, never as data).",
         );
         let _ = writeln!(out, "ferrite_checksum_errors_total {}", node.checksum_errors);
+        let counters = &node.counters;
+        for (name, help, value) in [
+            (
+                "ferrite_host_bytes_written_total",
+                "Bytes hosts wrote (durable when counted).",
+                counters.host_bytes_written,
+            ),
+            (
+                "ferrite_device_bytes_written_total",
+                "Bytes written to the drives: data, batch headers, GC copies, checkpoints.",
+                counters.device_bytes_written,
+            ),
+            ("ferrite_log_batches_total", "Host batches made durable.", counters.host_batches),
+            (
+                "ferrite_log_batch_blocks_total",
+                "Host blocks those batches carried (blocks per batch: the group-commit width).",
+                counters.host_batch_blocks,
+            ),
+            ("ferrite_drive_syncs_total", "Drive syncs issued.", counters.drive_syncs),
+            (
+                "ferrite_gc_relocated_blocks_total",
+                "Live blocks garbage collection copied.",
+                counters.gc_relocated_blocks,
+            ),
+            (
+                "ferrite_gc_segments_cleaned_total",
+                "Segments garbage collection freed.",
+                counters.gc_segments_cleaned,
+            ),
+            ("ferrite_checkpoints_total", "Index checkpoints written.", counters.checkpoints),
+        ] {
+            family(&mut out, name, "counter", help);
+            let _ = writeln!(out, "{name} {value}");
+        }
 
         family(&mut out, "ferrite_volume_operations_total", "counter", "I/O commands completed.");
         for (id, name, metrics) in &volumes {
@@ -523,6 +562,11 @@ mod tests {
             capacity_total_bytes: 1 << 30,
             capacity_free_bytes: 1 << 29,
             checksum_errors: 3,
+            counters: EngineCounters {
+                device_bytes_written: 5 << 20,
+                host_batches: 7,
+                ..EngineCounters::default()
+            },
             drives: vec![
                 DriveStatus { index: 0, path: "/dev/loop7".into(), failed: false },
                 DriveStatus { index: 1, path: "/srv/d\"1".into(), failed: true },
@@ -534,6 +578,9 @@ mod tests {
         assert_eq!(value(&text, "ferrite_volumes"), 2);
         assert_eq!(value(&text, "ferrite_capacity_free_bytes"), 1 << 29);
         assert_eq!(value(&text, "ferrite_checksum_errors_total"), 3);
+        assert_eq!(value(&text, "ferrite_device_bytes_written_total"), 5 << 20);
+        assert_eq!(value(&text, "ferrite_log_batches_total"), 7);
+        assert_eq!(value(&text, "ferrite_drive_syncs_total"), 0);
         assert!(text.contains("ferrite_write_amplification 0\n"), "{text}");
         assert_eq!(value(&text, "ferrite_node_drive_backend{backend=\"file\"}"), 1);
         assert_eq!(value(&text, "ferrite_drive_failed{drive=\"0\",path=\"/dev/loop7\"}"), 0);

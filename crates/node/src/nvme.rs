@@ -21,7 +21,7 @@
 use crate::data_plane::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
 };
-use crate::data_plane::{DriveStatus, VolumePath, VolumeSpace};
+use crate::data_plane::{DriveStatus, EngineCounters, VolumePath, VolumeSpace};
 use crate::metrics::{Registry, VolumeMetrics};
 use engine::log::{GcOutcome, LogConfig, LogEngine, LogHandle};
 use engine::{
@@ -1254,6 +1254,16 @@ impl DataPlane for NvmeDataPlane {
             physical_used_bytes: stats.physical_used_bytes,
             write_amplification: stats.write_amplification,
             checksum_errors: stats.checksum_errors,
+            counters: EngineCounters {
+                host_bytes_written: stats.host_bytes_written,
+                device_bytes_written: stats.device_bytes_written,
+                host_batches: stats.host_batches,
+                host_batch_blocks: stats.host_batch_blocks,
+                drive_syncs: stats.drive_syncs,
+                gc_relocated_blocks: stats.gc_relocated_blocks,
+                gc_segments_cleaned: stats.gc_segments_cleaned,
+                checkpoints: stats.checkpoints,
+            },
             drives: (0u16..)
                 .zip(&self.shared.drive_paths)
                 .map(|(index, path)| DriveStatus {
