@@ -955,7 +955,6 @@ impl<D: Drive> LogHandle<D> {
         block_of: impl Fn(u32) -> &'b [u8],
     ) -> Result<DriveSet, Failure> {
         let geometry = &self.engine.geometry;
-        let drives = u32::from(geometry.drive_count);
         let mut touched = DriveSet::default();
         let mut writes: Vec<LocalFuture<'_, (u16, Result<(), DriveError>)>> = Vec::new();
         for (drive, first_row, rows) in geometry.drive_runs(first, count) {
@@ -964,7 +963,7 @@ impl<D: Drive> LogHandle<D> {
             }
             let mut buf = self.buffers.take(rows as usize * BLOCK_BYTES);
             for row in 0..rows {
-                let position = (first_row + row) * drives + u32::from(drive);
+                let position = geometry.position_of(drive, first_row + row);
                 let at = row as usize * BLOCK_BYTES;
                 buf[at..at + BLOCK_BYTES].copy_from_slice(block_of(position - first));
             }
@@ -1020,7 +1019,6 @@ impl<D: Drive> LogHandle<D> {
         count: u32,
     ) -> Result<AlignedBuf, LogError> {
         let geometry = &self.engine.geometry;
-        let drives = u32::from(geometry.drive_count);
         let mut reads: Vec<LocalFuture<'_, RowsRead>> = Vec::new();
         for (drive, first_row, rows) in geometry.drive_runs(first, count) {
             if self.engine.latches.is_failed(drive) {
@@ -1038,7 +1036,7 @@ impl<D: Drive> LogHandle<D> {
         for (drive, first_row, result, buf) in join_all(reads).await {
             result.map_err(|source| LogError::io(drive, source))?;
             for (row, block) in buf.chunks(BLOCK_BYTES).enumerate() {
-                let position = (first_row + row as u32) * drives + u32::from(drive);
+                let position = geometry.position_of(drive, first_row + row as u32);
                 let at = (position - first) as usize * BLOCK_BYTES;
                 out[at..at + BLOCK_BYTES].copy_from_slice(block);
             }

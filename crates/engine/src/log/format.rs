@@ -15,7 +15,7 @@ use crate::format::NodeUuid;
 pub const BLOCK_BYTES: usize = types::BLOCK_SIZE_BYTES as usize;
 const BLOCK_BYTES_U64: u64 = BLOCK_BYTES as u64;
 /// The log format this build reads and writes.
-pub const LOG_FORMAT_VERSION: u32 = 1;
+pub const LOG_FORMAT_VERSION: u32 = 2;
 /// The first 16 bytes of the log superblock.
 pub const LOG_SUPERBLOCK_MAGIC: [u8; 16] = *b"FERRITE\0LOG\0\0\0\0\0";
 /// Magics of the other structures (the first 8 bytes of their block).
@@ -133,15 +133,23 @@ fn field(ok: bool, field: &'static str, value: u64) -> Result<(), DecodeError> {
     }
 }
 
+/// The largest stripe chunk: this many consecutive positions of a segment sit on one drive.
+pub const STRIPE_BLOCKS_MAX: u32 = 128;
+
 /// How the log is laid out over a node's drives. Every drive has the same geometry.
 ///
-/// A segment is unit `s` of every drive. Its positions are numbered row-major: position `p` is on
-/// drive `p % drive_count`, row `p / drive_count` of that drive's unit, so consecutive positions
-/// stripe across the drives and any run of positions is one contiguous range per drive.
+/// A segment is unit `s` of every drive. Its positions are dealt out in chunks of
+/// `stripe_blocks`: chunk `c = p / stripe_blocks` is on drive `c % drive_count`, at row
+/// `(c / drive_count) * stripe_blocks + p % stripe_blocks` of that drive's unit. So a batch of up
+/// to a chunk touches one drive or two (one sync each, not one per drive of the node), large
+/// runs still stripe across every drive, and any run of positions is one contiguous range of
+/// rows per drive. `stripe_blocks` is the largest power of two up to [`STRIPE_BLOCKS_MAX`] that
+/// divides `unit_blocks` (derived, so the superblock need not record it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Geometry {
     pub drive_count: u16,
     pub unit_blocks: u32,
+    pub stripe_blocks: u32,
     pub segment_count: u32,
     /// Where the log area starts on each drive (after the drive's own superblock region).
     pub area_offset_bytes: u64,
@@ -169,9 +177,13 @@ impl Geometry {
         let locations = segment_count * unit_blocks * u64::from(drive_count);
         field(segment_count >= 2, "segment_count", segment_count)?;
         field(locations <= LOCATIONS_MAX, "segment_count", segment_count)?;
+        let unit_blocks = unit_blocks as u32;
+        let stripe_blocks = 1u32 << unit_blocks.trailing_zeros().min(STRIPE_BLOCKS_MAX.ilog2());
+        debug_assert!(unit_blocks % stripe_blocks == 0);
         Ok(Self {
             drive_count,
-            unit_blocks: unit_blocks as u32,
+            unit_blocks,
+            stripe_blocks,
             segment_count: segment_count as u32,
             area_offset_bytes,
         })
@@ -211,9 +223,25 @@ impl Geometry {
 
     /// (drive, byte offset) of a position of a segment.
     pub fn place(&self, segment: u32, position: u32) -> (u16, u64) {
-        let drive = (position % u32::from(self.drive_count)) as u16;
-        let row = position / u32::from(self.drive_count);
+        let (drive, row) = self.drive_row(position);
         (drive, self.row_offset_bytes(segment, row))
+    }
+
+    /// (drive, row) of a position of a segment.
+    pub fn drive_row(&self, position: u32) -> (u16, u32) {
+        assert!(position < self.positions_per_segment(), "position {position}");
+        let drives = u32::from(self.drive_count);
+        let chunk = position / self.stripe_blocks;
+        let drive = (chunk % drives) as u16;
+        let row = (chunk / drives) * self.stripe_blocks + position % self.stripe_blocks;
+        (drive, row)
+    }
+
+    /// The position of a segment at `row` of `drive` (the inverse of [`Geometry::drive_row`]).
+    pub fn position_of(&self, drive: u16, row: u32) -> u32 {
+        assert!(drive < self.drive_count && row < self.unit_blocks);
+        let chunk = (row / self.stripe_blocks) * u32::from(self.drive_count) + u32::from(drive);
+        chunk * self.stripe_blocks + row % self.stripe_blocks
     }
 
     /// Byte offset of a row of a segment's unit (the same on every drive).
@@ -230,12 +258,39 @@ impl Geometry {
     pub fn drive_runs(&self, first: u32, count: u32) -> impl Iterator<Item = (u16, u32, u32)> {
         assert!(u64::from(first) + u64::from(count) <= u64::from(self.positions_per_segment()));
         let drives = u32::from(self.drive_count);
+        let stripe = self.stripe_blocks;
+        let geometry = *self;
         (0..self.drive_count).filter_map(move |drive| {
+            if count == 0 {
+                return None;
+            }
             let drive_u32 = u32::from(drive);
-            // The first position >= first on this drive.
-            let start = first + (drive_u32 + drives - first % drives) % drives;
             let end = first + count;
-            (start < end).then(|| (drive, start / drives, (end - start).div_ceil(drives)))
+            // The first position >= first on this drive: in first's chunk, or at the start of
+            // the drive's next chunk.
+            let first_chunk = first / stripe;
+            let start = if first_chunk % drives == drive_u32 {
+                first
+            } else {
+                (first_chunk + (drive_u32 + drives - first_chunk % drives) % drives) * stripe
+            };
+            // The last position < end on this drive: in the last position's chunk, or at the
+            // end of the drive's previous chunk.
+            let last_chunk = (end - 1) / stripe;
+            let back = (last_chunk % drives + drives - drive_u32) % drives;
+            let last = if back == 0 {
+                end - 1
+            } else if last_chunk >= back {
+                (last_chunk - back) * stripe + stripe - 1
+            } else {
+                return None;
+            };
+            if start >= end || last < first || start > last {
+                return None;
+            }
+            let first_row = geometry.drive_row(start).1;
+            let last_row = geometry.drive_row(last).1;
+            Some((drive, first_row, last_row - first_row + 1))
         })
     }
 }
@@ -625,17 +680,65 @@ mod tests {
         let geometry = geometry();
         assert_eq!(geometry.segment_count, 10);
         assert_eq!(geometry.positions_per_segment(), 3 * 64);
-        assert_eq!(geometry.place(2, 0), (0, (2 << 20) + 2 * (256 << 10)));
-        assert_eq!(geometry.place(2, 4), (1, (2 << 20) + 2 * (256 << 10) + 4096));
+        assert_eq!(geometry.stripe_blocks, 64, "the largest power of two dividing the unit");
+        let base = (2 << 20) + 2 * (256 << 10);
+        assert_eq!(geometry.place(2, 0), (0, base));
+        assert_eq!(geometry.place(2, 4), (0, base + 4 * 4096));
+        assert_eq!(geometry.place(2, 64), (1, base));
+        assert_eq!(geometry.place(2, 130), (2, base + 2 * 4096));
         assert_eq!(geometry.split(geometry.location(7, 100)), (7, 100));
-        // Positions 4..=11 on 3 drives: rows 1..=3 of drive 1, 1..=3 of drive 2, 2..=3 of 0.
-        let runs: Vec<_> = geometry.drive_runs(4, 8).collect();
-        assert_eq!(runs, [(0, 2, 2), (1, 1, 3), (2, 1, 3)]);
+        // Positions 60..=67: rows 60..=63 of drive 0, then rows 0..=3 of drive 1.
+        let runs: Vec<_> = geometry.drive_runs(60, 8).collect();
+        assert_eq!(runs, [(0, 60, 4), (1, 0, 4)]);
         let runs: Vec<_> = geometry.drive_runs(5, 1).collect();
-        assert_eq!(runs, [(2, 1, 1)]);
+        assert_eq!(runs, [(0, 5, 1)]);
         assert!(Geometry::new(0, 1 << 30, 1 << 20, 0).is_err());
         assert!(Geometry::new(1, 1 << 30, 4095, 0).is_err());
         assert!(Geometry::new(1, LOG_HEADER_BYTES + (1 << 20), 1 << 20, 0).is_err(), "one segment");
+    }
+
+    /// Every position has one place and back, and the runs of any range of positions hold
+    /// exactly its positions, each drive's as one range of rows: checked against brute force on
+    /// geometries whose drives hold one, several or odd numbers of chunks per segment.
+    #[test]
+    fn drive_runs_match_positions_exactly() {
+        for (drives, unit_bytes) in
+            [(1u16, 64u64 << 10), (3, 2 << 20), (4, 2 << 20), (5, 96 << 10), (2, 80 << 10)]
+        {
+            let size = LOG_HEADER_BYTES + 4 * unit_bytes;
+            let geometry = Geometry::new(drives, size, unit_bytes, 0).unwrap();
+            let per_segment = geometry.positions_per_segment();
+            for position in 0..per_segment {
+                let (drive, row) = geometry.drive_row(position);
+                assert_eq!(geometry.position_of(drive, row), position, "{geometry:?}");
+            }
+            let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+            for _ in 0..2_000 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let first = (rng % u64::from(per_segment)) as u32;
+                let count = ((rng >> 32) % u64::from(per_segment - first + 1)) as u32;
+                let mut expected: Vec<Vec<u32>> = vec![Vec::new(); usize::from(drives)];
+                for position in first..first + count {
+                    let (drive, row) = geometry.drive_row(position);
+                    expected[usize::from(drive)].push(row);
+                }
+                let mut seen = vec![false; usize::from(drives)];
+                for (drive, first_row, rows) in geometry.drive_runs(first, count) {
+                    let want: Vec<u32> = (first_row..first_row + rows).collect();
+                    assert_eq!(
+                        expected[usize::from(drive)],
+                        want,
+                        "{geometry:?} first {first} count {count} drive {drive}"
+                    );
+                    seen[usize::from(drive)] = true;
+                }
+                for (drive, rows) in expected.iter().enumerate() {
+                    assert_eq!(seen[drive], !rows.is_empty(), "drive {drive} first {first}");
+                }
+            }
+        }
     }
 
     #[test]
