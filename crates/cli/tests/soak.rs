@@ -24,13 +24,22 @@ const VOLUME: &str = "soak";
 /// Small enough to fill in a few seconds, large enough that 4096 requests in flight (which never
 /// overlap) spread over many blocks: 8192 extents of 32 KiB.
 const VOLUME_SIZE: &str = "256M";
+/// Seconds each workload runs before its measured window. Little's law holds for the steady
+/// state: a window that starts with the queues still filling undercounts the requests in flight
+/// by about the mean latency over the window, and on a loaded 2-core CI machine 32 KiB writes at
+/// this depth take seconds.
+const RAMP_SECONDS: u64 = 3;
 /// The bench must end within its fill, its workloads and this much more.
 const BENCH_SLACK: Duration = Duration::from_secs(120);
 /// By Little's law, IOPS x mean latency is the mean number of requests in flight. The bench keeps
 /// every queue full, so it must come near QUEUES x IODEPTH; this fraction allows for the moments
 /// a queue refills and for the bench's own scheduling. Requests the target holds past the end of
 /// the window count in neither figure, so starved requests show here too.
-const IN_FLIGHT_FRACTION_MIN: f64 = 0.5;
+///
+/// Measured on this 2-core machine while another build ran: 0.54-0.73 of 4096 (the client, one
+/// task driving 32 queues with verification, itself waits for CPU between a completion and the
+/// next submission); a starved request, held past the window, pulls it far lower.
+const IN_FLIGHT_FRACTION_MIN: f64 = 0.4;
 
 #[test]
 fn thirty_two_queues_at_depth_128_of_mixed_verified_io() {
@@ -66,7 +75,7 @@ fn thirty_two_queues_at_depth_128_of_mixed_verified_io() {
             "--runtime",
             &runtime,
             "--ramp",
-            "0",
+            &RAMP_SECONDS.to_string(),
             "--fill",
             "--json",
             path_str(&json),
@@ -76,7 +85,7 @@ fn thirty_two_queues_at_depth_128_of_mixed_verified_io() {
         ],
         dir.path(),
         "soak",
-        Duration::from_secs(seconds * WORKLOADS.len() as u64) + BENCH_SLACK,
+        Duration::from_secs((seconds + RAMP_SECONDS) * WORKLOADS.len() as u64) + BENCH_SLACK,
     );
     assert!(
         bench.success,
