@@ -13,7 +13,7 @@ use common::{
     assert_no_error_lines, ferrite, ferrite_ok, free_port, volume_list, volume_nqn,
     wait_with_timeout, FERRITE, NODE_TIMEOUT, START_ATTEMPTS_MAX, START_RETRY_PAUSE,
 };
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -73,15 +73,7 @@ impl MemoryNode {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn `ferrite up`");
-        let (sender, stdout) = mpsc::channel();
-        let reader = BufReader::new(child.stdout.take().expect("piped stdout"));
-        std::thread::spawn(move || {
-            for line in reader.lines().map_while(Result::ok) {
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let stdout = common::stdout_lines(&mut child);
         let mut pipe = child.stderr.take().expect("piped stderr");
         let stderr = std::thread::spawn(move || {
             let mut bytes = Vec::new();

@@ -24,6 +24,21 @@ pub const DRIVE_ARGS: [&str; 4] = ["--drives", "2", "--drive-size", "1G"];
 pub const BLOCK_BYTES: usize = 4096;
 
 /// A port nothing listens on right now: the OS hands it out and we give it back.
+/// Forwards the piped stdout of `child` line by line from a reader thread, so tests can wait for
+/// a banner line without blocking on the pipe.
+pub fn stdout_lines(child: &mut Child) -> mpsc::Receiver<String> {
+    let (sender, lines) = mpsc::channel();
+    let reader = BufReader::new(child.stdout.take().expect("piped stdout"));
+    std::thread::spawn(move || {
+        for line in reader.lines().map_while(Result::ok) {
+            if sender.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    lines
+}
+
 pub fn free_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
     listener.local_addr().expect("ephemeral port address").port()
@@ -96,16 +111,7 @@ impl Node {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn `ferrite up`");
-        let (sender, stdout) = mpsc::channel();
-        let reader = BufReader::new(child.stdout.take().expect("piped stdout"));
-        std::thread::spawn(move || {
-            for line in reader.lines() {
-                let Ok(line) = line else { break };
-                if sender.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let stdout = stdout_lines(&mut child);
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut pipe = BufReader::new(child.stderr.take().expect("piped stderr"));
         let sink = Arc::clone(&stderr);
