@@ -12,6 +12,11 @@ command -v protoc >/dev/null 2>&1 || needed+=(protobuf-compiler)
 # The metadata store's tests start their own etcd; etcdctl is for looking at a cluster's keys.
 command -v etcd >/dev/null 2>&1 || needed+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || needed+=(etcd-client)
+# The NBD frontend's tests run standard clients against it: nbdinfo, nbdcopy and nbdfuse
+# (all in libnbd-bin), qemu-io and qemu-img (qemu-utils), and fusermount3 for nbdfuse (fuse3).
+command -v nbdinfo >/dev/null 2>&1 || needed+=(libnbd-bin)
+command -v qemu-io >/dev/null 2>&1 || needed+=(qemu-utils)
+command -v fusermount3 >/dev/null 2>&1 || needed+=(fuse3)
 if [ ${#needed[@]} -eq 0 ]; then
     exit 0
 fi

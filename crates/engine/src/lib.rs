@@ -11,7 +11,9 @@
 //! - [`DriveLatches`]: drives latched failed, shared by every thread;
 //! - [`local_sync`]: the single-threaded wake-up primitive the data path waits on.
 
+pub mod compress;
 mod drive;
+pub mod erasure;
 pub mod format;
 pub mod join;
 mod latches;

@@ -27,7 +27,7 @@ use super::format::{
     BatchHeader, Entry, EntryKind, Geometry, BATCH_ENTRIES_MAX, BLOCK_BYTES,
     CHECKPOINT_ENTRIES_PER_BLOCK, ROOT_SEGMENTS_MAX,
 };
-use super::index::{pack, unpack, Index, VolumeIndex};
+use super::index::{is_block, pack, unpack, Index, LayerError, VolumeIndex, LAYER_LABEL_BASE};
 use super::pool::BufferPool;
 use super::segments::{SegmentState, SegmentTable};
 use super::{LogConfig, LogError};
@@ -161,6 +161,8 @@ pub struct LogEngine {
     pub(super) batch_data_max: usize,
     pub(super) capacity_blocks: u64,
     pub(super) counters: Counters,
+    /// Host batches and index generation when a sweep last found nothing to drop.
+    pub(super) sweep_mark: AtomicU64,
 }
 
 impl std::fmt::Debug for LogEngine {
@@ -218,6 +220,7 @@ impl LogEngine {
             batch_data_max,
             capacity_blocks,
             counters: Counters::default(),
+            sweep_mark: AtomicU64::new(u64::MAX),
         })
     }
 
@@ -294,8 +297,11 @@ impl LogEngine {
     }
 
     /// One volume's space figures; `provisioned_bytes` is the size the caller's map holds.
+    /// `mapped_bytes` counts the blocks written since its newest snapshot (or creation): its
+    /// own layer's, not those it reads from snapshots.
     pub fn volume_stats(&self, volume: &VolumeMap) -> VolumeStats {
-        let mapped_blocks = self.index.get(volume.volume().0).map_or(0, |v| v.mapped_blocks());
+        let mapped_blocks =
+            self.index.resolve(volume.volume().0, false).map_or(0, |v| v.mapped_blocks());
         VolumeStats {
             provisioned_bytes: volume.size_bytes(),
             mapped_bytes: mapped_blocks * BLOCK_BYTES_U64,
@@ -303,9 +309,21 @@ impl LogEngine {
         }
     }
 
-    /// The ids of the volumes the index holds data of (mapped blocks or not).
+    /// The ids of the volumes and snapshots the index holds (mapped blocks or not).
     pub fn volume_ids(&self) -> Vec<u64> {
-        self.index.volumes().iter().map(|volume| volume.volume()).collect()
+        self.index.bound_ids()
+    }
+
+    /// Bytes that deleting snapshot `snapshot` would free: blocks of its layer that every layer
+    /// on it has overwritten or trimmed.
+    pub fn snapshot_exclusive_bytes(&self, snapshot: u64) -> u64 {
+        self.index.exclusive_blocks(snapshot) * BLOCK_BYTES_U64
+    }
+
+    /// The entry a read of `block` of volume or snapshot `id` sees (0 if none); for tests and
+    /// tools.
+    pub fn lookup(&self, id: u64, block: u64) -> u64 {
+        self.index.resolve(id, false).map_or(0, |layer| layer.lookup(block))
     }
 
     /// The blocks hosts may map in total.
@@ -350,17 +368,32 @@ impl LogEngine {
         let mut volume: Option<Arc<VolumeIndex>> = None;
         for entry in &header.entries {
             if volume.as_ref().is_none_or(|v| v.volume() != entry.volume || v.is_removed()) {
+                // Entries name layers; a merged layer's label leads to the layer that took its
+                // blocks, and a freed engine layer is never brought back.
                 volume = match entry.kind {
-                    EntryKind::Data { .. } => Some(self.index.get_or_create(entry.volume)),
-                    _ => self.index.get(entry.volume),
+                    EntryKind::Data { .. } if entry.volume < LAYER_LABEL_BASE => {
+                        match self.index.resolve_label(entry.volume) {
+                            Some(layer) => Some(layer),
+                            None => Some(self.index.get_or_create(entry.volume)),
+                        }
+                    }
+                    _ => self.index.resolve_label(entry.volume),
                 };
             }
+            let mut dead = |old: u64| {
+                if let Some((old_location, _)) = unpack(old) {
+                    if account {
+                        self.segments.remove_live(self.segment_of(old_location));
+                    }
+                    mapped_added -= 1;
+                }
+            };
             match entry.kind {
                 EntryKind::Data { crc } => {
                     let location =
                         self.geometry.location(header.segment, header.position + 1 + data_index);
                     data_index += 1;
-                    let Some(index) = &volume else { unreachable!("created above") };
+                    let Some(index) = &volume else { continue };
                     let old = index.swap(entry.block, pack(location, crc));
                     if account {
                         self.segments.add_live(header.segment);
@@ -389,27 +422,32 @@ impl LogEngine {
                 }
                 EntryKind::Trim { count } => {
                     let Some(index) = &volume else { continue };
-                    index.unmap_range(entry.block, u64::from(count), |old| {
-                        if let Some((old_location, _)) = unpack(old) {
-                            if account {
-                                self.segments.remove_live(self.segment_of(old_location));
-                            }
-                            mapped_added -= 1;
-                        }
-                    });
+                    index.trim(entry.block, u64::from(count), dead);
                 }
                 EntryKind::VolumeDeleted => {
-                    if let Some(index) = self.index.remove(entry.volume) {
-                        index.for_each_mapped(|_, old| {
-                            if let Some((old_location, _)) = unpack(old) {
-                                if account {
-                                    self.segments.remove_live(self.segment_of(old_location));
-                                }
-                                mapped_added -= 1;
-                            }
-                        });
-                    }
+                    self.index.unbind(entry.volume, dead);
                     volume = None;
+                }
+                EntryKind::Snapshot { snapshot, layer } => {
+                    self.index.snapshot(entry.volume, snapshot, layer);
+                    volume = None;
+                }
+                EntryKind::Clone { snapshot, layer } => {
+                    self.index.clone_from(entry.volume, snapshot, layer);
+                    volume = None;
+                }
+                EntryKind::Rollback { snapshot, layer } => {
+                    self.index.rollback(entry.volume, snapshot, layer, dead);
+                    volume = None;
+                }
+                EntryKind::Dropped { crc, location } => {
+                    // The named layer only: if it merged since, its blocks have new owners.
+                    let expected = pack(location, crc);
+                    if let Some(layer) = self.index.get(entry.volume) {
+                        if layer.remove_if(entry.block, expected) {
+                            dead(expected);
+                        }
+                    }
                 }
             }
         }
@@ -611,7 +649,8 @@ pub struct LogHandle<D> {
     pub(super) engine: Arc<LogEngine>,
     pub(super) drives: Vec<D>,
     pub(super) slot: Arc<HandleSlot>,
-    volumes: RefCell<HashMap<u64, Arc<VolumeIndex>>>,
+    /// Volume id -> its layer, resolved at the index generation noted.
+    volumes: RefCell<HashMap<u64, (Arc<VolumeIndex>, u64)>>,
     queue: RefCell<VecDeque<Pending>>,
     /// Writers that found the queue full enter in arrival order (no starvation).
     admission: Admission,
@@ -637,23 +676,22 @@ impl<D: Drive> LogHandle<D> {
         &self.drives
     }
 
-    /// The volume's index from this thread's cache, or the engine's (created if `create`).
+    /// The layer a volume (or snapshot) reads and writes, from this thread's cache while no
+    /// snapshot, clone, rollback or deletion happened since, else from the engine's (a plain
+    /// volume's created if `create`).
     fn volume_index(&self, volume: u64, create: bool) -> Option<Arc<VolumeIndex>> {
-        if let Some(index) = self.volumes.borrow().get(&volume) {
-            if !index.is_removed() {
+        let generation = self.engine.index.generation();
+        if let Some((index, seen)) = self.volumes.borrow().get(&volume) {
+            if *seen == generation && !index.is_removed() {
                 return Some(Arc::clone(index));
             }
         }
-        let index = if create {
-            self.engine.index.get_or_create(volume)
-        } else {
-            self.engine.index.get(volume)?
-        };
+        let index = self.engine.index.resolve(volume, create)?;
         let mut cache = self.volumes.borrow_mut();
         if cache.len() >= VOLUME_CACHE_MAX {
             cache.clear();
         }
-        cache.insert(volume, Arc::clone(&index));
+        cache.insert(volume, (Arc::clone(&index), generation));
         Some(index)
     }
 
@@ -1082,7 +1120,7 @@ impl<D: Drive> LogHandle<D> {
             if crc32c::crc32c(&buf) == crc {
                 return (Ok(()), buf);
             }
-            let now = index.get(block);
+            let now = index.lookup(block);
             if now == entry {
                 self.engine.counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
                 let (segment, position) = self.engine.geometry.split(location);
@@ -1120,15 +1158,15 @@ impl<D: Drive> LogHandle<D> {
         };
         if count == 1 {
             // The common 4 KiB read: straight into the host's buffer, no copy.
-            let entry = index.get(first);
+            let entry = index.lookup(first);
             return self.read_block(&index, first, entry, buf).await;
         }
         let mut scratch = self.buffers.take(BLOCK_BYTES);
         for slot in 0..count {
             let block = first + slot as u64;
-            let entry = index.get(block);
+            let entry = index.lookup(block);
             let out = &mut buf[slot * BLOCK_BYTES..(slot + 1) * BLOCK_BYTES];
-            if entry == 0 {
+            if !is_block(entry) {
                 out.fill(0);
                 continue;
             }
@@ -1161,18 +1199,17 @@ impl<D: Drive> LogHandle<D> {
         let Some(index) = self.volume_index(volume_id, true) else {
             unreachable!("created on demand")
         };
+        // A block this layer does not hold takes new space even if a snapshot under it maps it.
         let unmapped: Vec<bool> =
-            (0..count).map(|slot| index.get(first + slot as u64) == 0).collect();
+            (0..count).map(|slot| !is_block(index.get(first + slot as u64))).collect();
+        let label = index.volume();
         let new_blocks = unmapped.iter().filter(|new| **new).count() as u64;
         self.engine.admit(new_blocks)?;
         let mut cells: Vec<Rc<BatchCell>> = Vec::new();
         for (slot, block_data) in data.chunks(BLOCK_BYTES).enumerate() {
             let crc = crc32c::crc32c(block_data);
-            let entry = Entry {
-                volume: volume_id,
-                block: first + slot as u64,
-                kind: EntryKind::Data { crc },
-            };
+            let entry =
+                Entry { volume: label, block: first + slot as u64, kind: EntryKind::Data { crc } };
             let cell = self.enqueue(entry, Some(block_data), unmapped[slot], BLOCK_BYTES_U64).await;
             if cells.last().is_none_or(|last| !Rc::ptr_eq(last, &cell)) {
                 cells.push(cell);
@@ -1202,13 +1239,15 @@ impl<D: Drive> LogHandle<D> {
         length_bytes: u64,
     ) -> Result<(), LogError> {
         volume.check_range(offset_bytes, length_bytes)?;
+        // Nothing to drop in a plain volume never written.
+        let Some(index) = self.volume_index(volume.volume().0, false) else { return Ok(()) };
+        let label = index.volume();
         let mut first = offset_bytes / BLOCK_BYTES_U64;
         let mut remaining = length_bytes / BLOCK_BYTES_U64;
         let mut cells: Vec<Rc<BatchCell>> = Vec::new();
         while remaining > 0 {
             let count = remaining.min(u64::from(u32::MAX)) as u32;
-            let entry =
-                Entry { volume: volume.volume().0, block: first, kind: EntryKind::Trim { count } };
+            let entry = Entry { volume: label, block: first, kind: EntryKind::Trim { count } };
             let cell = self.enqueue(entry, None, false, 0).await;
             if cells.last().is_none_or(|last| !Rc::ptr_eq(last, &cell)) {
                 cells.push(cell);
@@ -1219,13 +1258,64 @@ impl<D: Drive> LogHandle<D> {
         self.wait_all(&cells).await
     }
 
-    /// Deletes a volume's data durably: after this returns, recovery never brings it back.
-    /// The caller has fenced the volume's I/O; volume ids are never reused.
+    /// Deletes a volume's (or a snapshot's) data durably: after this returns, recovery never
+    /// brings it back. Blocks that snapshots or clones still read stay. The caller has fenced
+    /// the volume's I/O; ids are never reused.
     pub async fn delete_volume(&self, volume: u64) -> Result<(), LogError> {
+        let _exclusive = self.layer_operation().await;
         let entry = Entry { volume, block: 0, kind: EntryKind::VolumeDeleted };
         let cell = self.enqueue(entry, None, false, 0).await;
         self.volumes.borrow_mut().remove(&volume);
         self.wait_all(&[cell]).await
+    }
+
+    /// Takes snapshot `snapshot` (a fresh id) of `volume`: instant, read-only, sharing every
+    /// block with the volume. It holds every write completed before this call and, for writes
+    /// in flight, the old or the new data. Durable when this returns.
+    pub async fn snapshot_volume(&self, volume: u64, snapshot: u64) -> Result<(), LogError> {
+        let _exclusive = self.layer_operation().await;
+        self.engine.index.check_snapshot(volume, snapshot)?;
+        let layer = self.engine.index.allocate_label();
+        self.log_layer_operation(volume, EntryKind::Snapshot { snapshot, layer }).await
+    }
+
+    /// Creates volume `volume` (a fresh id) as a writable clone of snapshot `snapshot`.
+    pub async fn clone_volume(&self, volume: u64, snapshot: u64) -> Result<(), LogError> {
+        let _exclusive = self.layer_operation().await;
+        if self.engine.index.resolve(volume, false).is_some() || self.engine.index.is_bound(volume)
+        {
+            return Err(LayerError::IdInUse { id: volume }.into());
+        }
+        self.engine.index.check_layer_on(volume, snapshot)?;
+        let layer = self.engine.index.allocate_label();
+        self.log_layer_operation(volume, EntryKind::Clone { snapshot, layer }).await
+    }
+
+    /// Makes `volume` read what snapshot `snapshot` holds; what it wrote since is dropped. The
+    /// caller has fenced the volume's I/O.
+    pub async fn rollback_volume(&self, volume: u64, snapshot: u64) -> Result<(), LogError> {
+        let _exclusive = self.layer_operation().await;
+        self.engine.index.check_layer_on(volume, snapshot)?;
+        let layer = self.engine.index.allocate_label();
+        self.log_layer_operation(volume, EntryKind::Rollback { snapshot, layer }).await
+    }
+
+    async fn log_layer_operation(&self, volume: u64, kind: EntryKind) -> Result<(), LogError> {
+        let cell = self.enqueue(Entry { volume, block: 0, kind }, None, false, 0).await;
+        self.volumes.borrow_mut().remove(&volume);
+        self.wait_all(&[cell]).await
+    }
+
+    /// Waits until no checkpoint runs and keeps others from starting until the guard drops: a
+    /// checkpoint then never sees a layer table and index half way through an operation that
+    /// moves entries between layers (see docs/format-log-v1.md, "Snapshots and clones").
+    async fn layer_operation(&self) -> super::gc::BusyFlag<'_> {
+        let busy = &self.engine.checkpoint_busy;
+        // A checkpoint finishes or fails in bounded time; each poll yields to the runtime.
+        while busy.swap(true, Ordering::AcqRel) {
+            crate::join::yield_now().await;
+        }
+        super::gc::BusyFlag(busy)
     }
 }
 

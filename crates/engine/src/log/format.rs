@@ -15,13 +15,14 @@ use crate::format::NodeUuid;
 pub const BLOCK_BYTES: usize = types::BLOCK_SIZE_BYTES as usize;
 const BLOCK_BYTES_U64: u64 = BLOCK_BYTES as u64;
 /// The log format this build reads and writes.
-pub const LOG_FORMAT_VERSION: u32 = 2;
+pub const LOG_FORMAT_VERSION: u32 = 3;
 /// The first 16 bytes of the log superblock.
 pub const LOG_SUPERBLOCK_MAGIC: [u8; 16] = *b"FERRITE\0LOG\0\0\0\0\0";
 /// Magics of the other structures (the first 8 bytes of their block).
 pub const ROOT_MAGIC: [u8; 8] = *b"FRTROOT\0";
 pub const BATCH_MAGIC: [u8; 8] = *b"FRTBATCH";
 pub const CHECKPOINT_MAGIC: [u8; 8] = *b"FRTCKPT\0";
+pub const LAYERS_MAGIC: [u8; 8] = *b"FRTLAYER";
 /// The header region at the start of each drive's log area: superblock, two root slots, and
 /// reserved space; segments start after it, 1 MiB aligned.
 pub const LOG_HEADER_BYTES: u64 = 1 << 20;
@@ -37,6 +38,12 @@ pub const BATCH_ENTRIES_MAX: usize = (BLOCK_BYTES - 4 - BATCH_ENTRIES_OFFSET) / 
 /// Index entries in one checkpoint block.
 pub const CHECKPOINT_ENTRIES_PER_BLOCK: usize =
     (BLOCK_BYTES - 4 - CHECKPOINT_ENTRIES_OFFSET) / CHECKPOINT_ENTRY_BYTES;
+/// Layer-table records in one checkpoint layer block.
+pub const LAYER_RECORDS_PER_BLOCK: usize =
+    (BLOCK_BYTES - 4 - LAYER_RECORDS_OFFSET) / LAYER_RECORD_BYTES;
+/// The checkpoint entry of a tombstone: location and CRC both `u32::MAX` (no block has that
+/// location).
+pub const TOMBSTONE_LOCATION: u32 = u32::MAX;
 /// Open segments (by sequence number) one root can list: two per handle.
 pub const ROOT_OPEN_SEGMENTS_MAX: usize = 256;
 /// Checkpoint segments one root can list.
@@ -54,10 +61,14 @@ const BATCH_ENTRIES_OFFSET: usize = 48;
 const CHECKPOINT_ENTRY_BYTES: usize = 24;
 const CHECKPOINT_ENTRIES_OFFSET: usize = 24;
 const ROOT_OPEN_COUNT_OFFSET: usize = 64;
-const ROOT_SEGMENTS_OFFSET: usize = 68;
+const ROOT_LAYER_COUNT_OFFSET: usize = 68;
+const ROOT_SEGMENTS_OFFSET: usize = 76;
+const LAYER_RECORD_BYTES: usize = 32;
+const LAYER_RECORDS_OFFSET: usize = 32;
 
 const _: () = assert!(BATCH_ENTRIES_MAX == 126);
 const _: () = assert!(CHECKPOINT_ENTRIES_PER_BLOCK == 169);
+const _: () = assert!(LAYER_RECORDS_PER_BLOCK == 126);
 const _: () = assert!(LOG_HEADER_BYTES % BLOCK_BYTES_U64 == 0);
 const _: () = assert!((ROOT_SLOT_BLOCKS[1] + 1) * BLOCK_BYTES_U64 <= LOG_HEADER_BYTES);
 const _: () =
@@ -360,6 +371,8 @@ pub struct Root {
     pub lsn_next: u64,
     pub segment_seq_next: u64,
     pub entry_count: u64,
+    /// Layer-table records, in blocks after the entry blocks.
+    pub layer_record_count: u64,
     /// The segments holding the checkpoint blocks, in order.
     pub segments: Vec<u32>,
     /// Sequence numbers of segments that were open when the checkpoint was taken: replayed
@@ -368,6 +381,16 @@ pub struct Root {
 }
 
 impl Root {
+    /// Blocks of index entries, then blocks of layer records.
+    pub fn entry_blocks(&self) -> u64 {
+        self.entry_count.div_ceil(CHECKPOINT_ENTRIES_PER_BLOCK as u64)
+    }
+
+    pub fn checkpoint_blocks(&self) -> u64 {
+        self.entry_blocks()
+            .saturating_add(self.layer_record_count.div_ceil(LAYER_RECORDS_PER_BLOCK as u64))
+    }
+
     pub fn encode(&self) -> [u8; BLOCK_BYTES] {
         assert!(self.segments.len() <= ROOT_SEGMENTS_MAX);
         assert!(self.open_seqs.len() <= ROOT_OPEN_SEGMENTS_MAX);
@@ -382,6 +405,7 @@ impl Root {
         put(&mut block, 48, &self.lsn_next.to_le_bytes());
         put(&mut block, 56, &self.segment_seq_next.to_le_bytes());
         put(&mut block, ROOT_OPEN_COUNT_OFFSET, &(self.open_seqs.len() as u32).to_le_bytes());
+        put(&mut block, ROOT_LAYER_COUNT_OFFSET, &self.layer_record_count.to_le_bytes());
         for (index, segment) in self.segments.iter().enumerate() {
             put(&mut block, ROOT_SEGMENTS_OFFSET + 4 * index, &segment.to_le_bytes());
         }
@@ -405,6 +429,7 @@ impl Root {
             lsn_floor: le_u64(block, 24),
             segment_seq_floor: le_u64(block, 32),
             entry_count: le_u64(block, 40),
+            layer_record_count: le_u64(block, ROOT_LAYER_COUNT_OFFSET),
             lsn_next: le_u64(block, 48),
             segment_seq_next: le_u64(block, 56),
             segments: (0..count).map(|i| le_u32(block, ROOT_SEGMENTS_OFFSET + 4 * i)).collect(),
@@ -417,7 +442,7 @@ impl Root {
             "segment_seq_floor",
             root.segment_seq_floor,
         )?;
-        let blocks_needed = root.entry_count.div_ceil(CHECKPOINT_ENTRIES_PER_BLOCK as u64);
+        let blocks_needed = root.checkpoint_blocks();
         let blocks_held = count as u64 * u64::from(geometry.positions_per_segment());
         field(blocks_needed <= blocks_held, "entry_count", root.entry_count)?;
         for segment in &root.segments {
@@ -436,8 +461,20 @@ pub enum EntryKind {
     Relocated { crc: u32, from: u32 },
     /// `count` blocks from `block` read as zeros (deallocate, write zeroes).
     Trim { count: u32 },
-    /// The whole volume is gone.
+    /// The volume or snapshot with this id is gone (its layer is freed, merged or kept for
+    /// the layers on it).
     VolumeDeleted,
+    /// Snapshot `snapshot` of the entry's volume: the volume's layer now serves the snapshot and
+    /// the volume continues in the new empty layer `layer` on it.
+    Snapshot { snapshot: u64, layer: u64 },
+    /// The entry's volume is created as the new empty layer `layer` on snapshot `snapshot`'s.
+    Clone { snapshot: u64, layer: u64 },
+    /// The entry's volume continues in the new empty layer `layer` on snapshot `snapshot`'s; its
+    /// previous layer is released.
+    Rollback { snapshot: u64, layer: u64 },
+    /// GC dropped the block of a layer kept only for the layers on it, all of which hide it:
+    /// applied only if the layer (not one it merged into) still maps it at `location`.
+    Dropped { crc: u32, location: u32 },
 }
 
 /// One entry of a batch header.
@@ -460,6 +497,10 @@ const KIND_DATA: u8 = 1;
 const KIND_RELOCATED: u8 = 2;
 const KIND_TRIM: u8 = 3;
 const KIND_VOLUME_DELETED: u8 = 4;
+const KIND_SNAPSHOT: u8 = 5;
+const KIND_CLONE: u8 = 6;
+const KIND_ROLLBACK: u8 = 7;
+const KIND_DROPPED: u8 = 8;
 
 /// A batch header: the first position of every batch. Its entries describe the data blocks
 /// that follow it (in order) and the trims of the batch.
@@ -499,15 +540,34 @@ impl BatchHeader {
             assert!(entry.block < VOLUME_BLOCKS_MAX);
             put(&mut block, offset, &entry.volume.to_le_bytes());
             put(&mut block, offset + 8, &entry.block.to_le_bytes());
-            let (kind, word, from) = match entry.kind {
-                EntryKind::Data { crc } => (KIND_DATA, crc, 0),
-                EntryKind::Relocated { crc, from } => (KIND_RELOCATED, crc, from),
-                EntryKind::Trim { count } => {
-                    assert!(count > 0 && entry.block + u64::from(count) <= VOLUME_BLOCKS_MAX);
-                    (KIND_TRIM, count, 0)
-                }
-                EntryKind::VolumeDeleted => (KIND_VOLUME_DELETED, 0, 0),
+            // Layer operations: the snapshot id in the block field, the new layer's label split
+            // over the word (low half) and from (high half) fields.
+            let layer_op = |kind: u8, snapshot: u64, layer: u64| {
+                assert!(entry.block == 0 && snapshot < VOLUME_BLOCKS_MAX);
+                (kind, layer as u32, (layer >> 32) as u32, snapshot)
             };
+            let (kind, word, from, block_field) = match entry.kind {
+                EntryKind::Snapshot { snapshot, layer } => layer_op(KIND_SNAPSHOT, snapshot, layer),
+                EntryKind::Clone { snapshot, layer } => layer_op(KIND_CLONE, snapshot, layer),
+                EntryKind::Rollback { snapshot, layer } => layer_op(KIND_ROLLBACK, snapshot, layer),
+                other => {
+                    let (kind, word, from) = match other {
+                        EntryKind::Data { crc } => (KIND_DATA, crc, 0),
+                        EntryKind::Relocated { crc, from } => (KIND_RELOCATED, crc, from),
+                        EntryKind::Trim { count } => {
+                            assert!(
+                                count > 0 && entry.block + u64::from(count) <= VOLUME_BLOCKS_MAX
+                            );
+                            (KIND_TRIM, count, 0)
+                        }
+                        EntryKind::VolumeDeleted => (KIND_VOLUME_DELETED, 0, 0),
+                        EntryKind::Dropped { crc, location } => (KIND_DROPPED, crc, location),
+                        _ => unreachable!("layer operations are matched above"),
+                    };
+                    (kind, word, from, entry.block)
+                }
+            };
+            put(&mut block, offset + 8, &block_field.to_le_bytes());
             put(&mut block, offset + 16, &word.to_le_bytes());
             block[offset + 20] = kind;
             put(&mut block, offset + 24, &from.to_le_bytes());
@@ -554,13 +614,34 @@ impl BatchHeader {
                     EntryKind::Trim { count: word }
                 }
                 KIND_VOLUME_DELETED => EntryKind::VolumeDeleted,
+                KIND_DROPPED => {
+                    field(u64::from(from) < geometry.location_count(), "from", from.into())?;
+                    EntryKind::Dropped { crc: word, location: from }
+                }
+                KIND_SNAPSHOT | KIND_CLONE | KIND_ROLLBACK => {
+                    let layer = u64::from(word) | (u64::from(from) << 32);
+                    field(layer >= super::index::LAYER_LABEL_BASE, "layer", layer)?;
+                    let snapshot = first;
+                    match block[offset + 20] {
+                        KIND_SNAPSHOT => EntryKind::Snapshot { snapshot, layer },
+                        KIND_CLONE => EntryKind::Clone { snapshot, layer },
+                        _ => EntryKind::Rollback { snapshot, layer },
+                    }
+                }
                 other => {
                     return Err(DecodeError::FieldInvalid { field: "kind", value: other.into() })
                 }
             };
-            if !matches!(kind, EntryKind::Relocated { .. }) {
+            let layer_op = matches!(
+                kind,
+                EntryKind::Snapshot { .. } | EntryKind::Clone { .. } | EntryKind::Rollback { .. }
+            );
+            let carries_location =
+                matches!(kind, EntryKind::Relocated { .. } | EntryKind::Dropped { .. });
+            if !carries_location && !layer_op {
                 field(from == 0, "from", from.into())?;
             }
+            let first = if layer_op { 0 } else { first };
             entries.push(Entry { volume, block: first, kind });
         }
         let header = Self {
@@ -644,12 +725,101 @@ pub fn decode_checkpoint_block(
             crc: le_u32(block, offset + 20),
         };
         field(entry.block < VOLUME_BLOCKS_MAX, "block", entry.block)?;
+        let tombstone = entry.location == TOMBSTONE_LOCATION && entry.crc == u32::MAX;
         field(
-            u64::from(entry.location) < geometry.location_count(),
+            tombstone || u64::from(entry.location) < geometry.location_count(),
             "location",
             entry.location.into(),
         )?;
         out.push(entry);
+    }
+    Ok(())
+}
+
+/// One record of a checkpoint's layer table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerRecordEntry {
+    /// A layer: its label, the layer under it, the volume or snapshot it serves.
+    Layer { label: u64, parent: Option<u64>, bound: Option<u64> },
+    /// An external id bound to a layer (the layer's own record names only one).
+    Binding { id: u64, label: u64 },
+    /// A merged layer's label and the layer that took its blocks.
+    Alias { from: u64, to: u64 },
+    /// The next label the engine gives a layer.
+    NextLabel { label: u64 },
+}
+
+const RECORD_LAYER: u8 = 1;
+const RECORD_BINDING: u8 = 2;
+const RECORD_ALIAS: u8 = 3;
+const RECORD_NEXT_LABEL: u8 = 4;
+const NONE_ID: u64 = u64::MAX;
+
+/// Encodes block `index` (counted from the first block of the checkpoint) of checkpoint
+/// `checkpoint_id`'s layer records.
+pub fn encode_layer_block(
+    checkpoint_id: u64,
+    index: u32,
+    records: &[LayerRecordEntry],
+) -> [u8; BLOCK_BYTES] {
+    assert!(records.len() <= LAYER_RECORDS_PER_BLOCK);
+    let mut block = [0u8; BLOCK_BYTES];
+    put(&mut block, 0, &LAYERS_MAGIC);
+    put(&mut block, 8, &LOG_FORMAT_VERSION.to_le_bytes());
+    put(&mut block, 12, &index.to_le_bytes());
+    put(&mut block, 16, &checkpoint_id.to_le_bytes());
+    put(&mut block, 24, &(records.len() as u32).to_le_bytes());
+    for (slot, record) in records.iter().enumerate() {
+        let offset = LAYER_RECORDS_OFFSET + slot * LAYER_RECORD_BYTES;
+        let (kind, a, b, c) = match *record {
+            LayerRecordEntry::Layer { label, parent, bound } => {
+                (RECORD_LAYER, label, parent.unwrap_or(NONE_ID), bound.unwrap_or(NONE_ID))
+            }
+            LayerRecordEntry::Binding { id, label } => (RECORD_BINDING, id, label, 0),
+            LayerRecordEntry::Alias { from, to } => (RECORD_ALIAS, from, to, 0),
+            LayerRecordEntry::NextLabel { label } => (RECORD_NEXT_LABEL, label, 0, 0),
+        };
+        block[offset] = kind;
+        put(&mut block, offset + 8, &a.to_le_bytes());
+        put(&mut block, offset + 16, &b.to_le_bytes());
+        put(&mut block, offset + 24, &c.to_le_bytes());
+    }
+    seal(&mut block);
+    block
+}
+
+/// Decodes layer block `index` of checkpoint `checkpoint_id`, appending its records to `out`.
+pub fn decode_layer_block(
+    block: &[u8],
+    checkpoint_id: u64,
+    index: u32,
+    out: &mut Vec<LayerRecordEntry>,
+) -> Result<(), DecodeError> {
+    check_block(block, &LAYERS_MAGIC, 8)?;
+    let found_index = le_u32(block, 12);
+    let found_id = le_u64(block, 16);
+    field(found_index == index, "block_index", found_index.into())?;
+    field(found_id == checkpoint_id, "checkpoint_id", found_id)?;
+    let count = le_u32(block, 24) as usize;
+    field(count <= LAYER_RECORDS_PER_BLOCK, "record_count", count as u64)?;
+    let optional = |value: u64| (value != NONE_ID).then_some(value);
+    for slot in 0..count {
+        let offset = LAYER_RECORDS_OFFSET + slot * LAYER_RECORD_BYTES;
+        let (a, b, c) =
+            (le_u64(block, offset + 8), le_u64(block, offset + 16), le_u64(block, offset + 24));
+        field(block[offset + 1..offset + 8] == [0; 7], "record_reserved", slot as u64)?;
+        let record = match block[offset] {
+            RECORD_LAYER => {
+                LayerRecordEntry::Layer { label: a, parent: optional(b), bound: optional(c) }
+            }
+            RECORD_BINDING => LayerRecordEntry::Binding { id: a, label: b },
+            RECORD_ALIAS => LayerRecordEntry::Alias { from: a, to: b },
+            RECORD_NEXT_LABEL => LayerRecordEntry::NextLabel { label: a },
+            other => {
+                return Err(DecodeError::FieldInvalid { field: "record_kind", value: other.into() })
+            }
+        };
+        out.push(record);
     }
     Ok(())
 }
@@ -802,6 +972,7 @@ mod tests {
             lsn_next: 120,
             segment_seq_next: 9,
             entry_count: 400,
+            layer_record_count: 130,
             segments: vec![3, 8],
             open_seqs: vec![5, 6],
         };
@@ -820,5 +991,70 @@ mod tests {
         assert_eq!(out, entries);
         assert!(decode_checkpoint_block(&block, &geometry, 6, 2, &mut out).is_err());
         assert!(decode_checkpoint_block(&block, &geometry, 5, 3, &mut out).is_err());
+
+        let tombstone = CheckpointEntry {
+            volume: 1 << 62,
+            block: 9,
+            location: TOMBSTONE_LOCATION,
+            crc: u32::MAX,
+        };
+        out.clear();
+        decode_checkpoint_block(
+            &encode_checkpoint_block(5, 0, &[tombstone]),
+            &geometry,
+            5,
+            0,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out, [tombstone]);
+        let bogus = CheckpointEntry { crc: 3, ..tombstone };
+        assert!(
+            decode_checkpoint_block(
+                &encode_checkpoint_block(5, 0, &[bogus]),
+                &geometry,
+                5,
+                0,
+                &mut out
+            )
+            .is_err(),
+            "a tombstone location with a CRC is no tombstone"
+        );
+
+        let records = [
+            LayerRecordEntry::Layer { label: 1 << 62, parent: Some(4), bound: None },
+            LayerRecordEntry::Layer { label: 4, parent: None, bound: Some(9) },
+            LayerRecordEntry::Binding { id: 9, label: 4 },
+            LayerRecordEntry::Alias { from: (1 << 62) + 1, to: 1 << 62 },
+            LayerRecordEntry::NextLabel { label: (1 << 62) + 2 },
+        ];
+        let block = encode_layer_block(5, 4, &records);
+        let mut decoded = Vec::new();
+        decode_layer_block(&block, 5, 4, &mut decoded).unwrap();
+        assert_eq!(decoded, records);
+        assert!(decode_layer_block(&block, 5, 3, &mut decoded).is_err(), "wrong block index");
+        let mut damaged = block;
+        damaged[LAYER_RECORDS_OFFSET] = 9;
+        assert!(decode_layer_block(&damaged, 5, 4, &mut decoded).is_err(), "checksum or kind");
+    }
+
+    #[test]
+    fn layer_operations_round_trip_in_batch_headers() {
+        let geometry = geometry();
+        let layer = (1 << 62) + 77;
+        let header = BatchHeader {
+            segment: 2,
+            segment_seq: 3,
+            position: 0,
+            lsn: 4,
+            entries: vec![
+                Entry { volume: 5, block: 0, kind: EntryKind::Snapshot { snapshot: 6, layer } },
+                Entry { volume: 7, block: 0, kind: EntryKind::Clone { snapshot: 6, layer } },
+                Entry { volume: 5, block: 0, kind: EntryKind::Rollback { snapshot: 6, layer } },
+                Entry { volume: 6, block: 0, kind: EntryKind::VolumeDeleted },
+                Entry { volume: layer, block: 9, kind: EntryKind::Dropped { crc: 3, location: 4 } },
+            ],
+        };
+        assert_eq!(BatchHeader::decode(&header.encode(), &geometry, 2, 0), Ok(header));
     }
 }

@@ -28,10 +28,11 @@ use types::AlignedBuf;
 
 use super::engine::{DriveSet, Failure, LogHandle, Stream};
 use super::format::{
-    encode_checkpoint_block, BatchHeader, CheckpointEntry, Entry, EntryKind, Root, BLOCK_BYTES,
-    CHECKPOINT_ENTRIES_PER_BLOCK, ROOT_SEGMENTS_MAX, ROOT_SLOT_BLOCKS,
+    encode_checkpoint_block, encode_layer_block, BatchHeader, CheckpointEntry, Entry, EntryKind,
+    LayerRecordEntry, Root, BATCH_ENTRIES_MAX, BLOCK_BYTES, CHECKPOINT_ENTRIES_PER_BLOCK,
+    LAYER_RECORDS_PER_BLOCK, ROOT_SEGMENTS_MAX, ROOT_SLOT_BLOCKS, TOMBSTONE_LOCATION,
 };
-use super::index::{pack, unpack};
+use super::index::{pack, unpack, LayerTable, TOMBSTONE};
 use super::segments::SegmentState;
 use super::LogError;
 use crate::drive::Drive;
@@ -50,6 +51,9 @@ pub const CHECKPOINT_WAIT_YIELDS_MAX: u64 = 10_000_000;
 /// from 2.16 to about 2.35).
 pub const GC_HEADROOM_SEGMENTS_PER_HANDLE: u32 = 2;
 
+/// Unreachable blocks one sweep drops at most (a few batches of `Dropped` entries).
+pub const SWEEP_BLOCKS_MAX: usize = 4 * BATCH_ENTRIES_MAX;
+
 /// What one GC step did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GcOutcome {
@@ -62,7 +66,7 @@ pub enum GcOutcome {
 }
 
 /// Clears the engine's checkpoint-in-progress flag when dropped.
-struct BusyFlag<'a>(&'a AtomicBool);
+pub(super) struct BusyFlag<'a>(pub(super) &'a AtomicBool);
 
 impl Drop for BusyFlag<'_> {
     fn drop(&mut self) {
@@ -89,6 +93,7 @@ impl<D: Drive> LogHandle<D> {
         yield_now().await;
         let _leadership = self.lead().await;
         let engine = &*self.engine;
+        self.sweep_unreachable().await?;
         if engine.segments.free_count() > engine.reserve_segments + self.gc_headroom_segments() {
             return Ok(GcOutcome::Idle);
         }
@@ -99,6 +104,38 @@ impl<D: Drive> LogHandle<D> {
         Ok(outcome)
     }
 
+    /// As the leader: drops blocks no read can reach (see [`Index::unreachable_blocks`]) with
+    /// `Dropped` entries, so their space is reclaimed like any overwritten block's. Runs when
+    /// such layers exist and host writes or layer operations happened since the last sweep
+    /// that found nothing; at most [`SWEEP_BLOCKS_MAX`] blocks per call.
+    ///
+    /// [`Index::unreachable_blocks`]: super::index::Index::unreachable_blocks
+    pub(super) async fn sweep_unreachable(&self) -> Result<u64, LogError> {
+        let engine = &*self.engine;
+        let mark = engine.counters.host_batches.load(Ordering::Relaxed)
+            ^ engine.index.generation().rotate_left(40);
+        if engine.sweep_mark.load(Ordering::Acquire) == mark || !engine.index.has_hidden_layers() {
+            return Ok(0);
+        }
+        let found = engine.index.unreachable_blocks(SWEEP_BLOCKS_MAX);
+        if found.len() < SWEEP_BLOCKS_MAX {
+            engine.sweep_mark.store(mark, Ordering::Release);
+        }
+        for chunk in found.chunks(BATCH_ENTRIES_MAX) {
+            let entries = chunk
+                .iter()
+                .filter_map(|&(label, block, entry)| {
+                    let (location, crc) = unpack(entry)?;
+                    Some(Entry { volume: label, block, kind: EntryKind::Dropped { crc, location } })
+                })
+                .collect();
+            self.commit_batch(Stream::Gc, entries, &[], 0)
+                .await
+                .map_err(|failure| failure.into_error(engine))?;
+        }
+        Ok(found.len() as u64)
+    }
+
     /// Free segments beyond the reserve below which background GC works.
     pub(super) fn gc_headroom_segments(&self) -> u32 {
         let engine = &*self.engine;
@@ -107,10 +144,21 @@ impl<D: Drive> LogHandle<D> {
         per_handles.min(engine.geometry.segment_count / 20).max(2)
     }
 
-    /// Takes a checkpoint now.
+    /// Takes a checkpoint now, waiting for one already being written (or a snapshot, clone,
+    /// rollback or deletion being logged) to finish first.
     pub async fn checkpoint(&self) -> Result<(), LogError> {
-        let _leadership = self.lead().await;
-        self.checkpoint_as_leader().await
+        for _ in 0..CHECKPOINT_WAIT_YIELDS_MAX {
+            let leadership = self.lead().await;
+            match self.checkpoint_as_leader().await {
+                Err(LogError::CheckpointBusy) => {
+                    // Let the other holder (perhaps a writer of this very handle) finish.
+                    drop(leadership);
+                    yield_now().await;
+                }
+                other => return other,
+            }
+        }
+        Err(LogError::CheckpointBusy)
     }
 
     /// Whether enough segments were sealed since the last checkpoint to take another.
@@ -216,6 +264,8 @@ impl<D: Drive> LogHandle<D> {
         let mut entries: Vec<Entry> = Vec::with_capacity(batch_data_max);
         let mut data = AlignedBuf::new(batch_data_max * BLOCK_BYTES);
         let mut relocated = 0;
+        let mut dropped: Vec<Entry> = Vec::new();
+        let hidden_layers = engine.index.has_hidden_layers();
         let mut position = 0;
         // Each batch takes at least one position, so this loop is bounded by the segment size.
         while position < per_segment && engine.segments.live_blocks(victim) > 0 {
@@ -232,12 +282,29 @@ impl<D: Drive> LogHandle<D> {
                     _ => continue,
                 };
                 let location = geometry.location(victim, position + 1 + data_index);
-                let still_here = engine
+                // The entry names the layer the block was written to; a snapshot deletion may
+                // have merged that layer into its child since.
+                let owner = engine
                     .index
-                    .get(entry.volume)
-                    .is_some_and(|index| index.get(entry.block) == pack(location, crc));
-                if still_here {
-                    live.push((entry.volume, entry.block, crc, location, data_index));
+                    .resolve_label(entry.volume)
+                    .filter(|index| index.get(entry.block) == pack(location, crc));
+                if let Some(owner) = owner {
+                    if hidden_layers && engine.index.is_hidden_block(owner.volume(), entry.block) {
+                        // No read reaches it: drop it rather than move it.
+                        dropped.push(Entry {
+                            volume: owner.volume(),
+                            block: entry.block,
+                            kind: EntryKind::Dropped { crc, location },
+                        });
+                        if dropped.len() == BATCH_ENTRIES_MAX {
+                            let batch = std::mem::take(&mut dropped);
+                            self.commit_batch(Stream::Gc, batch, &[], 0)
+                                .await
+                                .map_err(|failure| failure.into_error(engine))?;
+                        }
+                    } else {
+                        live.push((owner.volume(), entry.block, crc, location, data_index));
+                    }
                 }
                 data_index += 1;
             }
@@ -262,6 +329,11 @@ impl<D: Drive> LogHandle<D> {
         }
         if !entries.is_empty() {
             relocated += self.commit_relocation(&mut entries, &data).await?;
+        }
+        if !dropped.is_empty() {
+            self.commit_batch(Stream::Gc, dropped, &[], 0)
+                .await
+                .map_err(|failure| failure.into_error(engine))?;
         }
         Ok(relocated)
     }
@@ -315,7 +387,7 @@ impl<D: Drive> LogHandle<D> {
         // 3. Stream the index into checkpoint segments.
         let mut segments = Vec::new();
         let result = self.write_checkpoint(checkpoint_id, &mut segments).await;
-        let (entry_count, touched) = match result {
+        let (entry_count, layer_record_count, touched) = match result {
             Ok(written) => written,
             Err(error) => {
                 for segment in segments {
@@ -339,6 +411,7 @@ impl<D: Drive> LogHandle<D> {
             lsn_next: engine.lsn_next.load(Ordering::SeqCst),
             segment_seq_next: engine.segment_seq_next.load(Ordering::SeqCst),
             entry_count,
+            layer_record_count,
             segments: segments.clone(),
             open_seqs: open_seqs.clone(),
         };
@@ -358,13 +431,14 @@ impl<D: Drive> LogHandle<D> {
         Ok(())
     }
 
-    /// Writes every mapped index entry into newly allocated checkpoint segments (appended to
-    /// `segments`); returns the entry count and the drives written.
+    /// Writes every index entry (blocks and tombstones), then the layer table, into newly
+    /// allocated checkpoint segments (appended to `segments`); returns the entry count, the
+    /// layer record count and the drives written.
     async fn write_checkpoint(
         &self,
         checkpoint_id: u64,
         segments: &mut Vec<u32>,
-    ) -> Result<(u64, DriveSet), LogError> {
+    ) -> Result<(u64, u64, DriveSet), LogError> {
         let engine = &*self.engine;
         let per_segment = engine.geometry.positions_per_segment() as usize;
         let mut buffer = AlignedBuf::new(per_segment * BLOCK_BYTES);
@@ -374,6 +448,10 @@ impl<D: Drive> LogHandle<D> {
         let mut touched = DriveSet::default();
         let mut pending: Vec<CheckpointEntry> = Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK);
         let mut chunk: Vec<(u64, u64)> = Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK);
+        // Layer operations never run during a checkpoint (they hold `checkpoint_busy`), so the
+        // table is the one every batch below the LSN floor left.
+        let layer_records = layer_records(&engine.index.layer_table());
+        let mut layers_at = 0;
         let volumes = engine.index.volumes();
         let mut volume_at = 0;
         let mut cursor = Some(0);
@@ -390,11 +468,15 @@ impl<D: Drive> LogHandle<D> {
                 cursor = volumes[volume_at].collect_mapped(from, limit, &mut chunk);
                 let volume = volumes[volume_at].volume();
                 for &(block, entry) in &chunk {
-                    let Some((location, crc)) = unpack(entry) else { continue };
+                    let (location, crc) = match unpack(entry) {
+                        Some(found) => found,
+                        None if entry == TOMBSTONE => (TOMBSTONE_LOCATION, u32::MAX),
+                        None => continue,
+                    };
                     pending.push(CheckpointEntry { volume, block, location, crc });
                 }
             }
-            let last = volume_at >= volumes.len();
+            let entries_done = volume_at >= volumes.len();
             if !pending.is_empty() {
                 let block = encode_checkpoint_block(checkpoint_id, block_index, &pending);
                 buffer[filled * BLOCK_BYTES..(filled + 1) * BLOCK_BYTES].copy_from_slice(&block);
@@ -402,7 +484,16 @@ impl<D: Drive> LogHandle<D> {
                 block_index += 1;
                 entry_count += pending.len() as u64;
                 pending.clear();
+            } else if entries_done && layers_at < layer_records.len() {
+                let end = (layers_at + LAYER_RECORDS_PER_BLOCK).min(layer_records.len());
+                let block =
+                    encode_layer_block(checkpoint_id, block_index, &layer_records[layers_at..end]);
+                buffer[filled * BLOCK_BYTES..(filled + 1) * BLOCK_BYTES].copy_from_slice(&block);
+                filled += 1;
+                block_index += 1;
+                layers_at = end;
             }
+            let last = entries_done && layers_at >= layer_records.len();
             if filled > 0 && (filled == per_segment || last) {
                 if segments.len() >= ROOT_SEGMENTS_MAX {
                     return Err(LogError::CheckpointInvalid {
@@ -430,7 +521,7 @@ impl<D: Drive> LogHandle<D> {
                 filled = 0;
             }
             if last && pending.is_empty() && filled == 0 {
-                return Ok((entry_count, touched));
+                return Ok((entry_count, layer_records.len() as u64, touched));
             }
         }
     }
@@ -459,6 +550,46 @@ impl<D: Drive> LogHandle<D> {
         }
         self.sync_drives(touched).await.map_err(|failure| failure.into_error(engine))
     }
+}
+
+/// A layer table as checkpoint records, in a stable order.
+pub(super) fn layer_records(table: &LayerTable) -> Vec<LayerRecordEntry> {
+    let mut records: Vec<LayerRecordEntry> = Vec::new();
+    let mut layers: Vec<_> = table.layers.values().copied().collect();
+    layers.sort_by_key(|layer| layer.label);
+    records.extend(layers.into_iter().map(|layer| LayerRecordEntry::Layer {
+        label: layer.label,
+        parent: layer.parent,
+        bound: layer.bound,
+    }));
+    let mut bindings: Vec<_> = table.bindings.iter().map(|(id, label)| (*id, *label)).collect();
+    bindings.sort_unstable();
+    records.extend(bindings.into_iter().map(|(id, label)| LayerRecordEntry::Binding { id, label }));
+    let mut aliases: Vec<_> = table.aliases.iter().map(|(from, to)| (*from, *to)).collect();
+    aliases.sort_unstable();
+    records.extend(aliases.into_iter().map(|(from, to)| LayerRecordEntry::Alias { from, to }));
+    records.push(LayerRecordEntry::NextLabel { label: table.next_label });
+    records
+}
+
+/// The layer table checkpoint records describe.
+pub(super) fn layer_table(records: &[LayerRecordEntry]) -> LayerTable {
+    let mut table = LayerTable::default();
+    for record in records {
+        match *record {
+            LayerRecordEntry::Layer { label, parent, bound } => {
+                table.layers.insert(label, super::index::LayerRecord { label, parent, bound });
+            }
+            LayerRecordEntry::Binding { id, label } => {
+                table.bindings.insert(id, label);
+            }
+            LayerRecordEntry::Alias { from, to } => {
+                table.aliases.insert(from, to);
+            }
+            LayerRecordEntry::NextLabel { label } => table.next_label = label,
+        }
+    }
+    table
 }
 
 #[cfg(test)]

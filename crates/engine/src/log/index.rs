@@ -1,6 +1,14 @@
 //! Hot path. The RAM index: for every 4 KiB block of every volume, where its current version
 //! lives in the log and its CRC-32C, in one atomic 8-byte word.
 //!
+//! Snapshots and clones are layers: each [`VolumeIndex`] is a layer named by a label, with an
+//! optional parent layer. A lookup that finds nothing in a layer continues in its parent, so a
+//! snapshot freezes the volume's layer and gives the volume a new, empty layer on top (O(1)), and
+//! a clone is a new layer over a snapshot's. Every block in the log belongs to exactly one layer
+//! (the label its batch entry names), so GC and live counts need no reference counts. The
+//! [`LayerTable`] says which external id (volume or snapshot) is bound to which layer; it changes
+//! only through the log entries of `engine::apply`.
+//!
 //! A volume's entries sit in a four-level radix tree (256 x 1024 x 1024 x 1024 = 2^38 blocks,
 //! the largest volume). Only the root is allocated with the volume; inner tables and 8 KiB leaves
 //! (1024 entries, 4 MiB of volume) are allocated when a block under them is first written, so a
@@ -11,7 +19,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+
+use arc_swap::ArcSwapOption;
 
 use super::format::VOLUME_BLOCKS_MAX;
 
@@ -24,17 +34,35 @@ pub const ROOT_FANOUT: usize = 256;
 const _: () =
     assert!((ROOT_FANOUT * INNER_FANOUT * INNER_FANOUT * LEAF_ENTRIES) as u64 == VOLUME_BLOCKS_MAX);
 
-/// An index entry: 0 is unmapped; otherwise the low half is the location plus one and the high
-/// half the block's CRC-32C.
+/// An index entry: 0 is absent (look in the parent layer); [`TOMBSTONE`] reads as zeros and hides
+/// the parent layers; otherwise the low half is the location plus one and the high half the
+/// block's CRC-32C.
 pub fn pack(location: u32, crc: u32) -> u64 {
     assert!(location < u32::MAX, "location u32::MAX is never used");
     (u64::from(crc) << 32) | u64::from(location + 1)
 }
 
-/// The (location, crc) of a mapped entry.
-pub fn unpack(entry: u64) -> Option<(u32, u32)> {
-    (entry != 0).then(|| ((entry as u32).wrapping_sub(1), (entry >> 32) as u32))
+/// The entry of a block trimmed in a layer whose parents may map it: reads as zeros, holds no
+/// space. Its low half is 0, which no packed location has.
+pub const TOMBSTONE: u64 = 0xFFFF_FFFF_0000_0000;
+
+/// True if the entry names a block in the log (not absent, not a tombstone).
+pub fn is_block(entry: u64) -> bool {
+    entry as u32 != 0
 }
+
+/// The (location, crc) of an entry that names a block.
+pub fn unpack(entry: u64) -> Option<(u32, u32)> {
+    is_block(entry).then(|| ((entry as u32).wrapping_sub(1), (entry >> 32) as u32))
+}
+
+/// The longest chain of layers under a volume (its snapshots, and the snapshots its clone
+/// source had): a lookup of a block no layer maps visits each once.
+pub const LAYER_DEPTH_MAX: usize = 128;
+
+/// Labels the engine gives new layers start here; external ids (volumes and snapshots, from the
+/// metadata store's counter) stay below it, so the label of a never-snapshotted volume is its id.
+pub const LAYER_LABEL_BASE: u64 = 1 << 62;
 
 struct Leaf([AtomicU64; LEAF_ENTRIES]);
 
@@ -55,6 +83,8 @@ const INNER_BYTES: u64 = (INNER_FANOUT * std::mem::size_of::<OnceLock<Box<Leaf>>
 /// The entries of one volume.
 pub struct VolumeIndex {
     volume: u64,
+    /// The layer below: where a lookup continues when this one has no entry.
+    parent: ArcSwapOption<VolumeIndex>,
     root: Inner<Level1>,
     mapped_blocks: AtomicU64,
     allocated_bytes: AtomicU64,
@@ -87,6 +117,7 @@ impl VolumeIndex {
         let root_bytes = (ROOT_FANOUT * std::mem::size_of::<OnceLock<Box<Level1>>>()) as u64;
         Self {
             volume,
+            parent: ArcSwapOption::empty(),
             root,
             mapped_blocks: AtomicU64::new(0),
             allocated_bytes: AtomicU64::new(std::mem::size_of::<Self>() as u64 + root_bytes),
@@ -94,8 +125,45 @@ impl VolumeIndex {
         }
     }
 
+    /// The layer's label (for a volume never snapshotted, the volume's id).
     pub fn volume(&self) -> u64 {
         self.volume
+    }
+
+    pub fn parent(&self) -> Option<Arc<VolumeIndex>> {
+        self.parent.load_full()
+    }
+
+    /// Layers under this one.
+    pub fn depth(&self) -> usize {
+        let mut depth = 0;
+        let mut layer = self.parent();
+        while let Some(current) = layer {
+            depth += 1;
+            assert!(depth <= LAYER_DEPTH_MAX + 1, "layer chain longer than LAYER_DEPTH_MAX");
+            layer = current.parent();
+        }
+        depth
+    }
+
+    /// The entry a read of `block` sees: this layer's, else the nearest parent's that has one.
+    /// A tombstone or 0 reads as zeros.
+    pub fn lookup(&self, block: u64) -> u64 {
+        let entry = self.get(block);
+        if entry != 0 {
+            return entry;
+        }
+        let mut guard = self.parent.load();
+        // Bounded: snapshot creation refuses chains deeper than LAYER_DEPTH_MAX.
+        while let Some(layer) = guard.as_ref() {
+            let entry = layer.get(block);
+            if entry != 0 {
+                return entry;
+            }
+            let next = layer.parent.load();
+            guard = next;
+        }
+        0
     }
 
     pub fn mapped_blocks(&self) -> u64 {
@@ -141,11 +209,83 @@ impl VolumeIndex {
     }
 
     fn count(&self, old: u64, new: u64) {
-        match (old == 0, new == 0) {
-            (true, false) => self.mapped_blocks.fetch_add(1, Ordering::Relaxed),
-            (false, true) => self.mapped_blocks.fetch_sub(1, Ordering::Relaxed),
+        match (is_block(old), is_block(new)) {
+            (false, true) => self.mapped_blocks.fetch_add(1, Ordering::Relaxed),
+            (true, false) => self.mapped_blocks.fetch_sub(1, Ordering::Relaxed),
             _ => 0,
         };
+    }
+
+    /// Installs `entry` only where this layer has no entry; true if it did (a merge moving a
+    /// parent's block into its only child never replaces the child's own).
+    pub fn insert_if_absent(&self, block: u64, entry: u64) -> bool {
+        assert!(entry != 0, "insert_if_absent installs entries");
+        let (leaf, slot) = self.leaf_or_create(block);
+        let done =
+            leaf.0[slot].compare_exchange(0, entry, Ordering::AcqRel, Ordering::Acquire).is_ok();
+        if done {
+            self.count(0, entry);
+        }
+        done
+    }
+
+    /// Unmaps a block only if its entry still is `expected`; true if it did.
+    pub fn remove_if(&self, block: u64, expected: u64) -> bool {
+        let Some((leaf, slot)) = self.leaf(block) else { return false };
+        let done =
+            leaf.0[slot].compare_exchange(expected, 0, Ordering::AcqRel, Ordering::Acquire).is_ok();
+        if done {
+            self.count(expected, 0);
+        }
+        done
+    }
+
+    /// Makes blocks `first..first + count` read as zeros, calling `visit(old)` for each block
+    /// entry it drops. Without a parent this unmaps; with one, a block some parent maps gets a
+    /// tombstone (so the parent's data stays hidden) and the others are unmapped. Costs what this
+    /// layer and its parents map in the range, not the range's length.
+    pub fn trim(&self, first: u64, count: u64, mut visit: impl FnMut(u64)) {
+        let Some(parent) = self.parent() else {
+            self.unmap_range(first, count, visit);
+            return;
+        };
+        let end = first.saturating_add(count).min(VOLUME_BLOCKS_MAX);
+        let mut layer = Some(parent);
+        let mut chunk = Vec::with_capacity(LEAF_ENTRIES);
+        while let Some(current) = layer {
+            let mut cursor = Some(first);
+            // Each round advances the cursor by at least one mapped block of a finite table.
+            while let Some(from) = cursor.filter(|from| *from < end) {
+                chunk.clear();
+                cursor = current.collect_mapped(from, LEAF_ENTRIES, &mut chunk);
+                for &(block, _) in chunk.iter().take_while(|(block, _)| *block < end) {
+                    let old = self.swap(block, TOMBSTONE);
+                    if is_block(old) {
+                        visit(old);
+                    }
+                }
+            }
+            layer = current.parent();
+        }
+        // What is left mapped here and in no parent: unmap it, keeping the tombstones.
+        let mut cursor = Some(first);
+        while let Some(from) = cursor.filter(|from| *from < end) {
+            chunk.clear();
+            cursor = self.collect_mapped(from, LEAF_ENTRIES, &mut chunk);
+            for &(block, entry) in chunk.iter().take_while(|(block, _)| *block < end) {
+                if !is_block(entry) {
+                    continue;
+                }
+                let Some((leaf, slot)) = self.leaf(block) else { continue };
+                if leaf.0[slot]
+                    .compare_exchange(entry, 0, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    self.count(entry, 0);
+                    visit(entry);
+                }
+            }
+        }
     }
 
     /// Installs `new` for a block and returns the entry it replaced.
@@ -170,8 +310,8 @@ impl VolumeIndex {
         leaf.0[slot].compare_exchange(expected, new, Ordering::AcqRel, Ordering::Acquire).is_ok()
     }
 
-    /// Unmaps blocks `first..first + count`, calling `visit(old)` for each entry that was
-    /// mapped. Skips subtrees that were never allocated, so a huge deallocation of a thin volume
+    /// Unmaps blocks `first..first + count` (tombstones too), calling `visit(old)` for each block
+    /// entry that was mapped. Skips subtrees that were never allocated, so a huge deallocation of a thin volume
     /// costs what it maps.
     pub fn unmap_range(&self, first: u64, count: u64, mut visit: impl FnMut(u64)) {
         let end = first.saturating_add(count).min(VOLUME_BLOCKS_MAX);
@@ -183,7 +323,7 @@ impl VolumeIndex {
                 Some((leaf, slot)) => {
                     for entry in &leaf.0[slot..slot + (run_end - block) as usize] {
                         let old = entry.swap(0, Ordering::AcqRel);
-                        if old != 0 {
+                        if is_block(old) {
                             self.mapped_blocks.fetch_sub(1, Ordering::Relaxed);
                             visit(old);
                         }
@@ -270,11 +410,64 @@ impl VolumeIndex {
     }
 }
 
-/// Every volume's entries. The map of volumes takes a lock only to add or remove a volume or
-/// when a data-path thread first meets a volume; threads cache the `Arc`s they use.
+/// One layer's place in a family of snapshots and clones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerRecord {
+    pub label: u64,
+    /// The layer under it.
+    pub parent: Option<u64>,
+    /// The volume or snapshot it serves; `None` for a layer kept only for the layers on it.
+    pub bound: Option<u64>,
+}
+
+/// The layered part of the index: which layer each external id (volume or snapshot) reads and
+/// writes, the family tree, and where merged layers went. A volume never snapshotted or cloned
+/// has no record here: its id is its label.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerTable {
+    pub bindings: HashMap<u64, u64>,
+    pub layers: HashMap<u64, LayerRecord>,
+    /// A merged layer's label -> the layer that took its blocks (batch entries of the log still
+    /// name the old label).
+    pub aliases: HashMap<u64, u64>,
+    pub next_label: u64,
+}
+
+impl Default for LayerTable {
+    fn default() -> Self {
+        Self {
+            bindings: HashMap::new(),
+            layers: HashMap::new(),
+            aliases: HashMap::new(),
+            next_label: LAYER_LABEL_BASE,
+        }
+    }
+}
+
+/// Why a snapshot, clone or rollback cannot be made. Checked before the operation is logged:
+/// applying a logged operation never fails.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayerError {
+    #[error(
+        "volume {volume} already stands on {depth} layers of snapshots (the most is \
+         {LAYER_DEPTH_MAX}): delete some of its snapshots first"
+    )]
+    TooDeep { volume: u64, depth: usize },
+    #[error("snapshot {snapshot} is unknown to the engine")]
+    SnapshotUnknown { snapshot: u64 },
+    #[error("id {id} is already in use by a volume or snapshot")]
+    IdInUse { id: u64 },
+}
+
+/// Every layer's entries, by label, and the [`LayerTable`]. The map of layers takes a lock only
+/// to add or remove a layer or when a data-path thread first meets a volume; threads cache the
+/// `Arc`s they use and drop the cache when [`Index::generation`] moves.
 #[derive(Default)]
 pub struct Index {
     volumes: RwLock<HashMap<u64, Arc<VolumeIndex>>>,
+    layers: Mutex<LayerTable>,
+    /// Advances whenever a binding changes (snapshot, clone, rollback, unbind).
+    generation: AtomicU64,
 }
 
 impl std::fmt::Debug for Index {
@@ -284,6 +477,7 @@ impl std::fmt::Debug for Index {
 }
 
 impl Index {
+    /// The layer with this label.
     pub fn get(&self, volume: u64) -> Option<Arc<VolumeIndex>> {
         self.volumes.read().unwrap_or_else(|e| e.into_inner()).get(&volume).cloned()
     }
@@ -296,7 +490,7 @@ impl Index {
         Arc::clone(volumes.entry(volume).or_insert_with(|| Arc::new(VolumeIndex::new(volume))))
     }
 
-    /// Forgets a volume; holders of its `Arc` see `is_removed`.
+    /// Forgets a layer; holders of its `Arc` see `is_removed`.
     pub fn remove(&self, volume: u64) -> Option<Arc<VolumeIndex>> {
         let removed = self.volumes.write().unwrap_or_else(|e| e.into_inner()).remove(&volume);
         if let Some(index) = &removed {
@@ -305,7 +499,7 @@ impl Index {
         removed
     }
 
-    /// Every volume, in id order.
+    /// Every layer, in label order.
     pub fn volumes(&self) -> Vec<Arc<VolumeIndex>> {
         let mut volumes: Vec<_> =
             self.volumes.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
@@ -324,6 +518,380 @@ impl Index {
     /// RAM held by every volume's tables.
     pub fn allocated_bytes(&self) -> u64 {
         self.volumes().iter().map(|index| index.allocated_bytes()).sum()
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, LayerTable> {
+        self.layers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Advances whenever an external id changes layer; cached resolutions older than it are stale.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The layer a volume or snapshot reads (and a volume writes); with `create`, a plain
+    /// volume's layer is created on first use.
+    pub fn resolve(&self, id: u64, create: bool) -> Option<Arc<VolumeIndex>> {
+        let table = self.table();
+        if let Some(label) = table.bindings.get(&id) {
+            return self.get(*label);
+        }
+        if table.layers.contains_key(&id) {
+            // The id's own layer now serves another id (it was snapshotted, then deleted).
+            return None;
+        }
+        if create {
+            Some(self.get_or_create(id))
+        } else {
+            self.get(id)
+        }
+    }
+
+    /// The layer a batch entry's label names now, following merges.
+    pub fn resolve_label(&self, label: u64) -> Option<Arc<VolumeIndex>> {
+        if let Some(index) = self.get(label) {
+            return Some(index);
+        }
+        let target = *self.table().aliases.get(&label)?;
+        self.get(target)
+    }
+
+    /// A fresh label for a new layer.
+    pub fn allocate_label(&self) -> u64 {
+        let mut table = self.table();
+        let label = table.next_label;
+        table.next_label += 1;
+        label
+    }
+
+    /// A copy of the table (for a checkpoint).
+    pub fn layer_table(&self) -> LayerTable {
+        self.table().clone()
+    }
+
+    /// Installs a checkpoint's table: creates every layer it names and links the parents.
+    pub fn load_layers(&self, loaded: LayerTable) {
+        let mut table = self.table();
+        for record in loaded.layers.values() {
+            let layer = self.get_or_create(record.label);
+            let parent = record.parent.map(|parent| self.get_or_create(parent));
+            layer.parent.store(parent);
+        }
+        *table = loaded;
+        table.next_label = table.next_label.max(LAYER_LABEL_BASE);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The volumes and snapshots (external ids) the index holds.
+    pub fn bound_ids(&self) -> Vec<u64> {
+        let table = self.table();
+        let mut ids: Vec<u64> = table.bindings.keys().copied().collect();
+        for label in self.volumes.read().unwrap_or_else(|e| e.into_inner()).keys() {
+            if *label < LAYER_LABEL_BASE && !table.layers.contains_key(label) {
+                ids.push(*label);
+            }
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// True if `id` is bound to a layer as a snapshot or volume of a family.
+    pub fn is_bound(&self, id: u64) -> bool {
+        self.table().bindings.contains_key(&id)
+    }
+
+    /// Whether `volume` may take another snapshot.
+    pub fn check_snapshot(&self, volume: u64, snapshot: u64) -> Result<(), LayerError> {
+        if self.table().bindings.contains_key(&snapshot) || self.get(snapshot).is_some() {
+            return Err(LayerError::IdInUse { id: snapshot });
+        }
+        let depth = self.resolve(volume, false).map_or(0, |top| top.depth());
+        if depth + 1 >= LAYER_DEPTH_MAX {
+            return Err(LayerError::TooDeep { volume, depth });
+        }
+        Ok(())
+    }
+
+    /// Whether `volume` may be created as a clone of (or rolled back to) `snapshot`.
+    pub fn check_layer_on(&self, volume: u64, snapshot: u64) -> Result<(), LayerError> {
+        let Some(label) = self.table().bindings.get(&snapshot).copied() else {
+            return Err(LayerError::SnapshotUnknown { snapshot });
+        };
+        let depth = self.get(label).map_or(0, |layer| layer.depth());
+        if depth + 1 >= LAYER_DEPTH_MAX {
+            return Err(LayerError::TooDeep { volume, depth });
+        }
+        Ok(())
+    }
+
+    /// A new empty layer `label` on `parent`, serving `bound`.
+    fn add_layer(&self, table: &mut LayerTable, label: u64, parent: u64, bound: u64) {
+        assert!(label >= LAYER_LABEL_BASE, "engine labels are above LAYER_LABEL_BASE");
+        let parent_index = self.get_or_create(parent);
+        let layer = self.get_or_create(label);
+        layer.parent.store(Some(parent_index));
+        table.layers.insert(label, LayerRecord { label, parent: Some(parent), bound: Some(bound) });
+        table.bindings.insert(bound, label);
+        table.next_label = table.next_label.max(label + 1);
+    }
+
+    /// Makes sure a plain volume's own layer has a record before it joins a family.
+    fn adopt(&self, table: &mut LayerTable, volume: u64) -> u64 {
+        if let Some(label) = table.bindings.get(&volume) {
+            return *label;
+        }
+        let layer = self.get_or_create(volume);
+        let parent = layer.parent().map(|parent| parent.volume());
+        table.layers.insert(volume, LayerRecord { label: volume, parent, bound: Some(volume) });
+        table.bindings.insert(volume, volume);
+        volume
+    }
+
+    /// Snapshot `snapshot` of `volume`: the volume's layer is frozen and now serves the
+    /// snapshot; the volume continues in a new empty layer `label` on it. False if already done
+    /// (replay over a checkpoint that holds it).
+    pub fn snapshot(&self, volume: u64, snapshot: u64, label: u64) -> bool {
+        let mut table = self.table();
+        if table.bindings.contains_key(&snapshot) || table.layers.contains_key(&label) {
+            return false;
+        }
+        let top = self.adopt(&mut table, volume);
+        if let Some(record) = table.layers.get_mut(&top) {
+            record.bound = Some(snapshot);
+        }
+        table.bindings.insert(snapshot, top);
+        self.add_layer(&mut table, label, top, volume);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
+    /// Volume `volume` as a new empty layer `label` on snapshot `snapshot`'s layer.
+    pub fn clone_from(&self, volume: u64, snapshot: u64, label: u64) -> bool {
+        let mut table = self.table();
+        if table.bindings.contains_key(&volume) || table.layers.contains_key(&label) {
+            return false;
+        }
+        let Some(base) = table.bindings.get(&snapshot).copied() else { return false };
+        self.add_layer(&mut table, label, base, volume);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
+    /// Volume `volume` continues in a new empty layer `label` on snapshot `snapshot`'s layer;
+    /// its previous layer is released (`visit` gets every block entry that dies).
+    pub fn rollback(&self, volume: u64, snapshot: u64, label: u64, visit: impl FnMut(u64)) -> bool {
+        let mut table = self.table();
+        if table.layers.contains_key(&label) {
+            return false;
+        }
+        let Some(base) = table.bindings.get(&snapshot).copied() else { return false };
+        let old = self.adopt(&mut table, volume);
+        if let Some(record) = table.layers.get_mut(&old) {
+            record.bound = None;
+        }
+        self.add_layer(&mut table, label, base, volume);
+        self.release(&mut table, old, visit);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
+    /// The volume or snapshot `id` is deleted; its layer is freed, merged into its only child,
+    /// or kept for its children. `visit` gets every block entry that dies. False if unknown.
+    pub fn unbind(&self, id: u64, mut visit: impl FnMut(u64)) -> bool {
+        let mut table = self.table();
+        match table.bindings.remove(&id) {
+            Some(label) => {
+                if let Some(record) = table.layers.get_mut(&label) {
+                    record.bound = None;
+                }
+                self.release(&mut table, label, visit);
+            }
+            None => {
+                if table.layers.contains_key(&id) {
+                    return false;
+                }
+                let Some(index) = self.remove(id) else { return false };
+                index.for_each_mapped(|_, entry| {
+                    if is_block(entry) {
+                        visit(entry);
+                    }
+                });
+            }
+        }
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
+    /// Frees or merges an unbound layer, and then its parents as they lose their reasons to
+    /// stay. Bounded by the chain's depth.
+    fn release(&self, table: &mut LayerTable, label: u64, mut visit: impl FnMut(u64)) {
+        let mut current = label;
+        for _ in 0..=LAYER_DEPTH_MAX {
+            let Some(record) = table.layers.get(&current).copied() else { return };
+            if record.bound.is_some() {
+                return;
+            }
+            let children: Vec<u64> = table
+                .layers
+                .values()
+                .filter(|child| child.parent == Some(current))
+                .map(|child| child.label)
+                .collect();
+            match children[..] {
+                [] => {
+                    table.layers.remove(&current);
+                    table.aliases.retain(|_, target| *target != current);
+                    if let Some(index) = self.remove(current) {
+                        index.for_each_mapped(|_, entry| {
+                            if is_block(entry) {
+                                visit(entry);
+                            }
+                        });
+                    }
+                    match record.parent {
+                        Some(parent) => current = parent,
+                        None => return,
+                    }
+                }
+                [child] => {
+                    self.merge(table, record, child, &mut visit);
+                    return;
+                }
+                _ => return,
+            }
+        }
+    }
+
+    /// Moves an unbound layer's entries into its only child where the child has none (the
+    /// others die), then takes the layer out of the chain.
+    fn merge(
+        &self,
+        table: &mut LayerTable,
+        record: LayerRecord,
+        child: u64,
+        visit: &mut impl FnMut(u64),
+    ) {
+        let child_index = self.get_or_create(child);
+        if let Some(index) = self.get(record.label) {
+            index.for_each_mapped(|block, entry| {
+                if !child_index.insert_if_absent(block, entry) && is_block(entry) {
+                    visit(entry);
+                }
+            });
+        }
+        child_index.parent.store(record.parent.map(|parent| self.get_or_create(parent)));
+        if let Some(child_record) = table.layers.get_mut(&child) {
+            child_record.parent = record.parent;
+        }
+        table.layers.remove(&record.label);
+        self.remove(record.label);
+        for target in table.aliases.values_mut() {
+            if *target == record.label {
+                *target = child;
+            }
+        }
+        table.aliases.insert(record.label, child);
+    }
+
+    /// True if `label` is a layer kept only for the layers on it (no volume or snapshot reads
+    /// it directly) and every one of them has its own entry for `block`: no read can reach the
+    /// layer's block, so GC may drop it instead of moving it.
+    pub fn is_hidden_block(&self, label: u64, block: u64) -> bool {
+        let table = self.table();
+        let Some(record) = table.layers.get(&label) else { return false };
+        if record.bound.is_some() {
+            return false;
+        }
+        let children: Vec<u64> = table
+            .layers
+            .values()
+            .filter(|child| child.parent == Some(label))
+            .map(|child| child.label)
+            .collect();
+        drop(table);
+        children.len() >= 2
+            && children
+                .iter()
+                .all(|child| self.get(*child).is_some_and(|layer| layer.get(block) != 0))
+    }
+
+    /// Up to `limit` blocks that no read can reach: `(label, block, entry)` of blocks in layers
+    /// kept only for several layers on them, all of which have their own entry for the block.
+    /// Costs one pass over those layers' entries.
+    pub fn unreachable_blocks(&self, limit: usize) -> Vec<(u64, u64, u64)> {
+        let table = self.table();
+        let hidden: Vec<(u64, Vec<u64>)> = table
+            .layers
+            .values()
+            .filter(|layer| layer.bound.is_none())
+            .map(|layer| {
+                let children = table
+                    .layers
+                    .values()
+                    .filter(|child| child.parent == Some(layer.label))
+                    .map(|child| child.label)
+                    .collect();
+                (layer.label, children)
+            })
+            .collect();
+        drop(table);
+        let mut found = Vec::new();
+        let mut chunk = Vec::with_capacity(LEAF_ENTRIES);
+        for (label, children) in hidden {
+            let (Some(layer), children) = (
+                self.get(label),
+                children.iter().filter_map(|child| self.get(*child)).collect::<Vec<_>>(),
+            ) else {
+                continue;
+            };
+            if children.len() < 2 {
+                continue;
+            }
+            let mut cursor = Some(0);
+            while let Some(from) = cursor {
+                chunk.clear();
+                cursor = layer.collect_mapped(from, LEAF_ENTRIES, &mut chunk);
+                for &(block, entry) in &chunk {
+                    if is_block(entry) && children.iter().all(|child| child.get(block) != 0) {
+                        found.push((label, block, entry));
+                        if found.len() == limit {
+                            return found;
+                        }
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    /// True if some layer serves no volume or snapshot directly.
+    pub fn has_hidden_layers(&self) -> bool {
+        self.table().layers.values().any(|layer| layer.bound.is_none())
+    }
+
+    /// Blocks only `id`'s layer holds that no layer on it still reads: what deleting the
+    /// snapshot would free.
+    pub fn exclusive_blocks(&self, id: u64) -> u64 {
+        let table = self.table();
+        let Some(label) = table.bindings.get(&id).copied() else {
+            return self.get(id).map_or(0, |index| index.mapped_blocks());
+        };
+        let Some(layer) = self.get(label) else { return 0 };
+        let children: Vec<Arc<VolumeIndex>> = table
+            .layers
+            .values()
+            .filter(|child| child.parent == Some(label))
+            .filter_map(|child| self.get(child.label))
+            .collect();
+        drop(table);
+        let mut exclusive = 0;
+        layer.for_each_mapped(|block, entry| {
+            if is_block(entry) && children.iter().all(|child| child.get(block) != 0) {
+                exclusive += 1;
+            }
+        });
+        exclusive
     }
 }
 

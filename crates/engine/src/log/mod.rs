@@ -28,6 +28,8 @@ pub use gc::GcOutcome;
 pub use recovery::RecoveryReport;
 
 #[cfg(test)]
+mod snapshot_tests;
+#[cfg(test)]
 mod tests;
 
 use std::io;
@@ -101,6 +103,8 @@ const _: () = assert!(UNIT_BYTES_LARGEST <= format::UNIT_BYTES_MAX);
 pub enum LogError {
     #[error(transparent)]
     Request(#[from] StoreError),
+    #[error(transparent)]
+    Layer(#[from] index::LayerError),
     #[error(
         "the node is full: {mapped_blocks} of {capacity_blocks} blocks are mapped and this write \
          needs {needed_blocks} more; deallocate data, delete volumes or add drives"

@@ -17,11 +17,11 @@ use types::AlignedBuf;
 
 use super::engine::{CheckpointRecord, LogEngine, LogHandle};
 use super::format::{
-    decode_checkpoint_block, BatchHeader, CheckpointEntry, EntryKind, Geometry, LogSuperblock,
-    Root, BLOCK_BYTES, CHECKPOINT_ENTRIES_PER_BLOCK, LOG_HEADER_BYTES, ROOT_SLOT_BLOCKS,
-    SUPERBLOCK_BLOCK,
+    decode_checkpoint_block, decode_layer_block, BatchHeader, CheckpointEntry, EntryKind, Geometry,
+    LayerRecordEntry, LogSuperblock, Root, BLOCK_BYTES, CHECKPOINT_ENTRIES_PER_BLOCK,
+    LOG_HEADER_BYTES, ROOT_SLOT_BLOCKS, SUPERBLOCK_BLOCK, TOMBSTONE_LOCATION,
 };
-use super::index::{pack, unpack};
+use super::index::{pack, unpack, TOMBSTONE};
 use super::segments::SegmentState;
 use super::{LogConfig, LogError};
 use crate::drive::Drive;
@@ -75,6 +75,7 @@ impl LogEngine {
             lsn_next: 1,
             segment_seq_next: 1,
             entry_count: 0,
+            layer_record_count: 0,
             segments: Vec::new(),
             open_seqs: Vec::new(),
         };
@@ -175,7 +176,9 @@ impl<D: Drive> LogHandle<D> {
             }
             engine.segments.claim(*segment, SegmentState::Checkpoint);
         }
-        let block_count = root.entry_count.div_ceil(CHECKPOINT_ENTRIES_PER_BLOCK as u64);
+        let entry_blocks = root.entry_blocks();
+        let block_count = root.checkpoint_blocks();
+        let mut layer_records: Vec<LayerRecordEntry> = Vec::new();
         let mut entries: Vec<CheckpointEntry> = Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK);
         let mut loaded = 0u64;
         let mut block_index = 0u64;
@@ -187,6 +190,16 @@ impl<D: Drive> LogHandle<D> {
             report.bytes_read += u64::from(count) * BLOCK_BYTES as u64;
             for (offset, block) in blocks.chunks(BLOCK_BYTES).enumerate() {
                 let index = block_index + offset as u64;
+                let corrupt = |source| LogError::CheckpointCorrupt {
+                    checkpoint_id: root.checkpoint_id,
+                    block: index,
+                    source,
+                };
+                if index >= entry_blocks {
+                    decode_layer_block(block, root.checkpoint_id, index as u32, &mut layer_records)
+                        .map_err(corrupt)?;
+                    continue;
+                }
                 entries.clear();
                 decode_checkpoint_block(
                     block,
@@ -195,19 +208,27 @@ impl<D: Drive> LogHandle<D> {
                     index as u32,
                     &mut entries,
                 )
-                .map_err(|source| LogError::CheckpointCorrupt {
-                    checkpoint_id: root.checkpoint_id,
-                    block: index,
-                    source,
-                })?;
+                .map_err(corrupt)?;
                 for entry in &entries {
                     let volume = engine.index.get_or_create(entry.volume);
-                    volume.swap(entry.block, pack(entry.location, entry.crc));
+                    let value = if entry.location == TOMBSTONE_LOCATION {
+                        TOMBSTONE
+                    } else {
+                        pack(entry.location, entry.crc)
+                    };
+                    volume.swap(entry.block, value);
                     loaded += 1;
                 }
             }
             block_index += u64::from(count);
         }
+        if layer_records.len() as u64 != root.layer_record_count {
+            return Err(LogError::CheckpointInvalid {
+                checkpoint_id: root.checkpoint_id,
+                reason: "its layer blocks hold fewer records than the root records",
+            });
+        }
+        engine.index.load_layers(super::gc::layer_table(&layer_records));
         if loaded != root.entry_count {
             return Err(LogError::CheckpointInvalid {
                 checkpoint_id: root.checkpoint_id,
