@@ -85,6 +85,23 @@ const fn directory_bytes(count: usize) -> usize {
     HEADER_BYTES + ENTRY_BYTES * count
 }
 
+/// Bytes of one cell of a slot cut into `1 << cells_log2` equal cells (`cells_log2` 1..=4): the
+/// log packs a compressed block into the slot class with the most cells it fits, so each block's
+/// share of its slot, and so the live space it holds, follows from the class alone.
+pub const fn cell_bytes(cells_log2: u8) -> usize {
+    let cells = 1usize << cells_log2;
+    (BLOCK_BYTES - directory_bytes(cells)) / cells
+}
+
+/// The slot class (`cells_log2`, 1..=4) for a compressed block of `length` bytes: the most
+/// cells whose cell holds it; `None` if it does not fit half a slot (store it raw).
+pub fn cells_log2_for(length: usize) -> Option<u8> {
+    (1..=4u8).rev().find(|cells_log2| length <= cell_bytes(*cells_log2))
+}
+
+const _: () = assert!(cell_bytes(1) == PACKED_BYTES_MAX);
+const _: () = assert!(1 << 4 <= PACK_ENTRIES_MAX);
+
 /// A volume's compression setting, and the algorithm of one packed block.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Compression {

@@ -14,11 +14,12 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use types::{BLOCK_SIZE_BYTES, VOLUME_SIZE_BYTES_MAX};
 
+use crate::compress::Compression;
 use crate::store::StoreError;
 
 const BLOCK_BYTES: u64 = BLOCK_SIZE_BYTES as u64;
@@ -69,6 +70,8 @@ pub struct VolumeMap {
     volume: VolumeId,
     size_bytes: AtomicU64,
     removed: AtomicBool,
+    /// `Compression::code` of how new writes are stored (off until set).
+    compression: AtomicU8,
 }
 
 impl fmt::Debug for VolumeMap {
@@ -83,7 +86,21 @@ impl fmt::Debug for VolumeMap {
 
 impl VolumeMap {
     fn new(volume: VolumeId, size_bytes: u64) -> Self {
-        Self { volume, size_bytes: AtomicU64::new(size_bytes), removed: AtomicBool::new(false) }
+        Self {
+            volume,
+            size_bytes: AtomicU64::new(size_bytes),
+            removed: AtomicBool::new(false),
+            compression: AtomicU8::new(Compression::Off.code()),
+        }
+    }
+
+    /// How new writes to the volume are stored; blocks already written keep their form.
+    pub fn compression(&self) -> Compression {
+        Compression::from_code(self.compression.load(Ordering::Relaxed)).unwrap_or(Compression::Off)
+    }
+
+    pub fn set_compression(&self, compression: Compression) {
+        self.compression.store(compression.code(), Ordering::Relaxed);
     }
 
     /// A map not registered anywhere, for tests and tools that drive a store directly.

@@ -23,14 +23,22 @@ use std::sync::{Arc, Mutex};
 
 use types::AlignedBuf;
 
+use super::format::DataSlots;
 use super::format::{
     BatchHeader, Entry, EntryKind, Geometry, BATCH_ENTRIES_MAX, BLOCK_BYTES,
     CHECKPOINT_ENTRIES_PER_BLOCK, ROOT_SEGMENTS_MAX,
 };
-use super::index::{is_block, pack, unpack, Index, LayerError, VolumeIndex, LAYER_LABEL_BASE};
+use super::index::{
+    entry_units, is_block, pack, packed_tag, raw_tag, unpack, Index, LayerError, Tag, VolumeIndex,
+    LAYER_LABEL_BASE, UNITS_PER_POSITION,
+};
 use super::pool::BufferPool;
 use super::segments::{SegmentState, SegmentTable};
 use super::{LogConfig, LogError};
+use crate::compress::{
+    cells_log2_for, compress_block, unpack as unpack_slot, CompressScratch, Compression,
+    PackBuilder,
+};
 use crate::drive::{Drive, DriveError, DriveOperation};
 use crate::join::{join_all, LocalFuture};
 use crate::latches::DriveLatches;
@@ -81,6 +89,8 @@ pub(super) struct Counters {
     pub checkpoints: AtomicU64,
     pub checksum_errors: AtomicU64,
     pub mapped_blocks: AtomicU64,
+    /// Live-space units of the mapped blocks (16 per raw block, fewer when compressed).
+    pub mapped_units: AtomicU64,
     /// Blocks admitted for writes in flight that were unmapped when admitted.
     pub admitted_blocks: AtomicU64,
     /// Host batches made durable, and the host blocks they carried (group-commit width).
@@ -88,6 +98,13 @@ pub(super) struct Counters {
     pub host_batch_blocks: AtomicU64,
     /// Drive syncs issued (by host batches, GC and checkpoints).
     pub drive_syncs: AtomicU64,
+    /// Background scrub (`scrub`): live blocks verified, damage found (blocks and header chains,
+    /// counted each pass that finds them; not in `checksum_errors`), passes completed, and the
+    /// most recent findings (at most `scrub::SCRUB_FINDINGS_MAX`).
+    pub scrub_blocks_verified: AtomicU64,
+    pub scrub_errors: AtomicU64,
+    pub scrub_passes: AtomicU64,
+    pub scrub_findings: Mutex<VecDeque<super::scrub::ScrubFinding>>,
 }
 
 /// The durable checkpoint: its id and the segments holding it.
@@ -103,6 +120,10 @@ pub struct LogStats {
     /// What hosts may map in total (thin: volumes may provision more).
     pub capacity_bytes: u64,
     pub mapped_bytes: u64,
+    /// Drive space the mapped blocks take: less than `mapped_bytes` when compressed.
+    pub mapped_physical_bytes: u64,
+    /// `mapped_bytes / mapped_physical_bytes` (1.0 with nothing mapped or nothing compressed).
+    pub data_reduction: f64,
     /// Space of segments in use (live data, garbage not yet collected, checkpoints).
     pub physical_used_bytes: u64,
     /// Space of free segments.
@@ -126,15 +147,31 @@ pub struct LogStats {
     pub host_batches: u64,
     pub host_batch_blocks: u64,
     pub drive_syncs: u64,
+    /// Background scrub: live blocks verified, damage found (counted each pass that finds it;
+    /// see [`LogEngine::scrub_findings`]) and full passes completed.
+    pub scrub_blocks_verified: u64,
+    pub scrub_errors: u64,
+    pub scrub_passes: u64,
 }
 
 /// One volume's space figures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct VolumeStats {
     pub provisioned_bytes: u64,
     pub mapped_bytes: u64,
-    /// Bytes its mapped blocks occupy on the drives (equal to mapped until compression).
+    /// Bytes its mapped blocks occupy on the drives (less than mapped when compressed).
     pub physical_used_bytes: u64,
+    /// `mapped_bytes / physical_used_bytes` (1.0 with nothing mapped).
+    pub data_reduction: f64,
+}
+
+/// Logical bytes per physical byte, 1.0 when there is nothing.
+fn reduction(logical_bytes: u64, physical_bytes: u64) -> f64 {
+    if physical_bytes == 0 {
+        1.0
+    } else {
+        logical_bytes as f64 / physical_bytes as f64
+    }
 }
 
 /// The engine state every data-path thread shares.
@@ -261,6 +298,7 @@ impl LogEngine {
             changed: LocalNotify::new(),
             streams: [RefCell::new(StreamState::default()), RefCell::new(StreamState::default())],
             buffers: BufferPool::new((self.batch_data_max + 1) * BLOCK_BYTES),
+            compress: RefCell::new(CompressScratch::new()),
         }
     }
 
@@ -272,13 +310,18 @@ impl LogEngine {
         let mapped_blocks = counters.mapped_blocks.load(Ordering::Relaxed);
         let host = counters.host_bytes_written.load(Ordering::Relaxed);
         let device = counters.device_bytes_written.load(Ordering::Relaxed);
+        let mapped_units = counters.mapped_units.load(Ordering::Relaxed);
+        let mapped_physical_bytes = mapped_units * BLOCK_BYTES_U64 / u64::from(UNITS_PER_POSITION);
         LogStats {
             capacity_bytes: self.capacity_blocks * BLOCK_BYTES_U64,
             mapped_bytes: mapped_blocks * BLOCK_BYTES_U64,
+            mapped_physical_bytes,
+            data_reduction: reduction(mapped_blocks * BLOCK_BYTES_U64, mapped_physical_bytes),
             physical_used_bytes: u64::from(self.geometry.segment_count - segments_free)
                 * segment_bytes,
             physical_free_bytes: u64::from(segments_free) * segment_bytes,
-            free_bytes: self.capacity_blocks.saturating_sub(mapped_blocks) * BLOCK_BYTES_U64,
+            free_bytes: self.capacity_blocks.saturating_sub(self.physical_blocks())
+                * BLOCK_BYTES_U64,
             segments_total: self.geometry.segment_count,
             segments_free,
             host_bytes_written: host,
@@ -293,6 +336,9 @@ impl LogEngine {
             host_batches: counters.host_batches.load(Ordering::Relaxed),
             host_batch_blocks: counters.host_batch_blocks.load(Ordering::Relaxed),
             drive_syncs: counters.drive_syncs.load(Ordering::Relaxed),
+            scrub_blocks_verified: counters.scrub_blocks_verified.load(Ordering::Relaxed),
+            scrub_errors: counters.scrub_errors.load(Ordering::Relaxed),
+            scrub_passes: counters.scrub_passes.load(Ordering::Relaxed),
         }
     }
 
@@ -300,12 +346,15 @@ impl LogEngine {
     /// `mapped_bytes` counts the blocks written since its newest snapshot (or creation): its
     /// own layer's, not those it reads from snapshots.
     pub fn volume_stats(&self, volume: &VolumeMap) -> VolumeStats {
-        let mapped_blocks =
-            self.index.resolve(volume.volume().0, false).map_or(0, |v| v.mapped_blocks());
+        let layer = self.index.resolve(volume.volume().0, false);
+        let mapped_bytes = layer.as_ref().map_or(0, |v| v.mapped_blocks()) * BLOCK_BYTES_U64;
+        let physical_used_bytes = layer.as_ref().map_or(0, |v| v.mapped_units()) * BLOCK_BYTES_U64
+            / u64::from(UNITS_PER_POSITION);
         VolumeStats {
             provisioned_bytes: volume.size_bytes(),
-            mapped_bytes: mapped_blocks * BLOCK_BYTES_U64,
-            physical_used_bytes: mapped_blocks * BLOCK_BYTES_U64,
+            mapped_bytes,
+            physical_used_bytes,
+            data_reduction: reduction(mapped_bytes, physical_used_bytes),
         }
     }
 
@@ -331,6 +380,11 @@ impl LogEngine {
         self.capacity_blocks
     }
 
+    /// Positions the mapped blocks take (fewer than mapped blocks when compressed).
+    pub fn physical_blocks(&self) -> u64 {
+        self.counters.mapped_units.load(Ordering::Acquire).div_ceil(u64::from(UNITS_PER_POSITION))
+    }
+
     pub(super) fn segment_of(&self, location: u32) -> u32 {
         self.geometry.split(location).0
     }
@@ -341,7 +395,8 @@ impl LogEngine {
             return Ok(());
         }
         let admitted = self.counters.admitted_blocks.fetch_add(new_blocks, Ordering::AcqRel);
-        let mapped = self.counters.mapped_blocks.load(Ordering::Acquire);
+        // Physical blocks: compression lets more logical blocks fit.
+        let mapped = self.physical_blocks();
         if mapped + admitted + new_blocks > self.capacity_blocks {
             self.counters.admitted_blocks.fetch_sub(new_blocks, Ordering::AcqRel);
             return Err(LogError::CapacityExceeded {
@@ -362,8 +417,9 @@ impl LogEngine {
     /// Applies a batch to the index; with `account`, also to the live counts and the mapped
     /// counter (recovery recomputes those from the index once every batch is applied).
     pub(super) fn apply(&self, header: &BatchHeader, account: bool) -> u64 {
-        let mut data_index = 0;
+        let mut slots = DataSlots::default();
         let mut mapped_added: i64 = 0;
+        let mut units_added: i64 = 0;
         let mut relocated = 0;
         let mut volume: Option<Arc<VolumeIndex>> = None;
         for entry in &header.entries {
@@ -371,7 +427,9 @@ impl LogEngine {
                 // Entries name layers; a merged layer's label leads to the layer that took its
                 // blocks, and a freed engine layer is never brought back.
                 volume = match entry.kind {
-                    EntryKind::Data { .. } if entry.volume < LAYER_LABEL_BASE => {
+                    EntryKind::Data { .. } | EntryKind::Packed { .. }
+                        if entry.volume < LAYER_LABEL_BASE =>
+                    {
                         match self.index.resolve_label(entry.volume) {
                             Some(layer) => Some(layer),
                             None => Some(self.index.get_or_create(entry.volume)),
@@ -380,43 +438,62 @@ impl LogEngine {
                     _ => self.index.resolve_label(entry.volume),
                 };
             }
+            let data_slot = slots.next(&entry.kind);
+            let location = data_slot
+                .map(|slot| self.geometry.location(header.segment, header.position + 1 + slot));
             let mut dead = |old: u64| {
                 if let Some((old_location, _)) = unpack(old) {
+                    let units = entry_units(old);
                     if account {
-                        self.segments.remove_live(self.segment_of(old_location));
+                        self.segments.remove_live(self.segment_of(old_location), units);
                     }
                     mapped_added -= 1;
+                    units_added -= i64::from(units);
                 }
             };
-            match entry.kind {
-                EntryKind::Data { crc } => {
-                    let location =
-                        self.geometry.location(header.segment, header.position + 1 + data_index);
-                    data_index += 1;
-                    let Some(index) = &volume else { continue };
-                    let old = index.swap(entry.block, pack(location, crc));
-                    if account {
-                        self.segments.add_live(header.segment);
-                    }
-                    match unpack(old) {
-                        Some((old_location, _)) if account => {
-                            self.segments.remove_live(self.segment_of(old_location))
-                        }
-                        Some(_) => {}
-                        None => mapped_added += 1,
-                    }
+            // Host writes install with a swap; GC moves with a compare-and-swap against the
+            // entry it copied, so a newer write wins.
+            let (new, expected) = match entry.kind {
+                EntryKind::Data { crc } => (raw_tag(crc), None),
+                EntryKind::Packed { crc, cells_log2, sub, .. } => {
+                    (packed_tag(cells_log2, sub, crc), None)
                 }
                 EntryKind::Relocated { crc, from } => {
-                    let location =
-                        self.geometry.location(header.segment, header.position + 1 + data_index);
-                    data_index += 1;
-                    let Some(index) = &volume else { continue };
-                    // Only if the block still lives where GC copied it from: a newer write wins.
-                    if index.compare_exchange(entry.block, pack(from, crc), pack(location, crc)) {
-                        if account {
-                            self.segments.add_live(header.segment);
-                            self.segments.remove_live(self.segment_of(from));
+                    (raw_tag(crc), Some(pack(from, raw_tag(crc))))
+                }
+                EntryKind::RelocatedPacked { crc, from, from_sub, cells_log2, sub, .. } => (
+                    packed_tag(cells_log2, sub, crc),
+                    Some(pack(from, packed_tag(cells_log2, from_sub, crc))),
+                ),
+                _ => (0, None),
+            };
+            match entry.kind {
+                EntryKind::Data { .. } | EntryKind::Packed { .. } => {
+                    let (Some(location), Some(index)) = (location, &volume) else { continue };
+                    let new = pack(location, new);
+                    let old = index.swap(entry.block, new);
+                    let units = entry_units(new);
+                    if account {
+                        self.segments.add_live(header.segment, units);
+                    }
+                    dead(old);
+                    mapped_added += 1;
+                    units_added += i64::from(units);
+                }
+                EntryKind::Relocated { .. } | EntryKind::RelocatedPacked { .. } => {
+                    let (Some(location), Some(index), Some(expected)) =
+                        (location, &volume, expected)
+                    else {
+                        continue;
+                    };
+                    let new = pack(location, new);
+                    if index.compare_exchange(entry.block, expected, new) {
+                        if let (true, Some((from, _))) = (account, unpack(expected)) {
+                            self.segments.add_live(header.segment, entry_units(new));
+                            self.segments.remove_live(self.segment_of(from), entry_units(expected));
                         }
+                        units_added +=
+                            i64::from(entry_units(new)) - i64::from(entry_units(expected));
                         relocated += 1;
                     }
                 }
@@ -440,9 +517,9 @@ impl LogEngine {
                     self.index.rollback(entry.volume, snapshot, layer, dead);
                     volume = None;
                 }
-                EntryKind::Dropped { crc, location } => {
+                EntryKind::Dropped { crc: tag, location } => {
                     // The named layer only: if it merged since, its blocks have new owners.
-                    let expected = pack(location, crc);
+                    let expected = pack(location, tag);
                     if let Some(layer) = self.index.get(entry.volume) {
                         if layer.remove_if(entry.block, expected) {
                             dead(expected);
@@ -455,10 +532,15 @@ impl LogEngine {
         if !account {
             return relocated;
         }
-        if mapped_added >= 0 {
-            self.counters.mapped_blocks.fetch_add(mapped_added as u64, Ordering::AcqRel);
-        } else {
-            self.counters.mapped_blocks.fetch_sub(mapped_added.unsigned_abs(), Ordering::AcqRel);
+        for (counter, added) in [
+            (&self.counters.mapped_blocks, mapped_added),
+            (&self.counters.mapped_units, units_added),
+        ] {
+            if added >= 0 {
+                counter.fetch_add(added as u64, Ordering::AcqRel);
+            } else {
+                counter.fetch_sub(added.unsigned_abs(), Ordering::AcqRel);
+            }
         }
         relocated
     }
@@ -517,6 +599,88 @@ struct Pending {
     admitted_blocks: u64,
     host_bytes: u64,
     cell: Rc<BatchCell>,
+    /// Pack slots being filled, per `cells_log2 - 1`; created on the batch's first compressed
+    /// block.
+    packs: Option<Box<OpenPacks>>,
+}
+
+/// A compressed block on its way into a pack slot.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CompressedBlock<'a> {
+    pub cells_log2: u8,
+    pub algorithm: Compression,
+    pub bytes: &'a [u8],
+    /// CRC-32C of the uncompressed block.
+    pub crc: u32,
+}
+
+/// One open pack slot per slot class: the batch data block it will be written to, and the
+/// compressed blocks gathered for it.
+#[derive(Default)]
+pub(super) struct OpenPacks {
+    pub slots: [Option<(usize, PackBuilder)>; 4],
+}
+
+impl OpenPacks {
+    /// Writes every open slot into its data block of `data`.
+    pub fn finish_all(&mut self, data: &mut [u8]) {
+        for (slot, builder) in self.slots.iter_mut().flatten() {
+            if builder.is_empty() {
+                continue;
+            }
+            let at = *slot * BLOCK_BYTES;
+            let Ok(target) = <&mut [u8; BLOCK_BYTES]>::try_from(&mut data[at..at + BLOCK_BYTES])
+            else {
+                unreachable!("a block-sized range")
+            };
+            builder.finish(target);
+        }
+    }
+
+    /// Adds a compressed block of slot class `cells_log2` to its open slot, or to a new one at
+    /// data block `next_data` (finishing the full one into `data`); returns the sub-index and
+    /// whether it opened a slot. `None` if a new slot is needed and `can_open` is false.
+    pub fn add(
+        &mut self,
+        block: CompressedBlock<'_>,
+        next_data: usize,
+        can_open: bool,
+        data: &mut [u8],
+    ) -> Option<(u8, bool)> {
+        let CompressedBlock { cells_log2, algorithm, bytes: compressed, crc } = block;
+        let class = usize::from(cells_log2 - 1);
+        let cells = 1usize << cells_log2;
+        if let Some((_, builder)) = &mut self.slots[class] {
+            if builder.len() < cells {
+                let sub = builder.try_add(algorithm, compressed, crc);
+                assert!(sub.is_some(), "a cell holds any block of its class");
+                return sub.map(|sub| (sub, false));
+            }
+        }
+        if !can_open {
+            return None;
+        }
+        if let Some((slot, mut builder)) = self.slots[class].take() {
+            let at = slot * BLOCK_BYTES;
+            if let Ok(target) = <&mut [u8; BLOCK_BYTES]>::try_from(&mut data[at..at + BLOCK_BYTES])
+            {
+                builder.finish(target);
+            }
+            self.slots[class] = Some((next_data, builder));
+        } else {
+            self.slots[class] = Some((next_data, PackBuilder::new()));
+        }
+        let (_, builder) = self.slots[class].as_mut()?;
+        let sub = builder.try_add(algorithm, compressed, crc);
+        assert_eq!(sub, Some(0), "a new slot takes its first block");
+        Some((0, true))
+    }
+
+    /// True if a block of class `cells_log2` fits an open slot without opening one.
+    pub fn has_cell(&self, cells_log2: u8) -> bool {
+        let class = usize::from(cells_log2 - 1);
+        self.slots[class].as_ref().is_some_and(|(_, builder)| builder.len() < 1 << cells_log2)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -659,6 +823,8 @@ pub struct LogHandle<D> {
     pub(super) streams: [RefCell<StreamState>; 2],
     /// Batch data and per-drive write buffers, reused.
     pub(super) buffers: BufferPool,
+    /// Codec contexts and buffers for compressing writes and unpacking reads.
+    pub(super) compress: RefCell<CompressScratch>,
 }
 
 impl<D> std::fmt::Debug for LogHandle<D> {
@@ -707,15 +873,19 @@ impl<D: Drive> LogHandle<D> {
     /// Adds one entry (and its block) to the batch being formed; returns that batch.
     async fn enqueue(
         &self,
-        entry: Entry,
+        mut entry: Entry,
         data: Option<&[u8]>,
+        compression: Compression,
         admitted: bool,
         host_bytes: u64,
     ) -> Rc<BatchCell> {
         let batch_data_max = self.engine.batch_data_max;
-        let has_room = |batch: &Pending| {
+        let has_room = |batch: &Pending, cells_log2: Option<u8>| {
+            let cell = cells_log2.is_some_and(|cells_log2| {
+                batch.packs.as_ref().is_some_and(|packs| packs.has_cell(cells_log2))
+            });
             batch.entries.len() < BATCH_ENTRIES_MAX
-                && (data.is_none() || batch.data_blocks < batch_data_max)
+                && (data.is_none() || cell || batch.data_blocks < batch_data_max)
         };
         let mut ticket =
             Ticket { admission: &self.admission, ticket: None, changed: &self.changed };
@@ -725,8 +895,24 @@ impl<D: Drive> LogHandle<D> {
                 Some(number) => number == self.admission.serving.get(),
             };
             if my_turn {
+                // Compressed once, in this synchronous section (the scratch is the handle's).
+                let mut compress = self.compress.borrow_mut();
+                let compressed = match (data, compression, entry.kind) {
+                    (Some(block), Compression::Lz4 | Compression::Zstd, EntryKind::Data { .. }) => {
+                        <&[u8; BLOCK_BYTES]>::try_from(block)
+                            .ok()
+                            .and_then(|block| compress_block(compression, block, &mut compress))
+                            .and_then(|bytes| {
+                                cells_log2_for(bytes.len()).map(|class| (bytes, class))
+                            })
+                    }
+                    _ => None,
+                };
+                let class = compressed.map(|(_, class)| class);
                 let mut queue = self.queue.borrow_mut();
-                if !queue.back().is_some_and(has_room) && queue.len() < BATCHES_QUEUED_MAX {
+                if !queue.back().is_some_and(|batch| has_room(batch, class))
+                    && queue.len() < BATCHES_QUEUED_MAX
+                {
                     queue.push_back(Pending {
                         entries: Vec::with_capacity(BATCH_ENTRIES_MAX),
                         data: self.buffers.take(batch_data_max * BLOCK_BYTES),
@@ -734,14 +920,32 @@ impl<D: Drive> LogHandle<D> {
                         admitted_blocks: 0,
                         host_bytes: 0,
                         cell: Rc::new(BatchCell { result: Cell::new(None) }),
+                        packs: None,
                     });
                 }
-                if let Some(batch) = queue.back_mut().filter(|batch| has_room(batch)) {
-                    if let Some(block) = data {
-                        let at = batch.data_blocks * BLOCK_BYTES;
-                        batch.data[at..at + BLOCK_BYTES].copy_from_slice(block);
-                        batch.data_blocks += 1;
+                if let Some(batch) = queue.back_mut().filter(|batch| has_room(batch, class)) {
+                    match (data, compressed, entry.kind) {
+                        (Some(_), Some((bytes, cells_log2)), EntryKind::Data { crc }) => {
+                            let can_open = batch.data_blocks < batch_data_max;
+                            let packs = batch.packs.get_or_insert_with(Box::default);
+                            let block =
+                                CompressedBlock { cells_log2, algorithm: compression, bytes, crc };
+                            let added =
+                                packs.add(block, batch.data_blocks, can_open, &mut batch.data);
+                            let Some((sub, opens)) = added else {
+                                unreachable!("has_room checked a cell or a data block")
+                            };
+                            batch.data_blocks += usize::from(opens);
+                            entry.kind = EntryKind::Packed { crc, cells_log2, sub, opens };
+                        }
+                        (Some(block), _, _) => {
+                            let at = batch.data_blocks * BLOCK_BYTES;
+                            batch.data[at..at + BLOCK_BYTES].copy_from_slice(block);
+                            batch.data_blocks += 1;
+                        }
+                        (None, _, _) => {}
                     }
+                    drop(compress);
                     batch.entries.push(entry);
                     batch.admitted_blocks += u64::from(admitted);
                     batch.host_bytes += host_bytes;
@@ -791,7 +995,11 @@ impl<D: Drive> LogHandle<D> {
         let Some(batch) = self.queue.borrow_mut().pop_front() else { return false };
         self.changed.notify_all();
         let mut guard = CommitGuard { cell: Rc::clone(&batch.cell), slot: &self.slot, armed: true };
-        let Pending { entries, data, data_blocks, admitted_blocks, host_bytes, cell } = batch;
+        let Pending { entries, mut data, data_blocks, admitted_blocks, host_bytes, cell, packs } =
+            batch;
+        if let Some(mut packs) = packs {
+            packs.finish_all(&mut data);
+        }
         let result = self.commit_batch(Stream::Host, entries, &data, data_blocks).await;
         self.engine.counters.admitted_blocks.fetch_sub(admitted_blocks, Ordering::AcqRel);
         if result.is_ok() {
@@ -831,7 +1039,8 @@ impl<D: Drive> LogHandle<D> {
                 let state = self.streams[stream as usize].borrow();
                 state.segment.map_or(0, |_| per_segment - state.next_position) as usize
             };
-            if room < 2 || room > remaining_blocks {
+            // A batch with pack slots stays whole: its packed entries name slots by order.
+            if room < 2 || room > remaining_blocks || entries.iter().any(Entry::is_packed) {
                 let part = &data[data_offset * BLOCK_BYTES..];
                 return self.commit_one(stream, entries, part, remaining_blocks).await;
             }
@@ -1097,6 +1306,32 @@ impl<D: Drive> LogHandle<D> {
         (result.map_err(|source| LogError::io(drive, source)), buf)
     }
 
+    /// Checks a block read from the log against its index tag; a pack slot is unpacked in
+    /// place into the block its sub-index names. False if the bytes are not that block.
+    fn verify_in_place(&self, tag: u32, buf: &mut AlignedBuf) -> bool {
+        let tag = Tag::of(tag);
+        let Tag::Packed { sub, .. } = tag else {
+            return tag.matches(crc32c::crc32c(buf));
+        };
+        let mut out = self.buffers.take(BLOCK_BYTES);
+        let unpacked = {
+            let mut compress = self.compress.borrow_mut();
+            match (
+                <&[u8; BLOCK_BYTES]>::try_from(&buf[..]),
+                <&mut [u8; BLOCK_BYTES]>::try_from(&mut out[..]),
+            ) {
+                (Ok(slot), Ok(target)) => unpack_slot(slot, sub, target, &mut compress).ok(),
+                _ => None,
+            }
+        };
+        let verified = unpacked.is_some_and(|crc| tag.matches(crc));
+        if verified {
+            buf.copy_from_slice(&out);
+        }
+        self.buffers.give(out);
+        verified
+    }
+
     /// Reads one mapped block into `buf` (exactly one block long), verifying its checksum;
     /// re-reads if GC moved it. An unmapped block reads as zeros.
     async fn read_block(
@@ -1108,7 +1343,7 @@ impl<D: Drive> LogHandle<D> {
     ) -> (Result<(), LogError>, AlignedBuf) {
         debug_assert_eq!(buf.len(), BLOCK_BYTES);
         for _ in 0..READ_RETRIES_MAX {
-            let Some((location, crc)) = unpack(entry) else {
+            let Some((location, tag)) = unpack(entry) else {
                 buf.fill(0);
                 return (Ok(()), buf);
             };
@@ -1117,7 +1352,7 @@ impl<D: Drive> LogHandle<D> {
             if let Err(error) = result {
                 return (Err(error), buf);
             }
-            if crc32c::crc32c(&buf) == crc {
+            if self.verify_in_place(tag, &mut buf) {
                 return (Ok(()), buf);
             }
             let now = index.lookup(block);
@@ -1203,6 +1438,7 @@ impl<D: Drive> LogHandle<D> {
         let unmapped: Vec<bool> =
             (0..count).map(|slot| !is_block(index.get(first + slot as u64))).collect();
         let label = index.volume();
+        let compression = volume.compression();
         let new_blocks = unmapped.iter().filter(|new| **new).count() as u64;
         self.engine.admit(new_blocks)?;
         let mut cells: Vec<Rc<BatchCell>> = Vec::new();
@@ -1210,7 +1446,9 @@ impl<D: Drive> LogHandle<D> {
             let crc = crc32c::crc32c(block_data);
             let entry =
                 Entry { volume: label, block: first + slot as u64, kind: EntryKind::Data { crc } };
-            let cell = self.enqueue(entry, Some(block_data), unmapped[slot], BLOCK_BYTES_U64).await;
+            let cell = self
+                .enqueue(entry, Some(block_data), compression, unmapped[slot], BLOCK_BYTES_U64)
+                .await;
             if cells.last().is_none_or(|last| !Rc::ptr_eq(last, &cell)) {
                 cells.push(cell);
             }
@@ -1248,7 +1486,7 @@ impl<D: Drive> LogHandle<D> {
         while remaining > 0 {
             let count = remaining.min(u64::from(u32::MAX)) as u32;
             let entry = Entry { volume: label, block: first, kind: EntryKind::Trim { count } };
-            let cell = self.enqueue(entry, None, false, 0).await;
+            let cell = self.enqueue(entry, None, Compression::Off, false, 0).await;
             if cells.last().is_none_or(|last| !Rc::ptr_eq(last, &cell)) {
                 cells.push(cell);
             }
@@ -1264,7 +1502,7 @@ impl<D: Drive> LogHandle<D> {
     pub async fn delete_volume(&self, volume: u64) -> Result<(), LogError> {
         let _exclusive = self.layer_operation().await;
         let entry = Entry { volume, block: 0, kind: EntryKind::VolumeDeleted };
-        let cell = self.enqueue(entry, None, false, 0).await;
+        let cell = self.enqueue(entry, None, Compression::Off, false, 0).await;
         self.volumes.borrow_mut().remove(&volume);
         self.wait_all(&[cell]).await
     }
@@ -1301,7 +1539,8 @@ impl<D: Drive> LogHandle<D> {
     }
 
     async fn log_layer_operation(&self, volume: u64, kind: EntryKind) -> Result<(), LogError> {
-        let cell = self.enqueue(Entry { volume, block: 0, kind }, None, false, 0).await;
+        let cell =
+            self.enqueue(Entry { volume, block: 0, kind }, None, Compression::Off, false, 0).await;
         self.volumes.borrow_mut().remove(&volume);
         self.wait_all(&[cell]).await
     }

@@ -475,6 +475,44 @@ pub enum EntryKind {
     /// GC dropped the block of a layer kept only for the layers on it, all of which hide it:
     /// applied only if the layer (not one it merged into) still maps it at `location`.
     Dropped { crc: u32, location: u32 },
+    /// A host write of one block stored compressed in a pack slot of `1 << cells_log2` cells, at
+    /// `sub`. An entry that `opens` a slot takes the batch's next data block; the others are in
+    /// the slot the latest opening entry with the same `cells_log2` took.
+    Packed { crc: u32, cells_log2: u8, sub: u8, opens: bool },
+    /// A compressed block GC moved from sub-index `from_sub` of the slot at location `from` to
+    /// sub-index `sub` of a slot of this batch (same cell count), data as for `Packed`.
+    RelocatedPacked { crc: u32, from: u32, from_sub: u8, cells_log2: u8, sub: u8, opens: bool },
+}
+
+/// Which data block of a batch each entry's data is in, walking the entries in order.
+#[derive(Debug, Default, Clone)]
+pub struct DataSlots {
+    next: u32,
+    /// Per `cells_log2 - 1`, the data block of the latest slot opened.
+    open: [Option<u32>; 4],
+}
+
+impl DataSlots {
+    /// The data block (counted from 0 after the header) of the entry, or `None` if it carries
+    /// no data or names a slot no earlier entry opened (refused by decode).
+    pub fn next(&mut self, kind: &EntryKind) -> Option<u32> {
+        match *kind {
+            EntryKind::Data { .. } | EntryKind::Relocated { .. } => {
+                self.next += 1;
+                Some(self.next - 1)
+            }
+            EntryKind::Packed { cells_log2, opens, .. }
+            | EntryKind::RelocatedPacked { cells_log2, opens, .. } => {
+                let class = usize::from(cells_log2.clamp(1, 4) - 1);
+                if opens {
+                    self.open[class] = Some(self.next);
+                    self.next += 1;
+                }
+                self.open[class]
+            }
+            _ => None,
+        }
+    }
 }
 
 /// One entry of a batch header.
@@ -487,9 +525,18 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// True if the entry carries a data block.
+    /// True if the entry takes a data block of the batch (a raw block, or a pack slot it opens).
     pub fn has_data(&self) -> bool {
-        matches!(self.kind, EntryKind::Data { .. } | EntryKind::Relocated { .. })
+        match self.kind {
+            EntryKind::Data { .. } | EntryKind::Relocated { .. } => true,
+            EntryKind::Packed { opens, .. } | EntryKind::RelocatedPacked { opens, .. } => opens,
+            _ => false,
+        }
+    }
+
+    /// True if the entry's block is stored compressed in a pack slot.
+    pub fn is_packed(&self) -> bool {
+        matches!(self.kind, EntryKind::Packed { .. } | EntryKind::RelocatedPacked { .. })
     }
 }
 
@@ -501,6 +548,8 @@ const KIND_SNAPSHOT: u8 = 5;
 const KIND_CLONE: u8 = 6;
 const KIND_ROLLBACK: u8 = 7;
 const KIND_DROPPED: u8 = 8;
+const KIND_PACKED: u8 = 9;
+const KIND_RELOCATED_PACKED: u8 = 10;
 
 /// A batch header: the first position of every batch. Its entries describe the data blocks
 /// that follow it (in order) and the trims of the batch.
@@ -562,6 +611,10 @@ impl BatchHeader {
                         }
                         EntryKind::VolumeDeleted => (KIND_VOLUME_DELETED, 0, 0),
                         EntryKind::Dropped { crc, location } => (KIND_DROPPED, crc, location),
+                        EntryKind::Packed { crc, .. } => (KIND_PACKED, crc, 0),
+                        EntryKind::RelocatedPacked { crc, from, .. } => {
+                            (KIND_RELOCATED_PACKED, crc, from)
+                        }
                         _ => unreachable!("layer operations are matched above"),
                     };
                     (kind, word, from, entry.block)
@@ -571,6 +624,17 @@ impl BatchHeader {
             put(&mut block, offset + 16, &word.to_le_bytes());
             block[offset + 20] = kind;
             put(&mut block, offset + 24, &from.to_le_bytes());
+            if let EntryKind::Packed { cells_log2, sub, opens, .. }
+            | EntryKind::RelocatedPacked { cells_log2, sub, opens, .. } = entry.kind
+            {
+                assert!((1..=4).contains(&cells_log2) && u32::from(sub) < 1 << cells_log2);
+                block[offset + 21] = sub;
+                block[offset + 22] = cells_log2;
+                block[offset + 23] = u8::from(opens);
+            }
+            if let EntryKind::RelocatedPacked { from_sub, .. } = entry.kind {
+                put(&mut block, offset + 28, &u32::from(from_sub).to_le_bytes());
+            }
         }
         seal(&mut block);
         block
@@ -593,6 +657,7 @@ impl BatchHeader {
         field(header_position == position, "position", header_position.into())?;
         field(le_u32(block, 44) == 0, "parity_blocks", le_u32(block, 44).into())?;
         let mut entries = Vec::with_capacity(count);
+        let mut slots = DataSlots::default();
         for index in 0..count {
             let offset = BATCH_ENTRIES_OFFSET + index * ENTRY_BYTES;
             let volume = le_u64(block, offset);
@@ -600,9 +665,29 @@ impl BatchHeader {
             let word = le_u32(block, offset + 16);
             let from = le_u32(block, offset + 24);
             field(first < VOLUME_BLOCKS_MAX, "block", first)?;
-            field(block[offset + 21..offset + 24] == [0; 3], "entry_reserved", index as u64)?;
-            field(le_u32(block, offset + 28) == 0, "entry_reserved", index as u64)?;
-            let kind = match block[offset + 20] {
+            let kind_byte = block[offset + 20];
+            let packed = matches!(kind_byte, KIND_PACKED | KIND_RELOCATED_PACKED);
+            let (sub, cells_log2, opens) =
+                (block[offset + 21], block[offset + 22], block[offset + 23]);
+            if packed {
+                field((1..=4).contains(&cells_log2), "cells", cells_log2.into())?;
+                field(u32::from(sub) < 1 << cells_log2, "sub", sub.into())?;
+                field(opens <= 1 && (opens == 0 || sub == 0), "opens", opens.into())?;
+                field(
+                    opens == 1 || slots.open[usize::from(cells_log2 - 1)].is_some(),
+                    "slot",
+                    index as u64,
+                )?;
+            } else {
+                field(block[offset + 21..offset + 24] == [0; 3], "entry_reserved", index as u64)?;
+            }
+            let from_sub = le_u32(block, offset + 28);
+            if kind_byte == KIND_RELOCATED_PACKED {
+                field(from_sub < 1 << cells_log2, "from_sub", from_sub.into())?;
+            } else {
+                field(from_sub == 0, "entry_reserved", index as u64)?;
+            }
+            let kind = match kind_byte {
                 KIND_DATA => EntryKind::Data { crc: word },
                 KIND_RELOCATED => {
                     field(u64::from(from) < geometry.location_count(), "from", from.into())?;
@@ -614,6 +699,18 @@ impl BatchHeader {
                     EntryKind::Trim { count: word }
                 }
                 KIND_VOLUME_DELETED => EntryKind::VolumeDeleted,
+                KIND_PACKED => EntryKind::Packed { crc: word, cells_log2, sub, opens: opens == 1 },
+                KIND_RELOCATED_PACKED => {
+                    field(u64::from(from) < geometry.location_count(), "from", from.into())?;
+                    EntryKind::RelocatedPacked {
+                        crc: word,
+                        from,
+                        from_sub: from_sub as u8,
+                        cells_log2,
+                        sub,
+                        opens: opens == 1,
+                    }
+                }
                 KIND_DROPPED => {
                     field(u64::from(from) < geometry.location_count(), "from", from.into())?;
                     EntryKind::Dropped { crc: word, location: from }
@@ -636,8 +733,13 @@ impl BatchHeader {
                 kind,
                 EntryKind::Snapshot { .. } | EntryKind::Clone { .. } | EntryKind::Rollback { .. }
             );
-            let carries_location =
-                matches!(kind, EntryKind::Relocated { .. } | EntryKind::Dropped { .. });
+            slots.next(&kind);
+            let carries_location = matches!(
+                kind,
+                EntryKind::Relocated { .. }
+                    | EntryKind::Dropped { .. }
+                    | EntryKind::RelocatedPacked { .. }
+            );
             if !carries_location && !layer_op {
                 field(from == 0, "from", from.into())?;
             }

@@ -26,15 +26,17 @@ use std::sync::Arc;
 
 use types::AlignedBuf;
 
-use super::engine::{DriveSet, Failure, LogHandle, Stream};
+use super::engine::{CompressedBlock, DriveSet, Failure, LogHandle, OpenPacks, Stream};
 use super::format::{
-    encode_checkpoint_block, encode_layer_block, BatchHeader, CheckpointEntry, Entry, EntryKind,
-    LayerRecordEntry, Root, BATCH_ENTRIES_MAX, BLOCK_BYTES, CHECKPOINT_ENTRIES_PER_BLOCK,
-    LAYER_RECORDS_PER_BLOCK, ROOT_SEGMENTS_MAX, ROOT_SLOT_BLOCKS, TOMBSTONE_LOCATION,
+    encode_checkpoint_block, encode_layer_block, BatchHeader, CheckpointEntry, DataSlots, Entry,
+    EntryKind, LayerRecordEntry, Root, BATCH_ENTRIES_MAX, BLOCK_BYTES,
+    CHECKPOINT_ENTRIES_PER_BLOCK, LAYER_RECORDS_PER_BLOCK, ROOT_SEGMENTS_MAX, ROOT_SLOT_BLOCKS,
+    TOMBSTONE_LOCATION,
 };
-use super::index::{pack, unpack, LayerTable, TOMBSTONE};
+use super::index::{pack, packed_tag, raw_tag, unpack, LayerTable, TOMBSTONE, UNITS_PER_POSITION};
 use super::segments::SegmentState;
 use super::LogError;
+use crate::compress::pack_entries;
 use crate::drive::Drive;
 use crate::join::yield_now;
 
@@ -208,8 +210,8 @@ impl<D: Drive> LogHandle<D> {
             {
                 continue;
             }
-            let live = engine.segments.live_blocks(segment);
-            let utilization = f64::from(live) / positions;
+            let live = engine.segments.live_units(segment);
+            let utilization = f64::from(live) / (positions * f64::from(UNITS_PER_POSITION));
             if utilization >= 0.99 {
                 continue;
             }
@@ -228,7 +230,7 @@ impl<D: Drive> LogHandle<D> {
         let Some(victim) = self.pick_victim() else { return Ok(GcOutcome::NoVictim) };
         engine.segments.set_state(victim, SegmentState::Cleaning);
         let mut relocated_blocks = 0;
-        if engine.segments.live_blocks(victim) > 0 {
+        if engine.segments.live_units(victim) > 0 {
             match self.relocate(victim).await {
                 Ok(count) => relocated_blocks = count,
                 Err(error) => {
@@ -237,7 +239,7 @@ impl<D: Drive> LogHandle<D> {
                 }
             }
         }
-        let live_blocks = engine.segments.live_blocks(victim);
+        let live_blocks = engine.segments.live_units(victim);
         if live_blocks > 0 {
             // Its header chain is damaged: some live blocks cannot be found. It stays in the
             // Cleaning state, out of GC, and the error is reported.
@@ -255,80 +257,87 @@ impl<D: Drive> LogHandle<D> {
     }
 
     /// Copies the live blocks of `victim` to the GC stream; returns how many were installed.
+    /// Raw blocks are copied whole; a compressed block's bytes move into a new pack slot of the
+    /// same class (never recompressed), so a slot's dead neighbours are left behind.
     async fn relocate(&self, victim: u32) -> Result<u64, LogError> {
         let engine = &*self.engine;
         let geometry = engine.geometry;
         let seq = engine.segments.seq(victim);
         let per_segment = geometry.positions_per_segment();
-        let batch_data_max = engine.batch_data_max;
-        let mut entries: Vec<Entry> = Vec::with_capacity(batch_data_max);
-        let mut data = AlignedBuf::new(batch_data_max * BLOCK_BYTES);
+        let mut batch = RelocationBatch::new(engine.batch_data_max);
         let mut relocated = 0;
         let mut dropped: Vec<Entry> = Vec::new();
         let hidden_layers = engine.index.has_hidden_layers();
         let mut position = 0;
         // Each batch takes at least one position, so this loop is bounded by the segment size.
-        while position < per_segment && engine.segments.live_blocks(victim) > 0 {
+        while position < per_segment && engine.segments.live_units(victim) > 0 {
             let block = self.read_positions(victim, position, 1).await?;
             let header = match BatchHeader::decode(&block, &geometry, victim, position) {
                 Ok(header) if header.segment_seq == seq => header,
                 _ => break,
             };
-            let mut live = Vec::new();
-            let mut data_index = 0;
+            let mut live: Vec<LiveBlock> = Vec::new();
+            let mut slots = DataSlots::default();
             for entry in &header.entries {
-                let crc = match entry.kind {
-                    EntryKind::Data { crc } | EntryKind::Relocated { crc, .. } => crc,
+                let Some(slot) = slots.next(&entry.kind) else { continue };
+                let (crc, tag, packed) = match entry.kind {
+                    EntryKind::Data { crc } | EntryKind::Relocated { crc, .. } => {
+                        (crc, raw_tag(crc), None)
+                    }
+                    EntryKind::Packed { crc, cells_log2, sub, .. }
+                    | EntryKind::RelocatedPacked { crc, cells_log2, sub, .. } => {
+                        (crc, packed_tag(cells_log2, sub, crc), Some((cells_log2, sub)))
+                    }
                     _ => continue,
                 };
-                let location = geometry.location(victim, position + 1 + data_index);
+                let location = geometry.location(victim, position + 1 + slot);
                 // The entry names the layer the block was written to; a snapshot deletion may
                 // have merged that layer into its child since.
                 let owner = engine
                     .index
                     .resolve_label(entry.volume)
-                    .filter(|index| index.get(entry.block) == pack(location, crc));
-                if let Some(owner) = owner {
-                    if hidden_layers && engine.index.is_hidden_block(owner.volume(), entry.block) {
-                        // No read reaches it: drop it rather than move it.
-                        dropped.push(Entry {
-                            volume: owner.volume(),
-                            block: entry.block,
-                            kind: EntryKind::Dropped { crc, location },
-                        });
-                        if dropped.len() == BATCH_ENTRIES_MAX {
-                            let batch = std::mem::take(&mut dropped);
-                            self.commit_batch(Stream::Gc, batch, &[], 0)
-                                .await
-                                .map_err(|failure| failure.into_error(engine))?;
-                        }
-                    } else {
-                        live.push((owner.volume(), entry.block, crc, location, data_index));
+                    .filter(|index| index.get(entry.block) == pack(location, tag));
+                let Some(owner) = owner else { continue };
+                if hidden_layers && engine.index.is_hidden_block(owner.volume(), entry.block) {
+                    // No read reaches it: drop it rather than move it.
+                    dropped.push(Entry {
+                        volume: owner.volume(),
+                        block: entry.block,
+                        kind: EntryKind::Dropped { crc: tag, location },
+                    });
+                    if dropped.len() == BATCH_ENTRIES_MAX {
+                        let full = std::mem::take(&mut dropped);
+                        self.commit_batch(Stream::Gc, full, &[], 0)
+                            .await
+                            .map_err(|failure| failure.into_error(engine))?;
                     }
+                    continue;
                 }
-                data_index += 1;
+                live.push(LiveBlock {
+                    volume: owner.volume(),
+                    block: entry.block,
+                    crc,
+                    from: location,
+                    slot,
+                    packed,
+                });
             }
             if !live.is_empty() {
-                let blocks = self.read_positions(victim, position + 1, data_index).await?;
-                for (volume, block_number, crc, from, slot) in live {
-                    let at = entries.len() * BLOCK_BYTES;
-                    let source = slot as usize * BLOCK_BYTES;
-                    data[at..at + BLOCK_BYTES]
-                        .copy_from_slice(&blocks[source..source + BLOCK_BYTES]);
-                    entries.push(Entry {
-                        volume,
-                        block: block_number,
-                        kind: EntryKind::Relocated { crc, from },
-                    });
-                    if entries.len() == batch_data_max {
-                        relocated += self.commit_relocation(&mut entries, &data).await?;
+                let blocks =
+                    self.read_positions(victim, position + 1, header.data_blocks()).await?;
+                for found in live {
+                    let at = found.slot as usize * BLOCK_BYTES;
+                    let source = &blocks[at..at + BLOCK_BYTES];
+                    if !batch.room_for(found.packed.map(|(cells_log2, _)| cells_log2)) {
+                        relocated += self.commit_relocation(&mut batch).await?;
                     }
+                    batch.add(&found, source);
                 }
             }
             position += header.positions();
         }
-        if !entries.is_empty() {
-            relocated += self.commit_relocation(&mut entries, &data).await?;
+        if !batch.entries.is_empty() {
+            relocated += self.commit_relocation(&mut batch).await?;
         }
         if !dropped.is_empty() {
             self.commit_batch(Stream::Gc, dropped, &[], 0)
@@ -338,17 +347,13 @@ impl<D: Drive> LogHandle<D> {
         Ok(relocated)
     }
 
-    async fn commit_relocation(
-        &self,
-        entries: &mut Vec<Entry>,
-        data: &[u8],
-    ) -> Result<u64, LogError> {
-        let batch = std::mem::replace(entries, Vec::with_capacity(self.engine.batch_data_max));
-        let count = batch.len();
-        self.commit_batch(Stream::Gc, batch, data, count)
-            .await
-            .map_err(|failure| failure.into_error(&self.engine))?;
-        Ok(count as u64)
+    async fn commit_relocation(&self, batch: &mut RelocationBatch) -> Result<u64, LogError> {
+        let (entries, data_blocks) = batch.take();
+        let count = entries.len() as u64;
+        let result = self.commit_batch(Stream::Gc, entries, &batch.data, data_blocks).await;
+        batch.packs = OpenPacks::default();
+        result.map_err(|failure| failure.into_error(&self.engine))?;
+        Ok(count)
     }
 
     /// As the leader: writes a checkpoint and makes it current.
@@ -549,6 +554,92 @@ impl<D: Drive> LogHandle<D> {
             touched.insert(drive);
         }
         self.sync_drives(touched).await.map_err(|failure| failure.into_error(engine))
+    }
+}
+
+/// A block GC found live in its victim: whose it is, where, and (if compressed) its slot class
+/// and sub-index there.
+struct LiveBlock {
+    volume: u64,
+    block: u64,
+    crc: u32,
+    from: u32,
+    /// The data block of its batch (a pack slot for compressed blocks).
+    slot: u32,
+    packed: Option<(u8, u8)>,
+}
+
+/// The relocation batch GC is filling.
+struct RelocationBatch {
+    entries: Vec<Entry>,
+    data: AlignedBuf,
+    data_blocks: usize,
+    data_max: usize,
+    packs: OpenPacks,
+}
+
+impl RelocationBatch {
+    fn new(data_max: usize) -> Self {
+        Self {
+            entries: Vec::with_capacity(BATCH_ENTRIES_MAX),
+            data: AlignedBuf::new(data_max * BLOCK_BYTES),
+            data_blocks: 0,
+            data_max,
+            packs: OpenPacks::default(),
+        }
+    }
+
+    /// True if one more block (of slot class `cells_log2` if compressed) fits.
+    fn room_for(&self, cells_log2: Option<u8>) -> bool {
+        let cell = cells_log2.is_some_and(|cells_log2| self.packs.has_cell(cells_log2));
+        self.entries.len() < BATCH_ENTRIES_MAX && (cell || self.data_blocks < self.data_max)
+    }
+
+    /// Adds a live block; `source` is its data block in the victim (the slot, if packed).
+    fn add(&mut self, found: &LiveBlock, source: &[u8]) {
+        let kind = match found.packed {
+            None => {
+                let at = self.data_blocks * BLOCK_BYTES;
+                self.data[at..at + BLOCK_BYTES].copy_from_slice(source);
+                self.data_blocks += 1;
+                EntryKind::Relocated { crc: found.crc, from: found.from }
+            }
+            Some((cells_log2, from_sub)) => {
+                // The compressed bytes move as they are; a slot whose directory no longer
+                // parses keeps the block where it is (reads report it damaged).
+                let Ok(slot) = <&[u8; BLOCK_BYTES]>::try_from(source) else { return };
+                let Ok(listing) = pack_entries(slot) else { return };
+                let Some(entry) = listing.into_iter().find(|entry| entry.sub() == from_sub) else {
+                    return;
+                };
+                let can_open = self.data_blocks < self.data_max;
+                let block = CompressedBlock {
+                    cells_log2,
+                    algorithm: entry.algorithm(),
+                    bytes: entry.compressed(slot),
+                    crc: entry.uncompressed_crc(),
+                };
+                let added = self.packs.add(block, self.data_blocks, can_open, &mut self.data);
+                let Some((sub, opens)) = added else { return };
+                self.data_blocks += usize::from(opens);
+                EntryKind::RelocatedPacked {
+                    crc: found.crc,
+                    from: found.from,
+                    from_sub,
+                    cells_log2,
+                    sub,
+                    opens,
+                }
+            }
+        };
+        self.entries.push(Entry { volume: found.volume, block: found.block, kind });
+    }
+
+    /// The entries and data block count to commit; open slots are written into `data`.
+    fn take(&mut self) -> (Vec<Entry>, usize) {
+        self.packs.finish_all(&mut self.data);
+        let entries = std::mem::replace(&mut self.entries, Vec::with_capacity(BATCH_ENTRIES_MAX));
+        (entries, std::mem::take(&mut self.data_blocks))
     }
 }
 

@@ -36,10 +36,82 @@ const _: () =
 
 /// An index entry: 0 is absent (look in the parent layer); [`TOMBSTONE`] reads as zeros and hides
 /// the parent layers; otherwise the low half is the location plus one and the high half the
-/// block's CRC-32C.
-pub fn pack(location: u32, crc: u32) -> u64 {
+/// block's tag ([`raw_tag`] or [`packed_tag`]).
+pub fn pack(location: u32, tag: u32) -> u64 {
     assert!(location < u32::MAX, "location u32::MAX is never used");
-    (u64::from(crc) << 32) | u64::from(location + 1)
+    (u64::from(tag) << 32) | u64::from(location + 1)
+}
+
+/// Live-space units of one position: a raw block takes all of them, a compressed block packed
+/// in a slot of `c` cells takes `UNITS_PER_POSITION / c`. Segment live counts are in units.
+pub const UNITS_PER_POSITION: u32 = 16;
+/// The largest `cells_log2` of a pack slot (16 cells).
+pub const CELLS_LOG2_MAX: u8 = 4;
+const TAG_PACKED: u32 = 1 << 31;
+const TAG_PACKED_CRC_MASK: u32 = (1 << 25) - 1;
+
+/// The tag of a block stored raw: its CRC-32C without the top bit (the full CRC stays in the
+/// batch header).
+pub fn raw_tag(crc: u32) -> u32 {
+    crc & !TAG_PACKED
+}
+
+/// The tag of a compressed block in a pack slot of `1 << cells_log2` cells at `sub`: the packed
+/// flag, the cell count, the sub-index and 25 bits of its CRC-32C (the slot's directory holds
+/// the full CRC, which every read checks).
+pub fn packed_tag(cells_log2: u8, sub: u8, crc: u32) -> u32 {
+    assert!((1..=CELLS_LOG2_MAX).contains(&cells_log2), "pack slots have 2 to 16 cells");
+    assert!(u32::from(sub) < 1 << cells_log2, "sub-index {sub} beyond the slot's cells");
+    TAG_PACKED
+        | (u32::from(cells_log2 - 1) << 29)
+        | (u32::from(sub) << 25)
+        | (crc & TAG_PACKED_CRC_MASK)
+}
+
+/// What an index entry's tag says about its block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tag {
+    Raw { crc_bits: u32 },
+    Packed { cells_log2: u8, sub: u8, crc_bits: u32 },
+}
+
+impl Tag {
+    pub fn of(tag: u32) -> Self {
+        if tag & TAG_PACKED == 0 {
+            Self::Raw { crc_bits: tag }
+        } else {
+            Self::Packed {
+                cells_log2: ((tag >> 29) & 3) as u8 + 1,
+                sub: ((tag >> 25) & 15) as u8,
+                crc_bits: tag & TAG_PACKED_CRC_MASK,
+            }
+        }
+    }
+
+    /// True if a block whose full CRC-32C is `crc` may be the one this tag names.
+    pub fn matches(self, crc: u32) -> bool {
+        match self {
+            Self::Raw { crc_bits } => raw_tag(crc) == crc_bits,
+            Self::Packed { crc_bits, .. } => crc & TAG_PACKED_CRC_MASK == crc_bits,
+        }
+    }
+
+    /// Live-space units the block takes (see [`UNITS_PER_POSITION`]).
+    pub fn units(self) -> u32 {
+        match self {
+            Self::Raw { .. } => UNITS_PER_POSITION,
+            Self::Packed { cells_log2, .. } => UNITS_PER_POSITION >> cells_log2,
+        }
+    }
+}
+
+/// Live-space units an entry's block takes (0 for absent entries and tombstones).
+pub fn entry_units(entry: u64) -> u32 {
+    if is_block(entry) {
+        Tag::of((entry >> 32) as u32).units()
+    } else {
+        0
+    }
 }
 
 /// The entry of a block trimmed in a layer whose parents may map it: reads as zeros, holds no
@@ -87,6 +159,8 @@ pub struct VolumeIndex {
     parent: ArcSwapOption<VolumeIndex>,
     root: Inner<Level1>,
     mapped_blocks: AtomicU64,
+    /// Live-space units of the mapped blocks (less than 16 per block when compressed).
+    mapped_units: AtomicU64,
     allocated_bytes: AtomicU64,
     removed: AtomicBool,
 }
@@ -120,6 +194,7 @@ impl VolumeIndex {
             parent: ArcSwapOption::empty(),
             root,
             mapped_blocks: AtomicU64::new(0),
+            mapped_units: AtomicU64::new(0),
             allocated_bytes: AtomicU64::new(std::mem::size_of::<Self>() as u64 + root_bytes),
             removed: AtomicBool::new(false),
         }
@@ -170,6 +245,12 @@ impl VolumeIndex {
         self.mapped_blocks.load(Ordering::Relaxed)
     }
 
+    /// Live-space units of this layer's blocks: `mapped_blocks * 16 / mapped_units` is its
+    /// data-reduction ratio.
+    pub fn mapped_units(&self) -> u64 {
+        self.mapped_units.load(Ordering::Relaxed)
+    }
+
     /// RAM held by this volume's tables.
     pub fn allocated_bytes(&self) -> u64 {
         self.allocated_bytes.load(Ordering::Relaxed)
@@ -214,6 +295,12 @@ impl VolumeIndex {
             (true, false) => self.mapped_blocks.fetch_sub(1, Ordering::Relaxed),
             _ => 0,
         };
+        let (old_units, new_units) = (u64::from(entry_units(old)), u64::from(entry_units(new)));
+        if new_units > old_units {
+            self.mapped_units.fetch_add(new_units - old_units, Ordering::Relaxed);
+        } else if old_units > new_units {
+            self.mapped_units.fetch_sub(old_units - new_units, Ordering::Relaxed);
+        }
     }
 
     /// Installs `entry` only where this layer has no entry; true if it did (a merge moving a
@@ -307,7 +394,13 @@ impl VolumeIndex {
     pub fn compare_exchange(&self, block: u64, expected: u64, new: u64) -> bool {
         assert!(expected != 0 && new != 0, "compare_exchange moves mapped blocks only");
         let Some((leaf, slot)) = self.leaf(block) else { return false };
-        leaf.0[slot].compare_exchange(expected, new, Ordering::AcqRel, Ordering::Acquire).is_ok()
+        let done = leaf.0[slot]
+            .compare_exchange(expected, new, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if done {
+            self.count(expected, new);
+        }
+        done
     }
 
     /// Unmaps blocks `first..first + count` (tombstones too), calling `visit(old)` for each block
@@ -324,7 +417,7 @@ impl VolumeIndex {
                     for entry in &leaf.0[slot..slot + (run_end - block) as usize] {
                         let old = entry.swap(0, Ordering::AcqRel);
                         if is_block(old) {
-                            self.mapped_blocks.fetch_sub(1, Ordering::Relaxed);
+                            self.count(old, 0);
                             visit(old);
                         }
                     }

@@ -21,11 +21,13 @@ mod gc;
 pub mod index;
 mod pool;
 mod recovery;
+mod scrub;
 pub mod segments;
 
 pub use engine::{LogEngine, LogHandle, LogStats, VolumeStats};
 pub use gc::GcOutcome;
 pub use recovery::RecoveryReport;
+pub use scrub::{ScrubCursor, ScrubDamage, ScrubFinding, ScrubProgress};
 
 #[cfg(test)]
 mod snapshot_tests;

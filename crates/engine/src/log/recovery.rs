@@ -17,13 +17,15 @@ use types::AlignedBuf;
 
 use super::engine::{CheckpointRecord, LogEngine, LogHandle};
 use super::format::{
-    decode_checkpoint_block, decode_layer_block, BatchHeader, CheckpointEntry, EntryKind, Geometry,
-    LayerRecordEntry, LogSuperblock, Root, BLOCK_BYTES, CHECKPOINT_ENTRIES_PER_BLOCK,
-    LOG_HEADER_BYTES, ROOT_SLOT_BLOCKS, SUPERBLOCK_BLOCK, TOMBSTONE_LOCATION,
+    decode_checkpoint_block, decode_layer_block, BatchHeader, CheckpointEntry, DataSlots,
+    EntryKind, Geometry, LayerRecordEntry, LogSuperblock, Root, BLOCK_BYTES,
+    CHECKPOINT_ENTRIES_PER_BLOCK, LOG_HEADER_BYTES, ROOT_SLOT_BLOCKS, SUPERBLOCK_BLOCK,
+    TOMBSTONE_LOCATION,
 };
-use super::index::{pack, unpack, TOMBSTONE};
+use super::index::{entry_units, pack, unpack, TOMBSTONE};
 use super::segments::SegmentState;
 use super::{LogConfig, LogError};
+use crate::compress::unpack as unpack_slot;
 use crate::drive::Drive;
 use crate::latches::DriveLatches;
 
@@ -143,6 +145,33 @@ impl LogEngine {
 }
 
 impl<D: Drive> LogHandle<D> {
+    /// True if every data block of the batch holds what its entries say: a raw block its CRC,
+    /// a pack slot every compressed block named in it (each unpacked and checked). A batch cut
+    /// short by a crash fails this and ends its segment's log.
+    fn batch_is_whole(&self, header: &BatchHeader, data: &[u8]) -> bool {
+        let mut slots = DataSlots::default();
+        let mut compress = self.compress.borrow_mut();
+        let mut out = [0u8; BLOCK_BYTES];
+        header.entries.iter().all(|entry| {
+            let Some(slot) = slots.next(&entry.kind) else { return true };
+            let at = slot as usize * BLOCK_BYTES;
+            let Some(block) = data.get(at..at + BLOCK_BYTES) else { return false };
+            match entry.kind {
+                EntryKind::Data { crc } | EntryKind::Relocated { crc, .. } => {
+                    crc32c::crc32c(block) == crc
+                }
+                EntryKind::Packed { crc, sub, .. }
+                | EntryKind::RelocatedPacked { crc, sub, .. } => {
+                    <&[u8; BLOCK_BYTES]>::try_from(block)
+                        .ok()
+                        .and_then(|slot| unpack_slot(slot, sub, &mut out, &mut compress).ok())
+                        == Some(crc)
+                }
+                _ => true,
+            }
+        })
+    }
+
     async fn recover(&self, report: &mut RecoveryReport) -> Result<(), LogError> {
         let engine = &*self.engine;
         let geometry = engine.geometry;
@@ -267,13 +296,7 @@ impl<D: Drive> LogHandle<D> {
                     let data =
                         self.read_positions(segment, header.position + 1, data_blocks).await?;
                     report.bytes_read += u64::from(data_blocks) * BLOCK_BYTES as u64;
-                    let crcs = header.entries.iter().filter_map(|entry| match entry.kind {
-                        EntryKind::Data { crc } | EntryKind::Relocated { crc, .. } => Some(crc),
-                        _ => None,
-                    });
-                    whole = crcs
-                        .zip(data.chunks(BLOCK_BYTES))
-                        .all(|(crc, block)| crc32c::crc32c(block) == crc);
+                    whole = self.batch_is_whole(&header, &data);
                 }
                 if !whole {
                     report.batches_torn += 1;
@@ -313,11 +336,14 @@ impl<D: Drive> LogHandle<D> {
         // 4. Live counts and segment states from the index.
         let mut live = vec![0u32; geometry.segment_count as usize];
         let mut mapped = 0u64;
+        let mut mapped_units = 0u64;
         for volume in engine.index.volumes() {
             volume.for_each_mapped(|_, entry| {
                 if let Some((location, _)) = unpack(entry) {
-                    live[engine.segment_of(location) as usize] += 1;
+                    let units = entry_units(entry);
+                    live[engine.segment_of(location) as usize] += units;
                     mapped += 1;
+                    mapped_units += u64::from(units);
                 }
             });
         }
@@ -338,14 +364,13 @@ impl<D: Drive> LogHandle<D> {
             }
             engine.segments.claim(segment, SegmentState::Sealed);
             engine.segments.set_seq(segment, seqs[index].unwrap_or(0));
-            for _ in 0..live[index] {
-                engine.segments.add_live(segment);
-            }
+            engine.segments.add_live(segment, live[index]);
         }
         for header in batches.values() {
             engine.segments.note_lsn(header.segment, header.lsn);
         }
         engine.counters.mapped_blocks.store(mapped, Ordering::Release);
+        engine.counters.mapped_units.store(mapped_units, Ordering::Release);
         engine.lsn_next.store(root.lsn_next.max(lsn_seen + 1), Ordering::SeqCst);
         engine.segment_seq_next.store(root.segment_seq_next.max(seq_seen + 1), Ordering::SeqCst);
         engine.gc_seq_floor.store(root.segment_seq_floor, Ordering::Release);

@@ -81,17 +81,18 @@ impl SegmentTable {
         self.seqs[segment as usize].store(seq, Ordering::Release);
     }
 
-    pub fn live_blocks(&self, segment: u32) -> u32 {
+    /// Live-space units in the segment (`index::UNITS_PER_POSITION` per raw block).
+    pub fn live_units(&self, segment: u32) -> u32 {
         self.live_blocks[segment as usize].load(Ordering::Acquire)
     }
 
-    pub fn add_live(&self, segment: u32) {
-        self.live_blocks[segment as usize].fetch_add(1, Ordering::AcqRel);
+    pub fn add_live(&self, segment: u32, units: u32) {
+        self.live_blocks[segment as usize].fetch_add(units, Ordering::AcqRel);
     }
 
-    pub fn remove_live(&self, segment: u32) {
-        let before = self.live_blocks[segment as usize].fetch_sub(1, Ordering::AcqRel);
-        assert!(before > 0, "segment {segment} live count went below zero");
+    pub fn remove_live(&self, segment: u32, units: u32) {
+        let before = self.live_blocks[segment as usize].fetch_sub(units, Ordering::AcqRel);
+        assert!(before >= units, "segment {segment} live count went below zero");
     }
 
     pub fn lsn_max(&self, segment: u32) -> u64 {
@@ -115,7 +116,7 @@ impl SegmentTable {
         let segment = free.pop()?;
         self.free_count.store(free.len() as u32, Ordering::Release);
         assert_eq!(self.state(segment), SegmentState::Free);
-        assert_eq!(self.live_blocks(segment), 0, "a free segment holds no live block");
+        assert_eq!(self.live_units(segment), 0, "a free segment holds no live block");
         self.lsn_max[segment as usize].store(0, Ordering::Release);
         self.states[segment as usize].store(state as u8, Ordering::Release);
         Some(segment)
@@ -123,7 +124,7 @@ impl SegmentTable {
 
     /// Gives a segment back to the free list.
     pub fn release(&self, segment: u32) {
-        assert_eq!(self.live_blocks(segment), 0, "segment {segment} still holds live blocks");
+        assert_eq!(self.live_units(segment), 0, "segment {segment} still holds live blocks");
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         assert!(self.state(segment) != SegmentState::Free, "segment {segment} freed twice");
         self.states[segment as usize].store(SegmentState::Free as u8, Ordering::Release);
@@ -158,8 +159,8 @@ mod tests {
         assert_eq!(table.allocate(SegmentState::Checkpoint, 0), Some(2));
         table.claim(3, SegmentState::Sealed);
         assert_eq!(table.free_count(), 0);
-        table.add_live(1);
-        table.remove_live(1);
+        table.add_live(1, 16);
+        table.remove_live(1, 16);
         table.release(1);
         table.release(0);
         assert_eq!(table.allocate(SegmentState::Open, 0), Some(0));

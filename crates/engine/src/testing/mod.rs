@@ -105,8 +105,14 @@ impl Rng {
 
 const BLOCK_BYTES: usize = types::BLOCK_SIZE_BYTES as usize;
 
+/// Random bytes after the 24-byte header of [`fill_block`], by `tag % 5`: the rest of the block
+/// is a compressible pattern, so compressed volumes see raw blocks and every slot class.
+const RANDOM_BYTES_BY_TAG: [usize; 5] = [BLOCK_BYTES - 24, 1600, 700, 260, 0];
+
 /// Fills one block with content that names itself: volume, block number and write tag in the
-/// first 24 bytes, then bytes derived from them. Tag 0 means zeros (never written or zeroed).
+/// first 24 bytes, then bytes derived from them: pseudo-random for a length that depends on the
+/// tag, then a repeating pattern (compressible to different degrees). Tag 0 means zeros (never
+/// written or zeroed).
 pub fn fill_block(block: &mut [u8], volume: VolumeId, block_number: u64, tag: u64) {
     assert_eq!(block.len(), BLOCK_BYTES);
     if tag == 0 {
@@ -117,9 +123,14 @@ pub fn fill_block(block: &mut [u8], volume: VolumeId, block_number: u64, tag: u6
     block[8..16].copy_from_slice(&block_number.to_le_bytes());
     block[16..24].copy_from_slice(&tag.to_le_bytes());
     let mut rng = Rng::new(volume.0 ^ block_number.rotate_left(20) ^ tag.rotate_left(40));
-    for word in block[24..].chunks_mut(8) {
+    let random_end = 24 + RANDOM_BYTES_BY_TAG[(tag % 5) as usize];
+    for word in block[24..random_end].chunks_mut(8) {
         let bytes = rng.next_u64().to_le_bytes();
         word.copy_from_slice(&bytes[..word.len()]);
+    }
+    let pattern = rng.next_u64().to_le_bytes();
+    for (offset, byte) in block[random_end..].iter_mut().enumerate() {
+        *byte = pattern[(offset / 64) % 8];
     }
 }
 
