@@ -5,8 +5,9 @@
 //! sees, so callers print it as is.
 
 use crate::wire::{
-    AnaState, CreateVolume, ErrorBody, ErrorCode, HostAccess, NodeInfo, ResizeVolume, SetPathState,
-    VolumeInfo, VolumeList, VolumePaths,
+    AnaState, CreateSnapshot, CreateVolume, ErrorBody, ErrorCode, HostAccess, NodeInfo,
+    ResizeVolume, RollbackVolume, SetPathState, SnapshotInfo, SnapshotList, VolumeInfo, VolumeList,
+    VolumePaths,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -103,6 +104,8 @@ impl Client {
         self.call("GET", &volume_path(name, ""), None)
     }
 
+    /// Creates an empty volume ([`CreateVolume::empty`]) or a clone of a snapshot
+    /// ([`CreateVolume::clone_of_snapshot`]).
     pub fn create_volume(&self, request: &CreateVolume) -> Result<VolumeInfo, ClientError> {
         self.call("POST", crate::paths::VOLUMES, Some(json(request)))
     }
@@ -116,6 +119,34 @@ impl Client {
     /// Deletes a volume and returns what it was.
     pub fn delete_volume(&self, name: &str) -> Result<VolumeInfo, ClientError> {
         self.call("DELETE", &volume_path(name, ""), None)
+    }
+
+    /// Takes a snapshot of `volume` named `name`.
+    pub fn create_snapshot(&self, volume: &str, name: &str) -> Result<SnapshotInfo, ClientError> {
+        let body = json(&CreateSnapshot { name: name.to_owned() });
+        self.call("POST", &volume_path(volume, "/snapshots"), Some(body))
+    }
+
+    /// The snapshots of `volume`, oldest first.
+    pub fn list_snapshots(&self, volume: &str) -> Result<Vec<SnapshotInfo>, ClientError> {
+        let list: SnapshotList = self.call("GET", &volume_path(volume, "/snapshots"), None)?;
+        Ok(list.snapshots)
+    }
+
+    pub fn snapshot(&self, volume: &str, name: &str) -> Result<SnapshotInfo, ClientError> {
+        self.call("GET", &snapshot_path(volume, name), None)
+    }
+
+    /// Deletes a snapshot and returns what it was. Its blocks no other snapshot or volume
+    /// holds are freed by GC later.
+    pub fn delete_snapshot(&self, volume: &str, name: &str) -> Result<SnapshotInfo, ClientError> {
+        self.call("DELETE", &snapshot_path(volume, name), None)
+    }
+
+    /// Rolls `volume` back to its snapshot `snapshot` and returns the volume.
+    pub fn rollback_volume(&self, volume: &str, snapshot: &str) -> Result<VolumeInfo, ClientError> {
+        let body = json(&RollbackVolume { snapshot: snapshot.to_owned() });
+        self.call("POST", &volume_path(volume, "/rollback"), Some(body))
     }
 
     /// Who may connect to the volume.
@@ -273,6 +304,13 @@ fn host_path(volume: &str, host: &str) -> String {
     path
 }
 
+/// The path of one snapshot of a volume, each name one percent-encoded segment.
+fn snapshot_path(volume: &str, snapshot: &str) -> String {
+    let mut path = volume_path(volume, "/snapshots/");
+    push_segment(&mut path, snapshot);
+    path
+}
+
 /// Appends `segment` percent-encoded: only unreserved characters stay as they are.
 fn push_segment(path: &mut String, segment: &str) {
     for byte in segment.bytes() {
@@ -386,6 +424,100 @@ mod tests {
         assert!(matches!(error, ClientError::InvalidResponse { .. }), "{error}");
     }
 
+    /// Serves one canned HTTP response on a fresh port, in a thread, and hands back the
+    /// request it received: its request line and its body.
+    fn serve_capture(
+        status_line: &str,
+        body: &str,
+    ) -> (String, std::sync::mpsc::Receiver<(String, String)>) {
+        let response = format!(
+            "HTTP/1.1 {status_line}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (sender, receiver) = std::sync::mpsc::sync_channel(1);
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut request = Vec::new();
+            let mut buffer = [0u8; 4096];
+            // Reads until the headers and the announced body are in; requests here are small.
+            let (head, body) = loop {
+                let read = stream.read(&mut buffer).unwrap();
+                assert!(read > 0, "the client closed before its request ended");
+                request.extend_from_slice(&buffer[..read]);
+                let text = String::from_utf8_lossy(&request).into_owned();
+                let Some((head, body)) = text.split_once("\r\n\r\n") else { continue };
+                let length = head
+                    .lines()
+                    .find_map(|line| {
+                        let (name, value) = line.split_once(':')?;
+                        name.eq_ignore_ascii_case("content-length").then(|| value.trim().parse())
+                    })
+                    .map_or(0, |length| length.unwrap());
+                if body.len() >= length {
+                    break (head.to_owned(), body.to_owned());
+                }
+            };
+            stream.write_all(response.as_bytes()).unwrap();
+            let request_line = head.lines().next().unwrap().to_owned();
+            sender.send((request_line, body)).unwrap();
+        });
+        (url, receiver)
+    }
+
+    const SNAPSHOT_JSON: &str = r#"{"name":"s 1","volume":"db","id":4,"size_bytes":1048576,"created_unix_ms":7,"exclusive_bytes":0}"#;
+
+    #[test]
+    fn snapshot_calls_send_the_documented_requests() {
+        let (url, request) = serve_capture("201 Created", SNAPSHOT_JSON);
+        let info = Client::new(&url).unwrap().create_snapshot("db", "s 1").unwrap();
+        assert_eq!((info.name.as_str(), info.id), ("s 1", 4));
+        let (line, body) = request.recv().unwrap();
+        assert_eq!(line, "POST /v1/volumes/db/snapshots HTTP/1.1");
+        assert_eq!(body, r#"{"name":"s 1"}"#);
+
+        let (url, request) =
+            serve_capture("200 OK", &format!(r#"{{"snapshots":[{SNAPSHOT_JSON}]}}"#));
+        let list = Client::new(&url).unwrap().list_snapshots("db").unwrap();
+        assert_eq!(list, vec![info.clone()]);
+        assert_eq!(request.recv().unwrap().0, "GET /v1/volumes/db/snapshots HTTP/1.1");
+
+        let (url, request) = serve_capture("200 OK", SNAPSHOT_JSON);
+        assert_eq!(Client::new(&url).unwrap().snapshot("db", "s 1").unwrap(), info);
+        assert_eq!(request.recv().unwrap().0, "GET /v1/volumes/db/snapshots/s%201 HTTP/1.1");
+
+        let (url, request) = serve_capture("200 OK", SNAPSHOT_JSON);
+        assert_eq!(Client::new(&url).unwrap().delete_snapshot("db", "s 1").unwrap(), info);
+        assert_eq!(request.recv().unwrap().0, "DELETE /v1/volumes/db/snapshots/s%201 HTTP/1.1");
+
+        let volume = r#"{"name":"db","id":1,"size_bytes":1048576,"nqn":"n","uuid":"u","created_unix_ms":1,"nvme_host":"h","nvme_port":4420,"snapshot_count":1}"#;
+        let (url, request) = serve_capture("200 OK", volume);
+        let rolled = Client::new(&url).unwrap().rollback_volume("db", "s1").unwrap();
+        assert_eq!(rolled.snapshot_count, 1);
+        let (line, body) = request.recv().unwrap();
+        assert_eq!(line, "POST /v1/volumes/db/rollback HTTP/1.1");
+        assert_eq!(body, r#"{"snapshot":"s1"}"#);
+
+        let (url, request) = serve_capture("201 Created", volume);
+        let clone = CreateVolume::clone_of_snapshot("copy", "db", "s1");
+        Client::new(&url).unwrap().create_volume(&clone).unwrap();
+        let (line, body) = request.recv().unwrap();
+        assert_eq!(line, "POST /v1/volumes HTTP/1.1");
+        assert_eq!(body, r#"{"name":"copy","from_snapshot":"db@s1"}"#);
+    }
+
+    #[test]
+    fn snapshot_errors_carry_their_code() {
+        let url = serve_once(
+            "404 Not Found",
+            r#"{"error":"volume db has no snapshot s1","code":"snapshot_not_found"}"#,
+        );
+        let error = Client::new(&url).unwrap().snapshot("db", "s1").unwrap_err();
+        assert_eq!(error.code(), Some(ErrorCode::SnapshotNotFound));
+        assert_eq!(error.to_string(), "volume db has no snapshot s1");
+    }
+
     #[test]
     fn volume_paths_are_one_segment() {
         assert_eq!(volume_path("db-1", ""), "/v1/volumes/db-1");
@@ -395,5 +527,17 @@ mod tests {
             "/v1/volumes/db/hosts/nqn.2014-08.org.nvmexpress%3Auuid%3A1%2Fx"
         );
         assert_eq!(host_path("db", crate::ANY_HOST), "/v1/volumes/db/hosts/any");
+        assert_eq!(snapshot_path("db", "s/1"), "/v1/volumes/db/snapshots/s%2F1");
+    }
+
+    /// The client builds exactly the paths the server routes (`crate::paths`).
+    #[test]
+    fn client_paths_match_the_routes() {
+        let fill = |route: &str| route.replace("{name}", "db").replace("{snapshot}", "s1");
+        assert_eq!(volume_path("db", "/snapshots"), fill(crate::paths::VOLUME_SNAPSHOTS));
+        assert_eq!(snapshot_path("db", "s1"), fill(crate::paths::VOLUME_SNAPSHOT));
+        assert_eq!(volume_path("db", "/rollback"), fill(crate::paths::VOLUME_ROLLBACK));
+        assert_eq!(volume_path("db", "/resize"), fill(crate::paths::VOLUME_RESIZE));
+        assert_eq!(volume_path("db", ""), fill(crate::paths::VOLUME));
     }
 }

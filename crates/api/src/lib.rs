@@ -15,8 +15,9 @@ pub use client::{Client, ClientError, REQUEST_TIMEOUT_MS, RESPONSE_SIZE_BYTES_MA
 pub use format::{format_uuid, rfc3339_utc};
 pub use wire::*;
 
-/// The paths the node serves. `{name}` is a volume name and `{host}` a host NQN or
-/// [`ANY_HOST`](crate::ANY_HOST), each percent-encoded as one path segment (NQNs hold `:`).
+/// The paths the node serves. `{name}` is a volume name, `{snapshot}` a snapshot name (of that
+/// volume) and `{host}` a host NQN or [`ANY_HOST`](crate::ANY_HOST), each percent-encoded as one
+/// path segment (NQNs hold `:`).
 pub mod paths {
     pub const VOLUMES: &str = "/v1/volumes";
     pub const VOLUME: &str = "/v1/volumes/{name}";
@@ -31,6 +32,16 @@ pub mod paths {
     /// `PUT` with a [`SetPathState`](crate::SetPathState): sets the volume's ANA state through
     /// NVMe port `{port}` (its ID); answers the new [`VolumePaths`](crate::VolumePaths).
     pub const VOLUME_PATH: &str = "/v1/volumes/{name}/paths/{port}";
+    /// `GET`: the volume's [`SnapshotList`](crate::SnapshotList), oldest first; `POST` with a
+    /// [`CreateSnapshot`](crate::CreateSnapshot): takes a snapshot, answers its
+    /// [`SnapshotInfo`](crate::SnapshotInfo).
+    pub const VOLUME_SNAPSHOTS: &str = "/v1/volumes/{name}/snapshots";
+    /// `GET`: the snapshot's [`SnapshotInfo`](crate::SnapshotInfo); `DELETE`: deletes it and
+    /// answers what it was.
+    pub const VOLUME_SNAPSHOT: &str = "/v1/volumes/{name}/snapshots/{snapshot}";
+    /// `POST` with a [`RollbackVolume`](crate::RollbackVolume): rolls the volume back to one
+    /// of its snapshots; answers the volume's [`VolumeInfo`](crate::VolumeInfo).
+    pub const VOLUME_ROLLBACK: &str = "/v1/volumes/{name}/rollback";
     pub const NODE: &str = "/v1/node";
     pub const METRICS: &str = "/metrics";
     pub const HEALTHZ: &str = "/healthz";

@@ -6,11 +6,59 @@
 
 use serde::{Deserialize, Serialize};
 
-/// `POST /v1/volumes`.
+/// `POST /v1/volumes`: a new empty volume of `size_bytes`, or a clone of a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CreateVolume {
     pub name: String,
-    pub size_bytes: u64,
+    /// Required for an empty volume. For a clone it may be omitted, and the clone has the
+    /// snapshot's size; given, the node decides whether it may differ from the snapshot's.
+    ///
+    /// Optional rather than filled in by the client from the snapshot: the client need not
+    /// look the snapshot up first, and a clone request sent without a size to a node that
+    /// predates clones fails there ("missing field") instead of creating an empty volume,
+    /// since that node ignores the `from_snapshot` it does not know.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
+    /// `VOLUME@SNAPSHOT` ([`snapshot_ref`]): the new volume is a writable clone of that
+    /// snapshot, sharing its blocks until they are overwritten. Absent for an empty volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_snapshot: Option<String>,
+}
+
+impl CreateVolume {
+    /// A new empty volume.
+    pub fn empty(name: impl Into<String>, size_bytes: u64) -> Self {
+        Self { name: name.into(), size_bytes: Some(size_bytes), from_snapshot: None }
+    }
+
+    /// A clone of snapshot `snapshot` of `volume`, of the snapshot's size.
+    pub fn clone_of_snapshot(name: impl Into<String>, volume: &str, snapshot: &str) -> Self {
+        Self {
+            name: name.into(),
+            size_bytes: None,
+            from_snapshot: Some(snapshot_ref(volume, snapshot)),
+        }
+    }
+}
+
+/// What separates the volume from the snapshot in a snapshot reference, `VOLUME@SNAPSHOT`.
+/// Volume and snapshot names never hold it.
+pub const SNAPSHOT_REF_SEPARATOR: char = '@';
+
+/// The reference to snapshot `snapshot` of `volume`: `VOLUME@SNAPSHOT`, as in
+/// [`CreateVolume::from_snapshot`] and [`VolumeInfo::origin`].
+pub fn snapshot_ref(volume: &str, snapshot: &str) -> String {
+    format!("{volume}{SNAPSHOT_REF_SEPARATOR}{snapshot}")
+}
+
+/// Splits a snapshot reference `VOLUME@SNAPSHOT` into its volume and snapshot; `None` unless
+/// there is exactly one separator with text on both sides. The names themselves are not
+/// checked here (the node checks them as volume names).
+pub fn parse_snapshot_ref(text: &str) -> Option<(&str, &str)> {
+    let (volume, snapshot) = text.split_once(SNAPSHOT_REF_SEPARATOR)?;
+    let valid =
+        !volume.is_empty() && !snapshot.is_empty() && !snapshot.contains(SNAPSHOT_REF_SEPARATOR);
+    valid.then_some((volume, snapshot))
 }
 
 /// `POST /v1/volumes/{name}/resize`. Volumes only grow.
@@ -45,6 +93,13 @@ pub struct VolumeInfo {
     /// Drive space the volume's mapped blocks take; reported like `mapped_bytes`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub physical_used_bytes: Option<u64>,
+    /// For a clone, the snapshot it was cloned from, `VOLUME@SNAPSHOT` ([`snapshot_ref`]); kept
+    /// when that snapshot or its volume is deleted later. Absent for other volumes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
+    /// How many snapshots the volume has. Absent from nodes older than snapshots: none.
+    #[serde(default)]
+    pub snapshot_count: u32,
 }
 
 impl VolumeInfo {
@@ -58,6 +113,43 @@ impl VolumeInfo {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeList {
     pub volumes: Vec<VolumeInfo>,
+}
+
+/// `POST /v1/volumes/{name}/snapshots`: take a snapshot of the volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateSnapshot {
+    /// The snapshot's name: the same rules as a volume name, unique among the volume's
+    /// snapshots.
+    pub name: String,
+}
+
+/// A snapshot, as returned by every snapshot endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    pub name: String,
+    /// The volume the snapshot was taken of.
+    pub volume: String,
+    /// Unique among volumes and snapshots, never reused.
+    pub id: u64,
+    /// The volume's size when the snapshot was taken.
+    pub size_bytes: u64,
+    pub created_unix_ms: u64,
+    /// Bytes of blocks held by this snapshot alone: what deleting it frees (through GC).
+    pub exclusive_bytes: u64,
+}
+
+/// `GET /v1/volumes/{name}/snapshots`: the volume's snapshots, oldest first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotList {
+    pub snapshots: Vec<SnapshotInfo>,
+}
+
+/// `POST /v1/volumes/{name}/rollback`: make the volume's contents those of one of its
+/// snapshots. Answers the volume's [`VolumeInfo`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RollbackVolume {
+    /// The snapshot's name (of this volume, so no `VOLUME@`).
+    pub snapshot: String,
 }
 
 /// Whether a volume admits any host or only its allowed hosts.
@@ -273,10 +365,19 @@ pub enum ErrorCode {
     HostAccessOpen,
     /// 409: the volume's allowed-hosts list is full.
     TooManyHosts,
+    /// 404: the volume has no snapshot of this name.
+    SnapshotNotFound,
+    /// 409: the volume already has a snapshot of this name.
+    SnapshotExists,
+    /// 409: the volume has as many snapshots, or its clone chain is as deep, as allowed.
+    SnapshotLimit,
+    /// 409: the operation is refused while hosts are connected to the volume (a rollback,
+    /// say); disconnect them first.
+    VolumeBusy,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 15] = [
+    pub const ALL: [ErrorCode; 19] = [
         Self::VolumeExists,
         Self::VolumeNotFound,
         Self::InvalidSize,
@@ -292,6 +393,10 @@ impl ErrorCode {
         Self::InvalidNqn,
         Self::HostAccessOpen,
         Self::TooManyHosts,
+        Self::SnapshotNotFound,
+        Self::SnapshotExists,
+        Self::SnapshotLimit,
+        Self::VolumeBusy,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -311,6 +416,10 @@ impl ErrorCode {
             Self::InvalidNqn => "invalid_nqn",
             Self::HostAccessOpen => "host_access_open",
             Self::TooManyHosts => "too_many_hosts",
+            Self::SnapshotNotFound => "snapshot_not_found",
+            Self::SnapshotExists => "snapshot_exists",
+            Self::SnapshotLimit => "snapshot_limit",
+            Self::VolumeBusy => "volume_busy",
         }
     }
 
@@ -319,8 +428,11 @@ impl ErrorCode {
             Self::VolumeExists
             | Self::ShrinkRefused
             | Self::HostAccessOpen
-            | Self::TooManyHosts => 409,
-            Self::VolumeNotFound | Self::NotFound => 404,
+            | Self::TooManyHosts
+            | Self::SnapshotExists
+            | Self::SnapshotLimit
+            | Self::VolumeBusy => 409,
+            Self::VolumeNotFound | Self::NotFound | Self::SnapshotNotFound => 404,
             Self::InvalidSize | Self::InvalidName | Self::InvalidRequest | Self::InvalidNqn => 400,
             Self::NoSpace => 507,
             Self::RequestTooLarge => 413,
@@ -359,7 +471,11 @@ mod tests {
                 "internal",
                 "invalid_nqn",
                 "host_access_open",
-                "too_many_hosts"
+                "too_many_hosts",
+                "snapshot_not_found",
+                "snapshot_exists",
+                "snapshot_limit",
+                "volume_busy"
             ]
         );
         for code in ErrorCode::ALL {
@@ -383,6 +499,8 @@ mod tests {
             access: AccessMode::Restricted,
             mapped_bytes: Some(8192),
             physical_used_bytes: None,
+            origin: None,
+            snapshot_count: 0,
         };
         assert_eq!(
             info.nvme_connect_command(),
@@ -396,6 +514,108 @@ mod tests {
         json.as_object_mut().unwrap().remove("access");
         let old = serde_json::from_value::<VolumeInfo>(json).unwrap();
         assert_eq!(old.access, AccessMode::Open);
+    }
+
+    #[test]
+    fn volume_info_snapshot_fields() {
+        let json = serde_json::json!({
+            "name": "copy", "id": 9, "size_bytes": 1u64 << 20,
+            "nqn": "nqn.2024-01.io.ferrite:vol:copy",
+            "uuid": "00000000-0000-4000-8000-000000000000", "created_unix_ms": 5,
+            "nvme_host": "127.0.0.1", "nvme_port": 4420,
+        });
+        // A node older than snapshots sends neither field.
+        let old: VolumeInfo = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!((old.origin.as_deref(), old.snapshot_count), (None, 0));
+        let out = serde_json::to_value(&old).unwrap();
+        assert!(out.get("origin").is_none(), "no origin is not sent: {out}");
+        assert_eq!(out["snapshot_count"], 0);
+
+        let clone =
+            VolumeInfo { origin: Some(snapshot_ref("db", "nightly")), snapshot_count: 3, ..old };
+        let out = serde_json::to_value(&clone).unwrap();
+        assert_eq!(out["origin"], "db@nightly");
+        assert_eq!(out["snapshot_count"], 3);
+        assert_eq!(serde_json::from_value::<VolumeInfo>(out).unwrap(), clone);
+    }
+
+    #[test]
+    fn create_volume_json() {
+        // Exactly what older clients send.
+        let old: CreateVolume =
+            serde_json::from_str(r#"{"name":"db","size_bytes":1048576}"#).unwrap();
+        assert_eq!(old, CreateVolume::empty("db", 1 << 20));
+        assert_eq!(
+            serde_json::to_value(&old).unwrap(),
+            serde_json::json!({"name": "db", "size_bytes": 1048576}),
+            "an empty volume's request is what older nodes accept"
+        );
+
+        let clone = CreateVolume::clone_of_snapshot("copy", "db", "nightly");
+        let json = serde_json::to_value(&clone).unwrap();
+        assert_eq!(json, serde_json::json!({"name": "copy", "from_snapshot": "db@nightly"}));
+        assert_eq!(serde_json::from_value::<CreateVolume>(json).unwrap(), clone);
+        let sized: CreateVolume = serde_json::from_str(
+            r#"{"name":"copy","size_bytes":2097152,"from_snapshot":"db@nightly"}"#,
+        )
+        .unwrap();
+        assert_eq!(sized.size_bytes, Some(2 << 20));
+        assert_eq!(sized.from_snapshot.as_deref(), Some("db@nightly"));
+        let neither: CreateVolume = serde_json::from_str(r#"{"name":"db"}"#).unwrap();
+        assert_eq!((neither.size_bytes, neither.from_snapshot), (None, None));
+    }
+
+    #[test]
+    fn snapshot_refs() {
+        let check = |text: &str, expect: Option<(&str, &str)>| {
+            assert_eq!(parse_snapshot_ref(text), expect, "{text:?}");
+        };
+        check("db@nightly", Some(("db", "nightly")));
+        check(&snapshot_ref("db-1", "s_2"), Some(("db-1", "s_2")));
+        check("db", None);
+        check("@nightly", None);
+        check("db@", None);
+        check("db@a@b", None);
+        check("", None);
+    }
+
+    #[test]
+    fn snapshot_json() {
+        let info = SnapshotInfo {
+            name: "nightly".to_owned(),
+            volume: "db".to_owned(),
+            id: 12,
+            size_bytes: 1 << 30,
+            created_unix_ms: 1_700_000_000_000,
+            exclusive_bytes: 8192,
+        };
+        let json = serde_json::to_value(&info).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "name": "nightly", "volume": "db", "id": 12, "size_bytes": 1u64 << 30,
+                "created_unix_ms": 1_700_000_000_000u64, "exclusive_bytes": 8192,
+            })
+        );
+        assert_eq!(serde_json::from_value::<SnapshotInfo>(json).unwrap(), info);
+        let list = SnapshotList { snapshots: vec![info] };
+        let text = serde_json::to_string(&list).unwrap();
+        assert_eq!(serde_json::from_str::<SnapshotList>(&text).unwrap(), list);
+
+        let create: CreateSnapshot = serde_json::from_str(r#"{"name":"s1"}"#).unwrap();
+        assert_eq!(create, CreateSnapshot { name: "s1".to_owned() });
+        let rollback = RollbackVolume { snapshot: "s1".to_owned() };
+        assert_eq!(serde_json::to_string(&rollback).unwrap(), r#"{"snapshot":"s1"}"#);
+        assert!(serde_json::from_str::<RollbackVolume>("{}").is_err());
+        assert!(serde_json::from_str::<CreateSnapshot>("{}").is_err());
+    }
+
+    #[test]
+    fn snapshot_error_statuses() {
+        assert_eq!(ErrorCode::SnapshotNotFound.http_status(), 404);
+        for code in [ErrorCode::SnapshotExists, ErrorCode::SnapshotLimit, ErrorCode::VolumeBusy] {
+            assert_eq!(code.http_status(), 409, "{code:?}");
+        }
     }
 
     #[test]

@@ -59,6 +59,8 @@ Examples:
   ferrite volume list
   ferrite volume show db
   ferrite volume resize db 20G
+  ferrite volume create db-copy --from-snapshot db@nightly
+  ferrite volume rollback db --to nightly
   ferrite volume delete db
   ferrite volume list --json | jq '.volumes[].name'
 
@@ -99,6 +101,35 @@ Examples:
   ferrite host allow db any          # back to open: every host may connect
   ferrite host deny db any           # lock down: no host may connect";
 
+const SNAPSHOT_ABOUT: &str = "\
+Take, list, show and delete snapshots of a volume.
+
+A snapshot is a read-only, point-in-time image of a volume. Taking one is instant, whatever the
+volume's size: nothing is copied. The snapshot shares every block with the volume; only blocks
+the volume overwrites afterwards take new space, so a snapshot costs what has changed since it
+was taken (`exclusive` in `snapshot list`: what deleting it frees). A snapshot taken while hosts
+write holds every write completed before it was taken (crash-consistent, like a power cut).
+
+Use a snapshot to:
+  - roll the volume back to it: `ferrite volume rollback VOLUME --to SNAP` (the writes made
+    since the snapshot are dropped);
+  - make a writable copy of it, a clone: `ferrite volume create NEW --from-snapshot VOLUME@SNAP`
+    (instant too; the clone shares the snapshot's blocks until it overwrites them).
+
+Snapshot names follow the volume name rules and are unique per volume. Deleting a volume deletes
+its snapshots; its clones stay intact.
+
+Every command talks to a running node's REST API (see --api).";
+
+const SNAPSHOT_EXAMPLES: &str = "\
+Examples:
+  ferrite snapshot create db before-upgrade
+  ferrite snapshot list db
+  ferrite snapshot show db before-upgrade
+  ferrite volume create db-test --from-snapshot db@before-upgrade
+  ferrite volume rollback db --to before-upgrade
+  ferrite snapshot delete db before-upgrade";
+
 /// Ferrite: block storage served over NVMe/TCP.
 #[derive(Parser)]
 #[command(name = "ferrite", version, after_long_help = ROOT_EXAMPLES, propagate_version = true)]
@@ -116,7 +147,7 @@ enum Command {
     /// --drive-backend memory the drives are in RAM and NOT DURABLE.
     #[command(after_long_help = UP_EXAMPLES)]
     Up(UpArgs),
-    /// Create, list, show, resize and delete volumes.
+    /// Create, list, show, resize, clone, roll back and delete volumes.
     ///
     /// Every command talks to a running node's REST API (see --api).
     #[command(after_long_help = VOLUME_EXAMPLES)]
@@ -124,6 +155,9 @@ enum Command {
     /// Control which hosts may connect to a volume.
     #[command(long_about = HOST_ABOUT, after_long_help = HOST_EXAMPLES)]
     Host(HostArgs),
+    /// Take, list, show and delete snapshots: instant, read-only point-in-time images.
+    #[command(long_about = SNAPSHOT_ABOUT, after_long_help = SNAPSHOT_EXAMPLES)]
+    Snapshot(SnapshotArgs),
     /// Show this node: capacity, drives and what it serves.
     Node(NodeArgs),
     /// Measure a volume with the five standard workloads over NVMe/TCP.
@@ -147,6 +181,48 @@ enum NodeCommand {
     /// Show the node's identity, capacity and listen addresses.
     #[command(after_long_help = "Example:\n  ferrite node show")]
     Show,
+}
+
+#[derive(Args)]
+struct SnapshotArgs {
+    /// The node's REST API.
+    #[arg(long, global = true, value_name = "URL", env = "FERRITE_API", default_value = api::DEFAULT_API_URL)]
+    api: String,
+    /// Print JSON instead of tables, for scripts.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: SnapshotCommand,
+}
+
+#[derive(Subcommand)]
+enum SnapshotCommand {
+    /// Take a snapshot of a volume: instant, read-only, sharing the volume's blocks.
+    ///
+    /// Hosts may keep writing: the snapshot holds every write completed before it was taken,
+    /// and for writes in flight either the old or the new data, as after a power cut. To
+    /// capture a file system cleanly, freeze it first (`fsfreeze -f MOUNTPOINT`, then `-u`).
+    #[command(after_long_help = "Example:\n  ferrite snapshot create db before-upgrade")]
+    Create {
+        /// The volume to snapshot.
+        volume: String,
+        /// The snapshot's name: the volume name rules, unique among the volume's snapshots.
+        snapshot: String,
+    },
+    /// List a volume's snapshots, oldest first, with what deleting each would free.
+    #[command(
+        after_long_help = "Examples:\n  ferrite snapshot list db\n  ferrite snapshot list db --json"
+    )]
+    List { volume: String },
+    /// Show one snapshot.
+    #[command(after_long_help = "Example:\n  ferrite snapshot show db before-upgrade")]
+    Show { volume: String, snapshot: String },
+    /// Delete a snapshot. The space only it holds is freed in the background.
+    ///
+    /// The volume and clones made from the snapshot are not affected: clones keep the blocks
+    /// they read.
+    #[command(after_long_help = "Example:\n  ferrite snapshot delete db before-upgrade")]
+    Delete { volume: String, snapshot: String },
 }
 
 #[derive(Args)]
@@ -269,13 +345,41 @@ enum VolumeCommand {
     ///
     /// Hosts find it as the NVMe subsystem nqn.2024-01.io.ferrite:vol:NAME; `ferrite volume
     /// show NAME` prints the `nvme connect` line.
-    #[command(after_long_help = "Example:\n  ferrite volume create db --size 10G")]
+    ///
+    /// With --from-snapshot VOLUME@SNAP the new volume is a clone: a writable copy of the
+    /// snapshot, made instantly. It shares the snapshot's blocks until it overwrites them, so it
+    /// takes space only for what it changes. It is independent of its source: deleting the
+    /// snapshot or its volume later leaves the clone intact. Its size is the snapshot's, or
+    /// --size if larger (the added space reads zeros).
+    #[command(
+        after_long_help = "Examples:\n  ferrite volume create db --size 10G\n  ferrite volume \
+                           create db-test --from-snapshot db@before-upgrade\n  ferrite volume \
+                           create db-big --from-snapshot db@before-upgrade --size 20G"
+    )]
     Create {
         /// 1 to 63 characters from a-z, 0-9, '-' and '_', starting with a letter or digit.
         name: String,
-        /// A multiple of 4 KiB from 1 MiB to 1 PiB, such as 10G or 512M.
-        #[arg(long, value_name = "SIZE")]
-        size: ByteSize,
+        /// A multiple of 4 KiB from 1 MiB to 1 PiB, such as 10G or 512M. Required unless
+        /// --from-snapshot is given.
+        #[arg(long, value_name = "SIZE", required_unless_present = "from_snapshot")]
+        size: Option<ByteSize>,
+        /// Make the volume a clone of this snapshot, written VOLUME@SNAP.
+        #[arg(long, value_name = "VOLUME@SNAP")]
+        from_snapshot: Option<String>,
+    },
+    /// Roll a volume back to one of its snapshots, dropping every write made since.
+    ///
+    /// The volume then reads exactly what the snapshot holds; the snapshot itself stays (roll
+    /// back to it again, or delete it). Writes made after the snapshot are lost for good:
+    /// take another snapshot first if you may want them back. Hosts should stop using the
+    /// volume first (unmount it): I/O is paused during the rollback, and a host's cache would
+    /// still hold the dropped data.
+    #[command(after_long_help = "Example:\n  ferrite volume rollback db --to before-upgrade")]
+    Rollback {
+        name: String,
+        /// The snapshot of this volume to roll back to.
+        #[arg(long, value_name = "SNAP")]
+        to: String,
     },
     /// List every volume.
     #[command(after_long_help = "Examples:\n  ferrite volume list\n  ferrite volume list --json")]
@@ -333,6 +437,7 @@ fn main() -> ExitCode {
         Command::Up(args) => up(args),
         Command::Volume(args) => volume(args),
         Command::Host(args) => host_command(args),
+        Command::Snapshot(args) => snapshot_command(args),
         Command::Node(args) => node_command(args),
         Command::Bench(args) => bench_command(&args),
     };
@@ -393,10 +498,31 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
     let client = api::Client::new(&args.api)?;
     let json = args.json;
     match args.command {
-        VolumeCommand::Create { name, size } => {
-            let request = api::CreateVolume { name, size_bytes: size.bytes() };
+        VolumeCommand::Create { name, size, from_snapshot } => {
+            let request = match (from_snapshot, size) {
+                (Some(from), size) => {
+                    let Some((volume, snapshot)) = api::parse_snapshot_ref(&from) else {
+                        anyhow::bail!(
+                            "--from-snapshot {from:?} is not VOLUME@SNAP: write the volume, @, \
+                             and its snapshot's name, for example db@nightly"
+                        );
+                    };
+                    let mut request = api::CreateVolume::clone_of_snapshot(name, volume, snapshot);
+                    request.size_bytes = size.map(ByteSize::bytes);
+                    request
+                }
+                (None, Some(size)) => api::CreateVolume::empty(name, size.bytes()),
+                (None, None) => anyhow::bail!("give --size SIZE, or --from-snapshot VOLUME@SNAP"),
+            };
             let volume = client.create_volume(&request)?;
             print::volume_changed(json, "created", &volume)
+        }
+        VolumeCommand::Rollback { name, to } => {
+            let volume = client.rollback_volume(&name, &to)?;
+            if !json {
+                println!("rolled volume {name} back to snapshot {to}");
+            }
+            print::volume_changed(json, "rolled back", &volume)
         }
         VolumeCommand::List => {
             let volumes = client.list_volumes()?;
@@ -434,6 +560,27 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
                 println!("volume {name}: port {port_id} is now {}", state.as_str());
             }
             print::volume_paths(json, &paths)
+        }
+    }
+}
+
+fn snapshot_command(args: SnapshotArgs) -> anyhow::Result<()> {
+    let client = api::Client::new(&args.api)?;
+    let json = args.json;
+    match args.command {
+        SnapshotCommand::Create { volume, snapshot } => {
+            let info = client.create_snapshot(&volume, &snapshot)?;
+            print::snapshot_changed(json, "took", &info)
+        }
+        SnapshotCommand::List { volume } => {
+            print::snapshot_list(json, &volume, client.list_snapshots(&volume)?)
+        }
+        SnapshotCommand::Show { volume, snapshot } => {
+            print::snapshot(json, &client.snapshot(&volume, &snapshot)?)
+        }
+        SnapshotCommand::Delete { volume, snapshot } => {
+            let info = client.delete_snapshot(&volume, &snapshot)?;
+            print::snapshot_changed(json, "deleted", &info)
         }
     }
 }

@@ -1,7 +1,7 @@
 //! What the CLI prints: aligned tables and key-value blocks for people, the API's JSON for
 //! scripts (`--json` prints exactly what the API returned).
 
-use api::{AccessMode, HostAccess, VolumeInfo};
+use api::{AccessMode, HostAccess, SnapshotInfo, VolumeInfo};
 use types::ByteSize;
 
 pub fn started(node: &node::Node) {
@@ -116,10 +116,91 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
         ("address", format!("tcp {}:{}", volume.nvme_host, volume.nvme_port)),
         ("connect", volume.nvme_connect_command()),
         ("access", access_summary(volume.access, &volume.name)),
+        ("origin", volume.origin.clone().unwrap_or_else(|| "none (not a clone)".to_owned())),
+        ("snapshots", snapshot_summary(volume.snapshot_count, &volume.name)),
     ];
     for (key, value) in rows {
         println!("{:<9}{value}", format!("{key}:"));
     }
+    Ok(())
+}
+
+fn snapshot_summary(count: u32, volume: &str) -> String {
+    match count {
+        0 => "none".to_owned(),
+        count => format!("{count} (`ferrite snapshot list {volume}`)"),
+    }
+}
+
+pub fn snapshot_changed(json: bool, verb: &str, snapshot: &SnapshotInfo) -> anyhow::Result<()> {
+    if json {
+        return print_json(snapshot);
+    }
+    println!(
+        "{verb} snapshot {}@{} ({})",
+        snapshot.volume,
+        snapshot.name,
+        ByteSize(snapshot.size_bytes)
+    );
+    Ok(())
+}
+
+pub fn snapshot(json: bool, snapshot: &SnapshotInfo) -> anyhow::Result<()> {
+    if json {
+        return print_json(snapshot);
+    }
+    let rows = [
+        ("name", snapshot.name.clone()),
+        ("volume", snapshot.volume.clone()),
+        ("id", snapshot.id.to_string()),
+        ("size", format!("{} ({} bytes)", ByteSize(snapshot.size_bytes), snapshot.size_bytes)),
+        ("created", api::rfc3339_utc(snapshot.created_unix_ms)),
+        (
+            "exclusive",
+            format!(
+                "{} (what deleting it frees; {} bytes)",
+                ByteSize(snapshot.exclusive_bytes),
+                snapshot.exclusive_bytes
+            ),
+        ),
+        (
+            "clone",
+            format!(
+                "ferrite volume create NEW --from-snapshot {}@{}",
+                snapshot.volume, snapshot.name
+            ),
+        ),
+    ];
+    for (key, value) in rows {
+        println!("{:<11}{value}", format!("{key}:"));
+    }
+    Ok(())
+}
+
+pub fn snapshot_list(json: bool, volume: &str, snapshots: Vec<SnapshotInfo>) -> anyhow::Result<()> {
+    if json {
+        return print_json(&api::SnapshotList { snapshots });
+    }
+    if snapshots.is_empty() {
+        println!(
+            "volume {volume} has no snapshots; take one with `ferrite snapshot create {volume} NAME`"
+        );
+        return Ok(());
+    }
+    let header = ["NAME", "SIZE", "EXCLUSIVE", "ID", "CREATED"].map(str::to_owned);
+    let rows: Vec<[String; 5]> = snapshots
+        .iter()
+        .map(|snapshot| {
+            [
+                snapshot.name.clone(),
+                ByteSize(snapshot.size_bytes).to_string(),
+                ByteSize(snapshot.exclusive_bytes).to_string(),
+                snapshot.id.to_string(),
+                api::rfc3339_utc(snapshot.created_unix_ms),
+            ]
+        })
+        .collect();
+    print_table(&header, &rows);
     Ok(())
 }
 
@@ -139,14 +220,16 @@ pub fn volume_list(json: bool, volumes: Vec<VolumeInfo>) -> anyhow::Result<()> {
         println!("no volumes; create one with `ferrite volume create NAME --size SIZE`");
         return Ok(());
     }
-    let header = ["NAME", "SIZE", "ID", "CREATED", "NQN"].map(str::to_owned);
-    let rows: Vec<[String; 5]> = volumes
+    let header = ["NAME", "SIZE", "ID", "SNAPSHOTS", "ORIGIN", "CREATED", "NQN"].map(str::to_owned);
+    let rows: Vec<[String; 7]> = volumes
         .iter()
         .map(|volume| {
             [
                 volume.name.clone(),
                 ByteSize(volume.size_bytes).to_string(),
                 volume.id.to_string(),
+                volume.snapshot_count.to_string(),
+                volume.origin.clone().unwrap_or_else(|| "-".to_owned()),
                 api::rfc3339_utc(volume.created_unix_ms),
                 volume.nqn.clone(),
             ]

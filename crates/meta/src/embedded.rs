@@ -7,11 +7,14 @@
 //! | table | key | value |
 //! |---|---|---|
 //! | `volumes` | volume name | [`crate::record`] volume record |
+//! | `snapshots` | (volume name, snapshot name) | [`crate::record`] snapshot record |
 //! | `node` | `"node"` | [`crate::record`] node record |
 //! | `counters` | `"revision"`, `"next_volume_id"` | u64 |
 
-use crate::record::{decode_node, decode_volume, encode_node, encode_volume};
-use crate::{MetaError, MetaStore, NodeRecord, VolumeRecord};
+use crate::record::{
+    decode_node, decode_snapshot, decode_volume, encode_node, encode_snapshot, encode_volume,
+};
+use crate::{MetaError, MetaStore, NodeRecord, SnapshotRecord, VolumeRecord};
 use redb::{Database, ReadableTable, TableDefinition, WriteTransaction};
 use std::path::{Path, PathBuf};
 use types::VolumeName;
@@ -20,6 +23,9 @@ use types::VolumeName;
 pub const META_FILE_NAME: &str = "meta.redb";
 
 const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("volumes");
+/// Keyed by (volume name, snapshot name): redb orders tuple keys element by element, so one
+/// volume's snapshots are one contiguous range.
+const SNAPSHOTS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("snapshots");
 const NODE: TableDefinition<&str, &[u8]> = TableDefinition::new("node");
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
 
@@ -45,6 +51,7 @@ impl EmbeddedStore {
         let store = Self { database, path: path.to_owned() };
         store.write(|txn| {
             txn.open_table(VOLUMES).map_err(backend)?;
+            txn.open_table(SNAPSHOTS).map_err(backend)?;
             txn.open_table(NODE).map_err(backend)?;
             txn.open_table(COUNTERS).map_err(backend)?;
             Ok(())
@@ -87,6 +94,22 @@ impl EmbeddedStore {
             counters.insert(REVISION_KEY, revision).map_err(backend)?;
             Ok((value, revision))
         })
+    }
+
+    /// Checks that `id` was handed out by [`MetaStore::allocate_volume_id`] on this store.
+    fn check_allocated(txn: &WriteTransaction, id: u64, what: &str) -> Result<(), MetaError> {
+        let next_id = txn
+            .open_table(COUNTERS)
+            .map_err(backend)?
+            .get(NEXT_VOLUME_ID_KEY)
+            .map_err(backend)?
+            .map_or(FIRST_VOLUME_ID, |value| value.value());
+        if !(FIRST_VOLUME_ID..next_id).contains(&id) {
+            return Err(MetaError::Backend {
+                detail: format!("{what} id {id} was not allocated by this store"),
+            });
+        }
+        Ok(())
     }
 
     fn read_counter(&self, key: &str) -> Result<Option<u64>, MetaError> {
@@ -156,17 +179,7 @@ impl MetaStore for EmbeddedStore {
     fn create_volume(&self, record: &VolumeRecord) -> Result<u64, MetaError> {
         let bytes = encode_volume(record);
         self.write_revision(|txn| {
-            let next_id = txn
-                .open_table(COUNTERS)
-                .map_err(backend)?
-                .get(NEXT_VOLUME_ID_KEY)
-                .map_err(backend)?
-                .map_or(FIRST_VOLUME_ID, |value| value.value());
-            if !(FIRST_VOLUME_ID..next_id).contains(&record.id) {
-                return Err(MetaError::Backend {
-                    detail: format!("volume id {} was not allocated by this store", record.id),
-                });
-            }
+            Self::check_allocated(txn, record.id, "volume")?;
             let mut table = txn.open_table(VOLUMES).map_err(backend)?;
             if table.get(record.name.as_str()).map_err(backend)?.is_some() {
                 return Err(MetaError::VolumeExists(record.name.clone()));
@@ -208,6 +221,93 @@ impl MetaStore for EmbeddedStore {
         })
         .map(|(record, _revision)| record)
     }
+
+    fn snapshots(&self, volume: &VolumeName) -> Result<Vec<SnapshotRecord>, MetaError> {
+        let txn = self.database.begin_read().map_err(backend)?;
+        let table = txn.open_table(SNAPSHOTS).map_err(backend)?;
+        let mut records = Vec::new();
+        // The range starts at the volume's first key; it ends at the first key of another
+        // volume, since the empty string is no snapshot's name.
+        for entry in table.range((volume.as_str(), "")..).map_err(backend)? {
+            let (key, value) = entry.map_err(backend)?;
+            let (key_volume, key_name) = key.value();
+            if key_volume != volume.as_str() {
+                break;
+            }
+            records.push(decode_snapshot(key_volume, key_name, value.value())?);
+        }
+        records.sort_by_key(|record| record.id);
+        Ok(records)
+    }
+
+    fn all_snapshots(&self) -> Result<Vec<SnapshotRecord>, MetaError> {
+        let txn = self.database.begin_read().map_err(backend)?;
+        let table = txn.open_table(SNAPSHOTS).map_err(backend)?;
+        let mut records = Vec::new();
+        for entry in table.iter().map_err(backend)? {
+            let (key, value) = entry.map_err(backend)?;
+            let (key_volume, key_name) = key.value();
+            records.push(decode_snapshot(key_volume, key_name, value.value())?);
+        }
+        // Key order groups the records by volume name; within a volume, oldest first.
+        records.sort_by(|a, b| (&a.volume, a.id).cmp(&(&b.volume, b.id)));
+        Ok(records)
+    }
+
+    fn snapshot(
+        &self,
+        volume: &VolumeName,
+        name: &VolumeName,
+    ) -> Result<Option<SnapshotRecord>, MetaError> {
+        let txn = self.database.begin_read().map_err(backend)?;
+        let table = txn.open_table(SNAPSHOTS).map_err(backend)?;
+        let value = table.get((volume.as_str(), name.as_str())).map_err(backend)?;
+        value
+            .map(|bytes| decode_snapshot(volume.as_str(), name.as_str(), bytes.value()))
+            .transpose()
+    }
+
+    fn create_snapshot(&self, record: &SnapshotRecord) -> Result<u64, MetaError> {
+        let bytes = encode_snapshot(record);
+        let key = (record.volume.as_str(), record.name.as_str());
+        self.write_revision(|txn| {
+            Self::check_allocated(txn, record.id, "snapshot")?;
+            let volumes = txn.open_table(VOLUMES).map_err(backend)?;
+            if volumes.get(record.volume.as_str()).map_err(backend)?.is_none() {
+                return Err(MetaError::VolumeNotFound(record.volume.clone()));
+            }
+            let mut table = txn.open_table(SNAPSHOTS).map_err(backend)?;
+            if table.get(key).map_err(backend)?.is_some() {
+                return Err(MetaError::SnapshotExists {
+                    volume: record.volume.clone(),
+                    snapshot: record.name.clone(),
+                });
+            }
+            table.insert(key, bytes.as_slice()).map_err(backend)?;
+            Ok(())
+        })
+        .map(|((), revision)| revision)
+    }
+
+    fn delete_snapshot(
+        &self,
+        volume: &VolumeName,
+        name: &VolumeName,
+    ) -> Result<SnapshotRecord, MetaError> {
+        self.write_revision(|txn| {
+            let mut table = txn.open_table(SNAPSHOTS).map_err(backend)?;
+            let removed = table
+                .remove((volume.as_str(), name.as_str()))
+                .map_err(backend)?
+                .map(|value| decode_snapshot(volume.as_str(), name.as_str(), value.value()))
+                .transpose()?;
+            removed.ok_or_else(|| MetaError::SnapshotNotFound {
+                volume: volume.clone(),
+                snapshot: name.clone(),
+            })
+        })
+        .map(|(record, _revision)| record)
+    }
 }
 
 fn backend(error: impl Into<redb::Error>) -> MetaError {
@@ -237,7 +337,7 @@ mod tests {
     fn survives_reopen() {
         let dir = tempfile::tempdir().unwrap();
         let name = VolumeName::new("kept").unwrap();
-        let (record, revision) = {
+        let (record, snapshot, revision) = {
             let store = EmbeddedStore::open_in(dir.path()).unwrap();
             let id = store.allocate_volume_id().unwrap();
             let record = VolumeRecord {
@@ -250,8 +350,18 @@ mod tests {
                 host_access: HostAccess::Restricted(
                     [types::Nqn::new("nqn.2014-08.org.nvmexpress:uuid:1").unwrap()].into(),
                 ),
+                origin: None,
             };
             store.create_volume(&record).unwrap();
+            let snapshot = SnapshotRecord {
+                id: store.allocate_volume_id().unwrap(),
+                volume: name.clone(),
+                name: VolumeName::new("first").unwrap(),
+                size_bytes: 1 << 20,
+                uuid: [5; 16],
+                created_unix_ms: 10,
+            };
+            store.create_snapshot(&snapshot).unwrap();
             let node = NodeRecord {
                 uuid: [4; 16],
                 drive_count: 2,
@@ -260,10 +370,12 @@ mod tests {
                 external_drives: false,
             };
             let revision = store.put_node(&node).unwrap();
-            (record, revision)
+            (record, snapshot, revision)
         };
         let store = EmbeddedStore::open_in(dir.path()).unwrap();
         assert_eq!(store.volume(&name).unwrap(), Some(record.clone()));
+        assert_eq!(store.snapshots(&name).unwrap(), vec![snapshot.clone()]);
+        assert!(store.allocate_volume_id().unwrap() > snapshot.id, "ids are not reused");
         assert_eq!(store.node().unwrap().unwrap().drive_count, 2);
         assert_eq!(store.revision().unwrap(), revision);
         assert!(store.allocate_volume_id().unwrap() > record.id, "ids are not reused after reopen");
@@ -329,5 +441,23 @@ mod tests {
         let name = VolumeName::new("future").unwrap();
         assert!(matches!(store.volume(&name), Err(MetaError::RecordVersionUnsupported { .. })));
         assert!(matches!(store.volumes(), Err(MetaError::RecordVersionUnsupported { .. })));
+
+        store
+            .write(|txn| {
+                let mut table = txn.open_table(SNAPSHOTS).map_err(backend)?;
+                table
+                    .insert(("kept", "future"), br#"{"version":2}"#.as_slice())
+                    .map_err(backend)?;
+                Ok(())
+            })
+            .unwrap();
+        let (kept, future) = (VolumeName::new("kept").unwrap(), VolumeName::new("future").unwrap());
+        let unsupported = |result: Result<_, MetaError>| {
+            matches!(result, Err(MetaError::RecordVersionUnsupported { version: 2, .. }))
+        };
+        assert!(unsupported(store.snapshot(&kept, &future).map(drop)));
+        assert!(unsupported(store.snapshots(&kept).map(drop)));
+        assert!(unsupported(store.all_snapshots().map(drop)));
+        assert!(unsupported(store.delete_snapshot(&kept, &future).map(drop)));
     }
 }

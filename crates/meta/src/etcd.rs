@@ -9,12 +9,15 @@
 //! | key | value |
 //! |---|---|
 //! | `P/volumes/<name>` | [`crate::record`] volume record |
+//! | `P/snapshots/<volume>/<snapshot>` | [`crate::record`] snapshot record |
 //! | `P/node` | [`crate::record`] node record |
 //! | `P/next_volume_id` | the next volume id, decimal ASCII (`"8"`) |
 //! | `P/revision` | empty; written by every write transaction |
 //!
 //! Atomicity comes from etcd transactions, so several control planes may write at once:
 //! - create puts the volume only if its key has never been created (`create_revision == 0`);
+//! - a snapshot is created only if its volume's key exists (`version > 0`) and its own key has
+//!   never been created, both compared in the one transaction that puts it;
 //! - update and delete read the record, check it, and write only if the key is unchanged since
 //!   (`mod_revision` compare), re-reading on a conflict at most [`CAS_ATTEMPTS_MAX`] times;
 //! - a volume id is allocated the same way on the counter key, so ids are unique and increase.
@@ -31,11 +34,13 @@
 //! Every call is bounded by the store's timeout; an etcd that does not answer gives
 //! [`MetaError::Unreachable`], never a hang.
 
-use crate::record::{decode_node, decode_volume, encode_node, encode_volume};
-use crate::{MetaError, MetaStore, NodeRecord, VolumeRecord};
+use crate::record::{
+    decode_node, decode_snapshot, decode_volume, encode_node, encode_snapshot, encode_volume,
+};
+use crate::{MetaError, MetaStore, NodeRecord, SnapshotRecord, VolumeRecord};
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, GetOptions, KeyValue, KvClient, SortOrder,
-    SortTarget, Txn, TxnOp, TxnResponse,
+    SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse,
 };
 use std::future::Future;
 use std::sync::mpsc;
@@ -76,6 +81,7 @@ const GRPC_CODES_UNREACHABLE: [i32; 3] = [1, 4, 14];
 const FIRST_VOLUME_ID: u64 = 1;
 
 const VOLUMES_DIR: &str = "/volumes/";
+const SNAPSHOTS_DIR: &str = "/snapshots/";
 const NODE_KEY: &str = "/node";
 const NEXT_VOLUME_ID_KEY: &str = "/next_volume_id";
 const REVISION_KEY: &str = "/revision";
@@ -104,6 +110,20 @@ impl Keys {
 
     fn volume(&self, name: &VolumeName) -> String {
         format!("{}{VOLUMES_DIR}{name}", self.prefix)
+    }
+
+    fn snapshots_dir(&self) -> String {
+        format!("{}{SNAPSHOTS_DIR}", self.prefix)
+    }
+
+    /// The directory of one volume's snapshots. It ends with `/`, and volume names hold none,
+    /// so it is no prefix of another volume's directory (`db/` of `db-1/`).
+    fn volume_snapshots_dir(&self, volume: &VolumeName) -> String {
+        format!("{}{SNAPSHOTS_DIR}{volume}/", self.prefix)
+    }
+
+    fn snapshot(&self, volume: &VolumeName, name: &VolumeName) -> String {
+        format!("{}{SNAPSHOTS_DIR}{volume}/{name}", self.prefix)
     }
 
     fn node(&self) -> String {
@@ -322,6 +342,41 @@ async fn write(
     Ok(Some(header_revision(&response)?))
 }
 
+/// Decodes a snapshot record listed below `snapshots_dir` (`P/snapshots/`), whose key names its
+/// volume and itself.
+fn decode_snapshot_entry(
+    snapshots_dir: &str,
+    entry: &KeyValue,
+) -> Result<SnapshotRecord, MetaError> {
+    let key = entry.key().strip_prefix(snapshots_dir.as_bytes()).unwrap_or(entry.key());
+    let key = String::from_utf8_lossy(key);
+    let Some((volume, name)) = key.split_once('/') else {
+        return Err(MetaError::RecordCorrupt {
+            key: key.into_owned(),
+            detail: "a snapshot key must name a volume and a snapshot".to_owned(),
+        });
+    };
+    decode_snapshot(volume, name, entry.value())
+}
+
+/// Lists the snapshot records below `dir` (all of them, or one volume's), oldest first within a
+/// volume, volumes by name.
+async fn list_snapshots(
+    kv: &mut KvClient,
+    keys: &Keys,
+    dir: String,
+) -> CallResult<Vec<SnapshotRecord>> {
+    let options = GetOptions::new().with_prefix().with_sort(SortTarget::Key, SortOrder::Ascend);
+    let response = kv.get(dir.as_str(), Some(options)).await?;
+    let snapshots_dir = keys.snapshots_dir();
+    let mut records = Vec::with_capacity(response.kvs().len());
+    for entry in response.kvs() {
+        records.push(decode_snapshot_entry(&snapshots_dir, entry)?);
+    }
+    records.sort_by(|a, b| (&a.volume, a.id).cmp(&(&b.volume, b.id)));
+    Ok(records)
+}
+
 fn header_revision(response: &TxnResponse) -> Result<u64, MetaError> {
     let revision = response.header().map(|header| header.revision());
     revision.and_then(|revision| u64::try_from(revision).ok()).ok_or_else(|| MetaError::Backend {
@@ -481,6 +536,108 @@ impl MetaStore for EtcdStore {
             Err(contention(&format!("deleting volume {name}")))
         })
     }
+
+    fn snapshots(&self, volume: &VolumeName) -> Result<Vec<SnapshotRecord>, MetaError> {
+        let volume = volume.clone();
+        self.call(move |mut kv, keys| async move {
+            let dir = keys.volume_snapshots_dir(&volume);
+            list_snapshots(&mut kv, &keys, dir).await
+        })
+    }
+
+    fn all_snapshots(&self) -> Result<Vec<SnapshotRecord>, MetaError> {
+        self.call(|mut kv, keys| async move {
+            let dir = keys.snapshots_dir();
+            list_snapshots(&mut kv, &keys, dir).await
+        })
+    }
+
+    fn snapshot(
+        &self,
+        volume: &VolumeName,
+        name: &VolumeName,
+    ) -> Result<Option<SnapshotRecord>, MetaError> {
+        let (volume, name) = (volume.clone(), name.clone());
+        self.call(move |mut kv, keys| async move {
+            let entry = get_one(&mut kv, &keys.snapshot(&volume, &name)).await?;
+            let record = entry
+                .map(|entry| decode_snapshot(volume.as_str(), name.as_str(), entry.value()))
+                .transpose()?;
+            Ok(record)
+        })
+    }
+
+    fn create_snapshot(&self, record: &SnapshotRecord) -> Result<u64, MetaError> {
+        let bytes = encode_snapshot(record);
+        let (volume, name, id) = (record.volume.clone(), record.name.clone(), record.id);
+        self.call(move |mut kv, keys| async move {
+            // The counter only grows, so an id below it now stays below it.
+            let (next_id, _) = read_next_volume_id(&mut kv, &keys).await?;
+            if !(FIRST_VOLUME_ID..next_id).contains(&id) {
+                return Err(CallError::Meta(MetaError::Backend {
+                    detail: format!("snapshot id {id} was not allocated by this store"),
+                }));
+            }
+            let volume_key = keys.volume(&volume);
+            let key = keys.snapshot(&volume, &name);
+            let compares = [
+                Compare::version(volume_key.as_str(), CompareOp::Greater, 0),
+                Compare::create_revision(key.as_str(), CompareOp::Equal, 0),
+            ];
+            let operations =
+                [TxnOp::put(key, bytes, None), TxnOp::put(keys.revision(), Vec::new(), None)];
+            // When a compare fails, the same transaction reads the volume's key, which tells
+            // which one failed.
+            let txn = Txn::new()
+                .when(compares)
+                .and_then(operations)
+                .or_else([TxnOp::get(volume_key, Some(GetOptions::new().with_count_only()))]);
+            let response = kv.txn(txn).await?;
+            if response.succeeded() {
+                return Ok(header_revision(&response)?);
+            }
+            let volume_exists = match response.op_responses().first() {
+                Some(TxnOpResponse::Get(get)) => get.count() > 0,
+                other => {
+                    return Err(CallError::Meta(MetaError::Backend {
+                        detail: format!("etcd answered a failed transaction with {other:?}"),
+                    }))
+                }
+            };
+            Err(CallError::Meta(if volume_exists {
+                MetaError::SnapshotExists { volume, snapshot: name }
+            } else {
+                MetaError::VolumeNotFound(volume)
+            }))
+        })
+    }
+
+    fn delete_snapshot(
+        &self,
+        volume: &VolumeName,
+        name: &VolumeName,
+    ) -> Result<SnapshotRecord, MetaError> {
+        let (volume, name) = (volume.clone(), name.clone());
+        self.call(move |mut kv, keys| async move {
+            let key = keys.snapshot(&volume, &name);
+            for _attempt in 0..CAS_ATTEMPTS_MAX {
+                let Some(current) = get_one(&mut kv, &key).await? else {
+                    return Err(CallError::Meta(MetaError::SnapshotNotFound {
+                        volume,
+                        snapshot: name,
+                    }));
+                };
+                let record = decode_snapshot(volume.as_str(), name.as_str(), current.value())?;
+                let unchanged =
+                    Compare::mod_revision(key.as_str(), CompareOp::Equal, current.mod_revision());
+                let delete = TxnOp::delete(key.as_str(), None);
+                if write(&mut kv, &keys, vec![unchanged], vec![delete]).await?.is_some() {
+                    return Ok(record);
+                }
+            }
+            Err(contention(&format!("deleting snapshot {volume}@{name}")))
+        })
+    }
 }
 
 #[cfg(test)]
@@ -526,6 +683,7 @@ mod tests {
             created_unix_ms: 1,
             chunks: vec![(0, 1)],
             host_access: HostAccess::Open,
+            origin: None,
         };
         store.create_volume(&record).unwrap();
         assert_eq!(other.volumes().unwrap(), vec![]);
@@ -563,6 +721,36 @@ mod tests {
             store.delete_volume(&future),
             Err(MetaError::RecordVersionUnsupported { .. })
         ));
+
+        // Snapshot records too; and a key below the snapshots that names no snapshot.
+        store
+            .call(|mut kv, keys| async move {
+                kv.put(format!("{}old/future", keys.snapshots_dir()), r#"{"version":2}"#, None)
+                    .await?;
+                Ok(())
+            })
+            .unwrap();
+        let snapshot = VolumeName::new("future").unwrap();
+        let old_name = VolumeName::new("old").unwrap();
+        let unsupported = |result: Result<(), MetaError>| {
+            matches!(result, Err(MetaError::RecordVersionUnsupported { version: 2, .. }))
+        };
+        assert!(unsupported(store.snapshot(&old_name, &snapshot).map(drop)));
+        assert!(unsupported(store.snapshots(&old_name).map(drop)));
+        assert!(unsupported(store.delete_snapshot(&old_name, &snapshot).map(drop)));
+        store
+            .call(|mut kv, keys| async move {
+                kv.delete(format!("{}old/future", keys.snapshots_dir()), None).await?;
+                kv.put(format!("{}stray", keys.snapshots_dir()), "{}", None).await?;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(store.snapshots(&old_name).unwrap(), vec![]);
+        let error = store.all_snapshots().unwrap_err();
+        assert!(
+            matches!(&error, MetaError::RecordCorrupt { key, .. } if key == "stray"),
+            "{error}"
+        );
     }
 
     /// The node's API handlers call the store from inside tokio, on both kinds of runtime; the

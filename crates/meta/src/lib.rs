@@ -4,8 +4,9 @@
 //! it in etcd ([`EtcdStore`]). Both implement [`MetaStore`], and both must pass the same
 //! conformance suite, [`testing::check_store`] and [`testing::check_concurrent_writers`].
 //!
-//! What is stored: one [`NodeRecord`] (who this node is and how its drives were formatted) and one
-//! [`VolumeRecord`] per volume, keyed by name. Every call is one transaction: it either happens
+//! What is stored: one [`NodeRecord`] (who this node is and how its drives were formatted), one
+//! [`VolumeRecord`] per volume, keyed by name, and one [`SnapshotRecord`] per snapshot, keyed by
+//! its volume's name and its own (snapshot names are scoped to their volume). Every call is one transaction: it either happens
 //! completely and durably or not at all. Every write transaction advances the store's revision, a
 //! counter that lets a reader tell whether anything changed.
 //!
@@ -51,6 +52,42 @@ pub struct VolumeRecord {
     pub chunks: Vec<Chunk>,
     /// Which hosts may connect to the volume's NVMe subsystem.
     pub host_access: HostAccess,
+    /// The snapshot this volume was cloned from; `None` for a volume created empty.
+    ///
+    /// Informative only: the parent volume and its snapshot may be deleted later, and the clone
+    /// stays intact (its blocks are shared in the engine, not borrowed from the parent's record).
+    pub origin: Option<VolumeOrigin>,
+}
+
+/// Where a clone came from: a snapshot of another volume, as it was when the clone was made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeOrigin {
+    /// The volume the snapshot was taken of.
+    pub volume: VolumeName,
+    /// The snapshot's name.
+    pub snapshot: VolumeName,
+    /// The snapshot's id ([`SnapshotRecord::id`]), which tells it apart from a later snapshot
+    /// of the same name.
+    pub snapshot_id: u64,
+}
+
+/// A read-only point-in-time image of a volume. The data lives in the engine; this is the
+/// control plane's memory of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotRecord {
+    /// Allocated by [`MetaStore::allocate_volume_id`], so that ids are unique across volumes and
+    /// snapshots and never reused.
+    pub id: u64,
+    /// The volume the snapshot was taken of.
+    pub volume: VolumeName,
+    /// The snapshot's name, unique among the snapshots of its volume; the same naming rules as
+    /// a volume's.
+    pub name: VolumeName,
+    /// The volume's size when the snapshot was taken.
+    pub size_bytes: u64,
+    /// The NVMe namespace UUID under which the snapshot is exported read-only.
+    pub uuid: [u8; 16],
+    pub created_unix_ms: u64,
 }
 
 /// Which hosts may connect to a volume's NVMe subsystem (and see it in the discovery log).
@@ -110,6 +147,10 @@ pub enum MetaError {
     VolumeExists(VolumeName),
     #[error("volume {0} does not exist")]
     VolumeNotFound(VolumeName),
+    #[error("volume {volume} already has a snapshot named {snapshot}")]
+    SnapshotExists { volume: VolumeName, snapshot: VolumeName },
+    #[error("volume {volume} has no snapshot named {snapshot}")]
+    SnapshotNotFound { volume: VolumeName, snapshot: VolumeName },
     #[error(
         "the metadata store {} is in use by another process; is another `ferrite up` running \
          on this data dir?",
@@ -171,5 +212,36 @@ pub trait MetaStore: Send + Sync {
     fn update_volume(&self, record: &VolumeRecord) -> Result<u64, MetaError>;
 
     /// Deletes a volume and returns its last record. Fails with [`MetaError::VolumeNotFound`].
+    ///
+    /// The volume's snapshot records are left alone: the control plane deletes them first.
     fn delete_volume(&self, name: &VolumeName) -> Result<VolumeRecord, MetaError>;
+
+    /// The snapshots of `volume`, oldest first (by id, which increases with creation). Empty
+    /// when the volume has none or does not exist.
+    fn snapshots(&self, volume: &VolumeName) -> Result<Vec<SnapshotRecord>, MetaError>;
+
+    /// Every snapshot of every volume, sorted by volume name, then oldest first.
+    fn all_snapshots(&self) -> Result<Vec<SnapshotRecord>, MetaError>;
+
+    /// The snapshot `name` of `volume`, if any.
+    fn snapshot(
+        &self,
+        volume: &VolumeName,
+        name: &VolumeName,
+    ) -> Result<Option<SnapshotRecord>, MetaError>;
+
+    /// Stores a new snapshot of `record.volume`. Fails, in the same transaction, with
+    /// [`MetaError::VolumeNotFound`] if that volume does not exist and with
+    /// [`MetaError::SnapshotExists`] if it already has a snapshot of this name.
+    ///
+    /// The record's id must come from [`MetaStore::allocate_volume_id`] on this store.
+    fn create_snapshot(&self, record: &SnapshotRecord) -> Result<u64, MetaError>;
+
+    /// Deletes a snapshot and returns its last record. Fails with
+    /// [`MetaError::SnapshotNotFound`].
+    fn delete_snapshot(
+        &self,
+        volume: &VolumeName,
+        name: &VolumeName,
+    ) -> Result<SnapshotRecord, MetaError>;
 }

@@ -6,7 +6,18 @@
 //! because records are few, small and read rarely (at start and per API call), and an operator
 //! can read them with redb's tools when something goes wrong.
 //!
-//! Volume record, version 2 (written by this build):
+//! Volume record, version 3 (written by this build): version 2 and `"origin"`, `null` for a
+//! volume created empty, or for a clone the snapshot it was cloned from:
+//! `{"version":3,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[16 bytes],
+//!   "created_unix_ms":1700000000000,"chunks":[[drive,index],...],
+//!   "allow_any_host":true,"allowed_hosts":[],
+//!   "origin":{"volume":"db-0","snapshot":"nightly","snapshot_id":5}}`
+//!
+//! The origin came with a version bump so that a build that knows only version 2 refuses a
+//! clone's record rather than serving it as a volume of its own without knowing that its blocks
+//! are shared.
+//!
+//! Volume record, version 2 (read only; it decodes with no origin):
 //! `{"version":2,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[16 bytes],
 //!   "created_unix_ms":1700000000000,"chunks":[[drive,index],...],
 //!   "allow_any_host":false,"allowed_hosts":["nqn.2014-08.org.nvmexpress:uuid:...",...]}`
@@ -19,7 +30,12 @@
 //!
 //! Volume record, version 1 (read only): version 2 without `allow_any_host` and
 //! `allowed_hosts`; it decodes as [`HostAccess::Open`], which is how every volume was served
-//! before host access control existed.
+//! before host access control existed, and with no origin.
+//!
+//! Snapshot record, version 1 (written by this build), stored under its volume's name and its
+//! own; its key is written `VOLUME@SNAPSHOT` in error messages:
+//! `{"version":1,"id":9,"volume":"db-1","name":"nightly","size_bytes":1073741824,
+//!   "uuid":[16 bytes],"created_unix_ms":1700000000000}`
 //!
 //! Node record, version 2 (written by this build):
 //! `{"version":2,"uuid":[16 bytes],"drive_count":4,"drive_size_bytes":17179869184,
@@ -33,15 +49,20 @@
 //! Node record, version 1 (read only): version 2 without `external_drives`; it decodes as drive
 //! files in the data directory, the only kind of drive before version 2.
 
-use crate::{Chunk, HostAccess, MetaError, NodeRecord, VolumeRecord, ALLOWED_HOSTS_MAX};
+use crate::{
+    Chunk, HostAccess, MetaError, NodeRecord, SnapshotRecord, VolumeOrigin, VolumeRecord,
+    ALLOWED_HOSTS_MAX,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use types::{Nqn, VolumeName};
 
 /// The volume record version this build writes; it reads every version from 1 up to this.
-pub const VOLUME_RECORD_VERSION: u32 = 2;
+pub const VOLUME_RECORD_VERSION: u32 = 3;
 /// The node record version this build writes; it reads every version from 1 up to this.
 pub const NODE_RECORD_VERSION: u32 = 2;
+/// The snapshot record version this build writes; it reads every version from 1 up to this.
+pub const SNAPSHOT_RECORD_VERSION: u32 = 1;
 
 #[derive(Deserialize)]
 struct Envelope {
@@ -59,8 +80,21 @@ struct VolumeV1 {
     chunks: Vec<Chunk>,
 }
 
-#[derive(Serialize, Deserialize)]
+/// Volume record version 2, frozen: the decoder of records written before version 3.
+#[derive(Deserialize)]
 struct VolumeV2 {
+    id: u64,
+    name: String,
+    size_bytes: u64,
+    uuid: [u8; 16],
+    created_unix_ms: u64,
+    chunks: Vec<Chunk>,
+    allow_any_host: bool,
+    allowed_hosts: Vec<String>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct VolumeV3 {
     version: u32,
     id: u64,
     name: String,
@@ -70,6 +104,28 @@ struct VolumeV2 {
     chunks: Vec<Chunk>,
     allow_any_host: bool,
     allowed_hosts: Vec<String>,
+    /// Always written, `null` when absent; `Option` alone would also accept a missing field,
+    /// and a version 3 record without it is corrupt.
+    #[serde(deserialize_with = "required_option")]
+    origin: Option<OriginV3>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct OriginV3 {
+    volume: String,
+    snapshot: String,
+    snapshot_id: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SnapshotV1 {
+    version: u32,
+    id: u64,
+    volume: String,
+    name: String,
+    size_bytes: u64,
+    uuid: [u8; 16],
+    created_unix_ms: u64,
 }
 
 /// Node record version 1, frozen: the decoder of records written before version 2.
@@ -97,7 +153,7 @@ pub fn encode_volume(record: &VolumeRecord) -> Vec<u8> {
         "volume {} allows more than {ALLOWED_HOSTS_MAX} hosts",
         record.name
     );
-    let stored = VolumeV2 {
+    let stored = VolumeV3 {
         version: VOLUME_RECORD_VERSION,
         id: record.id,
         name: record.name.as_str().to_owned(),
@@ -107,6 +163,11 @@ pub fn encode_volume(record: &VolumeRecord) -> Vec<u8> {
         chunks: record.chunks.clone(),
         allow_any_host: record.host_access.is_open(),
         allowed_hosts: record.host_access.hosts().map(|nqn| nqn.as_str().to_owned()).collect(),
+        origin: record.origin.as_ref().map(|origin| OriginV3 {
+            volume: origin.volume.as_str().to_owned(),
+            snapshot: origin.snapshot.as_str().to_owned(),
+            snapshot_id: origin.snapshot_id,
+        }),
     };
     // Serialising plain integers, strings and vectors into memory cannot fail.
     serde_json::to_vec(&stored).expect("a volume record always serialises")
@@ -126,9 +187,10 @@ pub fn decode_volume(key: &str, bytes: &[u8]) -> Result<VolumeRecord, MetaError>
                 created_unix_ms: stored.created_unix_ms,
                 chunks: stored.chunks,
                 host_access: HostAccess::Open,
+                origin: None,
             }
         }
-        _ => {
+        2 => {
             let stored: VolumeV2 =
                 serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
             VolumeRecord {
@@ -139,10 +201,87 @@ pub fn decode_volume(key: &str, bytes: &[u8]) -> Result<VolumeRecord, MetaError>
                 created_unix_ms: stored.created_unix_ms,
                 chunks: stored.chunks,
                 host_access: decode_host_access(key, stored.allow_any_host, &stored.allowed_hosts)?,
+                origin: None,
+            }
+        }
+        _ => {
+            let stored: VolumeV3 =
+                serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
+            VolumeRecord {
+                id: stored.id,
+                name: decode_name(key, &stored.name)?,
+                size_bytes: stored.size_bytes,
+                uuid: stored.uuid,
+                created_unix_ms: stored.created_unix_ms,
+                chunks: stored.chunks,
+                host_access: decode_host_access(key, stored.allow_any_host, &stored.allowed_hosts)?,
+                origin: stored.origin.map(|origin| decode_origin(key, origin)).transpose()?,
             }
         }
     };
     Ok(record)
+}
+
+fn decode_origin(key: &str, stored: OriginV3) -> Result<VolumeOrigin, MetaError> {
+    let parse = |name: &str| VolumeName::new(name).map_err(|error| corrupt(key, error));
+    Ok(VolumeOrigin {
+        volume: parse(&stored.volume)?,
+        snapshot: parse(&stored.snapshot)?,
+        snapshot_id: stored.snapshot_id,
+    })
+}
+
+/// The key of a snapshot record in error messages: `VOLUME@SNAPSHOT`, the form users write.
+pub fn snapshot_key(volume: &VolumeName, name: &VolumeName) -> String {
+    format!("{volume}@{name}")
+}
+
+pub fn encode_snapshot(record: &SnapshotRecord) -> Vec<u8> {
+    let stored = SnapshotV1 {
+        version: SNAPSHOT_RECORD_VERSION,
+        id: record.id,
+        volume: record.volume.as_str().to_owned(),
+        name: record.name.as_str().to_owned(),
+        size_bytes: record.size_bytes,
+        uuid: record.uuid,
+        created_unix_ms: record.created_unix_ms,
+    };
+    serde_json::to_vec(&stored).expect("a snapshot record always serialises")
+}
+
+/// Decodes a snapshot record read from the store under the key of snapshot `name` of `volume`
+/// (either may be unvalidated text from a key, so both are checked against the record).
+pub fn decode_snapshot(
+    volume: &str,
+    name: &str,
+    bytes: &[u8],
+) -> Result<SnapshotRecord, MetaError> {
+    let key = format!("{volume}@{name}");
+    // Only one version so far; `check_version` refuses any other.
+    check_version(&key, bytes, SNAPSHOT_RECORD_VERSION)?;
+    let stored: SnapshotV1 = serde_json::from_slice(bytes).map_err(|error| corrupt(&key, error))?;
+    let record_volume = VolumeName::new(&stored.volume).map_err(|error| corrupt(&key, error))?;
+    let record_name = VolumeName::new(&stored.name).map_err(|error| corrupt(&key, error))?;
+    if record_volume.as_str() != volume || record_name.as_str() != name {
+        return Err(corrupt(&key, format!("it names snapshot {record_volume}@{record_name}")));
+    }
+    Ok(SnapshotRecord {
+        id: stored.id,
+        volume: record_volume,
+        name: record_name,
+        size_bytes: stored.size_bytes,
+        uuid: stored.uuid,
+        created_unix_ms: stored.created_unix_ms,
+    })
+}
+
+/// Deserialises an `Option` field that must be present, though it may be `null`.
+fn required_option<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(deserializer)
 }
 
 fn decode_name(key: &str, stored: &str) -> Result<VolumeName, MetaError> {
@@ -256,6 +395,7 @@ mod tests {
             created_unix_ms: 1_700_000_000_000,
             chunks: vec![(0, 1), (3, 4_000_000_000)],
             host_access: HostAccess::Open,
+            origin: None,
         }
     }
 
@@ -270,12 +410,45 @@ mod tests {
         }
     }
 
+    fn origin() -> VolumeOrigin {
+        VolumeOrigin {
+            volume: VolumeName::new("db-0").unwrap(),
+            snapshot: VolumeName::new("nightly").unwrap(),
+            snapshot_id: 5,
+        }
+    }
+
+    fn snapshot() -> SnapshotRecord {
+        SnapshotRecord {
+            id: 9,
+            volume: VolumeName::new("db-1").unwrap(),
+            name: VolumeName::new("nightly").unwrap(),
+            size_bytes: 1 << 30,
+            uuid: [4; 16],
+            created_unix_ms: 1_700_000_000_001,
+        }
+    }
+
     #[test]
-    fn volume_version_2_layout() {
+    fn clone_round_trip() {
+        let record = VolumeRecord { origin: Some(origin()), ..volume() };
+        let bytes = encode_volume(&record);
+        assert_eq!(decode_volume("db-1", &bytes).unwrap(), record);
+        let value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(
+            value["origin"],
+            serde_json::json!({"volume": "db-0", "snapshot": "nightly", "snapshot_id": 5})
+        );
+    }
+
+    #[test]
+    fn volume_version_3_layout() {
         let hosts = [nqn("nqn.b:host"), nqn("nqn.a:host")].into_iter().collect();
         let record = VolumeRecord { host_access: HostAccess::Restricted(hosts), ..volume() };
         let value: serde_json::Value = serde_json::from_slice(&encode_volume(&record)).unwrap();
-        assert_eq!(value["version"], 2);
+        assert_eq!(value["version"], 3);
+        assert_eq!(value["origin"], serde_json::Value::Null);
+        assert!(value.as_object().unwrap().contains_key("origin"), "origin is always written");
         assert_eq!(value["allow_any_host"], false);
         assert_eq!(value["allowed_hosts"], serde_json::json!(["nqn.a:host", "nqn.b:host"]));
         let open: serde_json::Value = serde_json::from_slice(&encode_volume(&volume())).unwrap();
@@ -290,6 +463,71 @@ mod tests {
         assert_eq!(decode_volume("db-1", bytes).unwrap(), volume());
         let bad_name = br#"{"version":1,"id":7,"name":"db-2","size_bytes":1,"uuid":[9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9],"created_unix_ms":1,"chunks":[]}"#;
         assert!(matches!(decode_volume("db-1", bad_name), Err(MetaError::RecordCorrupt { .. })));
+    }
+
+    /// A record exactly as version 2 builds wrote it loads, with no origin.
+    #[test]
+    fn version_2_volume_records_load_without_origin() {
+        let bytes = br#"{"version":2,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9],"created_unix_ms":1700000000000,"chunks":[[0,1],[3,4000000000]],"allow_any_host":false,"allowed_hosts":["nqn.a:host"]}"#;
+        let expected = VolumeRecord {
+            host_access: HostAccess::Restricted([nqn("nqn.a:host")].into()),
+            ..volume()
+        };
+        assert_eq!(decode_volume("db-1", bytes).unwrap(), expected);
+        // Version 2 knows no origin: one written into it is not read (and never was written).
+        let mut value: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+        value["origin"] = serde_json::json!({"volume": "db-0", "snapshot": "s", "snapshot_id": 1});
+        let decoded = decode_volume("db-1", &serde_json::to_vec(&value).unwrap()).unwrap();
+        assert_eq!(decoded.origin, None);
+    }
+
+    #[test]
+    fn snapshot_round_trip_and_layout() {
+        let record = snapshot();
+        let bytes = encode_snapshot(&record);
+        assert_eq!(decode_snapshot("db-1", "nightly", &bytes).unwrap(), record);
+        let value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(value["version"], 1);
+        assert_eq!(value["volume"], "db-1");
+        assert_eq!(value["name"], "nightly");
+        assert_eq!(value["size_bytes"], 1u64 << 30);
+        assert_eq!(value["created_unix_ms"], 1_700_000_000_001u64);
+        let exact = br#"{"version":1,"id":9,"volume":"db-1","name":"nightly","size_bytes":1073741824,"uuid":[4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4],"created_unix_ms":1700000000001}"#;
+        assert_eq!(decode_snapshot("db-1", "nightly", exact).unwrap(), record);
+        assert_eq!(
+            snapshot_key(&record.volume, &record.name),
+            "db-1@nightly",
+            "the key users see in errors"
+        );
+    }
+
+    #[test]
+    fn corrupt_or_unknown_snapshot_records_are_refused() {
+        let bytes = encode_snapshot(&snapshot());
+        let check = |volume: &str, name: &str, bytes: &[u8]| {
+            let error = decode_snapshot(volume, name, bytes).unwrap_err();
+            assert!(matches!(error, MetaError::RecordCorrupt { .. }), "{volume}@{name}: {error}");
+            assert!(error.to_string().contains(&format!("{volume}@{name}")), "{error}");
+        };
+        check("db-2", "nightly", &bytes);
+        check("db-1", "weekly", &bytes);
+        check("db-1", "nightly", b"");
+        check("db-1", "nightly", br#"{"version":1,"id":9}"#);
+        let mut value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        value["name"] = "Not A Name".into();
+        check("db-1", "Not A Name", &serde_json::to_vec(&value).unwrap());
+        value["name"] = "nightly".into();
+        value["uuid"] = serde_json::json!([1, 2]);
+        check("db-1", "nightly", &serde_json::to_vec(&value).unwrap());
+        value["uuid"] = serde_json::to_value([4u8; 16]).unwrap();
+        for version in [0, 2] {
+            value["version"] = version.into();
+            let bytes = serde_json::to_vec(&value).unwrap();
+            assert!(matches!(
+                decode_snapshot("db-1", "nightly", &bytes),
+                Err(MetaError::RecordVersionUnsupported { supported: 1, .. })
+            ));
+        }
     }
 
     #[test]
@@ -330,12 +568,12 @@ mod tests {
     fn unknown_version_is_refused() {
         let mut value: serde_json::Value =
             serde_json::from_slice(&encode_volume(&volume())).unwrap();
-        for version in [0, 3] {
+        for version in [0, 4] {
             value["version"] = version.into();
             let bytes = serde_json::to_vec(&value).unwrap();
             let error = decode_volume("db-1", &bytes).unwrap_err();
             assert!(
-                matches!(error, MetaError::RecordVersionUnsupported { supported: 2, .. }),
+                matches!(error, MetaError::RecordVersionUnsupported { supported: 3, .. }),
                 "{error}"
             );
             assert!(error.to_string().contains(&format!("format version {version}")), "{error}");
@@ -359,6 +597,7 @@ mod tests {
         check("db-1", br#"{"id":7}"#);
         check("db-1", br#"{"version":1,"id":7}"#);
         check("db-1", br#"{"version":2,"id":7}"#);
+        check("db-1", br#"{"version":3,"id":7}"#);
         check("db-2", &encode_volume(&volume()));
         let mut value: serde_json::Value =
             serde_json::from_slice(&encode_volume(&volume())).unwrap();
@@ -380,5 +619,20 @@ mod tests {
         let too_many: Vec<String> =
             (0..=ALLOWED_HOSTS_MAX).map(|index| format!("nqn.host:{index}")).collect();
         check_hosts(false, serde_json::json!(too_many));
+
+        // Version 3 always holds an origin, `null` or a valid one.
+        let mut value: serde_json::Value =
+            serde_json::from_slice(&encode_volume(&volume())).unwrap();
+        value.as_object_mut().unwrap().remove("origin");
+        check("db-1", &serde_json::to_vec(&value).unwrap());
+        for origin in [
+            serde_json::json!({"volume": "Bad Name", "snapshot": "s", "snapshot_id": 1}),
+            serde_json::json!({"volume": "db-0", "snapshot": "", "snapshot_id": 1}),
+            serde_json::json!({"volume": "db-0", "snapshot": "s"}),
+            serde_json::json!("db-0@s"),
+        ] {
+            value["origin"] = origin;
+            check("db-1", &serde_json::to_vec(&value).unwrap());
+        }
     }
 }

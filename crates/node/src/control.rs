@@ -11,6 +11,20 @@
 //!   after the record is gone, so a crash in between leaks the space only until the next start,
 //!   when the data plane drops data no record names; the other order could leave a record
 //!   naming space already given away.
+//! - snapshot: check the volume exists and the name is free, allocate an id, write the
+//!   snapshot record, then take the snapshot in the engine; if that fails, delete the record.
+//!   A crash in between leaves a record whose id the engine does not hold: the next start drops
+//!   it ([`VolumeService::drop_incomplete`]). The other order would leave engine data no record
+//!   names, which the next start deletes too, but a record first keeps the two steps in the
+//!   same order as a clone's.
+//! - clone: like create, with the record's `origin` set, then the engine's clone before
+//!   publishing; on failure the record is deleted and the reservation cancelled. A clone record
+//!   whose id the engine does not hold at start is dropped the same way. A clone may be larger
+//!   than its snapshot (it reads zeros past the snapshot's size), never smaller.
+//! - delete a snapshot: delete the record, then the engine's data (like a volume). Deleting a
+//!   volume deletes its snapshots first, one by one, then the volume; clones stay intact.
+//! - rollback: the snapshot must be the volume's own; the data plane fences and drains the
+//!   volume's I/O, rolls it back in the engine, and serves it again. No record changes.
 //! - host access (allow or deny a host, or any host): read the record, write it with the new
 //!   [`HostAccess`], then tell the data plane, which refuses and disconnects hosts no longer
 //!   allowed. A crash in between is harmless: the data path starts from the records.
@@ -28,8 +42,11 @@
 
 use crate::data_plane::{Capacity, DataPlane, DataPlaneError, VolumePath, VolumeSpace};
 use crate::metrics::Registry;
-use meta::{HostAccess, MetaError, MetaStore, VolumeRecord, ALLOWED_HOSTS_MAX};
+use meta::{
+    HostAccess, MetaError, MetaStore, SnapshotRecord, VolumeOrigin, VolumeRecord, ALLOWED_HOSTS_MAX,
+};
 use nvmf::target::AnaState;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 use types::{ByteSize, InvalidInput, Nqn, VolumeName};
@@ -72,6 +89,38 @@ pub enum ControlError {
          longer use it first"
     )]
     TooManyHosts(VolumeName),
+    #[error(
+        "volume {volume} already has a snapshot named {snapshot}; pick another name, or delete \
+         it first (`ferrite snapshot delete {volume} {snapshot}`)"
+    )]
+    SnapshotExists { volume: VolumeName, snapshot: VolumeName },
+    #[error(
+        "volume {volume} has no snapshot named {snapshot}; `ferrite snapshot list {volume}` \
+         shows its snapshots"
+    )]
+    SnapshotNotFound { volume: VolumeName, snapshot: VolumeName },
+    #[error("cannot take or use a snapshot of volume {volume}: {detail}")]
+    SnapshotLimit { volume: VolumeName, detail: String },
+    #[error("{0:?} is not a snapshot reference: write VOLUME@SNAPSHOT, for example db@nightly")]
+    InvalidSnapshotRef(String),
+    #[error(
+        "snapshot {snapshot_volume}@{snapshot} belongs to volume {snapshot_volume}, not to \
+         {volume}: a volume rolls back only to its own snapshots; to get that snapshot's \
+         contents, clone it (`ferrite volume create NEW --from-snapshot \
+         {snapshot_volume}@{snapshot}`)"
+    )]
+    ForeignSnapshot { volume: VolumeName, snapshot_volume: VolumeName, snapshot: VolumeName },
+    #[error(
+        "a clone of {volume}@{snapshot} cannot be {}: the snapshot is {}, and a clone is at \
+         least as large as its snapshot; give a size of {} or more, or none",
+        ByteSize(*requested_bytes), ByteSize(*snapshot_bytes), ByteSize(*snapshot_bytes)
+    )]
+    CloneTooSmall {
+        volume: VolumeName,
+        snapshot: VolumeName,
+        snapshot_bytes: u64,
+        requested_bytes: u64,
+    },
     #[error("volume {name}: {message}")]
     InvalidPath { name: VolumeName, message: String },
     #[error("the data path failed on volume {name}: {source}")]
@@ -85,6 +134,12 @@ impl ControlError {
         match error {
             MetaError::VolumeExists(name) => Self::VolumeExists(name),
             MetaError::VolumeNotFound(name) => Self::VolumeNotFound(name),
+            MetaError::SnapshotExists { volume, snapshot } => {
+                Self::SnapshotExists { volume, snapshot }
+            }
+            MetaError::SnapshotNotFound { volume, snapshot } => {
+                Self::SnapshotNotFound { volume, snapshot }
+            }
             other => Self::Meta(other),
         }
     }
@@ -95,6 +150,9 @@ impl ControlError {
                 Self::NoSpace { name: name.clone(), requested_bytes, free_bytes }
             }
             DataPlaneError::Invalid(message) => Self::InvalidPath { name: name.clone(), message },
+            DataPlaneError::SnapshotLimit(detail) => {
+                Self::SnapshotLimit { volume: name.clone(), detail }
+            }
             source => Self::DataPlane { name: name.clone(), source },
         }
     }
@@ -141,6 +199,7 @@ impl VolumeService {
             created_unix_ms: now_unix_ms(),
             chunks,
             host_access: HostAccess::Open,
+            origin: None,
         };
         if let Err(error) = self.meta.create_volume(&record) {
             self.data_plane.cancel(&record);
@@ -209,15 +268,297 @@ impl VolumeService {
         Ok(grown)
     }
 
-    /// Deletes a volume and returns its last record.
+    /// Deletes a volume and returns its last record. Its snapshots are deleted first; its
+    /// clones stay intact.
     pub fn delete(&self, name: &str) -> Result<VolumeRecord, ControlError> {
         let name = parse_name(name)?;
         let _serialised = self.lock_mutations();
+        if self.meta.volume(&name).map_err(ControlError::from_meta)?.is_none() {
+            return Err(ControlError::VolumeNotFound(name));
+        }
+        // Snapshots first: a crash part way leaves the volume with fewer snapshots, never
+        // snapshot records of a volume that is gone.
+        for snapshot in self.meta.snapshots(&name).map_err(ControlError::from_meta)? {
+            self.delete_snapshot_locked(&snapshot.volume, &snapshot.name)?;
+        }
         let record = self.meta.delete_volume(&name).map_err(ControlError::from_meta)?;
         self.data_plane.remove(&record);
         self.metrics.remove_volume(record.id);
         tracing::info!(volume = %record.name, id = record.id, "deleted volume");
         Ok(record)
+    }
+
+    /// Creates volume `name` as a writable clone of the snapshot `from` names
+    /// (`VOLUME@SNAPSHOT`), of the snapshot's size or of `size_bytes`, which may not be smaller.
+    pub fn create_clone(
+        &self,
+        name: &str,
+        from: &str,
+        size_bytes: Option<u64>,
+    ) -> Result<VolumeRecord, ControlError> {
+        let name = parse_name(name)?;
+        let Some((volume, snapshot)) = api::parse_snapshot_ref(from) else {
+            return Err(ControlError::InvalidSnapshotRef(from.to_owned()));
+        };
+        let volume = parse_name(volume)?;
+        let snapshot = parse_name(snapshot)?;
+        let size_bytes = size_bytes
+            .map(|size_bytes| {
+                types::validate_volume_size(size_bytes).map_err(ControlError::InvalidSize)
+            })
+            .transpose()?;
+        let _serialised = self.lock_mutations();
+
+        if self.meta.volume(&name).map_err(ControlError::from_meta)?.is_some() {
+            return Err(ControlError::VolumeExists(name));
+        }
+        let source = self.snapshot_record(&volume, &snapshot)?;
+        let size_bytes = size_bytes.unwrap_or(source.size_bytes);
+        if size_bytes < source.size_bytes {
+            return Err(ControlError::CloneTooSmall {
+                volume,
+                snapshot,
+                snapshot_bytes: source.size_bytes,
+                requested_bytes: size_bytes,
+            });
+        }
+        let id = self.meta.allocate_volume_id().map_err(ControlError::from_meta)?;
+        let chunks = self
+            .data_plane
+            .reserve_create(id, size_bytes)
+            .map_err(|error| ControlError::from_data_plane(&name, error))?;
+        let record = VolumeRecord {
+            id,
+            name,
+            size_bytes,
+            uuid: new_uuid(),
+            created_unix_ms: now_unix_ms(),
+            chunks,
+            host_access: HostAccess::Open,
+            origin: Some(VolumeOrigin {
+                volume: source.volume.clone(),
+                snapshot: source.name.clone(),
+                snapshot_id: source.id,
+            }),
+        };
+        if let Err(error) = self.meta.create_volume(&record) {
+            self.data_plane.cancel(&record);
+            return Err(ControlError::from_meta(error));
+        }
+        if let Err(error) = self.data_plane.clone_snapshot(&record, source.id) {
+            if let Err(meta_error) = self.meta.delete_volume(&record.name) {
+                tracing::warn!(
+                    volume = %record.name,
+                    error = %meta_error,
+                    "could not delete the record of a failed clone; the next start drops it"
+                );
+            }
+            self.data_plane.cancel(&record);
+            return Err(ControlError::from_data_plane(&record.name, error));
+        }
+        self.metrics.register_volume(id, &record.name);
+        self.data_plane.publish(&record);
+        tracing::info!(
+            volume = %record.name,
+            id,
+            origin = %api::snapshot_ref(source.volume.as_str(), source.name.as_str()),
+            size = %ByteSize(size_bytes),
+            "created clone"
+        );
+        Ok(record)
+    }
+
+    /// Takes snapshot `snapshot` of `volume`: instant and read-only, sharing the volume's blocks.
+    pub fn create_snapshot(
+        &self,
+        volume: &str,
+        snapshot: &str,
+    ) -> Result<SnapshotRecord, ControlError> {
+        let volume = parse_name(volume)?;
+        let snapshot = parse_name(snapshot)?;
+        let _serialised = self.lock_mutations();
+
+        let Some(source) = self.meta.volume(&volume).map_err(ControlError::from_meta)? else {
+            return Err(ControlError::VolumeNotFound(volume));
+        };
+        // Checked first so that a duplicate does not use up an id; the store checks again.
+        if self.meta.snapshot(&volume, &snapshot).map_err(ControlError::from_meta)?.is_some() {
+            return Err(ControlError::SnapshotExists { volume, snapshot });
+        }
+        let id = self.meta.allocate_volume_id().map_err(ControlError::from_meta)?;
+        let record = SnapshotRecord {
+            id,
+            volume,
+            name: snapshot,
+            size_bytes: source.size_bytes,
+            uuid: new_uuid(),
+            created_unix_ms: now_unix_ms(),
+        };
+        self.meta.create_snapshot(&record).map_err(ControlError::from_meta)?;
+        if let Err(error) = self.data_plane.snapshot(&source, id) {
+            if let Err(meta_error) = self.meta.delete_snapshot(&record.volume, &record.name) {
+                tracing::warn!(
+                    volume = %record.volume,
+                    snapshot = %record.name,
+                    error = %meta_error,
+                    "could not delete the record of a failed snapshot; the next start drops it"
+                );
+            }
+            return Err(ControlError::from_data_plane(&record.volume, error));
+        }
+        tracing::info!(volume = %record.volume, snapshot = %record.name, id, "took snapshot");
+        Ok(record)
+    }
+
+    /// The snapshots of `volume`, oldest first.
+    pub fn snapshots(&self, volume: &str) -> Result<Vec<SnapshotRecord>, ControlError> {
+        let record = self.volume(volume)?;
+        self.meta.snapshots(&record.name).map_err(ControlError::from_meta)
+    }
+
+    pub fn snapshot(&self, volume: &str, snapshot: &str) -> Result<SnapshotRecord, ControlError> {
+        let volume = parse_name(volume)?;
+        let snapshot = parse_name(snapshot)?;
+        self.snapshot_record(&volume, &snapshot)
+    }
+
+    /// Deletes snapshot `snapshot` of `volume` and returns its last record. Its blocks that no
+    /// volume, clone or other snapshot reads are freed by GC later.
+    pub fn delete_snapshot(
+        &self,
+        volume: &str,
+        snapshot: &str,
+    ) -> Result<SnapshotRecord, ControlError> {
+        let volume = parse_name(volume)?;
+        let snapshot = parse_name(snapshot)?;
+        let _serialised = self.lock_mutations();
+        if self.meta.volume(&volume).map_err(ControlError::from_meta)?.is_none() {
+            return Err(ControlError::VolumeNotFound(volume));
+        }
+        self.delete_snapshot_locked(&volume, &snapshot)
+    }
+
+    /// Deletes a snapshot's record, then its data; the caller holds the mutation lock.
+    fn delete_snapshot_locked(
+        &self,
+        volume: &VolumeName,
+        snapshot: &VolumeName,
+    ) -> Result<SnapshotRecord, ControlError> {
+        let record =
+            self.meta.delete_snapshot(volume, snapshot).map_err(ControlError::from_meta)?;
+        self.data_plane.remove_snapshot(&record);
+        tracing::info!(volume = %record.volume, snapshot = %record.name, id = record.id, "deleted snapshot");
+        Ok(record)
+    }
+
+    /// Rolls `volume` back to its snapshot `snapshot`: the writes since the snapshot are
+    /// dropped. `snapshot` may also be written `VOLUME@SNAPSHOT`, naming this volume.
+    pub fn rollback(&self, volume: &str, snapshot: &str) -> Result<VolumeRecord, ControlError> {
+        let volume = parse_name(volume)?;
+        let snapshot = match api::parse_snapshot_ref(snapshot) {
+            Some((snapshot_volume, name)) => {
+                let snapshot_volume = parse_name(snapshot_volume)?;
+                let name = parse_name(name)?;
+                if snapshot_volume != volume {
+                    return Err(ControlError::ForeignSnapshot {
+                        volume,
+                        snapshot_volume,
+                        snapshot: name,
+                    });
+                }
+                name
+            }
+            None => parse_name(snapshot)?,
+        };
+        let _serialised = self.lock_mutations();
+        let Some(record) = self.meta.volume(&volume).map_err(ControlError::from_meta)? else {
+            return Err(ControlError::VolumeNotFound(volume));
+        };
+        let target = self.snapshot_record(&volume, &snapshot)?;
+        self.data_plane
+            .rollback(&record, target.id)
+            .map_err(|error| ControlError::from_data_plane(&record.name, error))?;
+        tracing::info!(volume = %record.name, snapshot = %target.name, "rolled volume back");
+        Ok(record)
+    }
+
+    /// The snapshot record, or why there is none (the volume or the snapshot is missing).
+    fn snapshot_record(
+        &self,
+        volume: &VolumeName,
+        snapshot: &VolumeName,
+    ) -> Result<SnapshotRecord, ControlError> {
+        if let Some(record) =
+            self.meta.snapshot(volume, snapshot).map_err(ControlError::from_meta)?
+        {
+            return Ok(record);
+        }
+        if self.meta.volume(volume).map_err(ControlError::from_meta)?.is_none() {
+            return Err(ControlError::VolumeNotFound(volume.clone()));
+        }
+        Err(ControlError::SnapshotNotFound { volume: volume.clone(), snapshot: snapshot.clone() })
+    }
+
+    /// Bytes that deleting the snapshot would free; 0 if the data path cannot tell.
+    pub fn snapshot_exclusive_bytes(&self, snapshot_id: u64) -> u64 {
+        self.data_plane.snapshot_exclusive_bytes(snapshot_id).unwrap_or(0)
+    }
+
+    /// How many snapshots each volume that has any has.
+    pub fn snapshot_counts(&self) -> Result<BTreeMap<VolumeName, u32>, ControlError> {
+        let mut counts = BTreeMap::new();
+        for snapshot in self.meta.all_snapshots().map_err(ControlError::from_meta)? {
+            *counts.entry(snapshot.volume).or_insert(0u32) += 1;
+        }
+        Ok(counts)
+    }
+
+    /// How many snapshots `volume` has.
+    pub fn snapshot_count(&self, volume: &VolumeName) -> Result<u32, ControlError> {
+        let snapshots = self.meta.snapshots(volume).map_err(ControlError::from_meta)?;
+        Ok(u32::try_from(snapshots.len()).unwrap_or(u32::MAX))
+    }
+
+    /// Drops the records of snapshots and clones whose engine operation never became durable
+    /// (the node crashed between the record and the operation): their ids are not among the
+    /// data path's. Called once at start, before the API serves. A data path that cannot tell
+    /// which ids it holds drops nothing.
+    pub fn drop_incomplete(&self) -> Result<(), ControlError> {
+        let Some(stored) = self.data_plane.stored_ids() else {
+            return Ok(());
+        };
+        let stored: HashSet<u64> = stored.into_iter().collect();
+        let _serialised = self.lock_mutations();
+        for snapshot in self.meta.all_snapshots().map_err(ControlError::from_meta)? {
+            if stored.contains(&snapshot.id) {
+                continue;
+            }
+            tracing::warn!(
+                volume = %snapshot.volume,
+                snapshot = %snapshot.name,
+                id = snapshot.id,
+                "dropping the record of a snapshot that was never taken (the node stopped \
+                 while taking it)"
+            );
+            self.meta
+                .delete_snapshot(&snapshot.volume, &snapshot.name)
+                .map_err(ControlError::from_meta)?;
+        }
+        for volume in self.meta.volumes().map_err(ControlError::from_meta)? {
+            if volume.origin.is_none() || stored.contains(&volume.id) {
+                continue;
+            }
+            tracing::warn!(
+                volume = %volume.name,
+                id = volume.id,
+                "dropping the record of a clone that was never made (the node stopped while \
+                 cloning)"
+            );
+            let record = self.meta.delete_volume(&volume.name).map_err(ControlError::from_meta)?;
+            self.data_plane.remove(&record);
+            self.metrics.remove_volume(record.id);
+        }
+        Ok(())
     }
 
     /// Allows the host `hostnqn` to connect to the volume. On an open volume this restricts it
@@ -364,7 +705,7 @@ pub fn now_unix_ms() -> u64 {
 mod tests {
     use super::*;
     use crate::data_plane::DataPlane;
-    use meta::{Chunk, EmbeddedStore, NodeRecord};
+    use meta::{Chunk, EmbeddedStore, NodeRecord, SnapshotRecord};
     use std::collections::BTreeSet;
     use std::net::SocketAddr;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -385,6 +726,12 @@ mod tests {
         published: BTreeSet<u64>,
         /// Every `set_host_access`, in order.
         access_changes: Vec<(u64, HostAccess)>,
+        /// Ids the fixture "engine" holds: snapshots taken and clones made.
+        stored: BTreeSet<u64>,
+        /// Every rollback, as `(volume id, snapshot id)`.
+        rollbacks: Vec<(u64, u64)>,
+        /// While set, snapshot, clone and rollback fail as a too-deep chain.
+        refuse_layers: bool,
     }
 
     impl FixtureDataPlane {
@@ -463,6 +810,45 @@ mod tests {
             state.access_changes.push((volume.id, volume.host_access.clone()));
         }
 
+        fn snapshot(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
+            let mut state = self.state.lock().unwrap();
+            assert!(state.published.contains(&volume.id), "snapshot of an unpublished volume");
+            if state.refuse_layers {
+                return Err(DataPlaneError::SnapshotLimit("too deep".to_owned()));
+            }
+            assert!(state.stored.insert(snapshot_id), "snapshot id reused");
+            Ok(())
+        }
+
+        fn clone_snapshot(
+            &self,
+            clone: &VolumeRecord,
+            snapshot_id: u64,
+        ) -> Result<(), DataPlaneError> {
+            let mut state = self.state.lock().unwrap();
+            assert!(state.stored.contains(&snapshot_id), "clone of an unknown snapshot");
+            if state.refuse_layers {
+                return Err(DataPlaneError::SnapshotLimit("too deep".to_owned()));
+            }
+            state.stored.insert(clone.id);
+            Ok(())
+        }
+
+        fn rollback(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
+            let mut state = self.state.lock().unwrap();
+            assert!(state.stored.contains(&snapshot_id), "rollback to an unknown snapshot");
+            state.rollbacks.push((volume.id, snapshot_id));
+            Ok(())
+        }
+
+        fn remove_snapshot(&self, snapshot: &SnapshotRecord) {
+            assert!(self.state.lock().unwrap().stored.remove(&snapshot.id));
+        }
+
+        fn stored_ids(&self) -> Option<Vec<u64>> {
+            Some(self.state.lock().unwrap().stored.iter().copied().collect())
+        }
+
         fn capacity(&self) -> Capacity {
             Capacity {
                 total_bytes: u64::from(self.chunk_count) * CHUNK_SIZE_BYTES,
@@ -524,6 +910,31 @@ mod tests {
         fn delete_volume(&self, name: &VolumeName) -> Result<VolumeRecord, MetaError> {
             self.check()?;
             self.inner.delete_volume(name)
+        }
+        fn snapshots(&self, volume: &VolumeName) -> Result<Vec<SnapshotRecord>, MetaError> {
+            self.inner.snapshots(volume)
+        }
+        fn all_snapshots(&self) -> Result<Vec<SnapshotRecord>, MetaError> {
+            self.inner.all_snapshots()
+        }
+        fn snapshot(
+            &self,
+            volume: &VolumeName,
+            name: &VolumeName,
+        ) -> Result<Option<SnapshotRecord>, MetaError> {
+            self.inner.snapshot(volume, name)
+        }
+        fn create_snapshot(&self, record: &SnapshotRecord) -> Result<u64, MetaError> {
+            self.check()?;
+            self.inner.create_snapshot(record)
+        }
+        fn delete_snapshot(
+            &self,
+            volume: &VolumeName,
+            name: &VolumeName,
+        ) -> Result<SnapshotRecord, MetaError> {
+            self.check()?;
+            self.inner.delete_snapshot(volume, name)
         }
     }
 
@@ -720,6 +1131,112 @@ mod tests {
             1,
             "the data plane hears only of durable changes"
         );
+    }
+
+    #[test]
+    fn snapshots_clones_rollback_and_deletion() {
+        let setup = setup(16);
+        let service = &setup.service;
+        let db = service.create("db", 2 << 20).unwrap();
+        let s1 = service.create_snapshot("db", "s1").unwrap();
+        assert_eq!((s1.volume.as_str(), s1.name.as_str(), s1.size_bytes), ("db", "s1", 2 << 20));
+        assert!(s1.id > db.id);
+        service.resize("db", 3 << 20).unwrap();
+        let s2 = service.create_snapshot("db", "s2").unwrap();
+        assert_eq!(s2.size_bytes, 3 << 20, "a snapshot has its volume's size at the time");
+        let names: Vec<String> =
+            service.snapshots("db").unwrap().iter().map(|s| s.name.to_string()).collect();
+        assert_eq!(names, ["s1", "s2"]);
+        assert_eq!(service.snapshot("db", "s1").unwrap(), s1);
+
+        let clone = service.create_clone("copy", "db@s1", None).unwrap();
+        assert_eq!(clone.size_bytes, 2 << 20, "a clone has its snapshot's size");
+        let origin = clone.origin.clone().unwrap();
+        assert_eq!((origin.volume.as_str(), origin.snapshot.as_str()), ("db", "s1"));
+        assert_eq!(origin.snapshot_id, s1.id);
+        let big = service.create_clone("big", "db@s1", Some(4 << 20)).unwrap();
+        assert_eq!(big.size_bytes, 4 << 20);
+        assert!(setup.data_plane.state.lock().unwrap().published.contains(&clone.id));
+
+        assert_eq!(service.rollback("db", "s1").unwrap().id, db.id);
+        assert_eq!(service.rollback("db", "db@s2").unwrap().id, db.id);
+        assert_eq!(
+            setup.data_plane.state.lock().unwrap().rollbacks,
+            [(db.id, s1.id), (db.id, s2.id)]
+        );
+
+        assert_eq!(service.snapshot_counts().unwrap().get(&db.name), Some(&2));
+        assert_eq!(service.delete_snapshot("db", "s1").unwrap(), s1);
+        assert_eq!(service.snapshot_count(&db.name).unwrap(), 1);
+        // Deleting the volume deletes its snapshots, not its clones.
+        service.delete("db").unwrap();
+        assert!(service.meta.all_snapshots().unwrap().is_empty());
+        let stored = setup.data_plane.state.lock().unwrap().stored.clone();
+        assert_eq!(stored, [clone.id, big.id].into(), "the snapshots' data is deleted");
+        assert_eq!(service.volume("copy").unwrap(), clone);
+    }
+
+    #[test]
+    fn snapshot_refusals() {
+        let setup = setup(16);
+        let service = &setup.service;
+        service.create("db", 2 << 20).unwrap();
+        service.create("other", 1 << 20).unwrap();
+        service.create_snapshot("db", "s1").unwrap();
+        service.create_snapshot("other", "o1").unwrap();
+        let check = |error: ControlError, expect: &str| {
+            assert!(error.to_string().contains(expect), "{error} does not contain {expect:?}");
+        };
+        let error = service.create_snapshot("db", "s1").unwrap_err();
+        assert!(matches!(error, ControlError::SnapshotExists { .. }), "{error}");
+        check(service.create_snapshot("nope", "s1").unwrap_err(), "volume nope does not exist");
+        check(service.create_snapshot("db", "Bad").unwrap_err(), "invalid volume name");
+        let error = service.snapshot("db", "nope").unwrap_err();
+        assert!(matches!(error, ControlError::SnapshotNotFound { .. }), "{error}");
+        check(service.delete_snapshot("db", "nope").unwrap_err(), "has no snapshot named nope");
+        check(service.rollback("db", "o1").unwrap_err(), "volume db has no snapshot named o1");
+        check(service.rollback("db", "other@o1").unwrap_err(), "belongs to volume other");
+        check(service.create_clone("c", "db", None).unwrap_err(), "is not a snapshot reference");
+        check(service.create_clone("c", "db@nope", None).unwrap_err(), "no snapshot named nope");
+        check(service.create_clone("db", "db@s1", None).unwrap_err(), "volume db already exists");
+        let error = service.create_clone("c", "db@s1", Some(1 << 20)).unwrap_err();
+        assert!(matches!(error, ControlError::CloneTooSmall { .. }), "{error}");
+        check(error, "at least as large as its snapshot");
+
+        // A refusal of the data plane leaves no record behind and reserves nothing.
+        let free = setup.data_plane.free_chunks();
+        setup.data_plane.state.lock().unwrap().refuse_layers = true;
+        let error = service.create_snapshot("db", "s2").unwrap_err();
+        assert!(matches!(error, ControlError::SnapshotLimit { .. }), "{error}");
+        let error = service.create_clone("c", "db@s1", None).unwrap_err();
+        assert!(matches!(error, ControlError::SnapshotLimit { .. }), "{error}");
+        assert_eq!(service.snapshots("db").unwrap().len(), 1);
+        assert!(matches!(service.volume("c"), Err(ControlError::VolumeNotFound(_))));
+        assert_eq!(setup.data_plane.free_chunks(), free);
+        assert!(setup.data_plane.state.lock().unwrap().reserved.is_empty());
+    }
+
+    /// Records whose engine operation never happened (a crash in between) are dropped at start;
+    /// complete ones stay.
+    #[test]
+    fn drop_incomplete_drops_records_the_engine_lacks() {
+        let setup = setup(16);
+        let service = &setup.service;
+        service.create("db", 1 << 20).unwrap();
+        let kept = service.create_snapshot("db", "kept").unwrap();
+        let clone = service.create_clone("copy", "db@kept", None).unwrap();
+        let lost = service.create_snapshot("db", "lost").unwrap();
+        let lost_clone = service.create_clone("lost-copy", "db@lost", None).unwrap();
+        {
+            let mut state = setup.data_plane.state.lock().unwrap();
+            state.stored.remove(&lost.id);
+            state.stored.remove(&lost_clone.id);
+        }
+        service.drop_incomplete().unwrap();
+        assert_eq!(service.snapshots("db").unwrap(), [kept]);
+        assert_eq!(service.volume("copy").unwrap(), clone);
+        assert!(matches!(service.volume("lost-copy"), Err(ControlError::VolumeNotFound(_))));
+        assert!(service.volume("db").is_ok(), "plain volumes are never dropped");
     }
 
     #[test]

@@ -22,7 +22,7 @@
 //! may supply their own builder through `Node::start_with`.
 
 use crate::metrics::Registry;
-use meta::{Chunk, VolumeRecord};
+use meta::{Chunk, SnapshotRecord, VolumeRecord};
 use nvmf::target::AnaState;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -99,6 +99,10 @@ pub enum DataPlaneError {
     /// mistake, reported as a bad request.
     #[error("{0}")]
     Invalid(String),
+    /// The volume's chain of snapshots is as deep as the engine allows: reported to the user
+    /// as `snapshot_limit`.
+    #[error("{0}")]
+    SnapshotLimit(String),
     /// Anything else; reported to the user as an internal error.
     #[error(transparent)]
     Failed(Box<dyn std::error::Error + Send + Sync>),
@@ -144,6 +148,9 @@ pub struct DataPathContext {
     /// Every volume in the metadata store: each is served from the start, and data of volumes
     /// not among them (deleted just before a crash) is dropped. The volume service publishes only later changes.
     pub volumes: Vec<VolumeRecord>,
+    /// Every snapshot in the metadata store: the engine keeps their data too (ids of neither a
+    /// volume nor a snapshot are dropped).
+    pub snapshots: Vec<SnapshotRecord>,
     /// Where to record per-volume I/O metrics; every volume in `volumes` is registered already.
     pub metrics: Arc<Registry>,
 }
@@ -161,6 +168,11 @@ pub trait DataPathBuilder: Send {
         self: Box<Self>,
         context: DataPathContext,
     ) -> Result<Arc<dyn DataPlane>, DataPlaneError>;
+}
+
+/// The refusal of a data path that serves no snapshots.
+fn no_snapshots(volume: &types::VolumeName) -> DataPlaneError {
+    DataPlaneError::failed(format!("volume {volume}: this data path serves no snapshots"))
 }
 
 /// The running data path, as the control plane drives it.
@@ -198,6 +210,45 @@ pub trait DataPlane: Send + Sync {
     /// controllers of hosts it no longer allows are disconnected. (Published volumes, and those
     /// the data path starts with, are served with their record's `host_access` already.)
     fn set_host_access(&self, volume: &VolumeRecord);
+
+    /// Takes snapshot `snapshot_id` of the served `volume`, durably. Instant and read-only; the
+    /// volume's I/O goes on (the snapshot holds every write completed before the call).
+    fn snapshot(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
+        let _ = snapshot_id;
+        Err(no_snapshots(&volume.name))
+    }
+
+    /// Makes the reserved, not yet published volume `clone` (its record is durable) a writable
+    /// clone of snapshot `snapshot_id`, durably. [`DataPlane::publish`] follows, or on failure
+    /// [`DataPlane::cancel`].
+    fn clone_snapshot(&self, clone: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
+        let _ = snapshot_id;
+        Err(no_snapshots(&clone.name))
+    }
+
+    /// Makes the served `volume` read what its snapshot `snapshot_id` holds, durably: its I/O
+    /// is fenced and drained first and served again after.
+    fn rollback(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
+        let _ = snapshot_id;
+        Err(no_snapshots(&volume.name))
+    }
+
+    /// The snapshot's record is deleted: free its data (durably; blocks clones or the volume
+    /// still read stay). Failures are logged: the data is then dropped at the next start.
+    fn remove_snapshot(&self, _snapshot: &SnapshotRecord) {}
+
+    /// Bytes that deleting snapshot `snapshot_id` would free; `None` if the data path cannot
+    /// tell.
+    fn snapshot_exclusive_bytes(&self, _snapshot_id: u64) -> Option<u64> {
+        None
+    }
+
+    /// The ids of the volumes and snapshots whose data the engine holds (a volume never written
+    /// and never snapshotted may be missing), or `None` if the data path cannot tell. Read at
+    /// start to find records whose data operation never became durable.
+    fn stored_ids(&self) -> Option<Vec<u64>> {
+        None
+    }
 
     /// Space on the drives, and the state of each drive (`Capacity::drives`).
     fn capacity(&self) -> Capacity;

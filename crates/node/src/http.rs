@@ -18,7 +18,7 @@ use axum::http::{header, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
-use meta::{HostAccess, NodeRecord, VolumeRecord};
+use meta::{HostAccess, NodeRecord, SnapshotRecord, VolumeRecord};
 use nvmf::target::AnaState;
 use serde::de::DeserializeOwned;
 use std::net::SocketAddr;
@@ -67,6 +67,9 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::VOLUME_HOST, put(allow_host).delete(deny_host))
         .route(api::paths::VOLUME_PATHS, get(show_paths))
         .route(api::paths::VOLUME_PATH, put(set_path_state))
+        .route(api::paths::VOLUME_SNAPSHOTS, get(list_snapshots).post(create_snapshot))
+        .route(api::paths::VOLUME_SNAPSHOT, get(show_snapshot).delete(delete_snapshot))
+        .route(api::paths::VOLUME_ROLLBACK, post(rollback_volume))
         .route(api::paths::NODE, get(node_info))
         .route(api::paths::METRICS, get(render_metrics))
         .route(api::paths::HEALTHZ, get(healthz))
@@ -102,6 +105,13 @@ impl From<ControlError> for ApiError {
             ControlError::HostAccessOpen(_) => ErrorCode::HostAccessOpen,
             ControlError::TooManyHosts(_) => ErrorCode::TooManyHosts,
             ControlError::InvalidPath { .. } => ErrorCode::InvalidRequest,
+            ControlError::SnapshotExists { .. } => ErrorCode::SnapshotExists,
+            ControlError::SnapshotNotFound { .. } => ErrorCode::SnapshotNotFound,
+            ControlError::SnapshotLimit { .. } => ErrorCode::SnapshotLimit,
+            ControlError::InvalidSnapshotRef(_) | ControlError::ForeignSnapshot { .. } => {
+                ErrorCode::InvalidRequest
+            }
+            ControlError::CloneTooSmall { .. } => ErrorCode::ShrinkRefused,
             ControlError::DataPlane { .. } | ControlError::Meta(_) => {
                 tracing::error!(%error, "volume operation failed");
                 ErrorCode::Internal
@@ -163,7 +173,8 @@ fn parse_name(path: Result<Path<String>, PathRejection>) -> Result<String, ApiEr
         .map_err(|rejection| ApiError::new(ErrorCode::InvalidName, rejection.body_text()))
 }
 
-/// The volume name and host of a `/v1/volumes/{name}/hosts/{host}` path.
+/// The volume name and host (or port, or snapshot) of a `/v1/volumes/{name}/hosts/{host}`
+/// path and its likes.
 fn parse_name_and_host(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<(String, String), ApiError> {
@@ -187,7 +198,15 @@ fn host_access(record: &VolumeRecord) -> api::HostAccess {
     }
 }
 
-fn volume_info(record: &VolumeRecord, node: &NodeView, space: Option<VolumeSpace>) -> VolumeInfo {
+/// What the API reports of a volume besides its record.
+#[derive(Debug, Clone, Copy, Default)]
+struct VolumeExtras {
+    space: Option<VolumeSpace>,
+    snapshot_count: u32,
+}
+
+fn volume_info(record: &VolumeRecord, node: &NodeView, extras: VolumeExtras) -> VolumeInfo {
+    let space = extras.space;
     VolumeInfo {
         name: record.name.to_string(),
         id: record.id,
@@ -200,23 +219,72 @@ fn volume_info(record: &VolumeRecord, node: &NodeView, space: Option<VolumeSpace
         access: access_mode(&record.host_access),
         mapped_bytes: space.map(|space| space.mapped_bytes),
         physical_used_bytes: space.map(|space| space.physical_used_bytes),
+        origin: record
+            .origin
+            .as_ref()
+            .map(|origin| api::snapshot_ref(origin.volume.as_str(), origin.snapshot.as_str())),
+        snapshot_count: extras.snapshot_count,
+    }
+}
+
+/// The volume's space and snapshot count, for answers about one volume.
+fn volume_extras(
+    service: &VolumeService,
+    record: &VolumeRecord,
+) -> Result<VolumeExtras, ControlError> {
+    Ok(VolumeExtras {
+        space: service.volume_space(record.id),
+        snapshot_count: service.snapshot_count(&record.name)?,
+    })
+}
+
+fn snapshot_info(record: &SnapshotRecord, exclusive_bytes: u64) -> api::SnapshotInfo {
+    api::SnapshotInfo {
+        name: record.name.to_string(),
+        volume: record.volume.to_string(),
+        id: record.id,
+        size_bytes: record.size_bytes,
+        created_unix_ms: record.created_unix_ms,
+        exclusive_bytes,
     }
 }
 
 async fn list_volumes(State(state): State<ApiState>) -> Result<Json<api::VolumeList>, ApiError> {
-    let records = call(&state, |service| service.volumes()).await?;
-    let volumes = records.iter().map(|record| volume_info(record, &state.node, None)).collect();
+    let (records, counts) =
+        call(&state, |service| Ok((service.volumes()?, service.snapshot_counts()?))).await?;
+    let volumes = records
+        .iter()
+        .map(|record| {
+            let snapshot_count = counts.get(&record.name).copied().unwrap_or(0);
+            volume_info(record, &state.node, VolumeExtras { space: None, snapshot_count })
+        })
+        .collect();
     Ok(Json(api::VolumeList { volumes }))
 }
 
+/// `POST /v1/volumes`: an empty volume, or a clone of a snapshot (`from_snapshot`).
 async fn create_volume(
     State(state): State<ApiState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<VolumeInfo>), ApiError> {
     let request: api::CreateVolume = parse_body(body)?;
-    let record =
-        call(&state, move |service| service.create(&request.name, request.size_bytes)).await?;
-    Ok((StatusCode::CREATED, Json(volume_info(&record, &state.node, None))))
+    let record = match (request.from_snapshot, request.size_bytes) {
+        (Some(from), size_bytes) => {
+            call(&state, move |service| service.create_clone(&request.name, &from, size_bytes))
+                .await?
+        }
+        (None, Some(size_bytes)) => {
+            call(&state, move |service| service.create(&request.name, size_bytes)).await?
+        }
+        (None, None) => {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "the request body is not valid: give size_bytes for an empty volume, or \
+                 from_snapshot (VOLUME@SNAPSHOT) for a clone",
+            ));
+        }
+    };
+    Ok((StatusCode::CREATED, Json(volume_info(&record, &state.node, VolumeExtras::default()))))
 }
 
 async fn show_volume(
@@ -224,13 +292,13 @@ async fn show_volume(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<VolumeInfo>, ApiError> {
     let name = parse_name(path)?;
-    let (record, space) = call(&state, move |service| {
+    let (record, extras) = call(&state, move |service| {
         let record = service.volume(&name)?;
-        let space = service.volume_space(record.id);
-        Ok((record, space))
+        let extras = volume_extras(service, &record)?;
+        Ok((record, extras))
     })
     .await?;
-    Ok(Json(volume_info(&record, &state.node, space)))
+    Ok(Json(volume_info(&record, &state.node, extras)))
 }
 
 async fn delete_volume(
@@ -239,7 +307,7 @@ async fn delete_volume(
 ) -> Result<Json<VolumeInfo>, ApiError> {
     let name = parse_name(path)?;
     let record = call(&state, move |service| service.delete(&name)).await?;
-    Ok(Json(volume_info(&record, &state.node, None)))
+    Ok(Json(volume_info(&record, &state.node, VolumeExtras::default())))
 }
 
 async fn resize_volume(
@@ -249,13 +317,94 @@ async fn resize_volume(
 ) -> Result<Json<VolumeInfo>, ApiError> {
     let name = parse_name(path)?;
     let request: api::ResizeVolume = parse_body(body)?;
-    let (record, space) = call(&state, move |service| {
+    let (record, extras) = call(&state, move |service| {
         let record = service.resize(&name, request.size_bytes)?;
-        let space = service.volume_space(record.id);
-        Ok((record, space))
+        let extras = volume_extras(service, &record)?;
+        Ok((record, extras))
     })
     .await?;
-    Ok(Json(volume_info(&record, &state.node, space)))
+    Ok(Json(volume_info(&record, &state.node, extras)))
+}
+
+/// `GET /v1/volumes/{name}/snapshots`: the volume's snapshots, oldest first.
+async fn list_snapshots(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<api::SnapshotList>, ApiError> {
+    let name = parse_name(path)?;
+    let snapshots = call(&state, move |service| {
+        let records = service.snapshots(&name)?;
+        Ok(records
+            .iter()
+            .map(|record| snapshot_info(record, service.snapshot_exclusive_bytes(record.id)))
+            .collect())
+    })
+    .await?;
+    Ok(Json(api::SnapshotList { snapshots }))
+}
+
+/// `POST /v1/volumes/{name}/snapshots`: takes a snapshot.
+async fn create_snapshot(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<api::SnapshotInfo>), ApiError> {
+    let name = parse_name(path)?;
+    let request: api::CreateSnapshot = parse_body(body)?;
+    let info = call(&state, move |service| {
+        let record = service.create_snapshot(&name, &request.name)?;
+        Ok(snapshot_info(&record, service.snapshot_exclusive_bytes(record.id)))
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+/// `GET /v1/volumes/{name}/snapshots/{snapshot}`.
+async fn show_snapshot(
+    State(state): State<ApiState>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<api::SnapshotInfo>, ApiError> {
+    let (name, snapshot) = parse_name_and_host(path)?;
+    let info = call(&state, move |service| {
+        let record = service.snapshot(&name, &snapshot)?;
+        Ok(snapshot_info(&record, service.snapshot_exclusive_bytes(record.id)))
+    })
+    .await?;
+    Ok(Json(info))
+}
+
+/// `DELETE /v1/volumes/{name}/snapshots/{snapshot}`: answers what the snapshot was.
+async fn delete_snapshot(
+    State(state): State<ApiState>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> Result<Json<api::SnapshotInfo>, ApiError> {
+    let (name, snapshot) = parse_name_and_host(path)?;
+    let info = call(&state, move |service| {
+        // Read before the deletion: afterwards the engine no longer knows the snapshot.
+        let record = service.snapshot(&name, &snapshot)?;
+        let exclusive_bytes = service.snapshot_exclusive_bytes(record.id);
+        let deleted = service.delete_snapshot(&name, &snapshot)?;
+        Ok(snapshot_info(&deleted, exclusive_bytes))
+    })
+    .await?;
+    Ok(Json(info))
+}
+
+/// `POST /v1/volumes/{name}/rollback`.
+async fn rollback_volume(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<VolumeInfo>, ApiError> {
+    let name = parse_name(path)?;
+    let request: api::RollbackVolume = parse_body(body)?;
+    let (record, extras) = call(&state, move |service| {
+        let record = service.rollback(&name, &request.snapshot)?;
+        let extras = volume_extras(service, &record)?;
+        Ok((record, extras))
+    })
+    .await?;
+    Ok(Json(volume_info(&record, &state.node, extras)))
 }
 
 /// `GET /v1/volumes/{name}/paths`: the volume's NVMe/TCP paths and their ANA states.

@@ -11,7 +11,9 @@
 //!    the recorded drive geometry and kind (files in DATA-DIR/drives, or external drives given
 //!    with `--drive`, whose geometry comes from the devices: the smallest one's size).
 //! 3. Start the control plane's tokio runtime and bind the REST API socket.
-//! 4. Start the data path with every volume record (it recovers the log engine and serves them).
+//! 4. Start the data path with every volume and snapshot record (it recovers the log engine,
+//!    drops engine data no record names, and serves the volumes), then drop the records of
+//!    snapshots and clones whose engine operation never became durable.
 //! 5. Serve the API until [`Node::stop`], a [`StopHandle`], or (with
 //!    [`NodeConfig::stop_on_signals`]) SIGINT or SIGTERM.
 //!
@@ -113,6 +115,8 @@ pub enum NodeError {
     DriveFilesNode { dir: PathBuf },
     #[error("cannot start the data path: {0}")]
     StartDataPath(DataPlaneError),
+    #[error("cannot reconcile the metadata with the data path at start: {0}")]
+    Reconcile(control::ControlError),
     #[error("cannot start the control plane runtime: {0}")]
     Runtime(std::io::Error),
     #[error("cannot listen for the REST API on {addr}: {source}; pass another --api-listen, or stop whatever uses it")]
@@ -273,6 +277,7 @@ impl Node {
         }
 
         let volumes = meta.volumes()?;
+        let snapshots = meta.all_snapshots()?;
         let metrics = Arc::new(metrics::Registry::new());
         for volume in &volumes {
             metrics.register_volume(volume.id, &volume.name);
@@ -281,6 +286,7 @@ impl Node {
             drives: drive_set(&config, &record),
             nvme_listen: config.nvme_listen.clone(),
             volumes,
+            snapshots,
             metrics: Arc::clone(&metrics),
         };
         let data_plane = data_path.start(context).map_err(NodeError::StartDataPath)?;
@@ -294,6 +300,10 @@ impl Node {
             Arc::clone(&data_plane),
             Arc::clone(&metrics),
         ));
+        if let Err(error) = service.drop_incomplete() {
+            data_plane.shutdown();
+            return Err(NodeError::Reconcile(error));
+        }
         let view = http::NodeView {
             record: record.clone(),
             nvme_advertised,

@@ -6,7 +6,8 @@
 //! O_DIRECT handles on every drive file. Thread 0 also accepts connections and deals them out
 //! round robin over bounded channels; a connection then lives on its thread until it closes
 //! (run to completion, no work stealing). Thread 0 also runs the engine's background work: GC
-//! paced by free space, periodic checkpoints (bounding recovery), the deletion of volumes, and
+//! paced by free space, periodic checkpoints (bounding recovery), the control plane's engine
+//! operations (deleting volumes and snapshots, taking snapshots, cloning, rolling back), and
 //! a final checkpoint when the node stops cleanly.
 //!
 //! Per connection, one task owns the socket and the `Queue`. It reads into a fixed buffer,
@@ -16,19 +17,21 @@
 //!
 //! Deleting a volume fences it first (new I/O is refused), waits for its in-flight I/O to drain,
 //! and only then deletes its data in the engine (durably), so a late write can never recreate
-//! blocks of a deleted volume.
+//! blocks of a deleted volume. Rolling a volume back fences and drains it the same way, and
+//! serves it again once the engine's rollback is durable.
 
 use crate::data_plane::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
 };
 use crate::data_plane::{DriveStatus, EngineCounters, VolumePath, VolumeSpace};
 use crate::metrics::{Registry, VolumeMetrics};
-use engine::log::{GcOutcome, LogConfig, LogEngine, LogHandle};
+use engine::log::index::LayerError;
+use engine::log::{GcOutcome, LogConfig, LogEngine, LogError, LogHandle};
 use engine::{
     DriveLatches, NodeUuid, StoreError, VolumeId, VolumeLayout, VolumeMap, VolumeStore, Volumes,
 };
 use io::{DriveFile, Ring};
-use meta::{Chunk, HostAccess, VolumeRecord};
+use meta::{Chunk, HostAccess, SnapshotRecord, VolumeRecord};
 use nvmf::target::{
     AnaState, Catalog, Listener, NamespaceInfo, Queue, RequestId, StorageOperation, StorageRequest,
     StorageStatus, SubsystemInfo, Target, TargetConfig,
@@ -71,10 +74,11 @@ const GC_STEPS_PER_TICK: u32 = 2;
 const GC_STEPS_PER_TICK_URGENT: u32 = 16;
 /// A checkpoint is taken at least this often while data changes, bounding recovery time.
 const CHECKPOINT_INTERVAL_MS: u64 = 30_000;
-/// Commands (volume deletions) queued for the background task.
+/// Commands (volume and snapshot operations) queued for the background task.
 const COMMANDS_QUEUED_MAX: usize = 16;
-/// How long deleting a volume waits for the engine to make the deletion durable.
-const DELETE_TIMEOUT_MS: u64 = 30_000;
+/// How long an engine operation (deleting a volume, taking a snapshot, ...) may take to become
+/// durable before the control plane gives up waiting.
+const ENGINE_OPERATION_TIMEOUT_MS: u64 = 30_000;
 
 /// Builds the NVMe/TCP data path: formats and opens the drives, starts the threads.
 #[derive(Debug)]
@@ -294,7 +298,12 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             drive_paths,
             latches: Arc::new(DriveLatches::new(drive_count)),
             log_config: log_config(&context.drives, self.data_threads),
-            known_volumes: context.volumes.iter().map(|record| record.id).collect(),
+            known_ids: context
+                .volumes
+                .iter()
+                .map(|record| record.id)
+                .chain(context.snapshots.iter().map(|record| record.id))
+                .collect(),
         });
         let (stop_sender, stop_receiver) = watch::channel(false);
         let (command_sender, command_receiver) = mpsc::channel(COMMANDS_QUEUED_MAX);
@@ -534,15 +543,55 @@ struct ThreadShared {
     drive_paths: Vec<PathBuf>,
     latches: Arc<DriveLatches>,
     log_config: LogConfig,
-    /// The volume ids the metadata store held at start: the engine's data of any other volume
-    /// (deleted just before a crash) is dropped once recovery is done.
-    known_volumes: std::collections::HashSet<u64>,
+    /// The volume and snapshot ids the metadata store held at start: the engine's data of any
+    /// other id (deleted just before a crash) is dropped once recovery is done.
+    known_ids: std::collections::HashSet<u64>,
 }
 
-/// Work the control plane hands to the background task on thread 0.
-enum Command {
-    /// Deletes a fenced, drained volume's data durably.
-    DeleteVolume { id: u64, done: std::sync::mpsc::SyncSender<Result<(), String>> },
+/// Work the control plane hands to the background task on thread 0: one engine operation on
+/// volumes and snapshots, and where to report its outcome.
+struct Command {
+    operation: EngineOperation,
+    done: std::sync::mpsc::SyncSender<Result<(), DataPlaneError>>,
+}
+
+/// The engine operations the control plane asks for, each durable when reported done.
+#[derive(Debug, Clone, Copy)]
+enum EngineOperation {
+    /// Deletes a fenced, drained volume's data, or a snapshot's.
+    Delete {
+        id: u64,
+    },
+    Snapshot {
+        volume: u64,
+        snapshot: u64,
+    },
+    Clone {
+        volume: u64,
+        snapshot: u64,
+    },
+    /// Of a fenced, drained volume.
+    Rollback {
+        volume: u64,
+        snapshot: u64,
+    },
+}
+
+impl EngineOperation {
+    async fn run(self, store: &LogHandle<DriveFile>) -> Result<(), DataPlaneError> {
+        let result = match self {
+            Self::Delete { id } => store.delete_volume(id).await,
+            Self::Snapshot { volume, snapshot } => store.snapshot_volume(volume, snapshot).await,
+            Self::Clone { volume, snapshot } => store.clone_volume(volume, snapshot).await,
+            Self::Rollback { volume, snapshot } => store.rollback_volume(volume, snapshot).await,
+        };
+        result.map_err(|error| match error {
+            LogError::Layer(refusal @ LayerError::TooDeep { .. }) => {
+                DataPlaneError::SnapshotLimit(refusal.to_string())
+            }
+            other => DataPlaneError::failed(other.to_string()),
+        })
+    }
 }
 
 struct DataThread {
@@ -675,10 +724,13 @@ impl DataThread {
             "recovered the log"
         );
         for volume in handle.engine().volume_ids() {
-            if self.shared.known_volumes.contains(&volume) {
+            if self.shared.known_ids.contains(&volume) {
                 continue;
             }
-            tracing::info!(volume, "dropping the data of a volume deleted before the last stop");
+            tracing::info!(
+                volume,
+                "dropping the data of a volume or snapshot deleted before the last stop"
+            );
             handle
                 .delete_volume(volume)
                 .await
@@ -705,9 +757,8 @@ async fn background(
             _ = tick.tick() => {}
             command = commands.recv() => {
                 match command {
-                    Some(Command::DeleteVolume { id, done }) => {
-                        let result = store.delete_volume(id).await.map_err(|e| e.to_string());
-                        let _ = done.send(result);
+                    Some(Command { operation, done }) => {
+                        let _ = done.send(operation.run(&store).await);
                     }
                     None => break,
                 }
@@ -1112,16 +1163,41 @@ struct NvmeDataPlane {
 }
 
 impl NvmeDataPlane {
-    /// Deletes a volume's data in the engine, through thread 0, and waits until it is durable.
-    fn delete_data(&self, id: u64) -> Result<(), String> {
+    /// Runs an engine operation through thread 0 and waits until it is durable.
+    fn run(&self, operation: EngineOperation) -> Result<(), DataPlaneError> {
         let (done, result) = std::sync::mpsc::sync_channel(1);
         self.commands
-            .blocking_send(Command::DeleteVolume { id, done })
-            .map_err(|_| "the data path is stopping".to_owned())?;
-        match result.recv_timeout(Duration::from_millis(DELETE_TIMEOUT_MS)) {
+            .blocking_send(Command { operation, done })
+            .map_err(|_| DataPlaneError::failed("the data path is stopping"))?;
+        match result.recv_timeout(Duration::from_millis(ENGINE_OPERATION_TIMEOUT_MS)) {
             Ok(outcome) => outcome,
-            Err(_) => Err(format!("the deletion did not finish within {DELETE_TIMEOUT_MS} ms")),
+            Err(_) => Err(DataPlaneError::failed(format!(
+                "the engine did not finish {operation:?} within {ENGINE_OPERATION_TIMEOUT_MS} ms"
+            ))),
         }
+    }
+
+    /// Deletes a volume's data in the engine and waits until it is durable.
+    fn delete_data(&self, id: u64) -> Result<(), DataPlaneError> {
+        self.run(EngineOperation::Delete { id })
+    }
+
+    /// Fences a served volume (new I/O is refused) and waits for its in-flight I/O to drain.
+    /// On a timeout the volume stays fenced and the error says so; the caller unfences.
+    fn fence_and_drain(&self, handle: &VolumeHandle) -> Result<(), DataPlaneError> {
+        handle.fenced.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_millis(REMOVE_DRAIN_TIMEOUT_MS);
+        while handle.inflight.load(Ordering::SeqCst) > 0 {
+            if Instant::now() > deadline {
+                return Err(DataPlaneError::failed(format!(
+                    "the in-flight I/O of volume {} did not drain within \
+                     {REMOVE_DRAIN_TIMEOUT_MS} ms",
+                    handle.name
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
     }
 }
 
@@ -1200,6 +1276,46 @@ impl DataPlane for NvmeDataPlane {
                 "could not delete the volume's data now; it is dropped at the next start"
             );
         }
+    }
+
+    fn snapshot(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
+        self.run(EngineOperation::Snapshot { volume: volume.id, snapshot: snapshot_id })
+    }
+
+    fn clone_snapshot(&self, clone: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
+        self.run(EngineOperation::Clone { volume: clone.id, snapshot: snapshot_id })
+    }
+
+    fn rollback(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
+        let Some(handle) = self.catalog.get(volume.id) else {
+            return Err(DataPlaneError::failed(format!("volume {} is not served", volume.name)));
+        };
+        // Fenced so that no write lands while the volume changes layers, as for a deletion;
+        // served again whatever the outcome.
+        let result = self.fence_and_drain(&handle).and_then(|()| {
+            self.run(EngineOperation::Rollback { volume: volume.id, snapshot: snapshot_id })
+        });
+        handle.fenced.store(false, Ordering::SeqCst);
+        result
+    }
+
+    fn remove_snapshot(&self, snapshot: &SnapshotRecord) {
+        if let Err(error) = self.delete_data(snapshot.id) {
+            tracing::error!(
+                volume = %snapshot.volume,
+                snapshot = %snapshot.name,
+                %error,
+                "could not delete the snapshot's data now; it is dropped at the next start"
+            );
+        }
+    }
+
+    fn snapshot_exclusive_bytes(&self, snapshot_id: u64) -> Option<u64> {
+        Some(self.engine.snapshot_exclusive_bytes(snapshot_id))
+    }
+
+    fn stored_ids(&self) -> Option<Vec<u64>> {
+        Some(self.engine.volume_ids())
     }
 
     fn set_host_access(&self, volume: &VolumeRecord) {

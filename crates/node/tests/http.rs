@@ -172,7 +172,7 @@ fn start(dir: &Path, probe: &Arc<Probe>) -> Node {
 }
 
 fn create(client: &Client, name: &str, size_bytes: u64) -> Result<api::VolumeInfo, ClientError> {
-    client.create_volume(&CreateVolume { name: name.to_owned(), size_bytes })
+    client.create_volume(&CreateVolume::empty(name, size_bytes))
 }
 
 #[track_caller]
