@@ -48,6 +48,9 @@ pub enum StoreError {
          the data on the drive is damaged; restore it from a replica or a backup"
     )]
     ChecksumMismatch { volume: VolumeId, block: u64, drive: u16, location: u32 },
+    /// A write to a snapshot: snapshots are read-only (clone one to write).
+    #[error("{volume} is a snapshot and read-only; clone it to get a writable volume")]
+    ReadOnly { volume: VolumeId },
 }
 
 /// Block storage for volumes, used by one data-path thread.

@@ -1434,6 +1434,9 @@ impl<D: Drive> LogHandle<D> {
         let Some(index) = self.volume_index(volume_id, true) else {
             unreachable!("created on demand")
         };
+        if index.is_frozen() {
+            return Err(StoreError::ReadOnly { volume: volume.volume() }.into());
+        }
         // A block this layer does not hold takes new space even if a snapshot under it maps it.
         let unmapped: Vec<bool> =
             (0..count).map(|slot| !is_block(index.get(first + slot as u64))).collect();
@@ -1479,6 +1482,9 @@ impl<D: Drive> LogHandle<D> {
         volume.check_range(offset_bytes, length_bytes)?;
         // Nothing to drop in a plain volume never written.
         let Some(index) = self.volume_index(volume.volume().0, false) else { return Ok(()) };
+        if index.is_frozen() {
+            return Err(StoreError::ReadOnly { volume: volume.volume() }.into());
+        }
         let label = index.volume();
         let mut first = offset_bytes / BLOCK_BYTES_U64;
         let mut remaining = length_bytes / BLOCK_BYTES_U64;

@@ -841,8 +841,9 @@ pub fn decode_checkpoint_block(
 /// One record of a checkpoint's layer table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerRecordEntry {
-    /// A layer: its label, the layer under it, the volume or snapshot it serves.
-    Layer { label: u64, parent: Option<u64>, bound: Option<u64> },
+    /// A layer: its label, the layer under it, the volume or snapshot it serves, and whether it
+    /// is a snapshot's (read-only).
+    Layer { label: u64, parent: Option<u64>, bound: Option<u64>, frozen: bool },
     /// An external id bound to a layer (the layer's own record names only one).
     Binding { id: u64, label: u64 },
     /// A merged layer's label and the layer that took its blocks.
@@ -874,7 +875,8 @@ pub fn encode_layer_block(
     for (slot, record) in records.iter().enumerate() {
         let offset = LAYER_RECORDS_OFFSET + slot * LAYER_RECORD_BYTES;
         let (kind, a, b, c) = match *record {
-            LayerRecordEntry::Layer { label, parent, bound } => {
+            LayerRecordEntry::Layer { label, parent, bound, frozen } => {
+                block[offset + 1] = u8::from(frozen);
                 (RECORD_LAYER, label, parent.unwrap_or(NONE_ID), bound.unwrap_or(NONE_ID))
             }
             LayerRecordEntry::Binding { id, label } => (RECORD_BINDING, id, label, 0),
@@ -909,11 +911,16 @@ pub fn decode_layer_block(
         let offset = LAYER_RECORDS_OFFSET + slot * LAYER_RECORD_BYTES;
         let (a, b, c) =
             (le_u64(block, offset + 8), le_u64(block, offset + 16), le_u64(block, offset + 24));
-        field(block[offset + 1..offset + 8] == [0; 7], "record_reserved", slot as u64)?;
+        field(block[offset + 2..offset + 8] == [0; 6], "record_reserved", slot as u64)?;
+        let flags = block[offset + 1];
+        field(flags <= 1 && (flags == 0 || block[offset] == RECORD_LAYER), "flags", flags.into())?;
         let record = match block[offset] {
-            RECORD_LAYER => {
-                LayerRecordEntry::Layer { label: a, parent: optional(b), bound: optional(c) }
-            }
+            RECORD_LAYER => LayerRecordEntry::Layer {
+                label: a,
+                parent: optional(b),
+                bound: optional(c),
+                frozen: flags == 1,
+            },
             RECORD_BINDING => LayerRecordEntry::Binding { id: a, label: b },
             RECORD_ALIAS => LayerRecordEntry::Alias { from: a, to: b },
             RECORD_NEXT_LABEL => LayerRecordEntry::NextLabel { label: a },
@@ -1124,8 +1131,8 @@ mod tests {
         );
 
         let records = [
-            LayerRecordEntry::Layer { label: 1 << 62, parent: Some(4), bound: None },
-            LayerRecordEntry::Layer { label: 4, parent: None, bound: Some(9) },
+            LayerRecordEntry::Layer { label: 1 << 62, parent: Some(4), bound: None, frozen: false },
+            LayerRecordEntry::Layer { label: 4, parent: None, bound: Some(9), frozen: true },
             LayerRecordEntry::Binding { id: 9, label: 4 },
             LayerRecordEntry::Alias { from: (1 << 62) + 1, to: 1 << 62 },
             LayerRecordEntry::NextLabel { label: (1 << 62) + 2 },

@@ -652,6 +652,7 @@ pub(super) fn layer_records(table: &LayerTable) -> Vec<LayerRecordEntry> {
         label: layer.label,
         parent: layer.parent,
         bound: layer.bound,
+        frozen: layer.frozen,
     }));
     let mut bindings: Vec<_> = table.bindings.iter().map(|(id, label)| (*id, *label)).collect();
     bindings.sort_unstable();
@@ -668,8 +669,10 @@ pub(super) fn layer_table(records: &[LayerRecordEntry]) -> LayerTable {
     let mut table = LayerTable::default();
     for record in records {
         match *record {
-            LayerRecordEntry::Layer { label, parent, bound } => {
-                table.layers.insert(label, super::index::LayerRecord { label, parent, bound });
+            LayerRecordEntry::Layer { label, parent, bound, frozen } => {
+                table
+                    .layers
+                    .insert(label, super::index::LayerRecord { label, parent, bound, frozen });
             }
             LayerRecordEntry::Binding { id, label } => {
                 table.bindings.insert(id, label);

@@ -163,6 +163,8 @@ pub struct VolumeIndex {
     mapped_units: AtomicU64,
     allocated_bytes: AtomicU64,
     removed: AtomicBool,
+    /// A snapshot's layer: host writes to it are refused.
+    frozen: AtomicBool,
 }
 
 impl std::fmt::Debug for VolumeIndex {
@@ -197,6 +199,7 @@ impl VolumeIndex {
             mapped_units: AtomicU64::new(0),
             allocated_bytes: AtomicU64::new(std::mem::size_of::<Self>() as u64 + root_bytes),
             removed: AtomicBool::new(false),
+            frozen: AtomicBool::new(false),
         }
     }
 
@@ -258,6 +261,11 @@ impl VolumeIndex {
 
     pub fn is_removed(&self) -> bool {
         self.removed.load(Ordering::Acquire)
+    }
+
+    /// True for a snapshot's layer: read-only.
+    pub fn is_frozen(&self) -> bool {
+        self.frozen.load(Ordering::Acquire)
     }
 
     fn leaf(&self, block: u64) -> Option<(&Leaf, usize)> {
@@ -511,6 +519,8 @@ pub struct LayerRecord {
     pub parent: Option<u64>,
     /// The volume or snapshot it serves; `None` for a layer kept only for the layers on it.
     pub bound: Option<u64>,
+    /// A snapshot's layer: read-only for good.
+    pub frozen: bool,
 }
 
 /// The layered part of the index: which layer each external id (volume or snapshot) reads and
@@ -669,6 +679,7 @@ impl Index {
             let layer = self.get_or_create(record.label);
             let parent = record.parent.map(|parent| self.get_or_create(parent));
             layer.parent.store(parent);
+            layer.frozen.store(record.frozen, Ordering::Release);
         }
         *table = loaded;
         table.next_label = table.next_label.max(LAYER_LABEL_BASE);
@@ -724,7 +735,10 @@ impl Index {
         let parent_index = self.get_or_create(parent);
         let layer = self.get_or_create(label);
         layer.parent.store(Some(parent_index));
-        table.layers.insert(label, LayerRecord { label, parent: Some(parent), bound: Some(bound) });
+        table.layers.insert(
+            label,
+            LayerRecord { label, parent: Some(parent), bound: Some(bound), frozen: false },
+        );
         table.bindings.insert(bound, label);
         table.next_label = table.next_label.max(label + 1);
     }
@@ -736,7 +750,10 @@ impl Index {
         }
         let layer = self.get_or_create(volume);
         let parent = layer.parent().map(|parent| parent.volume());
-        table.layers.insert(volume, LayerRecord { label: volume, parent, bound: Some(volume) });
+        table.layers.insert(
+            volume,
+            LayerRecord { label: volume, parent, bound: Some(volume), frozen: false },
+        );
         table.bindings.insert(volume, volume);
         volume
     }
@@ -752,6 +769,10 @@ impl Index {
         let top = self.adopt(&mut table, volume);
         if let Some(record) = table.layers.get_mut(&top) {
             record.bound = Some(snapshot);
+            record.frozen = true;
+        }
+        if let Some(layer) = self.get(top) {
+            layer.frozen.store(true, Ordering::Release);
         }
         table.bindings.insert(snapshot, top);
         self.add_layer(&mut table, label, top, volume);

@@ -236,6 +236,13 @@ fn run_model(seed: u64, steps: u32) {
             _ => continue,
         };
         verify_all(&node, &model, &format!("step {step} ({label}, seed {seed:#x})"));
+        if let Some(snapshot) = model.snapshots.keys().next() {
+            // Snapshots stay read-only whatever restored them (checkpoint or replay).
+            let mut buf = AlignedBuf::new(BLOCK_BYTES);
+            fill_block(&mut buf, CONTENT_VOLUME, 0, 1);
+            let (refused, _) = block_on(node.handle.write(&map(*snapshot), 0, buf));
+            assert!(refused.is_err(), "step {step} ({label}): snapshot {snapshot} took a write");
+        }
         let mapped: u64 = node.engine.stats().mapped_bytes / BLOCK;
         let stored: usize = model
             .volumes
@@ -396,6 +403,20 @@ fn snapshot_chains_are_bounded_and_bad_requests_refused() {
     assert!(in_use.to_string().contains("in use"), "{in_use}");
     let clone_over_volume = block_on(node.handle.clone_volume(1, 10)).unwrap_err();
     assert!(clone_over_volume.to_string().contains("in use"), "{clone_over_volume}");
+    // Snapshots are read-only, across a restart too.
+    let mut buf = AlignedBuf::new(BLOCK_BYTES);
+    fill_block(&mut buf, CONTENT_VOLUME, 0, 99);
+    let (refused, _) = block_on(node.handle.write(&map(10), 0, buf));
+    assert!(refused.unwrap_err().to_string().contains("read-only"));
+    let trimmed = block_on(node.handle.deallocate(&map(10), 0, BLOCK));
+    assert!(trimmed.unwrap_err().to_string().contains("read-only"));
+    let node = node.restart(true);
+    let mut buf = AlignedBuf::new(BLOCK_BYTES);
+    fill_block(&mut buf, CONTENT_VOLUME, 0, 99);
+    let (refused, _) = block_on(node.handle.write(&map(10), 0, buf));
+    assert!(refused.unwrap_err().to_string().contains("read-only"), "after recovery");
+    // The volume itself stays writable.
+    write(&node, 1, 1, &[6]);
 }
 
 /// Writers keep overwriting while a snapshot is taken: the snapshot holds, for each block, the
