@@ -1143,6 +1143,7 @@ fn storage_status(error: &StoreError) -> StorageStatus {
         StoreError::VolumeRemoved { .. } => StorageStatus::NotReady,
         StoreError::CapacityExceeded { .. } => StorageStatus::CapacityExceeded,
         StoreError::ChecksumMismatch { .. } => StorageStatus::UnrecoveredReadError,
+        StoreError::ReadOnly { .. } => StorageStatus::WriteProtected,
         StoreError::DriveFailed { .. } | StoreError::Io { .. } => StorageStatus::Internal,
     }
 }
