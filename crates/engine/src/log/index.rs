@@ -352,7 +352,9 @@ impl VolumeIndex {
             // Each round advances the cursor by at least one mapped block of a finite table.
             while let Some(from) = cursor.filter(|from| *from < end) {
                 chunk.clear();
-                cursor = current.collect_mapped(from, LEAF_ENTRIES, &mut chunk);
+                // No more entries than the range has blocks: a short trim costs little.
+                let limit = (end - from).min(LEAF_ENTRIES as u64) as usize;
+                cursor = current.collect_mapped(from, limit, &mut chunk);
                 for &(block, _) in chunk.iter().take_while(|(block, _)| *block < end) {
                     let old = self.swap(block, TOMBSTONE);
                     if is_block(old) {
@@ -366,7 +368,8 @@ impl VolumeIndex {
         let mut cursor = Some(first);
         while let Some(from) = cursor.filter(|from| *from < end) {
             chunk.clear();
-            cursor = self.collect_mapped(from, LEAF_ENTRIES, &mut chunk);
+            let limit = (end - from).min(LEAF_ENTRIES as u64) as usize;
+            cursor = self.collect_mapped(from, limit, &mut chunk);
             for &(block, entry) in chunk.iter().take_while(|(block, _)| *block < end) {
                 if !is_block(entry) {
                     continue;
