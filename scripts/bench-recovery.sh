@@ -23,7 +23,7 @@ trap cleanup EXIT
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 start() { # data dir
-    "$ferrite" up --data-dir "$1" --api-listen "127.0.0.1:$api_port" \
+    "$ferrite" up --nbd-listen off --data-dir "$1" --api-listen "127.0.0.1:$api_port" \
         --nvme-listen "127.0.0.1:$nvme_port" >>"$work/up.log" 2>&1 &
     server=$!
     for _ in $(seq 1 1200); do "$ferrite" node show >/dev/null 2>&1 && return 0; sleep 0.05; done

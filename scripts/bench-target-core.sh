@@ -84,7 +84,7 @@ else
     backend_args=(--data-dir "$work/data")
     [ -n "$drive_backend" ] && backend_args+=(--drive-backend "$drive_backend")
 fi
-taskset -c "$target_cpu" "$ferrite" up --data-threads 1 --poll-us "$poll_us" \
+taskset -c "$target_cpu" "$ferrite" up --nbd-listen off --data-threads 1 --poll-us "$poll_us" \
     --drives 2 --drive-size "$drive_size" "${backend_args[@]}" \
     --api-listen "127.0.0.1:$api_port" --nvme-listen "127.0.0.1:$nvme_port" >"$work/up.log" 2>&1 &
 server=$!

@@ -34,7 +34,7 @@ trap cleanup EXIT
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 api_port=$(port); nvme_port=$(port)
 export FERRITE_API=http://127.0.0.1:$api_port
-"$ferrite" up --data-dir "$work/data" --api-listen "127.0.0.1:$api_port" \
+"$ferrite" up --nbd-listen off --data-dir "$work/data" --api-listen "127.0.0.1:$api_port" \
     --nvme-listen "127.0.0.1:$nvme_port" >"$work/up.log" 2>&1 &
 server=$!
 for _ in $(seq 1 100); do "$ferrite" node show >/dev/null 2>&1 && break; sleep 0.1; done

@@ -96,7 +96,7 @@ for fill in $fills; do
     export FERRITE_API=http://127.0.0.1:$api_port
     data="$work/data-$fill"
     : >"$work/up.log"
-    "$ferrite" up --data-dir "$data" --drives "$drives" --drive-size "$drive_size" \
+    "$ferrite" up --nbd-listen off --data-dir "$data" --drives "$drives" --drive-size "$drive_size" \
         --api-listen "127.0.0.1:$api_port" --nvme-listen "127.0.0.1:$nvme_port" >>"$work/up.log" 2>&1 &
     server=$!
     for _ in $(seq 1 600); do "$ferrite" node show >/dev/null 2>&1 && break; alive; sleep 0.1; done

@@ -6,8 +6,8 @@
 
 use crate::wire::{
     AnaState, CreateSnapshot, CreateVolume, ErrorBody, ErrorCode, HostAccess, NodeInfo,
-    ResizeVolume, RollbackVolume, SetPathState, SnapshotInfo, SnapshotList, VolumeInfo, VolumeList,
-    VolumePaths,
+    ResizeVolume, RollbackVolume, SetCompression, SetPathState, SnapshotInfo, SnapshotList,
+    VolumeInfo, VolumeList, VolumePaths,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -147,6 +147,17 @@ impl Client {
     pub fn rollback_volume(&self, volume: &str, snapshot: &str) -> Result<VolumeInfo, ClientError> {
         let body = json(&RollbackVolume { snapshot: snapshot.to_owned() });
         self.call("POST", &volume_path(volume, "/rollback"), Some(body))
+    }
+
+    /// Sets how the volume's new writes are stored (one of [`crate::COMPRESSIONS`]) and
+    /// returns the volume. Blocks already written keep their form.
+    pub fn set_compression(
+        &self,
+        volume: &str,
+        compression: &str,
+    ) -> Result<VolumeInfo, ClientError> {
+        let body = json(&SetCompression { compression: compression.to_owned() });
+        self.call("PUT", &volume_path(volume, "/compression"), Some(body))
     }
 
     /// Who may connect to the volume.

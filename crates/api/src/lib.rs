@@ -39,6 +39,9 @@ pub mod paths {
     /// `GET`: the snapshot's [`SnapshotInfo`](crate::SnapshotInfo); `DELETE`: deletes it and
     /// answers what it was.
     pub const VOLUME_SNAPSHOT: &str = "/v1/volumes/{name}/snapshots/{snapshot}";
+    /// `PUT` with a [`SetCompression`](crate::SetCompression): how the volume's new writes are
+    /// stored; answers the volume's [`VolumeInfo`](crate::VolumeInfo).
+    pub const VOLUME_COMPRESSION: &str = "/v1/volumes/{name}/compression";
     /// `POST` with a [`RollbackVolume`](crate::RollbackVolume): rolls the volume back to one
     /// of its snapshots; answers the volume's [`VolumeInfo`](crate::VolumeInfo).
     pub const VOLUME_ROLLBACK: &str = "/v1/volumes/{name}/rollback";

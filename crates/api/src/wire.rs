@@ -23,12 +23,31 @@ pub struct CreateVolume {
     /// snapshot, sharing its blocks until they are overwritten. Absent for an empty volume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from_snapshot: Option<String>,
+    /// How the volume's writes are stored: one of [`COMPRESSIONS`]. Absent: [`COMPRESSION_LZ4`]
+    /// for an empty volume, and the source volume's setting for a clone. Blocks that do not
+    /// shrink are stored raw whatever the setting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<String>,
 }
+
+/// [`CreateVolume::compression`] and [`VolumeInfo::compression`]: LZ4, fast; the default.
+pub const COMPRESSION_LZ4: &str = "lz4";
+/// zstd: more reduction than LZ4 for more CPU per write and read.
+pub const COMPRESSION_ZSTD: &str = "zstd";
+/// Every block stored raw.
+pub const COMPRESSION_OFF: &str = "off";
+/// Every compression setting a node accepts, the default first.
+pub const COMPRESSIONS: [&str; 3] = [COMPRESSION_LZ4, COMPRESSION_ZSTD, COMPRESSION_OFF];
 
 impl CreateVolume {
     /// A new empty volume.
     pub fn empty(name: impl Into<String>, size_bytes: u64) -> Self {
-        Self { name: name.into(), size_bytes: Some(size_bytes), from_snapshot: None }
+        Self {
+            name: name.into(),
+            size_bytes: Some(size_bytes),
+            from_snapshot: None,
+            compression: None,
+        }
     }
 
     /// A clone of snapshot `snapshot` of `volume`, of the snapshot's size.
@@ -37,8 +56,24 @@ impl CreateVolume {
             name: name.into(),
             size_bytes: None,
             from_snapshot: Some(snapshot_ref(volume, snapshot)),
+            compression: None,
         }
     }
+
+    /// The same request with compression `compression` (one of [`COMPRESSIONS`]).
+    pub fn with_compression(mut self, compression: impl Into<String>) -> Self {
+        self.compression = Some(compression.into());
+        self
+    }
+}
+
+/// `PUT /v1/volumes/{name}/compression`: how the volume's new writes are stored from now on.
+/// Blocks already written keep their form (they are not rewritten).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SetCompression {
+    /// One of [`COMPRESSIONS`].
+    pub compression: String,
 }
 
 /// What separates the volume from the snapshot in a snapshot reference, `VOLUME@SNAPSHOT`.
@@ -68,7 +103,7 @@ pub struct ResizeVolume {
 }
 
 /// A volume, as returned by every volume endpoint.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VolumeInfo {
     pub name: String,
     pub id: u64,
@@ -100,6 +135,25 @@ pub struct VolumeInfo {
     /// How many snapshots the volume has. Absent from nodes older than snapshots: none.
     #[serde(default)]
     pub snapshot_count: u32,
+    /// How the volume's new writes are stored: one of [`COMPRESSIONS`]. Absent from nodes
+    /// older than compression, which store every block raw.
+    #[serde(default = "compression_off")]
+    pub compression: String,
+    /// Bytes of the volume's mapped blocks per byte they take on the drives: above 1 when
+    /// compression saves space, 1.0 when it saves none (or nothing is mapped, as in the answers
+    /// of create and delete). Absent from older nodes.
+    #[serde(default = "no_reduction")]
+    pub data_reduction: f64,
+}
+
+/// [`VolumeInfo::compression`] of a node that does not report it.
+fn compression_off() -> String {
+    COMPRESSION_OFF.to_owned()
+}
+
+/// A data-reduction ratio a node does not report: nothing saved.
+fn no_reduction() -> f64 {
+    1.0
 }
 
 impl VolumeInfo {
@@ -110,7 +164,7 @@ impl VolumeInfo {
 }
 
 /// `GET /v1/volumes`: every volume, sorted by name.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VolumeList {
     pub volumes: Vec<VolumeInfo>,
 }
@@ -265,6 +319,13 @@ pub struct Capacity {
     /// Blocks that failed their checksum when read since the node started.
     #[serde(default)]
     pub checksum_errors: u64,
+    /// Drive space the mapped blocks take: less than `mapped_bytes` when compressed.
+    #[serde(default)]
+    pub mapped_physical_bytes: u64,
+    /// `mapped_bytes / mapped_physical_bytes`, node-wide: 1.0 when compression saves nothing
+    /// (or nothing is mapped). Absent from older nodes.
+    #[serde(default = "no_reduction")]
+    pub data_reduction: f64,
 }
 
 /// `GET /v1/node`: the node and its capacity.
@@ -291,7 +352,77 @@ pub struct NodeInfo {
     /// Every drive, in index order, with its state. Nodes that predate the field report none.
     #[serde(default)]
     pub drives: Vec<DriveInfo>,
+    /// The background scrub. Absent from nodes older than scrub.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scrub: Option<ScrubInfo>,
 }
+
+/// The background scrub of a node, in [`NodeInfo::scrub`]: it reads every live block back and
+/// checks it against its checksum, paced (`ferrite up --scrub-mb-per-s`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScrubInfo {
+    /// One of [`SCRUB_STATE_RUNNING`], [`SCRUB_STATE_WAITING`], [`SCRUB_STATE_PAUSED`],
+    /// [`SCRUB_STATE_OFF`].
+    pub state: String,
+    /// The most the scrub reads per second, in MiB (0: off).
+    pub rate_mb_per_s: u64,
+    /// Full passes over the node's data since the node started.
+    pub passes_completed: u64,
+    /// Blocks read back and found intact since the node started.
+    pub blocks_verified: u64,
+    /// Damage found since the node started (a damaged block counts again in each pass that
+    /// finds it).
+    pub errors: u64,
+    /// How far the current pass is, 0 to 100.
+    pub pass_progress_percent: f64,
+    /// The most recent damage found, oldest first (a bounded list; `errors` has the total).
+    pub findings: Vec<ScrubFindingInfo>,
+}
+
+/// [`ScrubInfo::state`]: a pass is under way.
+pub const SCRUB_STATE_RUNNING: &str = "running";
+/// [`ScrubInfo::state`]: a pass completed; the next starts when the minimum interval between
+/// passes is over.
+pub const SCRUB_STATE_WAITING: &str = "waiting";
+/// [`ScrubInfo::state`]: a drive is latched failed; the scrub waits for the node's restart.
+pub const SCRUB_STATE_PAUSED: &str = "paused";
+/// [`ScrubInfo::state`]: the node runs no scrub (`--scrub-mb-per-s 0`).
+pub const SCRUB_STATE_OFF: &str = "off";
+
+/// One piece of damage the scrub found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScrubFindingInfo {
+    /// [`SCRUB_DAMAGE_BLOCK`] or [`SCRUB_DAMAGE_HEADER_CHAIN`].
+    pub kind: String,
+    /// For a damaged block: the volume whose own layer holds it (the volume, or its snapshots
+    /// taken since, read it). Absent when the block belongs to a layer made by a snapshot or a
+    /// clone; `layer` then says which.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<String>,
+    /// For a damaged block: the engine's label of the layer that holds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<u64>,
+    /// For a damaged block: its number (in 4 KiB blocks) in that layer's volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block: Option<u64>,
+    /// For a damaged header chain: the log segment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment: Option<u32>,
+    /// The drive holding the damage.
+    pub drive: u16,
+    /// The log location of the damage.
+    pub location: u32,
+    /// The scrub pass that found it, from 1.
+    pub pass: u64,
+    /// Whether it was repaired (never yet: the node keeps one copy of each block).
+    pub repaired: bool,
+}
+
+/// [`ScrubFindingInfo::kind`]: a block failed its checksum; reads of it fail with an error.
+pub const SCRUB_DAMAGE_BLOCK: &str = "block";
+/// [`ScrubFindingInfo::kind`]: a segment's chain of batch headers is broken, so garbage
+/// collection and recovery cannot reach some of its blocks (which may still read fine).
+pub const SCRUB_DAMAGE_HEADER_CHAIN: &str = "header_chain";
 
 /// One drive of a node, in [`NodeInfo::drives`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -501,6 +632,8 @@ mod tests {
             physical_used_bytes: None,
             origin: None,
             snapshot_count: 0,
+            compression: COMPRESSION_ZSTD.to_owned(),
+            data_reduction: 2.5,
         };
         assert_eq!(
             info.nvme_connect_command(),
@@ -527,6 +660,8 @@ mod tests {
         // A node older than snapshots sends neither field.
         let old: VolumeInfo = serde_json::from_value(json.clone()).unwrap();
         assert_eq!((old.origin.as_deref(), old.snapshot_count), (None, 0));
+        // Nor compression: its volumes are stored raw.
+        assert_eq!((old.compression.as_str(), old.data_reduction), (COMPRESSION_OFF, 1.0));
         let out = serde_json::to_value(&old).unwrap();
         assert!(out.get("origin").is_none(), "no origin is not sent: {out}");
         assert_eq!(out["snapshot_count"], 0);
@@ -563,6 +698,68 @@ mod tests {
         assert_eq!(sized.from_snapshot.as_deref(), Some("db@nightly"));
         let neither: CreateVolume = serde_json::from_str(r#"{"name":"db"}"#).unwrap();
         assert_eq!((neither.size_bytes, neither.from_snapshot), (None, None));
+        assert_eq!(neither.compression, None, "absent: the node's default");
+
+        let zstd = CreateVolume::empty("db", 1 << 20).with_compression(COMPRESSION_ZSTD);
+        let json = serde_json::to_value(&zstd).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"name": "db", "size_bytes": 1048576, "compression": "zstd"})
+        );
+        assert_eq!(serde_json::from_value::<CreateVolume>(json).unwrap(), zstd);
+        assert_eq!(COMPRESSIONS[0], COMPRESSION_LZ4, "the default is listed first");
+
+        let set: SetCompression = serde_json::from_str(r#"{"compression":"off"}"#).unwrap();
+        assert_eq!(set.compression, COMPRESSION_OFF);
+        assert!(serde_json::from_str::<SetCompression>("{}").is_err());
+        assert!(serde_json::from_str::<SetCompression>(r#"{"compression":"off","x":1}"#).is_err());
+    }
+
+    #[test]
+    fn node_info_reduction_and_scrub() {
+        let capacity = Capacity {
+            total_bytes: 1 << 30,
+            free_bytes: 1 << 29,
+            chunk_size_bytes: 0,
+            provisioned_bytes: 0,
+            mapped_bytes: 8192,
+            physical_used_bytes: 1 << 20,
+            write_amplification: 1.0,
+            checksum_errors: 0,
+            mapped_physical_bytes: 2048,
+            data_reduction: 4.0,
+        };
+        let mut json = serde_json::to_value(capacity).unwrap();
+        assert_eq!(json["data_reduction"], 4.0);
+        // An older node sends neither: nothing is compressed.
+        json.as_object_mut().unwrap().remove("data_reduction");
+        json.as_object_mut().unwrap().remove("mapped_physical_bytes");
+        let old: Capacity = serde_json::from_value(json).unwrap();
+        assert_eq!((old.mapped_physical_bytes, old.data_reduction), (0, 1.0));
+
+        let scrub = ScrubInfo {
+            state: SCRUB_STATE_RUNNING.to_owned(),
+            rate_mb_per_s: 32,
+            passes_completed: 2,
+            blocks_verified: 1000,
+            errors: 1,
+            pass_progress_percent: 12.5,
+            findings: vec![ScrubFindingInfo {
+                kind: SCRUB_DAMAGE_BLOCK.to_owned(),
+                volume: Some("db".to_owned()),
+                layer: Some(7),
+                block: Some(42),
+                segment: None,
+                drive: 1,
+                location: 9000,
+                pass: 2,
+                repaired: false,
+            }],
+        };
+        let json = serde_json::to_value(&scrub).unwrap();
+        assert!(json["findings"][0].get("segment").is_none(), "{json}");
+        assert_eq!(json["findings"][0]["volume"], "db");
+        assert_eq!(serde_json::from_value::<ScrubInfo>(json).unwrap(), scrub);
     }
 
     #[test]

@@ -26,9 +26,12 @@ const UP_EXAMPLES: &str = "\
 Examples:
   ferrite up
       4 sparse drive files of 16 GiB in ./ferrite-data, NVMe/TCP on 127.0.0.1:4420,
-      REST API on 127.0.0.1:8080.
+      NBD on 127.0.0.1:10809, REST API on 127.0.0.1:8080.
   ferrite up --data-dir /var/lib/ferrite --drives 8 --drive-size 100G
   ferrite up --nvme-listen 0.0.0.0:4420 --api-listen 127.0.0.1:9000
+  ferrite up --nbd-listen 0.0.0.0:10809     # or --nbd-listen off
+      Every volume open to any host is also an NBD export (nbd://HOST:10809/VOLUME); a volume
+      restricted to listed NVMe hosts is not exported over NBD.
   ferrite up --data-dir /var/lib/ferrite --drive /dev/nvme1n1 --drive /dev/nvme2n1
       The two NVMe devices are the node's drives (formatted on the first start: everything on
       them is overwritten); the metadata stays in /var/lib/ferrite.
@@ -56,9 +59,11 @@ sparse, so RAM is used only as volumes are written.";
 const VOLUME_EXAMPLES: &str = "\
 Examples:
   ferrite volume create db --size 10G
+  ferrite volume create logs --size 100G --compression zstd
   ferrite volume list
   ferrite volume show db
   ferrite volume resize db 20G
+  ferrite volume set-compression db off
   ferrite volume create db-copy --from-snapshot db@nightly
   ferrite volume rollback db --to nightly
   ferrite volume delete db
@@ -300,6 +305,10 @@ struct UpArgs {
     /// ... in that order) that hosts' multipath can use [default: 127.0.0.1:4420].
     #[arg(long, value_name = "ADDR")]
     nvme_listen: Vec<SocketAddr>,
+    /// Address to serve NBD on: every volume open to any host is also an NBD export named
+    /// after it (`nbd://127.0.0.1:10809/NAME`); `off` serves no NBD.
+    #[arg(long, value_name = "ADDR|off", default_value = "127.0.0.1:10809")]
+    nbd_listen: ListenOrOff,
     /// Address to serve the REST API on.
     #[arg(long, value_name = "ADDR", default_value_t = node::config::DEFAULT_API_LISTEN)]
     api_listen: SocketAddr,
@@ -316,6 +325,32 @@ struct UpArgs {
     /// off when the node shares its cores with the applications using it. Example: --poll-us 200.
     #[arg(long, value_name = "US", default_value_t = 0)]
     poll_us: u64,
+    /// The most the background scrub reads per second, in MiB; 0 turns it off.
+    ///
+    /// The scrub reads every live block back and checks it against its checksum, so damage on
+    /// a drive is found before a host reads it; `ferrite node show` reports its passes and what
+    /// it found. It only reads and never holds up host writes, but its reads share the drives:
+    /// raise the rate on fast drives, lower it where host I/O needs every bit of bandwidth. A
+    /// pass starts at most once a minute. It pauses while a drive is latched failed.
+    #[arg(long, value_name = "MB", default_value_t = node::scrub::DEFAULT_SCRUB_MB_PER_S)]
+    scrub_mb_per_s: u64,
+}
+
+/// A listen address, or `off`.
+#[derive(Debug, Clone, Copy)]
+struct ListenOrOff(Option<SocketAddr>);
+
+impl std::str::FromStr for ListenOrOff {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if text == "off" {
+            return Ok(Self(None));
+        }
+        text.parse().map(|addr| Self(Some(addr))).map_err(|_| {
+            format!("{text:?} is neither an address such as 127.0.0.1:10809 nor `off`")
+        })
+    }
 }
 
 /// `--drive-backend`: the CLI's names of `node::DriveBackend`.
@@ -366,6 +401,27 @@ enum VolumeCommand {
         /// Make the volume a clone of this snapshot, written VOLUME@SNAP.
         #[arg(long, value_name = "VOLUME@SNAP")]
         from_snapshot: Option<String>,
+        /// How the volume's blocks are stored: lz4 (the default), zstd or off.
+        ///
+        /// Compression is transparent to hosts and saves drive space on data that compresses
+        /// (text, logs, databases with sparse pages). lz4 costs little CPU per write and read;
+        /// zstd usually saves more space for more CPU; off stores every block as written. A
+        /// block that does not shrink (already compressed or encrypted data) is stored raw
+        /// whatever the setting, so incompressible data costs no extra space. A clone uses its
+        /// source volume's setting unless this is given. `volume show` reports the data
+        /// reduction achieved.
+        #[arg(long, value_name = "lz4|zstd|off")]
+        compression: Option<String>,
+    },
+    /// Change how a volume's new writes are stored: lz4, zstd or off.
+    ///
+    /// Blocks already written keep their form (they are not rewritten); the new setting applies
+    /// to every write from now on, and survives restarts.
+    #[command(after_long_help = "Example:\n  ferrite volume set-compression db zstd")]
+    SetCompression {
+        name: String,
+        #[arg(value_name = "lz4|zstd|off")]
+        compression: String,
     },
     /// Roll a volume back to one of its snapshots, dropping every write made since.
     ///
@@ -480,10 +536,12 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         } else {
             args.nvme_listen
         },
+        nbd_listen: args.nbd_listen.0,
         api_listen: args.api_listen,
         stop_on_signals: true,
         data_threads: args.data_threads,
         poll_us: args.poll_us,
+        scrub_mb_per_s: args.scrub_mb_per_s,
     };
     let node = node::Node::start_on(config, backend)?;
     print::started(&node);
@@ -498,7 +556,7 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
     let client = api::Client::new(&args.api)?;
     let json = args.json;
     match args.command {
-        VolumeCommand::Create { name, size, from_snapshot } => {
+        VolumeCommand::Create { name, size, from_snapshot, compression } => {
             let request = match (from_snapshot, size) {
                 (Some(from), size) => {
                     let Some((volume, snapshot)) = api::parse_snapshot_ref(&from) else {
@@ -513,6 +571,10 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
                 }
                 (None, Some(size)) => api::CreateVolume::empty(name, size.bytes()),
                 (None, None) => anyhow::bail!("give --size SIZE, or --from-snapshot VOLUME@SNAP"),
+            };
+            let request = match compression {
+                Some(compression) => request.with_compression(compression),
+                None => request,
             };
             let volume = client.create_volume(&request)?;
             print::volume_changed(json, "created", &volume)
@@ -536,6 +598,17 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
         VolumeCommand::Resize { name, size } => {
             let volume = client.resize_volume(&name, size.bytes())?;
             print::volume_changed(json, "resized", &volume)
+        }
+        VolumeCommand::SetCompression { name, compression } => {
+            let volume = client.set_compression(&name, &compression)?;
+            if !json {
+                println!(
+                    "volume {name}: new writes are stored with compression {} (blocks already \
+                     written keep their form)",
+                    volume.compression
+                );
+            }
+            print::volume(json, &volume)
         }
         VolumeCommand::Paths { name } => print::volume_paths(json, &client.volume_paths(&name)?),
         VolumeCommand::SetPath { name, port, state } => {

@@ -25,6 +25,10 @@ pub fn started(node: &node::Node) {
     );
     println!("  REST API:  {}", node.api_url());
     println!("  NVMe/TCP:  {}", node.nvme_addr());
+    match node.nbd_addr() {
+        Some(addr) => println!("  NBD:       {addr}"),
+        None => println!("  NBD:       off"),
+    }
     println!("  drives:    {drives}");
     println!("  metadata:  {}", node.meta_path().display());
     if memory {
@@ -51,6 +55,14 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
         ("provisioned", format!("{} (thin)", ByteSize(capacity.provisioned_bytes))),
         ("mapped", format!("{}", ByteSize(capacity.mapped_bytes))),
         ("used", format!("{} on the drives", ByteSize(capacity.physical_used_bytes))),
+        (
+            "data reduction",
+            format!(
+                "{} (mapped data takes {} on the drives)",
+                reduction(capacity.data_reduction),
+                ByteSize(capacity.mapped_physical_bytes)
+            ),
+        ),
         ("write amp", format!("{:.2}", capacity.write_amplification)),
         ("checksum errors", capacity.checksum_errors.to_string()),
         ("volumes", node.volume_count.to_string()),
@@ -68,6 +80,9 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
         .filter(|drive| drive.state != api::DRIVE_STATE_OK)
         .map(|drive| format!("{} ({})", drive.index, drive.path))
         .collect();
+    if let Some(scrub) = &node.scrub {
+        print_scrub(scrub);
+    }
     if !failed.is_empty() {
         println!(
             "FAILED DRIVES:   drive {} failed: an I/O error or a failed sync latched it, and no \
@@ -79,6 +94,60 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A data-reduction ratio: `2.41x`.
+fn reduction(ratio: f64) -> String {
+    format!("{ratio:.2}x")
+}
+
+/// The scrub block of `node show`: its state, its counts, and what it found.
+fn print_scrub(scrub: &api::ScrubInfo) {
+    let state = match scrub.state.as_str() {
+        api::SCRUB_STATE_RUNNING => {
+            format!("running, pass {:.0}% done", scrub.pass_progress_percent)
+        }
+        api::SCRUB_STATE_WAITING => {
+            "waiting for the next pass (one starts at most every minute)".to_owned()
+        }
+        api::SCRUB_STATE_PAUSED => {
+            "paused: a drive is latched failed; it resumes when the node restarts".to_owned()
+        }
+        api::SCRUB_STATE_OFF => "off (ferrite up --scrub-mb-per-s 0)".to_owned(),
+        other => other.to_owned(),
+    };
+    let rows = [
+        ("scrub", format!("{state}, at most {} MiB/s", scrub.rate_mb_per_s)),
+        ("scrub passes", scrub.passes_completed.to_string()),
+        ("scrub verified", format!("{} blocks", scrub.blocks_verified)),
+        ("scrub errors", scrub.errors.to_string()),
+    ];
+    for (key, value) in rows {
+        println!("{:<17}{value}", format!("{key}:"));
+    }
+    for finding in &scrub.findings {
+        let what = match (finding.kind.as_str(), &finding.volume, finding.layer, finding.block) {
+            (api::SCRUB_DAMAGE_BLOCK, Some(volume), _, Some(block)) => {
+                format!("block {block} of volume {volume} is damaged (reads of it fail)")
+            }
+            (api::SCRUB_DAMAGE_BLOCK, None, Some(layer), Some(block)) => format!(
+                "block {block} of snapshot/clone layer {layer} is damaged (reads of it fail)"
+            ),
+            (api::SCRUB_DAMAGE_HEADER_CHAIN, ..) => format!(
+                "the batch header chain of segment {} is broken",
+                finding.segment.map_or_else(|| "?".to_owned(), |segment| segment.to_string())
+            ),
+            (kind, ..) => format!("{kind} damage"),
+        };
+        println!(
+            "{:<17}{what}: drive {}, log location {}, found in pass {}{}",
+            "scrub finding:",
+            finding.drive,
+            finding.location,
+            finding.pass,
+            if finding.repaired { ", repaired" } else { ", not repaired" }
+        );
+    }
 }
 
 /// The backend as `node show` prints it: memory drives are flagged, loudly.
@@ -110,6 +179,11 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
         ("size", format!("{} ({} bytes)", ByteSize(volume.size_bytes), volume.size_bytes)),
         ("mapped", optional_bytes(volume.mapped_bytes, "")),
         ("used", optional_bytes(volume.physical_used_bytes, " on the drives")),
+        ("compression", compression_summary(&volume.compression)),
+        (
+            "reduction",
+            format!("{} (mapped bytes per byte on the drives)", reduction(volume.data_reduction)),
+        ),
         ("uuid", volume.uuid.clone()),
         ("created", api::rfc3339_utc(volume.created_unix_ms)),
         ("nqn", volume.nqn.clone()),
@@ -120,9 +194,16 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
         ("snapshots", snapshot_summary(volume.snapshot_count, &volume.name)),
     ];
     for (key, value) in rows {
-        println!("{:<9}{value}", format!("{key}:"));
+        println!("{:<13}{value}", format!("{key}:"));
     }
     Ok(())
+}
+
+fn compression_summary(compression: &str) -> String {
+    match compression {
+        api::COMPRESSION_OFF => "off (blocks are stored as written)".to_owned(),
+        other => format!("{other} (blocks that do not shrink are stored raw)"),
+    }
 }
 
 fn snapshot_summary(count: u32, volume: &str) -> String {
@@ -220,14 +301,18 @@ pub fn volume_list(json: bool, volumes: Vec<VolumeInfo>) -> anyhow::Result<()> {
         println!("no volumes; create one with `ferrite volume create NAME --size SIZE`");
         return Ok(());
     }
-    let header = ["NAME", "SIZE", "ID", "SNAPSHOTS", "ORIGIN", "CREATED", "NQN"].map(str::to_owned);
-    let rows: Vec<[String; 7]> = volumes
+    let header =
+        ["NAME", "SIZE", "ID", "COMPRESSION", "REDUCTION", "SNAPSHOTS", "ORIGIN", "CREATED", "NQN"]
+            .map(str::to_owned);
+    let rows: Vec<[String; 9]> = volumes
         .iter()
         .map(|volume| {
             [
                 volume.name.clone(),
                 ByteSize(volume.size_bytes).to_string(),
                 volume.id.to_string(),
+                volume.compression.clone(),
+                reduction(volume.data_reduction),
                 volume.snapshot_count.to_string(),
                 volume.origin.clone().unwrap_or_else(|| "-".to_owned()),
                 api::rfc3339_utc(volume.created_unix_ms),

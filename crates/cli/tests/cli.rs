@@ -34,6 +34,7 @@ impl Up {
             .arg(data_dir)
             .args(["--api-listen", "127.0.0.1:0"])
             .args(["--nvme-listen", &format!("127.0.0.1:{nvme_port}")])
+            .args(["--nbd-listen", "127.0.0.1:0"])
             .args(["--drives", "2", "--drive-size", "4G"])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -246,6 +247,7 @@ fn a_second_node_on_the_same_data_dir_is_refused() {
         .args(["up", "--data-dir"])
         .arg(dir.path())
         .args(["--api-listen", "127.0.0.1:0", "--nvme-listen", "127.0.0.1:0"])
+        .args(["--nbd-listen", "off"])
         .output()
         .unwrap();
     assert!(!output.status.success());

@@ -119,6 +119,7 @@ fn up_fails(data_dir: &Path, devices: &[&LoopDevice]) -> String {
     let output = Command::new(FERRITE)
         .args(["up", "--data-dir", path_str(data_dir), "--api-listen", "127.0.0.1:0"])
         .args(["--nvme-listen", &format!("127.0.0.1:{}", free_port())])
+        .args(["--nbd-listen", "off"])
         .args(drive_args(devices))
         .stdin(Stdio::null())
         .output()

@@ -67,6 +67,7 @@ impl MemoryNode {
             .args(MEMORY_ARGS)
             .args(["--api-listen", "127.0.0.1:0"])
             .args(["--nvme-listen", &format!("127.0.0.1:{nvme_port}")])
+            .args(["--nbd-listen", "127.0.0.1:0"])
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -215,6 +216,7 @@ fn memory_backend_refuses_a_data_dir_and_drives_larger_than_ram() {
         let mut command = vec!["up", "--drive-backend", "memory"];
         command.extend_from_slice(args);
         command.extend_from_slice(&["--api-listen", "127.0.0.1:0", "--nvme-listen", "127.0.0.1:0"]);
+        command.extend_from_slice(&["--nbd-listen", "off"]);
         let output = ferrite("http://127.0.0.1:1", &command);
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!output.status.success(), "{command:?} started");

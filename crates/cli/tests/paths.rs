@@ -145,6 +145,7 @@ fn the_same_address_twice_is_refused() {
         .args(["up", "--data-dir"])
         .arg(dir.path())
         .args(["--api-listen", "127.0.0.1:0", "--drives", "1", "--drive-size", "1G"])
+        .args(["--nbd-listen", "off"])
         .args(["--nvme-listen", &format!("127.0.0.1:{port}")])
         .args(["--nvme-listen", &format!("127.0.0.1:{port}")])
         .output()

@@ -351,6 +351,7 @@ mod tests {
                     [types::Nqn::new("nqn.2014-08.org.nvmexpress:uuid:1").unwrap()].into(),
                 ),
                 origin: None,
+                compression: crate::Compression::Zstd,
             };
             store.create_volume(&record).unwrap();
             let snapshot = SnapshotRecord {

@@ -684,6 +684,7 @@ mod tests {
             chunks: vec![(0, 1)],
             host_access: HostAccess::Open,
             origin: None,
+            compression: crate::Compression::Zstd,
         };
         store.create_volume(&record).unwrap();
         assert_eq!(other.volumes().unwrap(), vec![]);

@@ -57,6 +57,50 @@ pub struct VolumeRecord {
     /// Informative only: the parent volume and its snapshot may be deleted later, and the clone
     /// stays intact (its blocks are shared in the engine, not borrowed from the parent's record).
     pub origin: Option<VolumeOrigin>,
+    /// How the volume's new writes are stored. Blocks already written keep the form they were
+    /// written in, so changing it needs no rewrite.
+    pub compression: Compression,
+}
+
+/// How a volume's new writes are stored: the control plane's copy of
+/// `engine::compress::Compression` (`meta` does not depend on `engine`; the node converts
+/// between the two with exhaustive matches, so a setting added to one and not the other does
+/// not compile).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Compression {
+    /// Every block is stored raw. Volumes created before compression existed (records before
+    /// version 4) have this, since their blocks were written raw.
+    Off,
+    /// LZ4: fast; the default for new volumes.
+    #[default]
+    Lz4,
+    /// zstd: smaller, slower.
+    Zstd,
+}
+
+impl Compression {
+    /// Every setting, in the order users see them listed.
+    pub const ALL: [Compression; 3] = [Compression::Lz4, Compression::Zstd, Compression::Off];
+
+    /// The name users type and see (`--compression lz4`), also the stored form.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Compression::Off => "off",
+            Compression::Lz4 => "lz4",
+            Compression::Zstd => "zstd",
+        }
+    }
+
+    /// The setting named `name` (exactly, lowercase), if any.
+    pub fn from_name(name: &str) -> Option<Compression> {
+        Compression::ALL.into_iter().find(|compression| compression.name() == name)
+    }
+}
+
+impl std::fmt::Display for Compression {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// Where a clone came from: a snapshot of another volume, as it was when the clone was made.

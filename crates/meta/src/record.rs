@@ -6,18 +6,27 @@
 //! because records are few, small and read rarely (at start and per API call), and an operator
 //! can read them with redb's tools when something goes wrong.
 //!
-//! Volume record, version 3 (written by this build): version 2 and `"origin"`, `null` for a
-//! volume created empty, or for a clone the snapshot it was cloned from:
-//! `{"version":3,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[16 bytes],
+//! Volume record, version 4 (written by this build): version 3 and `"compression"`, the name
+//! of how new writes are stored (`"off"`, `"lz4"` or `"zstd"`):
+//! `{"version":4,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[16 bytes],
 //!   "created_unix_ms":1700000000000,"chunks":[[drive,index],...],
 //!   "allow_any_host":true,"allowed_hosts":[],
-//!   "origin":{"volume":"db-0","snapshot":"nightly","snapshot_id":5}}`
+//!   "origin":{"volume":"db-0","snapshot":"nightly","snapshot_id":5},"compression":"lz4"}`
+//!
+//! Compression came with a version bump so that a build that knows only version 3 refuses the
+//! record rather than serving the volume while silently ignoring its setting. Records of
+//! versions 1 to 3 decode as [`Compression::Off`]: their volumes were written before the engine
+//! compressed anything, and keeping them off keeps their new writes as they always were (a
+//! new volume gets lz4 from the control plane, not from this decoder).
+//!
+//! Volume record, version 3 (read only; it decodes with compression off): version 4 without
+//! `"compression"`.
 //!
 //! The origin came with a version bump so that a build that knows only version 2 refuses a
 //! clone's record rather than serving it as a volume of its own without knowing that its blocks
 //! are shared.
 //!
-//! Volume record, version 2 (read only; it decodes with no origin):
+//! Volume record, version 2 (read only; it decodes with no origin and compression off):
 //! `{"version":2,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[16 bytes],
 //!   "created_unix_ms":1700000000000,"chunks":[[drive,index],...],
 //!   "allow_any_host":false,"allowed_hosts":["nqn.2014-08.org.nvmexpress:uuid:...",...]}`
@@ -50,15 +59,15 @@
 //! files in the data directory, the only kind of drive before version 2.
 
 use crate::{
-    Chunk, HostAccess, MetaError, NodeRecord, SnapshotRecord, VolumeOrigin, VolumeRecord,
-    ALLOWED_HOSTS_MAX,
+    Chunk, Compression, HostAccess, MetaError, NodeRecord, SnapshotRecord, VolumeOrigin,
+    VolumeRecord, ALLOWED_HOSTS_MAX,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use types::{Nqn, VolumeName};
 
 /// The volume record version this build writes; it reads every version from 1 up to this.
-pub const VOLUME_RECORD_VERSION: u32 = 3;
+pub const VOLUME_RECORD_VERSION: u32 = 4;
 /// The node record version this build writes; it reads every version from 1 up to this.
 pub const NODE_RECORD_VERSION: u32 = 2;
 /// The snapshot record version this build writes; it reads every version from 1 up to this.
@@ -93,8 +102,23 @@ struct VolumeV2 {
     allowed_hosts: Vec<String>,
 }
 
-#[derive(Serialize, Deserialize)]
+/// Volume record version 3, frozen: the decoder of records written before version 4.
+#[derive(Deserialize)]
 struct VolumeV3 {
+    id: u64,
+    name: String,
+    size_bytes: u64,
+    uuid: [u8; 16],
+    created_unix_ms: u64,
+    chunks: Vec<Chunk>,
+    allow_any_host: bool,
+    allowed_hosts: Vec<String>,
+    #[serde(deserialize_with = "required_option")]
+    origin: Option<OriginV3>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct VolumeV4 {
     version: u32,
     id: u64,
     name: String,
@@ -108,6 +132,8 @@ struct VolumeV3 {
     /// and a version 3 record without it is corrupt.
     #[serde(deserialize_with = "required_option")]
     origin: Option<OriginV3>,
+    /// [`Compression::name`].
+    compression: String,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -153,7 +179,7 @@ pub fn encode_volume(record: &VolumeRecord) -> Vec<u8> {
         "volume {} allows more than {ALLOWED_HOSTS_MAX} hosts",
         record.name
     );
-    let stored = VolumeV3 {
+    let stored = VolumeV4 {
         version: VOLUME_RECORD_VERSION,
         id: record.id,
         name: record.name.as_str().to_owned(),
@@ -168,6 +194,7 @@ pub fn encode_volume(record: &VolumeRecord) -> Vec<u8> {
             snapshot: origin.snapshot.as_str().to_owned(),
             snapshot_id: origin.snapshot_id,
         }),
+        compression: record.compression.name().to_owned(),
     };
     // Serialising plain integers, strings and vectors into memory cannot fail.
     serde_json::to_vec(&stored).expect("a volume record always serialises")
@@ -188,6 +215,7 @@ pub fn decode_volume(key: &str, bytes: &[u8]) -> Result<VolumeRecord, MetaError>
                 chunks: stored.chunks,
                 host_access: HostAccess::Open,
                 origin: None,
+                compression: Compression::Off,
             }
         }
         2 => {
@@ -202,9 +230,10 @@ pub fn decode_volume(key: &str, bytes: &[u8]) -> Result<VolumeRecord, MetaError>
                 chunks: stored.chunks,
                 host_access: decode_host_access(key, stored.allow_any_host, &stored.allowed_hosts)?,
                 origin: None,
+                compression: Compression::Off,
             }
         }
-        _ => {
+        3 => {
             let stored: VolumeV3 =
                 serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
             VolumeRecord {
@@ -216,6 +245,25 @@ pub fn decode_volume(key: &str, bytes: &[u8]) -> Result<VolumeRecord, MetaError>
                 chunks: stored.chunks,
                 host_access: decode_host_access(key, stored.allow_any_host, &stored.allowed_hosts)?,
                 origin: stored.origin.map(|origin| decode_origin(key, origin)).transpose()?,
+                compression: Compression::Off,
+            }
+        }
+        _ => {
+            let stored: VolumeV4 =
+                serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
+            let compression = Compression::from_name(&stored.compression).ok_or_else(|| {
+                corrupt(key, format!("it names an unknown compression {:?}", stored.compression))
+            })?;
+            VolumeRecord {
+                id: stored.id,
+                name: decode_name(key, &stored.name)?,
+                size_bytes: stored.size_bytes,
+                uuid: stored.uuid,
+                created_unix_ms: stored.created_unix_ms,
+                chunks: stored.chunks,
+                host_access: decode_host_access(key, stored.allow_any_host, &stored.allowed_hosts)?,
+                origin: stored.origin.map(|origin| decode_origin(key, origin)).transpose()?,
+                compression,
             }
         }
     };
@@ -396,7 +444,13 @@ mod tests {
             chunks: vec![(0, 1), (3, 4_000_000_000)],
             host_access: HostAccess::Open,
             origin: None,
+            compression: Compression::Lz4,
         }
+    }
+
+    /// [`volume`] as a record of a version before compression decodes: off.
+    fn uncompressed_volume() -> VolumeRecord {
+        VolumeRecord { compression: Compression::Off, ..volume() }
     }
 
     #[test]
@@ -406,6 +460,10 @@ mod tests {
         for hosts in [vec![], vec!["nqn.b:host", "nqn.a:host"]] {
             let host_access = HostAccess::Restricted(hosts.into_iter().map(nqn).collect());
             let record = VolumeRecord { host_access, ..volume() };
+            assert_eq!(decode_volume("db-1", &encode_volume(&record)).unwrap(), record);
+        }
+        for compression in Compression::ALL {
+            let record = VolumeRecord { compression, ..volume() };
             assert_eq!(decode_volume("db-1", &encode_volume(&record)).unwrap(), record);
         }
     }
@@ -442,11 +500,12 @@ mod tests {
     }
 
     #[test]
-    fn volume_version_3_layout() {
+    fn volume_version_4_layout() {
         let hosts = [nqn("nqn.b:host"), nqn("nqn.a:host")].into_iter().collect();
         let record = VolumeRecord { host_access: HostAccess::Restricted(hosts), ..volume() };
         let value: serde_json::Value = serde_json::from_slice(&encode_volume(&record)).unwrap();
-        assert_eq!(value["version"], 3);
+        assert_eq!(value["version"], 4);
+        assert_eq!(value["compression"], "lz4");
         assert_eq!(value["origin"], serde_json::Value::Null);
         assert!(value.as_object().unwrap().contains_key("origin"), "origin is always written");
         assert_eq!(value["allow_any_host"], false);
@@ -460,7 +519,7 @@ mod tests {
     #[test]
     fn version_1_volume_records_load_as_open() {
         let bytes = br#"{"version":1,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9],"created_unix_ms":1700000000000,"chunks":[[0,1],[3,4000000000]]}"#;
-        assert_eq!(decode_volume("db-1", bytes).unwrap(), volume());
+        assert_eq!(decode_volume("db-1", bytes).unwrap(), uncompressed_volume());
         let bad_name = br#"{"version":1,"id":7,"name":"db-2","size_bytes":1,"uuid":[9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9],"created_unix_ms":1,"chunks":[]}"#;
         assert!(matches!(decode_volume("db-1", bad_name), Err(MetaError::RecordCorrupt { .. })));
     }
@@ -471,7 +530,7 @@ mod tests {
         let bytes = br#"{"version":2,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9],"created_unix_ms":1700000000000,"chunks":[[0,1],[3,4000000000]],"allow_any_host":false,"allowed_hosts":["nqn.a:host"]}"#;
         let expected = VolumeRecord {
             host_access: HostAccess::Restricted([nqn("nqn.a:host")].into()),
-            ..volume()
+            ..uncompressed_volume()
         };
         assert_eq!(decode_volume("db-1", bytes).unwrap(), expected);
         // Version 2 knows no origin: one written into it is not read (and never was written).
@@ -479,6 +538,30 @@ mod tests {
         value["origin"] = serde_json::json!({"volume": "db-0", "snapshot": "s", "snapshot_id": 1});
         let decoded = decode_volume("db-1", &serde_json::to_vec(&value).unwrap()).unwrap();
         assert_eq!(decoded.origin, None);
+    }
+
+    /// A record exactly as version 3 builds wrote it loads with compression off: its volume's
+    /// blocks were all written raw. A compression field written into it is not read.
+    #[test]
+    fn version_3_volume_records_load_uncompressed() {
+        let bytes = br#"{"version":3,"id":7,"name":"db-1","size_bytes":1073741824,"uuid":[9,9,9,9,9,9,9,9,9,9,9,9,9,9,9,9],"created_unix_ms":1700000000000,"chunks":[[0,1],[3,4000000000]],"allow_any_host":true,"allowed_hosts":[],"origin":{"volume":"db-0","snapshot":"nightly","snapshot_id":5}}"#;
+        let expected = VolumeRecord { origin: Some(origin()), ..uncompressed_volume() };
+        assert_eq!(decode_volume("db-1", bytes).unwrap(), expected);
+        let mut value: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+        value["compression"] = "zstd".into();
+        let decoded = decode_volume("db-1", &serde_json::to_vec(&value).unwrap()).unwrap();
+        assert_eq!(decoded.compression, Compression::Off);
+    }
+
+    #[test]
+    fn compression_names() {
+        for compression in Compression::ALL {
+            assert_eq!(Compression::from_name(compression.name()), Some(compression));
+            assert_eq!(compression.to_string(), compression.name());
+        }
+        assert_eq!(Compression::default(), Compression::Lz4, "new volumes compress with lz4");
+        assert_eq!(Compression::from_name("gzip"), None);
+        assert_eq!(Compression::from_name(""), None);
     }
 
     #[test]
@@ -568,12 +651,12 @@ mod tests {
     fn unknown_version_is_refused() {
         let mut value: serde_json::Value =
             serde_json::from_slice(&encode_volume(&volume())).unwrap();
-        for version in [0, 4] {
+        for version in [0, 5] {
             value["version"] = version.into();
             let bytes = serde_json::to_vec(&value).unwrap();
             let error = decode_volume("db-1", &bytes).unwrap_err();
             assert!(
-                matches!(error, MetaError::RecordVersionUnsupported { supported: 3, .. }),
+                matches!(error, MetaError::RecordVersionUnsupported { supported: 4, .. }),
                 "{error}"
             );
             assert!(error.to_string().contains(&format!("format version {version}")), "{error}");
@@ -598,6 +681,7 @@ mod tests {
         check("db-1", br#"{"version":1,"id":7}"#);
         check("db-1", br#"{"version":2,"id":7}"#);
         check("db-1", br#"{"version":3,"id":7}"#);
+        check("db-1", br#"{"version":4,"id":7}"#);
         check("db-2", &encode_volume(&volume()));
         let mut value: serde_json::Value =
             serde_json::from_slice(&encode_volume(&volume())).unwrap();
@@ -620,7 +704,19 @@ mod tests {
             (0..=ALLOWED_HOSTS_MAX).map(|index| format!("nqn.host:{index}")).collect();
         check_hosts(false, serde_json::json!(too_many));
 
-        // Version 3 always holds an origin, `null` or a valid one.
+        // Version 4 always names a known compression.
+        let mut value: serde_json::Value =
+            serde_json::from_slice(&encode_volume(&volume())).unwrap();
+        for compression in
+            [serde_json::json!("gzip"), serde_json::json!("LZ4"), serde_json::json!(1)]
+        {
+            value["compression"] = compression;
+            check("db-1", &serde_json::to_vec(&value).unwrap());
+        }
+        value.as_object_mut().unwrap().remove("compression");
+        check("db-1", &serde_json::to_vec(&value).unwrap());
+
+        // Version 4 always holds an origin, `null` or a valid one.
         let mut value: serde_json::Value =
             serde_json::from_slice(&encode_volume(&volume())).unwrap();
         value.as_object_mut().unwrap().remove("origin");

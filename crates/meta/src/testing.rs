@@ -10,7 +10,8 @@ mod etcd_server;
 pub use etcd_server::EtcdServer;
 
 use crate::{
-    HostAccess, MetaError, MetaStore, NodeRecord, SnapshotRecord, VolumeOrigin, VolumeRecord,
+    Compression, HostAccess, MetaError, MetaStore, NodeRecord, SnapshotRecord, VolumeOrigin,
+    VolumeRecord,
 };
 use std::collections::BTreeSet;
 use std::sync::Barrier;
@@ -45,6 +46,8 @@ fn record(store: &dyn MetaStore, volume: &str, size_bytes: u64) -> VolumeRecord 
         chunks: (0..3).map(|index| (index as u16, index + id as u32)).collect(),
         host_access: HostAccess::Open,
         origin: None,
+        // Every setting, so that each store round-trips each one.
+        compression: Compression::ALL[id as usize % Compression::ALL.len()],
     }
 }
 

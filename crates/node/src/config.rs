@@ -27,6 +27,9 @@ pub const DEFAULT_NVME_LISTEN: SocketAddr =
     SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 4420));
 pub const DEFAULT_API_LISTEN: SocketAddr =
     SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 8080));
+/// NBD's IANA port, on loopback.
+pub const DEFAULT_NBD_LISTEN: SocketAddr =
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 10809));
 
 pub const DRIVE_COUNT_MAX: u16 = 64;
 pub const DRIVE_SIZE_BYTES_MIN: u64 = 64 << 20;
@@ -90,6 +93,9 @@ pub struct NodeConfig {
     pub drives: Vec<PathBuf>,
     /// Addresses to serve NVMe/TCP on: each is an NVMe port (IDs 1, 2, ... in this order).
     pub nvme_listen: Vec<SocketAddr>,
+    /// Address to serve NBD on (every volume open to any host is an export); `None` serves no
+    /// NBD (`--nbd-listen off`).
+    pub nbd_listen: Option<SocketAddr>,
     pub api_listen: SocketAddr,
     /// Stop when the process receives SIGINT (Ctrl-C) or SIGTERM. The `ferrite up` binary sets
     /// this; tests that run nodes in-process leave it off.
@@ -99,6 +105,9 @@ pub struct NodeConfig {
     /// Busy-poll window of each data-path thread after the last received bytes, in
     /// microseconds; 0 never polls (see `nvme::Poller`).
     pub poll_us: u64,
+    /// The most the background scrub reads, in MiB per second; 0 runs no scrub (see
+    /// `crate::scrub`).
+    pub scrub_mb_per_s: u64,
 }
 
 impl Default for NodeConfig {
@@ -109,10 +118,12 @@ impl Default for NodeConfig {
             drive_size_bytes: None,
             drives: Vec::new(),
             nvme_listen: vec![DEFAULT_NVME_LISTEN],
+            nbd_listen: Some(DEFAULT_NBD_LISTEN),
             api_listen: DEFAULT_API_LISTEN,
             stop_on_signals: false,
             data_threads: 0,
             poll_us: 0,
+            scrub_mb_per_s: crate::scrub::DEFAULT_SCRUB_MB_PER_S,
         }
     }
 }
@@ -147,6 +158,11 @@ pub enum ConfigError {
         max = crate::nvme::POLL_US_MAX
     )]
     PollWindow(u64),
+    #[error(
+        "--scrub-mb-per-s {0} is out of range: give 0 (no scrub) to {max} MiB per second",
+        max = crate::scrub::SCRUB_MB_PER_S_MAX
+    )]
+    ScrubRate(u64),
 }
 
 impl NodeConfig {
@@ -161,6 +177,9 @@ impl NodeConfig {
         }
         if self.poll_us > crate::nvme::POLL_US_MAX {
             return Err(ConfigError::PollWindow(self.poll_us));
+        }
+        if self.scrub_mb_per_s > crate::scrub::SCRUB_MB_PER_S_MAX {
+            return Err(ConfigError::ScrubRate(self.scrub_mb_per_s));
         }
         if let Some(count) = self.drive_count {
             if !(1..=DRIVE_COUNT_MAX).contains(&count) {
@@ -213,6 +232,10 @@ mod tests {
         assert_eq!(config.api_listen.to_string(), "127.0.0.1:8080");
         assert_eq!(config.nvme_listen, vec![DEFAULT_NVME_LISTEN]);
         assert_eq!(DEFAULT_NVME_LISTEN.to_string(), "127.0.0.1:4420");
+        assert_eq!(
+            config.nbd_listen.map(|addr| addr.to_string()).as_deref(),
+            Some("127.0.0.1:10809")
+        );
         assert_eq!(config.drives_dir(), PathBuf::from("ferrite-data/drives"));
     }
 
@@ -254,6 +277,18 @@ mod tests {
         let over = crate::nvme::POLL_US_MAX + 1;
         assert_eq!(check(over), Err(ConfigError::PollWindow(over)));
         assert!(check(over).unwrap_err().to_string().contains("--poll-us"));
+    }
+
+    #[test]
+    fn scrub_rate_is_bounded() {
+        let check =
+            |scrub_mb_per_s| NodeConfig { scrub_mb_per_s, ..NodeConfig::default() }.validate();
+        assert_eq!(NodeConfig::default().scrub_mb_per_s, crate::scrub::DEFAULT_SCRUB_MB_PER_S);
+        assert_eq!(check(0), Ok(()));
+        assert_eq!(check(crate::scrub::SCRUB_MB_PER_S_MAX), Ok(()));
+        let over = crate::scrub::SCRUB_MB_PER_S_MAX + 1;
+        assert_eq!(check(over), Err(ConfigError::ScrubRate(over)));
+        assert!(check(over).unwrap_err().to_string().contains("--scrub-mb-per-s"));
     }
 
     #[test]

@@ -25,6 +25,9 @@
 //!   volume deletes its snapshots first, one by one, then the volume; clones stay intact.
 //! - rollback: the snapshot must be the volume's own; the data plane fences and drains the
 //!   volume's I/O, rolls it back in the engine, and serves it again. No record changes.
+//! - compression: a new volume stores its writes with lz4 unless told otherwise; a clone with its
+//!   source volume's setting unless told otherwise. Changing it writes the record, then tells
+//!   the data plane; it applies to new writes only (blocks written keep their form).
 //! - host access (allow or deny a host, or any host): read the record, write it with the new
 //!   [`HostAccess`], then tell the data plane, which refuses and disconnects hosts no longer
 //!   allowed. A crash in between is harmless: the data path starts from the records.
@@ -43,7 +46,8 @@
 use crate::data_plane::{Capacity, DataPlane, DataPlaneError, VolumePath, VolumeSpace};
 use crate::metrics::Registry;
 use meta::{
-    HostAccess, MetaError, MetaStore, SnapshotRecord, VolumeOrigin, VolumeRecord, ALLOWED_HOSTS_MAX,
+    Compression, HostAccess, MetaError, MetaStore, SnapshotRecord, VolumeOrigin, VolumeRecord,
+    ALLOWED_HOSTS_MAX,
 };
 use nvmf::target::AnaState;
 use std::collections::{BTreeMap, HashSet};
@@ -123,6 +127,11 @@ pub enum ControlError {
     },
     #[error("volume {name}: {message}")]
     InvalidPath { name: VolumeName, message: String },
+    #[error(
+        "unknown compression {0:?}: give lz4 (the default: fast), zstd (smaller, more CPU) or \
+         off"
+    )]
+    InvalidCompression(String),
     #[error("the data path failed on volume {name}: {source}")]
     DataPlane { name: VolumeName, source: DataPlaneError },
     #[error(transparent)]
@@ -176,10 +185,18 @@ impl VolumeService {
         Self { meta, data_plane, metrics, mutations: Mutex::new(()) }
     }
 
-    pub fn create(&self, name: &str, size_bytes: u64) -> Result<VolumeRecord, ControlError> {
+    /// Creates an empty volume of `size_bytes` whose writes are stored with `compression` (a
+    /// name, see [`parse_compression`]; lz4 when `None`).
+    pub fn create(
+        &self,
+        name: &str,
+        size_bytes: u64,
+        compression: Option<&str>,
+    ) -> Result<VolumeRecord, ControlError> {
         let name = parse_name(name)?;
         let size_bytes =
             types::validate_volume_size(size_bytes).map_err(ControlError::InvalidSize)?;
+        let compression = compression.map(parse_compression).transpose()?.unwrap_or_default();
         let _serialised = self.lock_mutations();
 
         // Checked first so that a duplicate does not use up an id; the store checks again.
@@ -200,6 +217,7 @@ impl VolumeService {
             chunks,
             host_access: HostAccess::Open,
             origin: None,
+            compression,
         };
         if let Err(error) = self.meta.create_volume(&record) {
             self.data_plane.cancel(&record);
@@ -207,16 +225,47 @@ impl VolumeService {
         }
         self.metrics.register_volume(id, &record.name);
         self.data_plane.publish(&record);
-        tracing::info!(volume = %record.name, id, size = %ByteSize(size_bytes), "created volume");
+        tracing::info!(
+            volume = %record.name,
+            id,
+            size = %ByteSize(size_bytes),
+            compression = %record.compression,
+            "created volume"
+        );
         Ok(record)
     }
 
     pub fn volume(&self, name: &str) -> Result<VolumeRecord, ControlError> {
         let name = parse_name(name)?;
-        match self.meta.volume(&name).map_err(ControlError::from_meta)? {
+        self.volume_record(&name)
+    }
+
+    fn volume_record(&self, name: &VolumeName) -> Result<VolumeRecord, ControlError> {
+        match self.meta.volume(name).map_err(ControlError::from_meta)? {
             Some(record) => Ok(record),
-            None => Err(ControlError::VolumeNotFound(name)),
+            None => Err(ControlError::VolumeNotFound(name.clone())),
         }
+    }
+
+    /// Sets how the volume's new writes are stored (a name, see [`parse_compression`]). Blocks
+    /// already written keep their form. Setting the current value writes nothing.
+    pub fn set_compression(
+        &self,
+        name: &str,
+        compression: &str,
+    ) -> Result<VolumeRecord, ControlError> {
+        let name = parse_name(name)?;
+        let compression = parse_compression(compression)?;
+        let _serialised = self.lock_mutations();
+        let current = self.volume_record(&name)?;
+        if current.compression == compression {
+            return Ok(current);
+        }
+        let changed = VolumeRecord { compression, ..current };
+        self.meta.update_volume(&changed).map_err(ControlError::from_meta)?;
+        self.data_plane.set_compression(&changed);
+        tracing::info!(volume = %changed.name, %compression, "volume compression changed");
+        Ok(changed)
     }
 
     /// Every volume, sorted by name.
@@ -290,13 +339,16 @@ impl VolumeService {
 
     /// Creates volume `name` as a writable clone of the snapshot `from` names
     /// (`VOLUME@SNAPSHOT`), of the snapshot's size or of `size_bytes`, which may not be smaller.
+    /// Its writes are stored with `compression`, or when `None` as its source volume's are.
     pub fn create_clone(
         &self,
         name: &str,
         from: &str,
         size_bytes: Option<u64>,
+        compression: Option<&str>,
     ) -> Result<VolumeRecord, ControlError> {
         let name = parse_name(name)?;
+        let compression = compression.map(parse_compression).transpose()?;
         let Some((volume, snapshot)) = api::parse_snapshot_ref(from) else {
             return Err(ControlError::InvalidSnapshotRef(from.to_owned()));
         };
@@ -313,6 +365,12 @@ impl VolumeService {
             return Err(ControlError::VolumeExists(name));
         }
         let source = self.snapshot_record(&volume, &snapshot)?;
+        let compression = match compression {
+            Some(compression) => compression,
+            // A snapshot's volume exists as long as the snapshot does (deleting a volume
+            // deletes its snapshots first).
+            None => self.volume_record(&volume)?.compression,
+        };
         let size_bytes = size_bytes.unwrap_or(source.size_bytes);
         if size_bytes < source.size_bytes {
             return Err(ControlError::CloneTooSmall {
@@ -340,6 +398,7 @@ impl VolumeService {
                 snapshot: source.name.clone(),
                 snapshot_id: source.id,
             }),
+            compression,
         };
         if let Err(error) = self.meta.create_volume(&record) {
             self.data_plane.cancel(&record);
@@ -363,6 +422,7 @@ impl VolumeService {
             id,
             origin = %api::snapshot_ref(source.volume.as_str(), source.name.as_str()),
             size = %ByteSize(size_bytes),
+            compression = %record.compression,
             "created clone"
         );
         Ok(record)
@@ -686,6 +746,12 @@ fn parse_name(name: &str) -> Result<VolumeName, ControlError> {
     VolumeName::new(name).map_err(ControlError::InvalidName)
 }
 
+/// A compression setting by its name (`lz4`, `zstd` or `off`, in any letter case).
+pub fn parse_compression(text: &str) -> Result<Compression, ControlError> {
+    Compression::from_name(&text.to_ascii_lowercase())
+        .ok_or_else(|| ControlError::InvalidCompression(text.to_owned()))
+}
+
 /// A random (version 4) UUID.
 pub fn new_uuid() -> [u8; 16] {
     let mut uuid: [u8; 16] = rand::random();
@@ -732,6 +798,8 @@ mod tests {
         rollbacks: Vec<(u64, u64)>,
         /// While set, snapshot, clone and rollback fail as a too-deep chain.
         refuse_layers: bool,
+        /// Every `set_compression`, in order.
+        compression_changes: Vec<(u64, Compression)>,
     }
 
     impl FixtureDataPlane {
@@ -808,6 +876,12 @@ mod tests {
             let mut state = self.state.lock().unwrap();
             assert!(state.published.contains(&volume.id), "host access of an unpublished volume");
             state.access_changes.push((volume.id, volume.host_access.clone()));
+        }
+
+        fn set_compression(&self, volume: &VolumeRecord) {
+            let mut state = self.state.lock().unwrap();
+            assert!(state.published.contains(&volume.id), "compression of an unpublished volume");
+            state.compression_changes.push((volume.id, volume.compression));
         }
 
         fn snapshot(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
@@ -962,7 +1036,7 @@ mod tests {
     fn create_resize_delete() {
         let setup = setup(16);
         let service = &setup.service;
-        let created = service.create("db", 2 << 20).unwrap();
+        let created = service.create("db", 2 << 20, None).unwrap();
         assert_eq!(created.chunks, vec![(0, 0), (0, 1)]);
         assert_eq!(created.uuid[6] >> 4, 4, "a version 4 UUID");
         assert_eq!(service.volume("db").unwrap(), created);
@@ -974,7 +1048,7 @@ mod tests {
         assert_eq!(service.volume("db").unwrap(), grown);
         assert_eq!(service.resize("db", 3 << 20).unwrap(), grown, "same size is a no-op");
 
-        let other = service.create("other", 1 << 20).unwrap();
+        let other = service.create("other", 1 << 20, None).unwrap();
         assert!(other.id > created.id);
         let names: Vec<String> =
             service.volumes().unwrap().iter().map(|v| v.name.to_string()).collect();
@@ -991,16 +1065,16 @@ mod tests {
     fn refusals() {
         let setup = setup(4);
         let service = &setup.service;
-        service.create("db", 2 << 20).unwrap();
+        service.create("db", 2 << 20, None).unwrap();
         let check = |result: Result<VolumeRecord, ControlError>, expect: &str| {
             let error = result.unwrap_err();
             assert!(error.to_string().contains(expect), "{error} does not contain {expect:?}");
         };
-        check(service.create("db", 1 << 20), "volume db already exists");
-        check(service.create("Bad Name", 1 << 20), "invalid volume name");
-        check(service.create("x", 4097), "invalid volume size 4097 bytes");
-        check(service.create("x", 0), "invalid volume size");
-        check(service.create("x", 3 << 20), "needs 3MiB more and 2MiB is free");
+        check(service.create("db", 1 << 20, None), "volume db already exists");
+        check(service.create("Bad Name", 1 << 20, None), "invalid volume name");
+        check(service.create("x", 4097, None), "invalid volume size 4097 bytes");
+        check(service.create("x", 0, None), "invalid volume size");
+        check(service.create("x", 3 << 20, None), "needs 3MiB more and 2MiB is free");
         check(service.resize("db", 1 << 20), "volume db is 2MiB and cannot shrink to 1MiB");
         check(service.resize("db", 5 << 20), "needs 3MiB more and 2MiB is free");
         check(service.resize("nope", 8 << 20), "volume nope does not exist");
@@ -1015,9 +1089,9 @@ mod tests {
     fn failed_meta_writes_cancel_reservations() {
         let setup = setup(8);
         let service = &setup.service;
-        service.create("db", 1 << 20).unwrap();
+        service.create("db", 1 << 20, None).unwrap();
         setup.meta.failing.store(true, Ordering::Relaxed);
-        assert!(matches!(service.create("new", 2 << 20), Err(ControlError::Meta(_))));
+        assert!(matches!(service.create("new", 2 << 20, None), Err(ControlError::Meta(_))));
         assert!(matches!(service.resize("db", 4 << 20), Err(ControlError::Meta(_))));
         assert!(matches!(service.delete("db"), Err(ControlError::Meta(_))));
         assert_eq!(setup.data_plane.free_chunks(), 7, "every reservation was cancelled");
@@ -1026,7 +1100,7 @@ mod tests {
         setup.meta.failing.store(false, Ordering::Relaxed);
         assert_eq!(service.volume("db").unwrap().size_bytes, 1 << 20);
         assert!(matches!(service.volume("new"), Err(ControlError::VolumeNotFound(_))));
-        service.create("new", 2 << 20).unwrap();
+        service.create("new", 2 << 20, None).unwrap();
     }
 
     fn nqn(text: &str) -> Nqn {
@@ -1041,7 +1115,7 @@ mod tests {
     fn host_access_open_restricted_and_back() {
         let setup = setup(8);
         let service = &setup.service;
-        let created = service.create("db", 1 << 20).unwrap();
+        let created = service.create("db", 1 << 20, None).unwrap();
         assert_eq!(created.host_access, HostAccess::Open, "a new volume is open");
         let changes = || setup.data_plane.state.lock().unwrap().access_changes.clone();
 
@@ -1092,7 +1166,7 @@ mod tests {
     fn host_access_refusals() {
         let setup = setup(4);
         let service = &setup.service;
-        service.create("db", 1 << 20).unwrap();
+        service.create("db", 1 << 20, None).unwrap();
         let check = |result: Result<VolumeRecord, ControlError>, expect: &str| {
             let error = result.unwrap_err();
             assert!(error.to_string().contains(expect), "{error} does not contain {expect:?}");
@@ -1137,7 +1211,7 @@ mod tests {
     fn snapshots_clones_rollback_and_deletion() {
         let setup = setup(16);
         let service = &setup.service;
-        let db = service.create("db", 2 << 20).unwrap();
+        let db = service.create("db", 2 << 20, None).unwrap();
         let s1 = service.create_snapshot("db", "s1").unwrap();
         assert_eq!((s1.volume.as_str(), s1.name.as_str(), s1.size_bytes), ("db", "s1", 2 << 20));
         assert!(s1.id > db.id);
@@ -1149,12 +1223,12 @@ mod tests {
         assert_eq!(names, ["s1", "s2"]);
         assert_eq!(service.snapshot("db", "s1").unwrap(), s1);
 
-        let clone = service.create_clone("copy", "db@s1", None).unwrap();
+        let clone = service.create_clone("copy", "db@s1", None, None).unwrap();
         assert_eq!(clone.size_bytes, 2 << 20, "a clone has its snapshot's size");
         let origin = clone.origin.clone().unwrap();
         assert_eq!((origin.volume.as_str(), origin.snapshot.as_str()), ("db", "s1"));
         assert_eq!(origin.snapshot_id, s1.id);
-        let big = service.create_clone("big", "db@s1", Some(4 << 20)).unwrap();
+        let big = service.create_clone("big", "db@s1", Some(4 << 20), None).unwrap();
         assert_eq!(big.size_bytes, 4 << 20);
         assert!(setup.data_plane.state.lock().unwrap().published.contains(&clone.id));
 
@@ -1177,11 +1251,61 @@ mod tests {
     }
 
     #[test]
+    fn compression_defaults_inheritance_and_changes() {
+        let setup = setup(16);
+        let service = &setup.service;
+        let db = service.create("db", 1 << 20, None).unwrap();
+        assert_eq!(db.compression, Compression::Lz4, "lz4 by default");
+        let raw = service.create("raw", 1 << 20, Some("OFF")).unwrap();
+        assert_eq!(raw.compression, Compression::Off);
+        assert_eq!(service.volume("raw").unwrap().compression, Compression::Off, "stored");
+        let error = service.create("bad", 1 << 20, Some("gzip")).unwrap_err();
+        assert!(matches!(error, ControlError::InvalidCompression(_)), "{error}");
+        for allowed in ["lz4", "zstd", "off"] {
+            assert!(error.to_string().contains(allowed), "{error} lacks {allowed}");
+        }
+        assert!(matches!(service.volume("bad"), Err(ControlError::VolumeNotFound(_))));
+
+        // A clone inherits its source volume's setting unless given one.
+        service.create_snapshot("raw", "s").unwrap();
+        let inherited = service.create_clone("copy", "raw@s", None, None).unwrap();
+        assert_eq!(inherited.compression, Compression::Off);
+        let given = service.create_clone("copy2", "raw@s", None, Some("zstd")).unwrap();
+        assert_eq!(given.compression, Compression::Zstd);
+        let error = service.create_clone("copy3", "raw@s", None, Some("lz5")).unwrap_err();
+        assert!(matches!(error, ControlError::InvalidCompression(_)), "{error}");
+
+        // Changing it writes the record, then tells the data plane; the same value is a no-op.
+        let changed = service.set_compression("db", "zstd").unwrap();
+        assert_eq!(changed, VolumeRecord { compression: Compression::Zstd, ..db.clone() });
+        assert_eq!(service.volume("db").unwrap(), changed);
+        assert_eq!(service.set_compression("db", "zstd").unwrap(), changed);
+        assert!(matches!(
+            service.set_compression("db", "best").unwrap_err(),
+            ControlError::InvalidCompression(_)
+        ));
+        assert!(matches!(
+            service.set_compression("nope", "off").unwrap_err(),
+            ControlError::VolumeNotFound(_)
+        ));
+        setup.meta.failing.store(true, Ordering::Relaxed);
+        assert!(matches!(service.set_compression("db", "off"), Err(ControlError::Meta(_))));
+        setup.meta.failing.store(false, Ordering::Relaxed);
+        assert_eq!(
+            setup.data_plane.state.lock().unwrap().compression_changes,
+            [(db.id, Compression::Zstd)],
+            "the data plane hears only of durable changes"
+        );
+        // A resize keeps the setting.
+        assert_eq!(service.resize("db", 2 << 20).unwrap().compression, Compression::Zstd);
+    }
+
+    #[test]
     fn snapshot_refusals() {
         let setup = setup(16);
         let service = &setup.service;
-        service.create("db", 2 << 20).unwrap();
-        service.create("other", 1 << 20).unwrap();
+        service.create("db", 2 << 20, None).unwrap();
+        service.create("other", 1 << 20, None).unwrap();
         service.create_snapshot("db", "s1").unwrap();
         service.create_snapshot("other", "o1").unwrap();
         let check = |error: ControlError, expect: &str| {
@@ -1196,10 +1320,19 @@ mod tests {
         check(service.delete_snapshot("db", "nope").unwrap_err(), "has no snapshot named nope");
         check(service.rollback("db", "o1").unwrap_err(), "volume db has no snapshot named o1");
         check(service.rollback("db", "other@o1").unwrap_err(), "belongs to volume other");
-        check(service.create_clone("c", "db", None).unwrap_err(), "is not a snapshot reference");
-        check(service.create_clone("c", "db@nope", None).unwrap_err(), "no snapshot named nope");
-        check(service.create_clone("db", "db@s1", None).unwrap_err(), "volume db already exists");
-        let error = service.create_clone("c", "db@s1", Some(1 << 20)).unwrap_err();
+        check(
+            service.create_clone("c", "db", None, None).unwrap_err(),
+            "is not a snapshot reference",
+        );
+        check(
+            service.create_clone("c", "db@nope", None, None).unwrap_err(),
+            "no snapshot named nope",
+        );
+        check(
+            service.create_clone("db", "db@s1", None, None).unwrap_err(),
+            "volume db already exists",
+        );
+        let error = service.create_clone("c", "db@s1", Some(1 << 20), None).unwrap_err();
         assert!(matches!(error, ControlError::CloneTooSmall { .. }), "{error}");
         check(error, "at least as large as its snapshot");
 
@@ -1208,7 +1341,7 @@ mod tests {
         setup.data_plane.state.lock().unwrap().refuse_layers = true;
         let error = service.create_snapshot("db", "s2").unwrap_err();
         assert!(matches!(error, ControlError::SnapshotLimit { .. }), "{error}");
-        let error = service.create_clone("c", "db@s1", None).unwrap_err();
+        let error = service.create_clone("c", "db@s1", None, None).unwrap_err();
         assert!(matches!(error, ControlError::SnapshotLimit { .. }), "{error}");
         assert_eq!(service.snapshots("db").unwrap().len(), 1);
         assert!(matches!(service.volume("c"), Err(ControlError::VolumeNotFound(_))));
@@ -1222,11 +1355,11 @@ mod tests {
     fn drop_incomplete_drops_records_the_engine_lacks() {
         let setup = setup(16);
         let service = &setup.service;
-        service.create("db", 1 << 20).unwrap();
+        service.create("db", 1 << 20, None).unwrap();
         let kept = service.create_snapshot("db", "kept").unwrap();
-        let clone = service.create_clone("copy", "db@kept", None).unwrap();
+        let clone = service.create_clone("copy", "db@kept", None, None).unwrap();
         let lost = service.create_snapshot("db", "lost").unwrap();
-        let lost_clone = service.create_clone("lost-copy", "db@lost", None).unwrap();
+        let lost_clone = service.create_clone("lost-copy", "db@lost", None, None).unwrap();
         {
             let mut state = setup.data_plane.state.lock().unwrap();
             state.stored.remove(&lost.id);
@@ -1244,8 +1377,9 @@ mod tests {
         let setup = setup(64);
         let service = &setup.service;
         let successes = std::thread::scope(|scope| {
-            let handles: Vec<_> =
-                (0..8).map(|_| scope.spawn(|| service.create("same", 1 << 20).is_ok())).collect();
+            let handles: Vec<_> = (0..8)
+                .map(|_| scope.spawn(|| service.create("same", 1 << 20, None).is_ok()))
+                .collect();
             handles.into_iter().map(|handle| handle.join().unwrap()).filter(|ok| *ok).count()
         });
         assert_eq!(successes, 1);

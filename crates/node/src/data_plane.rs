@@ -22,6 +22,8 @@
 //! may supply their own builder through `Node::start_with`.
 
 use crate::metrics::Registry;
+use crate::scrub::ScrubPhase;
+use engine::log::ScrubFinding;
 use meta::{Chunk, SnapshotRecord, VolumeRecord};
 use nvmf::target::AnaState;
 use std::net::SocketAddr;
@@ -47,10 +49,39 @@ pub struct Capacity {
     pub write_amplification: f64,
     /// Blocks that failed their checksum when read (returned as errors, never as data).
     pub checksum_errors: u64,
+    /// Drive space the mapped blocks take: less than `mapped_bytes` when compressed.
+    pub mapped_physical_bytes: u64,
     /// Every drive, in index order, and whether it is latched failed.
     pub drives: Vec<DriveStatus>,
     /// The engine's traffic since the node started.
     pub counters: EngineCounters,
+    /// The background scrub.
+    pub scrub: ScrubReport,
+}
+
+/// Logical bytes per byte they take on the drives; 1.0 when nothing is stored.
+pub fn data_reduction(logical_bytes: u64, physical_bytes: u64) -> f64 {
+    if physical_bytes == 0 {
+        1.0
+    } else {
+        logical_bytes as f64 / physical_bytes as f64
+    }
+}
+
+/// The background scrub as the data path reports it (`crate::scrub`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ScrubReport {
+    pub phase: ScrubPhase,
+    /// The most it reads, in MiB per second (0: off).
+    pub rate_mb_per_s: u64,
+    pub passes_completed: u64,
+    pub blocks_verified: u64,
+    /// Damage found (blocks and header chains, counted in each pass that finds them).
+    pub errors: u64,
+    /// How far the current pass is, 0 to 100.
+    pub pass_progress_percent: f64,
+    /// The most recent damage found, oldest first (bounded by the engine).
+    pub findings: Vec<ScrubFinding>,
 }
 
 /// The storage engine's traffic since the node started: what hosts wrote, what reached the
@@ -145,6 +176,8 @@ pub struct DataPathContext {
     pub drives: DriveSet,
     /// Where to serve NVMe/TCP: one listener (an NVMe port, ID `i + 1`) per address.
     pub nvme_listen: Vec<SocketAddr>,
+    /// Where to serve every volume open to any host as an NBD export; `None` serves no NBD.
+    pub nbd_listen: Option<SocketAddr>,
     /// Every volume in the metadata store: each is served from the start, and data of volumes
     /// not among them (deleted just before a crash) is dropped. The volume service publishes only later changes.
     pub volumes: Vec<VolumeRecord>,
@@ -211,6 +244,11 @@ pub trait DataPlane: Send + Sync {
     /// the data path starts with, are served with their record's `host_access` already.)
     fn set_host_access(&self, volume: &VolumeRecord);
 
+    /// The volume's record with a changed `compression` is durable: store the volume's new
+    /// writes that way from now on (blocks already written keep their form). Published
+    /// volumes, and those the data path starts with, get their record's setting already.
+    fn set_compression(&self, _volume: &VolumeRecord) {}
+
     /// Takes snapshot `snapshot_id` of the served `volume`, durably. Instant and read-only; the
     /// volume's I/O goes on (the snapshot holds every write completed before the call).
     fn snapshot(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
@@ -261,6 +299,11 @@ pub trait DataPlane: Send + Sync {
     /// The address NVMe/TCP is served on (the first, if several), or `None` if this data path
     /// serves no I/O.
     fn nvme_addr(&self) -> Option<SocketAddr>;
+
+    /// The address NBD is served on, or `None` if this data path serves no NBD.
+    fn nbd_addr(&self) -> Option<SocketAddr> {
+        None
+    }
 
     /// The paths to a served volume: one per NVMe/TCP listener, with the volume's ANA state
     /// through it.

@@ -8,7 +8,7 @@
 
 use crate::config::DriveBackend;
 use crate::control::{ControlError, VolumeService};
-use crate::data_plane::{VolumePath, VolumeSpace};
+use crate::data_plane::{data_reduction, ScrubReport, VolumePath, VolumeSpace};
 use crate::metrics::{NodeGauges, Registry};
 use api::{ErrorBody, ErrorCode, VolumeInfo};
 use axum::body::Bytes;
@@ -63,6 +63,7 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::VOLUMES, get(list_volumes).post(create_volume))
         .route(api::paths::VOLUME, get(show_volume).delete(delete_volume))
         .route(api::paths::VOLUME_RESIZE, post(resize_volume))
+        .route(api::paths::VOLUME_COMPRESSION, put(set_compression))
         .route(api::paths::VOLUME_HOSTS, get(show_host_access))
         .route(api::paths::VOLUME_HOST, put(allow_host).delete(deny_host))
         .route(api::paths::VOLUME_PATHS, get(show_paths))
@@ -104,7 +105,9 @@ impl From<ControlError> for ApiError {
             ControlError::InvalidHost(_) => ErrorCode::InvalidNqn,
             ControlError::HostAccessOpen(_) => ErrorCode::HostAccessOpen,
             ControlError::TooManyHosts(_) => ErrorCode::TooManyHosts,
-            ControlError::InvalidPath { .. } => ErrorCode::InvalidRequest,
+            ControlError::InvalidPath { .. } | ControlError::InvalidCompression(_) => {
+                ErrorCode::InvalidRequest
+            }
             ControlError::SnapshotExists { .. } => ErrorCode::SnapshotExists,
             ControlError::SnapshotNotFound { .. } => ErrorCode::SnapshotNotFound,
             ControlError::SnapshotLimit { .. } => ErrorCode::SnapshotLimit,
@@ -201,8 +204,16 @@ fn host_access(record: &VolumeRecord) -> api::HostAccess {
 /// What the API reports of a volume besides its record.
 #[derive(Debug, Clone, Copy, Default)]
 struct VolumeExtras {
+    /// Reported by answers about one volume only (lists stay stable while data changes).
     space: Option<VolumeSpace>,
     snapshot_count: u32,
+    /// The volume's data reduction, if the data path knows its space; 1.0 otherwise.
+    reduction: Option<f64>,
+}
+
+/// A volume's data reduction from its space.
+fn volume_reduction(space: &VolumeSpace) -> f64 {
+    data_reduction(space.mapped_bytes, space.physical_used_bytes)
 }
 
 fn volume_info(record: &VolumeRecord, node: &NodeView, extras: VolumeExtras) -> VolumeInfo {
@@ -224,6 +235,8 @@ fn volume_info(record: &VolumeRecord, node: &NodeView, extras: VolumeExtras) -> 
             .as_ref()
             .map(|origin| api::snapshot_ref(origin.volume.as_str(), origin.snapshot.as_str())),
         snapshot_count: extras.snapshot_count,
+        compression: record.compression.name().to_owned(),
+        data_reduction: extras.reduction.unwrap_or(1.0),
     }
 }
 
@@ -232,9 +245,11 @@ fn volume_extras(
     service: &VolumeService,
     record: &VolumeRecord,
 ) -> Result<VolumeExtras, ControlError> {
+    let space = service.volume_space(record.id);
     Ok(VolumeExtras {
-        space: service.volume_space(record.id),
+        space,
         snapshot_count: service.snapshot_count(&record.name)?,
+        reduction: space.as_ref().map(volume_reduction),
     })
 }
 
@@ -250,13 +265,22 @@ fn snapshot_info(record: &SnapshotRecord, exclusive_bytes: u64) -> api::Snapshot
 }
 
 async fn list_volumes(State(state): State<ApiState>) -> Result<Json<api::VolumeList>, ApiError> {
-    let (records, counts) =
-        call(&state, |service| Ok((service.volumes()?, service.snapshot_counts()?))).await?;
+    let (records, counts, reductions) = call(&state, |service| {
+        let records = service.volumes()?;
+        let reductions: Vec<Option<f64>> = records
+            .iter()
+            .map(|record| service.volume_space(record.id).as_ref().map(volume_reduction))
+            .collect();
+        Ok((records, service.snapshot_counts()?, reductions))
+    })
+    .await?;
     let volumes = records
         .iter()
-        .map(|record| {
+        .zip(reductions)
+        .map(|(record, reduction)| {
             let snapshot_count = counts.get(&record.name).copied().unwrap_or(0);
-            volume_info(record, &state.node, VolumeExtras { space: None, snapshot_count })
+            let extras = VolumeExtras { space: None, snapshot_count, reduction };
+            volume_info(record, &state.node, extras)
         })
         .collect();
     Ok(Json(api::VolumeList { volumes }))
@@ -268,13 +292,19 @@ async fn create_volume(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<VolumeInfo>), ApiError> {
     let request: api::CreateVolume = parse_body(body)?;
+    let compression = request.compression;
     let record = match (request.from_snapshot, request.size_bytes) {
         (Some(from), size_bytes) => {
-            call(&state, move |service| service.create_clone(&request.name, &from, size_bytes))
-                .await?
+            call(&state, move |service| {
+                service.create_clone(&request.name, &from, size_bytes, compression.as_deref())
+            })
+            .await?
         }
         (None, Some(size_bytes)) => {
-            call(&state, move |service| service.create(&request.name, size_bytes)).await?
+            call(&state, move |service| {
+                service.create(&request.name, size_bytes, compression.as_deref())
+            })
+            .await?
         }
         (None, None) => {
             return Err(ApiError::new(
@@ -319,6 +349,23 @@ async fn resize_volume(
     let request: api::ResizeVolume = parse_body(body)?;
     let (record, extras) = call(&state, move |service| {
         let record = service.resize(&name, request.size_bytes)?;
+        let extras = volume_extras(service, &record)?;
+        Ok((record, extras))
+    })
+    .await?;
+    Ok(Json(volume_info(&record, &state.node, extras)))
+}
+
+/// `PUT /v1/volumes/{name}/compression`: how the volume's new writes are stored.
+async fn set_compression(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<VolumeInfo>, ApiError> {
+    let name = parse_name(path)?;
+    let request: api::SetCompression = parse_body(body)?;
+    let (record, extras) = call(&state, move |service| {
+        let record = service.set_compression(&name, &request.compression)?;
         let extras = volume_extras(service, &record)?;
         Ok((record, extras))
     })
@@ -520,11 +567,12 @@ async fn deny_host(
 }
 
 async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>, ApiError> {
-    let (volume_count, meta_revision, capacity) = call(&state, |service| {
-        let volume_count = service.volumes()?.len() as u64;
-        Ok((volume_count, service.meta_revision()?, service.capacity()))
+    let (volumes, meta_revision, capacity) = call(&state, |service| {
+        Ok((service.volumes()?, service.meta_revision()?, service.capacity()))
     })
     .await?;
+    let volume_count = volumes.len() as u64;
+    let scrub = scrub_info(&capacity.scrub, &volumes);
     let node = &state.node;
     Ok(Json(api::NodeInfo {
         node_uuid: api::format_uuid(&node.record.uuid),
@@ -547,6 +595,8 @@ async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>,
             physical_used_bytes: capacity.physical_used_bytes,
             write_amplification: capacity.write_amplification,
             checksum_errors: capacity.checksum_errors,
+            mapped_physical_bytes: capacity.mapped_physical_bytes,
+            data_reduction: data_reduction(capacity.mapped_bytes, capacity.mapped_physical_bytes),
         },
         drives: capacity
             .drives
@@ -559,16 +609,67 @@ async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>,
                     .to_owned(),
             })
             .collect(),
+        scrub: Some(scrub),
     }))
+}
+
+/// The scrub as the API reports it. A damaged block's layer label is a volume's id while the
+/// volume was never snapshotted or cloned, or the first layer of a snapshotted volume (which
+/// the volume reads through): such findings name the volume. Layers made later by snapshots
+/// and clones have engine labels with no record, reported as the label alone.
+fn scrub_info(report: &ScrubReport, volumes: &[VolumeRecord]) -> api::ScrubInfo {
+    let findings = report
+        .findings
+        .iter()
+        .map(|finding| {
+            let (kind, volume, layer, block, segment) = match finding.damage {
+                engine::log::ScrubDamage::Block { label, block } => {
+                    let volume = volumes
+                        .iter()
+                        .find(|record| record.id == label)
+                        .map(|record| record.name.to_string());
+                    (api::SCRUB_DAMAGE_BLOCK, volume, Some(label), Some(block), None)
+                }
+                engine::log::ScrubDamage::HeaderChain { segment, .. } => {
+                    (api::SCRUB_DAMAGE_HEADER_CHAIN, None, None, None, Some(segment))
+                }
+            };
+            api::ScrubFindingInfo {
+                kind: kind.to_owned(),
+                volume,
+                layer,
+                block,
+                segment,
+                drive: finding.drive,
+                location: finding.location,
+                pass: finding.pass,
+                repaired: finding.repaired,
+            }
+        })
+        .collect();
+    api::ScrubInfo {
+        state: report.phase.as_str().to_owned(),
+        rate_mb_per_s: report.rate_mb_per_s,
+        passes_completed: report.passes_completed,
+        blocks_verified: report.blocks_verified,
+        errors: report.errors,
+        pass_progress_percent: report.pass_progress_percent,
+        findings,
+    }
 }
 
 async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
     let drive_backend = state.node.drive_backend;
     let gauges = call(&state, move |service| {
         let capacity = service.capacity();
+        let volumes = service.volumes()?;
+        let volume_space = volumes
+            .iter()
+            .filter_map(|record| Some((record.id, service.volume_space(record.id)?)))
+            .collect();
         Ok(NodeGauges {
             drive_backend,
-            volumes: service.volumes()?.len() as u64,
+            volumes: volumes.len() as u64,
             capacity_total_bytes: capacity.total_bytes,
             capacity_free_bytes: capacity.free_bytes,
             provisioned_bytes: capacity.provisioned_bytes,
@@ -576,8 +677,13 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
             physical_used_bytes: capacity.physical_used_bytes,
             write_amplification: capacity.write_amplification,
             checksum_errors: capacity.checksum_errors,
+            mapped_physical_bytes: capacity.mapped_physical_bytes,
             drives: capacity.drives,
             counters: capacity.counters,
+            scrub_blocks_verified: capacity.scrub.blocks_verified,
+            scrub_errors: capacity.scrub.errors,
+            scrub_passes: capacity.scrub.passes_completed,
+            volume_space,
         })
     })
     .await?;

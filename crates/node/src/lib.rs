@@ -30,7 +30,9 @@ pub mod control;
 pub mod data_plane;
 pub mod http;
 pub mod metrics;
+mod nbd;
 pub mod nvme;
+pub mod scrub;
 
 pub use config::{ConfigError, DriveBackend, NodeConfig};
 pub use data_plane::{
@@ -149,6 +151,8 @@ pub struct Node {
     api_addr: SocketAddr,
     nvme_advertised: SocketAddr,
     nvme_serving: bool,
+    /// The NBD address clients are told, if NBD is served.
+    nbd_advertised: Option<SocketAddr>,
     record: NodeRecord,
     first_start: bool,
     data_dir: PathBuf,
@@ -169,7 +173,8 @@ impl Node {
     /// [`DriveBackend::Memory`], `config.data_dir` is not used (see the module comment).
     pub fn start_on(config: NodeConfig, backend: DriveBackend) -> Result<Self, NodeError> {
         let data_path = nvme::NvmeDataPathBuilder::new(config.data_threads)
-            .with_poll(std::time::Duration::from_micros(config.poll_us));
+            .with_poll(std::time::Duration::from_micros(config.poll_us))
+            .with_scrub(config.scrub_mb_per_s);
         Self::start_with_backend(config, backend, Box::new(data_path))
     }
 
@@ -285,6 +290,7 @@ impl Node {
         let context = DataPathContext {
             drives: drive_set(&config, &record),
             nvme_listen: config.nvme_listen.clone(),
+            nbd_listen: config.nbd_listen,
             volumes,
             snapshots,
             metrics: Arc::clone(&metrics),
@@ -294,6 +300,7 @@ impl Node {
         let first_listen =
             config.nvme_listen.first().copied().unwrap_or(config::DEFAULT_NVME_LISTEN);
         let nvme_advertised = advertised(data_plane.nvme_addr().unwrap_or(first_listen));
+        let nbd_advertised = data_plane.nbd_addr().map(advertised);
 
         let service = Arc::new(VolumeService::new(
             meta as Arc<dyn MetaStore>,
@@ -319,7 +326,13 @@ impl Node {
             server_stop.stop();
             result
         });
-        tracing::info!(api = %api_addr, nvme = %nvme_advertised, nvme_serving, "node started");
+        tracing::info!(
+            api = %api_addr,
+            nvme = %nvme_advertised,
+            nvme_serving,
+            nbd = ?nbd_advertised,
+            "node started"
+        );
 
         Ok(Self {
             runtime: Some(runtime),
@@ -330,6 +343,7 @@ impl Node {
             api_addr,
             nvme_advertised,
             nvme_serving,
+            nbd_advertised,
             record,
             first_start,
             external_drives: config.drives.clone(),
@@ -356,6 +370,12 @@ impl Node {
     /// Whether the data path serves volumes over NVMe/TCP.
     pub fn nvme_serving(&self) -> bool {
         self.nvme_serving
+    }
+
+    /// The NBD address clients are told to connect to (the real port when configured with port
+    /// 0), or `None` if NBD is off or the data path serves none.
+    pub fn nbd_addr(&self) -> Option<SocketAddr> {
+        self.nbd_advertised
     }
 
     pub fn record(&self) -> &NodeRecord {

@@ -16,6 +16,13 @@
 //! - `ferrite_volumes` (gauge), `ferrite_capacity_total_bytes`, `ferrite_capacity_free_bytes`,
 //!   `ferrite_provisioned_bytes`, `ferrite_mapped_bytes`, `ferrite_physical_used_bytes`,
 //!   `ferrite_write_amplification` (gauges), `ferrite_checksum_errors_total` (counter)
+//! - `ferrite_mapped_physical_bytes`, `ferrite_data_reduction_ratio` (gauges): drive space the
+//!   mapped blocks take, and mapped bytes per byte of it (above 1 when compression saves space)
+//! - `ferrite_scrub_blocks_verified_total`, `ferrite_scrub_errors_total`,
+//!   `ferrite_scrub_passes_total` (counters): the background scrub since the node started
+//! - `ferrite_volume_mapped_bytes{volume,volume_id}`,
+//!   `ferrite_volume_physical_used_bytes{volume,volume_id}` (gauges): each volume's written
+//!   bytes and the drive space they take
 //! - `ferrite_host_bytes_written_total`, `ferrite_device_bytes_written_total`,
 //!   `ferrite_log_batches_total`, `ferrite_log_batch_blocks_total`, `ferrite_drive_syncs_total`,
 //!   `ferrite_gc_relocated_blocks_total`, `ferrite_gc_segments_cleaned_total`,
@@ -33,7 +40,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use types::VolumeName;
 
 use crate::config::DriveBackend;
-use crate::data_plane::{DriveStatus, EngineCounters};
+use crate::data_plane::{data_reduction, DriveStatus, EngineCounters, VolumeSpace};
 
 /// Upper bounds of the latency histogram buckets, in microseconds; a last `+Inf` bucket follows.
 /// From local NVMe (tens of microseconds) to a stalled drive (a second).
@@ -189,9 +196,16 @@ pub struct NodeGauges {
     pub physical_used_bytes: u64,
     pub write_amplification: f64,
     pub checksum_errors: u64,
+    /// Drive space the mapped blocks take (less than `mapped_bytes` when compressed).
+    pub mapped_physical_bytes: u64,
     /// Every drive and whether it is latched failed.
     pub drives: Vec<DriveStatus>,
     pub counters: EngineCounters,
+    pub scrub_blocks_verified: u64,
+    pub scrub_errors: u64,
+    pub scrub_passes: u64,
+    /// The space of each volume the data path knows, by volume id.
+    pub volume_space: BTreeMap<u64, VolumeSpace>,
 }
 
 struct Entry {
@@ -315,6 +329,20 @@ impl Registry {
             "Blocks that failed their checksum when read (returned as errors, never as data).",
         );
         let _ = writeln!(out, "ferrite_checksum_errors_total {}", node.checksum_errors);
+        render_gauge(
+            &mut out,
+            "ferrite_mapped_physical_bytes",
+            "Drive space the mapped blocks take (less than the mapped bytes when compressed).",
+            node.mapped_physical_bytes,
+        );
+        family(
+            &mut out,
+            "ferrite_data_reduction_ratio",
+            "gauge",
+            "Mapped bytes per byte they take on the drives (1 when compression saves nothing).",
+        );
+        let ratio = data_reduction(node.mapped_bytes, node.mapped_physical_bytes);
+        let _ = writeln!(out, "ferrite_data_reduction_ratio {ratio}");
         let counters = &node.counters;
         for (name, help, value) in [
             (
@@ -345,6 +373,21 @@ impl Registry {
                 counters.gc_segments_cleaned,
             ),
             ("ferrite_checkpoints_total", "Index checkpoints written.", counters.checkpoints),
+            (
+                "ferrite_scrub_blocks_verified_total",
+                "Blocks the background scrub read back and found intact.",
+                node.scrub_blocks_verified,
+            ),
+            (
+                "ferrite_scrub_errors_total",
+                "Damage the background scrub found (counted in each pass that finds it).",
+                node.scrub_errors,
+            ),
+            (
+                "ferrite_scrub_passes_total",
+                "Full passes of the background scrub over the node's data.",
+                node.scrub_passes,
+            ),
         ] {
             family(&mut out, name, "counter", help);
             let _ = writeln!(out, "{name} {value}");
@@ -366,14 +409,28 @@ impl Registry {
             "I/O commands the storage failed.",
         );
         for (id, name, metrics) in &volumes {
-            let mut labels = String::new();
-            if let Some(name) = name {
-                labels.push_str("volume=\"");
-                escape_label_value(&mut labels, name.as_str());
-                labels.push_str("\",");
-            }
-            let _ = write!(labels, "volume_id=\"{id}\"");
+            let labels = volume_labels(*id, name.as_ref());
             let _ = writeln!(out, "ferrite_volume_errors_total{{{labels}}} {}", metrics.errors());
+        }
+
+        for (family_name, help, value) in [
+            (
+                "ferrite_volume_mapped_bytes",
+                "Bytes of the volume written and not deallocated.",
+                (|space: &VolumeSpace| space.mapped_bytes) as fn(&VolumeSpace) -> u64,
+            ),
+            (
+                "ferrite_volume_physical_used_bytes",
+                "Drive space the volume's mapped blocks take (less when compressed).",
+                |space: &VolumeSpace| space.physical_used_bytes,
+            ),
+        ] {
+            family(&mut out, family_name, "gauge", help);
+            for (id, name, _) in &volumes {
+                let Some(space) = node.volume_space.get(id) else { continue };
+                let labels = volume_labels(*id, name.as_ref());
+                let _ = writeln!(out, "{family_name}{{{labels}}} {}", value(space));
+            }
         }
 
         family(&mut out, "ferrite_volume_bytes_total", "counter", "Bytes moved by I/O commands.");
@@ -427,14 +484,21 @@ fn render_gauge(out: &mut String, name: &str, help: &str, value: u64) {
     let _ = writeln!(out, "{name} {value}");
 }
 
-fn labels(id: u64, name: Option<&VolumeName>, operation: Operation, le: Option<&str>) -> String {
+/// `volume="NAME",volume_id="ID"` (without the name while the volume is not registered).
+fn volume_labels(id: u64, name: Option<&VolumeName>) -> String {
     let mut labels = String::new();
     if let Some(name) = name {
         labels.push_str("volume=\"");
         escape_label_value(&mut labels, name.as_str());
         labels.push_str("\",");
     }
-    let _ = write!(labels, "volume_id=\"{id}\",op=\"{}\"", operation.as_str());
+    let _ = write!(labels, "volume_id=\"{id}\"");
+    labels
+}
+
+fn labels(id: u64, name: Option<&VolumeName>, operation: Operation, le: Option<&str>) -> String {
+    let mut labels = volume_labels(id, name);
+    let _ = write!(labels, ",op=\"{}\"", operation.as_str());
     if let Some(le) = le {
         let _ = write!(labels, ",le=\"{le}\"");
     }
@@ -562,6 +626,20 @@ mod tests {
             capacity_total_bytes: 1 << 30,
             capacity_free_bytes: 1 << 29,
             checksum_errors: 3,
+            mapped_bytes: 3 << 20,
+            mapped_physical_bytes: 1 << 20,
+            scrub_blocks_verified: 77,
+            scrub_errors: 1,
+            scrub_passes: 2,
+            volume_space: [(
+                1,
+                VolumeSpace {
+                    provisioned_bytes: 1 << 30,
+                    mapped_bytes: 8192,
+                    physical_used_bytes: 2048,
+                },
+            )]
+            .into(),
             counters: EngineCounters {
                 device_bytes_written: 5 << 20,
                 host_batches: 7,
@@ -581,6 +659,22 @@ mod tests {
         assert_eq!(value(&text, "ferrite_device_bytes_written_total"), 5 << 20);
         assert_eq!(value(&text, "ferrite_log_batches_total"), 7);
         assert_eq!(value(&text, "ferrite_drive_syncs_total"), 0);
+        assert_eq!(value(&text, "ferrite_mapped_physical_bytes"), 1 << 20);
+        assert!(text.contains("ferrite_data_reduction_ratio 3\n"), "{text}");
+        assert_eq!(value(&text, "ferrite_scrub_blocks_verified_total"), 77);
+        assert_eq!(value(&text, "ferrite_scrub_errors_total"), 1);
+        assert_eq!(value(&text, "ferrite_scrub_passes_total"), 2);
+        assert_eq!(value(&text, "ferrite_volume_mapped_bytes{volume=\"a\",volume_id=\"1\"}"), 8192);
+        assert_eq!(
+            value(&text, "ferrite_volume_physical_used_bytes{volume=\"a\",volume_id=\"1\"}"),
+            2048
+        );
+        assert!(
+            !text.contains("ferrite_volume_mapped_bytes{volume_id=\"2\"}"),
+            "no space, no series"
+        );
+        let empty = registry.render(&NodeGauges::default());
+        assert!(empty.contains("ferrite_data_reduction_ratio 1\n"), "nothing stored: 1");
         assert!(text.contains("ferrite_write_amplification 0\n"), "{text}");
         assert_eq!(value(&text, "ferrite_node_drive_backend{backend=\"file\"}"), 1);
         assert_eq!(value(&text, "ferrite_drive_failed{drive=\"0\",path=\"/dev/loop7\"}"), 0);

@@ -3,12 +3,12 @@
 //!
 //! Storage is the log-structured engine (`engine::log`): thread 0 opens it at start (recovery),
 //! then every thread gets its own `LogHandle<DriveFile>` over its own `io::Ring` and its own
-//! O_DIRECT handles on every drive file. Thread 0 also accepts connections and deals them out
-//! round robin over bounded channels; a connection then lives on its thread until it closes
-//! (run to completion, no work stealing). Thread 0 also runs the engine's background work: GC
-//! paced by free space, periodic checkpoints (bounding recovery), the control plane's engine
-//! operations (deleting volumes and snapshots, taking snapshots, cloning, rolling back), and
-//! a final checkpoint when the node stops cleanly.
+//! O_DIRECT handles on every drive file. Thread 0 also accepts connections (NVMe/TCP, and NBD
+//! for `crate::nbd`) and deals them out round robin over bounded channels; a connection then
+//! lives on its thread until it closes (run to completion, no work stealing). Thread 0 also runs
+//! the engine's background work: GC paced by free space, periodic checkpoints (bounding
+//! recovery), the paced scrub (`crate::scrub`), the control plane's engine operations (deleting volumes and snapshots, taking
+//! snapshots, cloning, rolling back), and a final checkpoint when the node stops cleanly.
 //!
 //! Per connection, one task owns the socket and the `Queue`. It reads into a fixed buffer,
 //! feeds whole PDUs to the queue, starts a storage task for each request the queue hands out,
@@ -23,8 +23,10 @@
 use crate::data_plane::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
 };
-use crate::data_plane::{DriveStatus, EngineCounters, VolumePath, VolumeSpace};
+use crate::data_plane::{DriveStatus, EngineCounters, ScrubReport, VolumePath, VolumeSpace};
 use crate::metrics::{Registry, VolumeMetrics};
+use crate::scrub::{ScrubStatus, Scrubber};
+use engine::compress::Compression;
 use engine::log::index::LayerError;
 use engine::log::{GcOutcome, LogConfig, LogEngine, LogError, LogHandle};
 use engine::{
@@ -66,7 +68,7 @@ const CLOSE_DRAIN_BYTES_MAX: usize = 4 << 20;
 /// Data-path threads at most.
 pub const DATA_THREADS_MAX: usize = 64;
 /// How often the background task looks at free space and the checkpoint clock.
-const BACKGROUND_TICK_MS: u64 = 50;
+pub(crate) const BACKGROUND_TICK_MS: u64 = 50;
 /// GC steps per tick while space is merely getting low: a step relocates at most one segment,
 /// so this bounds how much foreground bandwidth GC takes.
 const GC_STEPS_PER_TICK: u32 = 2;
@@ -85,6 +87,8 @@ const ENGINE_OPERATION_TIMEOUT_MS: u64 = 30_000;
 pub struct NvmeDataPathBuilder {
     data_threads: usize,
     poll: Duration,
+    /// The background scrub's rate (0: off).
+    scrub_mb_per_s: u64,
 }
 
 impl NvmeDataPathBuilder {
@@ -92,7 +96,19 @@ impl NvmeDataPathBuilder {
     pub fn new(data_threads: usize) -> Self {
         let cpus = std::thread::available_parallelism().map_or(1, |count| count.get());
         let data_threads = if data_threads == 0 { cpus } else { data_threads };
-        Self { data_threads: data_threads.clamp(1, DATA_THREADS_MAX), poll: Duration::ZERO }
+        Self {
+            data_threads: data_threads.clamp(1, DATA_THREADS_MAX),
+            poll: Duration::ZERO,
+            scrub_mb_per_s: crate::scrub::DEFAULT_SCRUB_MB_PER_S,
+        }
+    }
+
+    /// Scrubs at most `mb_per_s` MiB per second in the background (see `crate::scrub`); 0 runs
+    /// no scrub.
+    pub fn with_scrub(mut self, mb_per_s: u64) -> Self {
+        assert!(mb_per_s <= crate::scrub::SCRUB_MB_PER_S_MAX, "scrub rate over the maximum");
+        self.scrub_mb_per_s = mb_per_s;
+        self
     }
 
     /// Busy-polls each data-path thread for `poll` after its last received bytes before it
@@ -116,7 +132,7 @@ pub const POLL_US_MAX: u64 = 10_000;
 /// about 80-250 us, on one CPU about 30 us). A thread that keeps polling stays awake, as SPDK's
 /// reactors do, at the price of a busy core while I/O flows. Idle nodes burn nothing: polling
 /// starts only when bytes arrive and stops `window` after the last.
-struct Poller {
+pub(crate) struct Poller {
     window: Duration,
     /// Bumped on every read that brought bytes.
     activity: Cell<u64>,
@@ -131,7 +147,7 @@ impl Poller {
     }
 
     /// Bytes arrived: keep polling (or start again).
-    fn touch(&self) {
+    pub(crate) fn touch(&self) {
         if self.window.is_zero() {
             return;
         }
@@ -291,12 +307,18 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             ..TargetConfig::default()
         };
         let target = Arc::new(Target::new(target_config, Arc::clone(&catalog) as Arc<dyn Catalog>));
+        let mut nbd_listener = context.nbd_listen.map(crate::nbd::bind).transpose()?;
+        let nbd_addr = match &nbd_listener {
+            Some(listener) => Some(listener.local_addr().map_err(DataPlaneError::failed)?),
+            None => None,
+        };
 
         let shared = Arc::new(ThreadShared {
             target: Arc::clone(&target),
             catalog: Arc::clone(&catalog),
             drive_paths,
             latches: Arc::new(DriveLatches::new(drive_count)),
+            scrub: Arc::new(ScrubStatus::new(self.scrub_mb_per_s)),
             log_config: log_config(&context.drives, self.data_threads),
             known_ids: context
                 .volumes
@@ -327,6 +349,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
                 connections: receiver,
                 stop: stop_receiver.clone(),
                 acceptor: listeners.take().map(|listeners| (listeners, senders.clone())),
+                nbd_listener: nbd_listener.take(),
                 engine: engine.clone(),
                 commands: commands.take(),
                 poll: self.poll,
@@ -355,6 +378,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
         };
         tracing::info!(
             nvme = ?nvme_addrs,
+            nbd = ?nbd_addr,
             threads = threads.len(),
             drives = drive_count,
             "serving NVMe/TCP"
@@ -367,6 +391,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             target,
             shared,
             nvme_addrs,
+            nbd_addr,
             stop: stop_sender,
             threads: Mutex::new(threads),
             metrics: context.metrics,
@@ -383,26 +408,35 @@ fn advertised_ip(addr: SocketAddr) -> String {
     }
 }
 
+/// The engine's form of a volume record's compression setting.
+fn engine_compression(compression: meta::Compression) -> Compression {
+    match compression {
+        meta::Compression::Off => Compression::Off,
+        meta::Compression::Lz4 => Compression::Lz4,
+        meta::Compression::Zstd => Compression::Zstd,
+    }
+}
+
 fn layout_of(record: &VolumeRecord) -> VolumeLayout {
     VolumeLayout { volume: VolumeId(record.id), size_bytes: record.size_bytes }
 }
 
-/// What the I/O path needs of a volume, shared by every connection to it.
-struct VolumeHandle {
-    name: VolumeName,
-    map: Arc<VolumeMap>,
-    metrics: Arc<VolumeMetrics>,
-    size_blocks: Arc<AtomicU64>,
+/// What the I/O path needs of a volume, shared by every connection to it (NVMe/TCP and NBD).
+pub(crate) struct VolumeHandle {
+    pub(crate) name: VolumeName,
+    pub(crate) map: Arc<VolumeMap>,
+    pub(crate) metrics: Arc<VolumeMetrics>,
+    pub(crate) size_blocks: Arc<AtomicU64>,
     uuid: [u8; 16],
     /// Set when the volume is being deleted: new I/O is refused.
-    fenced: AtomicBool,
+    pub(crate) fenced: AtomicBool,
     /// Storage operations started and not finished.
     inflight: AtomicU64,
 }
 
 impl VolumeHandle {
     /// Registers one I/O; false (and nothing registered) if the volume is fenced.
-    fn begin(&self) -> bool {
+    pub(crate) fn begin(&self) -> bool {
         self.inflight.fetch_add(1, Ordering::SeqCst);
         if self.fenced.load(Ordering::SeqCst) {
             self.inflight.fetch_sub(1, Ordering::SeqCst);
@@ -411,7 +445,7 @@ impl VolumeHandle {
         true
     }
 
-    fn end(&self) {
+    pub(crate) fn end(&self) {
         let before = self.inflight.fetch_sub(1, Ordering::SeqCst);
         assert!(before > 0, "volume I/O count went below zero");
     }
@@ -420,15 +454,23 @@ impl VolumeHandle {
 /// The node's volumes as the NVMe/TCP target sees them: by subsystem NQN and by volume id, and
 /// which hosts may connect to each.
 #[derive(Default)]
-struct NodeCatalog {
+pub(crate) struct NodeCatalog {
     volumes: RwLock<HashMap<u64, Arc<VolumeHandle>>>,
     /// Each volume's host access, by volume id. Kept apart from [`VolumeHandle`] because only
     /// Connect and the discovery log read it, never the I/O path. Lock order: `volumes` first.
     host_access: RwLock<HashMap<u64, HostAccess>>,
+    /// Bumped after every removal and host access change, so NBD connections (`crate::nbd`)
+    /// notice at their next request that their volume may have gone, without a lock per I/O.
+    changes: AtomicU64,
 }
 
 impl NodeCatalog {
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u64, Arc<VolumeHandle>>> {
+    /// How many removals and host access changes happened so far.
+    pub(crate) fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u64, Arc<VolumeHandle>>> {
         self.volumes.read().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -436,7 +478,9 @@ impl NodeCatalog {
         self.volumes.write().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn host_access_read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u64, HostAccess>> {
+    pub(crate) fn host_access_read(
+        &self,
+    ) -> std::sync::RwLockReadGuard<'_, HashMap<u64, HostAccess>> {
         self.host_access.read().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -444,7 +488,14 @@ impl NodeCatalog {
         self.host_access.write().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn insert(&self, record: &VolumeRecord, map: Arc<VolumeMap>, metrics: Arc<VolumeMetrics>) {
+    pub(crate) fn insert(
+        &self,
+        record: &VolumeRecord,
+        map: Arc<VolumeMap>,
+        metrics: Arc<VolumeMetrics>,
+    ) {
+        // Before the volume is served, so that its first write is stored as its record says.
+        map.set_compression(engine_compression(record.compression));
         let handle = VolumeHandle {
             name: record.name.clone(),
             size_blocks: Arc::new(AtomicU64::new(
@@ -462,23 +513,26 @@ impl NodeCatalog {
     }
 
     /// Forgets a volume: its handle and its host access.
-    fn remove(&self, id: u64) {
+    pub(crate) fn remove(&self, id: u64) {
         self.write().remove(&id);
         self.host_access_write().remove(&id);
+        self.changes.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Replaces a served volume's host access and returns the one it had, or `None` (and keeps
     /// nothing) if the volume is not served.
-    fn set_host_access(&self, id: u64, access: HostAccess) -> Option<HostAccess> {
+    pub(crate) fn set_host_access(&self, id: u64, access: HostAccess) -> Option<HostAccess> {
         let served = self.read().contains_key(&id);
         let mut host_access = self.host_access_write();
         if !served {
             return None;
         }
-        host_access.insert(id, access)
+        let before = host_access.insert(id, access);
+        self.changes.fetch_add(1, Ordering::AcqRel);
+        before
     }
 
-    fn get(&self, id: u64) -> Option<Arc<VolumeHandle>> {
+    pub(crate) fn get(&self, id: u64) -> Option<Arc<VolumeHandle>> {
         self.read().get(&id).cloned()
     }
 }
@@ -542,6 +596,8 @@ struct ThreadShared {
     catalog: Arc<NodeCatalog>,
     drive_paths: Vec<PathBuf>,
     latches: Arc<DriveLatches>,
+    /// The background scrub's state, written by thread 0's scrubber, read by the control plane.
+    scrub: Arc<ScrubStatus>,
     log_config: LogConfig,
     /// The volume and snapshot ids the metadata store held at start: the engine's data of any
     /// other id (deleted just before a crash) is dropped once recovery is done.
@@ -601,6 +657,8 @@ struct DataThread {
     stop: watch::Receiver<bool>,
     /// Thread 0 accepts connections and deals them out to every thread (itself included).
     acceptor: Option<Acceptor>,
+    /// Thread 0's NBD listener (`crate::nbd`), dealt out with the NVMe/TCP connections.
+    nbd_listener: Option<std::net::TcpListener>,
     /// The engine, for threads other than 0 (thread 0 opens it).
     engine: Option<Arc<LogEngine>>,
     /// Thread 0 runs the background work and the control plane's commands.
@@ -646,7 +704,12 @@ impl DataThread {
             }
         };
         let background = self.commands.take().map(|commands| {
-            tokio::task::spawn_local(background(Rc::clone(&store), commands, self.stop.clone()))
+            tokio::task::spawn_local(background(
+                Rc::clone(&store),
+                commands,
+                Arc::clone(&self.shared.scrub),
+                self.stop.clone(),
+            ))
         });
         if let Some((listeners, senders)) = self.acceptor.take() {
             // One accept loop per listener; they deal connections out from one shared turn.
@@ -669,6 +732,22 @@ impl DataThread {
                     }
                 }
             }
+            if let Some(listener) = self.nbd_listener.take() {
+                match TcpListener::from_std(listener) {
+                    Ok(listener) => {
+                        tokio::task::spawn_local(crate::nbd::accept_loop(
+                            listener,
+                            senders.clone(),
+                            Rc::clone(&next),
+                            self.stop.clone(),
+                        ));
+                    }
+                    Err(error) => {
+                        let _ = ready.send(Err(format!("cannot watch the NBD listener: {error}")));
+                        return;
+                    }
+                }
+            }
         }
         let poller = Rc::new(Poller::new(self.poll));
         if !self.poll.is_zero() {
@@ -685,8 +764,17 @@ impl DataThread {
                     let stop = self.stop.clone();
                     let poller = Rc::clone(&poller);
                     tokio::task::spawn_local(async move {
-                        let Handoff { stream, port_id } = connection;
-                        serve_connection(stream, port_id, shared, store, poller, stop).await;
+                        match connection {
+                            Handoff::Nvme { stream, port_id } => {
+                                serve_connection(stream, port_id, shared, store, poller, stop)
+                                    .await;
+                            }
+                            Handoff::Nbd { stream } => {
+                                let catalog = Arc::clone(&shared.catalog);
+                                crate::nbd::serve_connection(stream, catalog, store, poller, stop)
+                                    .await;
+                            }
+                        }
                     });
                 }
                 _ = self.stop.changed() => break,
@@ -741,14 +829,18 @@ impl DataThread {
 }
 
 /// The engine's background work, on thread 0: paced GC, periodic checkpoints, volume deletions,
-/// and a final checkpoint when the node stops.
+/// the paced scrub (`crate::scrub`), and a final checkpoint when the node stops.
 async fn background(
     store: Rc<LogHandle<DriveFile>>,
     mut commands: mpsc::Receiver<Command>,
+    scrub: Arc<ScrubStatus>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut tick = tokio::time::interval(Duration::from_millis(BACKGROUND_TICK_MS));
+    let tick_period = Duration::from_millis(BACKGROUND_TICK_MS);
+    let mut tick = tokio::time::interval(tick_period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let segments_total = store.engine().geometry().segment_count;
+    let mut scrubber = Scrubber::new(scrub, tick_period, segments_total);
     let mut last_checkpoint = Instant::now();
     let mut written_at_checkpoint = store.engine().stats().host_bytes_written;
     let mut gc_failed_logged = false;
@@ -797,6 +889,7 @@ async fn background(
                 Err(error) => tracing::warn!(%error, "periodic checkpoint failed"),
             }
         }
+        scrubber.tick(&store, Instant::now()).await;
     }
     // A clean stop: a checkpoint now makes the next start read little.
     if store.engine().latches().failed_drives().is_empty() {
@@ -838,7 +931,7 @@ async fn accept_loop(
         let turn = next.get();
         next.set(turn.wrapping_add(1));
         let sender = &senders[turn % senders.len()];
-        if sender.send(Handoff { stream, port_id }).await.is_err() {
+        if sender.send(Handoff::Nvme { stream, port_id }).await.is_err() {
             return;
         }
     }
@@ -847,11 +940,13 @@ async fn accept_loop(
 /// Thread 0's listeners (each with its port ID) and the channels to every data-path thread.
 type Acceptor = (Vec<(std::net::TcpListener, u16)>, Vec<mpsc::Sender<Handoff>>);
 
-/// A connection handed to a data-path thread, with the port ID of the listener that accepted it
-/// (its controller reports that port's ANA state).
-struct Handoff {
-    stream: std::net::TcpStream,
-    port_id: u16,
+/// A connection handed to a data-path thread.
+pub(crate) enum Handoff {
+    /// An NVMe/TCP connection, with the port ID of the listener that accepted it (its controller
+    /// reports that port's ANA state).
+    Nvme { stream: std::net::TcpStream, port_id: u16 },
+    /// An NBD connection (`crate::nbd`).
+    Nbd { stream: std::net::TcpStream },
 }
 
 /// A storage result on its way back to the connection task.
@@ -867,7 +962,7 @@ struct Completions {
     notify: Notify,
 }
 
-fn now_ms(start: Instant) -> u64 {
+pub(crate) fn now_ms(start: Instant) -> u64 {
     u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
@@ -1000,7 +1095,7 @@ async fn serve_connection(
 /// Ends a connection with a FIN rather than a reset: half-closes it, then reads and discards
 /// what the host still sends for a bounded time, so that unread input does not make the kernel
 /// answer with RST.
-async fn close_gracefully(mut stream: TcpStream) {
+pub(crate) async fn close_gracefully(mut stream: TcpStream) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let _ = stream.shutdown().await;
     let drain = async {
@@ -1158,6 +1253,8 @@ struct NvmeDataPlane {
     shared: Arc<ThreadShared>,
     /// The bound NVMe/TCP addresses; port ID `i + 1` is `nvme_addrs[i]`.
     nvme_addrs: Vec<SocketAddr>,
+    /// The bound NBD address, if NBD is served.
+    nbd_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     metrics: Arc<Registry>,
@@ -1371,6 +1468,16 @@ impl DataPlane for NvmeDataPlane {
             physical_used_bytes: stats.physical_used_bytes,
             write_amplification: stats.write_amplification,
             checksum_errors: stats.checksum_errors,
+            mapped_physical_bytes: stats.mapped_physical_bytes,
+            scrub: ScrubReport {
+                phase: self.shared.scrub.phase(),
+                rate_mb_per_s: self.shared.scrub.rate_mb_per_s(),
+                passes_completed: stats.scrub_passes,
+                blocks_verified: stats.scrub_blocks_verified,
+                errors: stats.scrub_errors,
+                pass_progress_percent: self.shared.scrub.pass_progress_percent(),
+                findings: self.engine.scrub_findings(),
+            },
             counters: EngineCounters {
                 host_bytes_written: stats.host_bytes_written,
                 device_bytes_written: stats.device_bytes_written,
@@ -1392,6 +1499,15 @@ impl DataPlane for NvmeDataPlane {
         }
     }
 
+    fn set_compression(&self, volume: &VolumeRecord) {
+        match self.volumes.mapping(VolumeId(volume.id)) {
+            Some(map) => map.set_compression(engine_compression(volume.compression)),
+            None => {
+                tracing::error!(volume = %volume.name, "compression changed on a volume not served")
+            }
+        }
+    }
+
     fn volume_space(&self, id: u64) -> Option<VolumeSpace> {
         let map = self.volumes.mapping(VolumeId(id))?;
         let stats = self.engine.volume_stats(&map);
@@ -1404,6 +1520,10 @@ impl DataPlane for NvmeDataPlane {
 
     fn nvme_addr(&self) -> Option<SocketAddr> {
         self.nvme_addrs.first().copied()
+    }
+
+    fn nbd_addr(&self) -> Option<SocketAddr> {
+        self.nbd_addr
     }
 
     fn paths(&self, volume: &VolumeRecord) -> Vec<VolumePath> {

@@ -158,10 +158,12 @@ fn config(dir: &Path) -> NodeConfig {
         drive_size_bytes: Some(64 * MIB),
         drives: Vec::new(),
         nvme_listen: vec!["127.0.0.1:0".parse().unwrap()],
+        nbd_listen: None,
         api_listen: "127.0.0.1:0".parse().unwrap(),
         stop_on_signals: false,
         data_threads: 1,
         poll_us: 0,
+        scrub_mb_per_s: 0,
     }
 }
 
@@ -543,5 +545,59 @@ fn host_access_errors() {
     // An NQN's ':' may also come unencoded; it is legal in a path segment.
     assert_eq!(status("PUT", "/v1/volumes/db/hosts/nqn.x:y").0, 200);
     assert_eq!(client.host_access("db").unwrap().hosts, ["nqn.x:y"]);
+    node.stop().unwrap();
+}
+
+/// Compression through the API: lz4 unless told otherwise, validated, changeable, kept in the
+/// record across restarts, and handed to the data path at start.
+#[test]
+fn compression_through_the_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = Arc::new(Probe::default());
+    let node = start(dir.path(), &probe);
+    let client = Client::new(&node.api_url()).unwrap();
+    let plain = create(&client, "plain", MIB).unwrap();
+    assert_eq!((plain.compression.as_str(), plain.data_reduction), ("lz4", 1.0));
+    let zstd = CreateVolume::empty("small", MIB).with_compression("zstd");
+    assert_eq!(client.create_volume(&zstd).unwrap().compression, "zstd");
+    let raw = CreateVolume::empty("raw", MIB).with_compression("off");
+    assert_eq!(client.create_volume(&raw).unwrap().compression, "off");
+    assert_api_error(
+        client.create_volume(&CreateVolume::empty("bad", MIB).with_compression("gzip")),
+        ErrorCode::InvalidRequest,
+        "unknown compression \"gzip\": give lz4 (the default: fast), zstd (smaller, more CPU) or off",
+    );
+    assert_api_error(client.volume("bad"), ErrorCode::VolumeNotFound, "bad");
+    let listed: Vec<(String, String)> =
+        client.list_volumes().unwrap().into_iter().map(|v| (v.name, v.compression)).collect();
+    let expected = [("plain", "lz4"), ("raw", "off"), ("small", "zstd")];
+    assert_eq!(listed, expected.map(|(name, c)| (name.to_owned(), c.to_owned())));
+
+    let changed = client.set_compression("plain", "off").unwrap();
+    assert_eq!((changed.name.as_str(), changed.compression.as_str()), ("plain", "off"));
+    assert_eq!(client.volume("plain").unwrap().compression, "off");
+    assert_api_error(client.set_compression("plain", "lz5"), ErrorCode::InvalidRequest, "lz5");
+    assert_api_error(client.set_compression("nope", "off"), ErrorCode::VolumeNotFound, "nope");
+    let info = client.node().unwrap();
+    assert_eq!(info.capacity.data_reduction, 1.0, "nothing stored");
+    let scrub = info.scrub.expect("the node reports its scrub");
+    assert_eq!(scrub.state, "off", "the fixture data path scrubs nothing");
+    node.stop().unwrap();
+
+    let probe_again = Arc::new(Probe::default());
+    let node = start(dir.path(), &probe_again);
+    let started: Vec<(String, meta::Compression)> = probe_again
+        .started_records
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|record| (record.name.to_string(), record.compression))
+        .collect();
+    let expected = [
+        ("plain", meta::Compression::Off),
+        ("raw", meta::Compression::Off),
+        ("small", meta::Compression::Zstd),
+    ];
+    assert_eq!(started, expected.map(|(name, c)| (name.to_owned(), c)));
     node.stop().unwrap();
 }

@@ -63,6 +63,8 @@ pub struct Node {
     child: Child,
     pub api_url: String,
     pub nvme_port: u16,
+    /// Where the node serves NBD (`--nbd-listen 127.0.0.1:0`: the port it printed).
+    pub nbd_address: String,
     stdout: mpsc::Receiver<String>,
     stdout_lines: Vec<String>,
     stderr: Arc<Mutex<String>>,
@@ -104,6 +106,7 @@ impl Node {
             .arg(data_dir)
             .args(["--api-listen", "127.0.0.1:0"])
             .args(["--nvme-listen", &format!("127.0.0.1:{nvme_port}")])
+            .args(["--nbd-listen", "127.0.0.1:0"])
             .args(drive_args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -132,6 +135,7 @@ impl Node {
             child,
             api_url: String::new(),
             nvme_port,
+            nbd_address: String::new(),
             stdout,
             stdout_lines: Vec::new(),
             stderr,
@@ -140,6 +144,12 @@ impl Node {
         match node.wait_for_line("REST API:") {
             Some(line) => {
                 node.api_url = line.split_whitespace().last().unwrap_or_default().to_owned();
+            }
+            None => return Err(node.reap()),
+        }
+        match node.wait_for_line("NBD:") {
+            Some(line) => {
+                node.nbd_address = line.split_whitespace().last().unwrap_or_default().to_owned();
             }
             None => return Err(node.reap()),
         }
@@ -183,6 +193,11 @@ impl Node {
 
     pub fn nvme_address(&self) -> String {
         format!("127.0.0.1:{}", self.nvme_port)
+    }
+
+    /// The NBD URI of export `name` (a volume).
+    pub fn nbd_uri(&self, name: &str) -> String {
+        format!("nbd://{}/{name}", self.nbd_address)
     }
 
     /// The node's stderr so far.

@@ -78,6 +78,11 @@ pub enum ConnectionError {
     )]
     ExportUnknown { name: String },
     #[error(
+        "NBD_OPT_EXPORT_NAME asked for export {name:?}, which is not served over NBD: {reason}; \
+         connection closed, as that option cannot be refused"
+    )]
+    ExportRefused { name: String, reason: String },
+    #[error(
         "export {name:?} has {size_bytes} bytes, not a multiple of the {BLOCK_BYTES_MIN}-byte \
          block, so it cannot be served; connection closed: this is a server fault, report it"
     )]
@@ -698,7 +703,10 @@ impl Connection {
             return Err(ConnectionError::ExportNameInvalid { length_bytes: data.len() as u32 });
         };
         let Some(export) = self.catalog.lookup(name) else {
-            return Err(ConnectionError::ExportUnknown { name: name.to_owned() });
+            return Err(match self.catalog.refusal(name) {
+                Some(reason) => ConnectionError::ExportRefused { name: name.to_owned(), reason },
+                None => ConnectionError::ExportUnknown { name: name.to_owned() },
+            });
         };
         if export.size_bytes % u64::from(BLOCK_BYTES_MIN) != 0 {
             return Err(ConnectionError::ExportSizeUnaligned {
@@ -742,6 +750,11 @@ impl Connection {
             return;
         };
         let Some(export) = self.catalog.lookup(name) else {
+            if let Some(reason) = self.catalog.refusal(name) {
+                let message = wire::truncate_str(&reason, STRING_BYTES_MAX);
+                self.option_reply(code, reply_type::ERR_POLICY, message.as_bytes());
+                return;
+            }
             let message = format!(
                 "no export named {:?}; NBD_OPT_LIST (nbdinfo --list) shows the exports",
                 wire::truncate_str(name, 256)

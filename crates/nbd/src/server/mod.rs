@@ -102,4 +102,12 @@ pub trait Catalog: Send + Sync {
     /// The export named `name`, or None. The empty name is the protocol's "default export";
     /// the catalog decides whether there is one.
     fn lookup(&self, name: &str) -> Option<ExportInfo>;
+    /// Why `name`, which [`Catalog::lookup`] did not give, names something that exists but is
+    /// not served over NBD (an access policy), in words for people; None if nothing by that name
+    /// exists. Asked only after `lookup` returned None. NBD_OPT_INFO and NBD_OPT_GO are then
+    /// refused with NBD_REP_ERR_POLICY and this message instead of NBD_REP_ERR_UNKNOWN.
+    fn refusal(&self, name: &str) -> Option<String> {
+        let _ = name;
+        None
+    }
 }

@@ -348,6 +348,72 @@ fn go_to_unknown_export_is_refused_and_haggling_goes_on() {
     assert_eq!(connection.phase(), Phase::Transmission);
 }
 
+/// A catalog with one export, "open", and one volume, "locked", that a policy keeps off NBD.
+struct PolicyCatalog;
+
+impl Catalog for PolicyCatalog {
+    fn list(&self) -> Vec<ExportInfo> {
+        self.lookup("open").into_iter().collect()
+    }
+
+    fn lookup(&self, name: &str) -> Option<ExportInfo> {
+        (name == "open").then(|| ExportInfo {
+            name: "open".to_owned(),
+            size_bytes: DISK_BYTES,
+            read_only: false,
+            description: String::new(),
+        })
+    }
+
+    fn refusal(&self, name: &str) -> Option<String> {
+        (name == "locked").then(|| "restricted to NVMe hosts".to_owned())
+    }
+}
+
+#[test]
+fn an_export_refused_by_policy_says_why() {
+    let check_go = |code: u32| {
+        let mut connection = Connection::new(Arc::new(PolicyCatalog), 0);
+        drain(&mut connection);
+        feed(&mut connection, &client_flag::C_FIXED_NEWSTYLE.to_be_bytes());
+        feed(&mut connection, &option_bytes(code, &info_data("locked", &[])));
+        let replies = option_replies(&drain(&mut connection));
+        assert_eq!(replies.len(), 1);
+        assert_eq!(replies[0].0.reply_type, reply_type::ERR_POLICY);
+        assert_eq!(replies[0].1, b"restricted to NVMe hosts");
+        // Haggling goes on; an unknown name is still unknown.
+        feed(&mut connection, &option_bytes(code, &info_data("nope", &[])));
+        let replies = option_replies(&drain(&mut connection));
+        assert_eq!(replies[0].0.reply_type, reply_type::ERR_UNKNOWN);
+        feed(&mut connection, &option_bytes(code, &info_data("open", &[])));
+        assert_eq!(
+            option_replies(&drain(&mut connection)).last().unwrap().0.reply_type,
+            reply_type::ACK
+        );
+    };
+    check_go(option::INFO);
+    check_go(option::GO);
+
+    let mut connection = Connection::new(Arc::new(PolicyCatalog), 0);
+    drain(&mut connection);
+    feed(&mut connection, &client_flag::C_FIXED_NEWSTYLE.to_be_bytes());
+    let error = connection.receive(&option_bytes(option::EXPORT_NAME, b"locked")).unwrap_err();
+    assert_eq!(
+        error,
+        ConnectionError::ExportRefused {
+            name: "locked".to_owned(),
+            reason: "restricted to NVMe hosts".to_owned()
+        }
+    );
+    assert!(error.to_string().contains("restricted to NVMe hosts"), "{error}");
+    assert!(connection.wants_close());
+
+    // The default catalog has no policy: an unknown name is unknown.
+    let mut connection = after_flags();
+    feed(&mut connection, &option_bytes(option::GO, &info_data("locked", &[])));
+    assert_eq!(option_replies(&drain(&mut connection))[0].0.reply_type, reply_type::ERR_UNKNOWN);
+}
+
 #[test]
 fn malformed_info_requests_are_invalid() {
     let name_too_long = {

@@ -1,0 +1,235 @@
+//! The background scrub end to end, on a real `ferrite up` with a high `--scrub-mb-per-s`:
+//!
+//! - With intact data (raw and compressed blocks, all in sealed segments after a restart) a
+//!   pass completes, verifies every written block and finds nothing; `ferrite node show`, the
+//!   REST JSON and the metrics say so.
+//! - Then, with the node stopped, the test finds one written block in the drive files (it holds
+//!   a distinctive pattern, written raw, so a plain search finds it) and flips bytes in it. After
+//!   the next start the scrub reports exactly that damage, naming the volume, the block and the
+//!   drive, and a host's read of that block fails with an error instead of returning the
+//!   damaged data; the block's neighbours read fine.
+
+mod common;
+
+use common::{
+    assert_no_error_lines, ferrite_ok, free_port, pattern, pattern_mismatch, runtime, volume_nqn,
+    Node, BLOCK_BYTES,
+};
+use initiator::{AlignedBuf, ConnectOptions, Controller};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Two sparse 1 GiB drive files and a scrub fast enough to finish a pass within a tick.
+const NODE_ARGS: [&str; 6] = ["--drives", "2", "--drive-size", "1G", "--scrub-mb-per-s", "1024"];
+/// Blocks written to each volume.
+const BLOCKS: usize = 64;
+const VICTIM_TAG: u64 = 0x5C2B_B1D0;
+/// The block of the victim volume the test damages.
+const DAMAGED_LBA: u64 = 10;
+/// How long a scrub pass may take to show up in `node show`.
+const SCRUB_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes of a drive file read at once while searching it.
+const SEARCH_CHUNK_BYTES: usize = 4 << 20;
+
+fn start(data_dir: &Path, nvme_port: u16) -> Node {
+    Node::start_with_drives(data_dir, nvme_port, &NODE_ARGS)
+}
+
+fn node_json(api: &str) -> serde_json::Value {
+    serde_json::from_str(&ferrite_ok(api, &["node", "show", "--json"])).expect("node show JSON")
+}
+
+/// Waits until the node reports a completed scrub pass; returns its `scrub` section.
+fn wait_for_pass(api: &str) -> serde_json::Value {
+    let deadline = Instant::now() + SCRUB_TIMEOUT;
+    loop {
+        let scrub = node_json(api)["scrub"].clone();
+        if scrub["passes_completed"].as_u64().unwrap_or(0) >= 1 {
+            return scrub;
+        }
+        assert!(Instant::now() < deadline, "no scrub pass within {SCRUB_TIMEOUT:?}: {scrub}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn metric(metrics: &str, series: &str) -> u64 {
+    let line = metrics
+        .lines()
+        .find(|line| line.starts_with(series) && line[series.len()..].starts_with(' '))
+        .unwrap_or_else(|| panic!("no series {series} in the metrics"));
+    line[series.len() + 1..].parse().expect("a counter")
+}
+
+async fn connect(node: &Node, volume: &str) -> (Controller, initiator::IoQueue) {
+    let controller =
+        Controller::connect(&node.nvme_address(), &volume_nqn(volume), ConnectOptions::default())
+            .await
+            .unwrap_or_else(|error| panic!("connect to {volume}: {error}"));
+    let queue = controller.open_io_queue(8).await.expect("open an I/O queue");
+    (controller, queue)
+}
+
+/// Text that compresses well, so the second volume's blocks are stored packed.
+fn text(blocks: usize) -> AlignedBuf {
+    let mut buffer = AlignedBuf::new(blocks * BLOCK_BYTES);
+    let line = b"scrub test: compressible text for a packed block, over and over.\n";
+    for (index, byte) in buffer.iter_mut().enumerate() {
+        *byte = line[index % line.len()];
+    }
+    buffer
+}
+
+/// Every 4 KiB-aligned place in the drive files holding exactly `block`: `(file, offset)`.
+fn find_block(drives_dir: &Path, block: &[u8]) -> Vec<(PathBuf, u64)> {
+    let mut found = Vec::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(drives_dir)
+        .expect("list the drive files")
+        .map(|entry| entry.expect("a drive file").path())
+        .collect();
+    files.sort();
+    let mut chunk = vec![0u8; SEARCH_CHUNK_BYTES];
+    for path in files {
+        let mut file = std::fs::File::open(&path).expect("open a drive file");
+        let mut offset = 0u64;
+        loop {
+            let read = read_full(&mut file, &mut chunk);
+            for (index, candidate) in chunk[..read].chunks_exact(BLOCK_BYTES).enumerate() {
+                if candidate == block {
+                    found.push((path.clone(), offset + (index * BLOCK_BYTES) as u64));
+                }
+            }
+            if read < chunk.len() {
+                break;
+            }
+            offset += read as u64;
+        }
+    }
+    found
+}
+
+fn read_full(file: &mut std::fs::File, buffer: &mut [u8]) -> usize {
+    let mut filled = 0;
+    while filled < buffer.len() {
+        match file.read(&mut buffer[filled..]).expect("read a drive file") {
+            0 => break,
+            read => filled += read,
+        }
+    }
+    filled
+}
+
+/// Flips 64 bytes in the middle of the block at `offset` of `path`, durably.
+fn damage(path: &Path, offset: u64) {
+    let mut file =
+        std::fs::OpenOptions::new().read(true).write(true).open(path).expect("open a drive file");
+    let at = offset + (BLOCK_BYTES / 2) as u64;
+    let mut bytes = [0u8; 64];
+    file.seek(SeekFrom::Start(at)).expect("seek");
+    file.read_exact(&mut bytes).expect("read the block");
+    for byte in &mut bytes {
+        *byte ^= 0xFF;
+    }
+    file.seek(SeekFrom::Start(at)).expect("seek");
+    file.write_all(&bytes).expect("damage the block");
+    file.sync_all().expect("sync the drive file");
+}
+
+/// The drive index of `DATA-DIR/drives/drive-NNN.img`.
+fn drive_index(path: &Path) -> u64 {
+    let name = path.file_name().and_then(|name| name.to_str()).expect("a drive file name");
+    let digits = name.trim_start_matches("drive-").trim_end_matches(".img");
+    digits.parse().unwrap_or_else(|_| panic!("unexpected drive file name {name}"))
+}
+
+#[test]
+fn scrub_verifies_intact_data_and_reports_a_damaged_block() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data_dir = dir.path().join("data");
+    let nvme_port = free_port();
+    let rt = runtime();
+
+    let node = start(&data_dir, nvme_port);
+    let api = node.api_url.clone();
+    ferrite_ok(&api, &["volume", "create", "victim", "--size", "64M", "--compression", "off"]);
+    ferrite_ok(&api, &["volume", "create", "packed", "--size", "64M"]);
+    rt.block_on(async {
+        let (controller, mut queue) = connect(&node, "victim").await;
+        queue.write(0, pattern(0, BLOCKS, VICTIM_TAG)).await.expect("write the victim");
+        drop(queue);
+        controller.shutdown().await.expect("shut down");
+        let (controller, mut queue) = connect(&node, "packed").await;
+        queue.write(0, text(BLOCKS)).await.expect("write the packed volume");
+        drop(queue);
+        controller.shutdown().await.expect("shut down");
+    });
+    let packed: serde_json::Value =
+        serde_json::from_str(&ferrite_ok(&api, &["volume", "show", "packed", "--json"]))
+            .expect("volume show JSON");
+    assert!(packed["data_reduction"].as_f64().unwrap_or(0.0) > 1.5, "{packed}");
+    let stderr = node.stop_cleanly();
+    assert_no_error_lines(&stderr, &[], "writing");
+
+    // Restarted, every written segment is sealed: a pass verifies every block and finds nothing.
+    let node = start(&data_dir, nvme_port);
+    let api = node.api_url.clone();
+    let scrub = wait_for_pass(&api);
+    assert_eq!(scrub["errors"], 0, "{scrub}");
+    assert_eq!(scrub["findings"], serde_json::json!([]), "{scrub}");
+    assert_eq!(scrub["rate_mb_per_s"], 1024, "{scrub}");
+    assert_eq!(scrub["blocks_verified"].as_u64(), Some(2 * BLOCKS as u64), "{scrub}");
+    let shown = ferrite_ok(&api, &["node", "show"]);
+    assert!(shown.contains("scrub passes:") && shown.contains("scrub errors:    0"), "{shown}");
+    let metrics = api::Client::new(&api).expect("client").metrics().expect("metrics");
+    assert!(metric(&metrics, "ferrite_scrub_passes_total") >= 1);
+    assert_eq!(metric(&metrics, "ferrite_scrub_errors_total"), 0);
+    assert_eq!(metric(&metrics, "ferrite_scrub_blocks_verified_total"), 2 * BLOCKS as u64);
+    let stderr = node.stop_cleanly();
+    assert_no_error_lines(&stderr, &[], "intact scrub");
+
+    // Damage the victim's block on its drive, behind the node's back.
+    let mut expected = AlignedBuf::new(BLOCK_BYTES);
+    expected.copy_from_slice(&pattern(DAMAGED_LBA, 1, VICTIM_TAG));
+    let places = find_block(&data_dir.join("drives"), &expected);
+    assert_eq!(places.len(), 1, "the block is stored once, raw: {places:?}");
+    let (path, offset) = places[0].clone();
+    damage(&path, offset);
+
+    let node = start(&data_dir, nvme_port);
+    let api = node.api_url.clone();
+    let scrub = wait_for_pass(&api);
+    assert_eq!(scrub["errors"], 1, "{scrub}");
+    let findings = scrub["findings"].as_array().expect("findings");
+    assert_eq!(findings.len(), 1, "{scrub}");
+    let finding = &findings[0];
+    assert_eq!(finding["kind"], "block", "{finding}");
+    assert_eq!(finding["volume"], "victim", "{finding}");
+    assert_eq!(finding["block"].as_u64(), Some(DAMAGED_LBA), "{finding}");
+    assert_eq!(finding["drive"].as_u64(), Some(drive_index(&path)), "{finding}");
+    assert_eq!(finding["repaired"], false, "{finding}");
+    assert_eq!(scrub["blocks_verified"].as_u64(), Some(2 * BLOCKS as u64 - 1), "{scrub}");
+    let shown = ferrite_ok(&api, &["node", "show"]);
+    assert!(shown.contains("scrub errors:    1"), "{shown}");
+    assert!(shown.contains("block 10 of volume victim is damaged"), "{shown}");
+    let metrics = api::Client::new(&api).expect("client").metrics().expect("metrics");
+    assert_eq!(metric(&metrics, "ferrite_scrub_errors_total"), 1);
+
+    // A host's read of the damaged block fails; its neighbours read intact.
+    rt.block_on(async {
+        let (controller, mut queue) = connect(&node, "victim").await;
+        let result = queue.read(DAMAGED_LBA, AlignedBuf::new(BLOCK_BYTES)).await;
+        assert!(result.is_err(), "the damaged block was returned as data");
+        let before = queue.read(0, AlignedBuf::new(DAMAGED_LBA as usize * BLOCK_BYTES)).await;
+        let before = before.expect("read the blocks before the damaged one");
+        assert_eq!(pattern_mismatch(&before, 0, VICTIM_TAG), None);
+        let after_lba = DAMAGED_LBA + 1;
+        let after_blocks = BLOCKS - after_lba as usize;
+        let after = queue.read(after_lba, AlignedBuf::new(after_blocks * BLOCK_BYTES)).await;
+        let after = after.expect("read the blocks after the damaged one");
+        assert_eq!(pattern_mismatch(&after, after_lba, VICTIM_TAG), None);
+        drop(queue);
+        controller.shutdown().await.expect("shut down");
+    });
+    let stderr = node.stop_cleanly();
+    assert_no_error_lines(&stderr, &["scrub found damaged data"], "damaged scrub");
+}
