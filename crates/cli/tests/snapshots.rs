@@ -52,6 +52,34 @@ fn write(
     });
 }
 
+/// The subsystem NQN of a volume, or of a snapshot written `VOLUME@SNAPSHOT` (read-only).
+fn nqn_of(name: &str) -> initiator::Nqn {
+    match name.split_once('@') {
+        Some((volume, snapshot)) => {
+            initiator::Nqn::new(&format!("{}{volume}:{snapshot}", types::SNAPSHOT_NQN_PREFIX))
+                .expect("snapshot NQN")
+        }
+        None => volume_nqn(name),
+    }
+}
+
+/// Snapshot `name` (`VOLUME@SNAPSHOT`) is served read-only over its own subsystem: a write
+/// fails with Namespace Is Write Protected (Identify Namespace is checked by the nvmf tests).
+fn expect_read_only(rt: &tokio::runtime::Runtime, node: &Node, name: &str) {
+    rt.block_on(async {
+        let controller =
+            Controller::connect(&node.nvme_address(), &nqn_of(name), ConnectOptions::default())
+                .await
+                .unwrap_or_else(|error| panic!("connect to {name}: {error}"));
+        let mut queue = controller.open_io_queue(8).await.expect("open an I/O queue");
+        let refused = queue.write(0, pattern(0, 1, 0xEE)).await;
+        let error = refused.expect_err("a write to a snapshot must fail");
+        assert!(error.to_string().contains("Namespace is Write Protected"), "{name}: {error}");
+        drop(queue);
+        controller.shutdown().await.expect("shut down");
+    });
+}
+
 /// Checks that `volume` holds, from `lba`, each `(blocks, tag)` run in turn.
 #[track_caller]
 fn expect(
@@ -64,13 +92,10 @@ fn expect(
 ) {
     let total: usize = runs.iter().map(|(blocks, _)| blocks).sum();
     let data = rt.block_on(async {
-        let controller = Controller::connect(
-            &node.nvme_address(),
-            &volume_nqn(volume),
-            ConnectOptions::default(),
-        )
-        .await
-        .unwrap_or_else(|error| panic!("{context}: connect to {volume}: {error}"));
+        let controller =
+            Controller::connect(&node.nvme_address(), &nqn_of(volume), ConnectOptions::default())
+                .await
+                .unwrap_or_else(|error| panic!("{context}: connect to {volume}: {error}"));
         let mut queue = controller.open_io_queue(8).await.expect("open an I/O queue");
         let data = queue
             .read(lba, AlignedBuf::new(total * BLOCK_BYTES))
@@ -113,6 +138,9 @@ fn assert_code<T: std::fmt::Debug>(result: Result<T, ClientError>, code: ErrorCo
 fn check_contents(rt: &tokio::runtime::Runtime, node: &Node, context: &str) {
     let api = &node.api_url;
     assert_eq!(snapshot_names(api, "vol"), ["s1", "s2"], "{context}: the snapshots of vol");
+    // The snapshot itself, read over its own read-only subsystem.
+    expect(rt, node, "vol@s1", 0, &[(BLOCKS, TAG_A)], context);
+    expect_read_only(rt, node, "vol@s1");
     // vol was rolled back to s1 (A), then took D on its first 8 blocks.
     expect(rt, node, "vol", 0, &[(8, TAG_D), (BLOCKS - 8, TAG_A)], context);
     // c1: A with its own write in the middle.
@@ -138,6 +166,8 @@ fn snapshots_clones_and_rollback_survive_restarts() {
     assert!(taken.contains("took snapshot vol@s1 (64MiB)"), "{taken}");
     write(&rt, &node, "vol", 0, 16, TAG_B);
     expect(&rt, &node, "vol", 0, &[(16, TAG_B), (BLOCKS - 16, TAG_A)], "after writing B");
+    expect(&rt, &node, "vol@s1", 0, &[(BLOCKS, TAG_A)], "s1 after writing B to vol");
+    expect_read_only(&rt, &node, "vol@s1");
 
     // A clone reads the snapshot, not the volume, and its writes stay its own.
     let created = ferrite_ok(&api, &["volume", "create", "c1", "--from-snapshot", "vol@s1"]);

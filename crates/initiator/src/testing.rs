@@ -199,6 +199,7 @@ impl RamTarget {
             uuid: [2; 16],
             eui64: [3; 8],
             serial_number: options.serial_number,
+            read_only: false,
         };
         let catalog = RamCatalog { subnqn: options.subnqn.clone(), namespace };
         let target = Arc::new(Target::new(config, Arc::new(catalog)));

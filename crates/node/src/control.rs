@@ -455,7 +455,7 @@ impl VolumeService {
             created_unix_ms: now_unix_ms(),
         };
         self.meta.create_snapshot(&record).map_err(ControlError::from_meta)?;
-        if let Err(error) = self.data_plane.snapshot(&source, id) {
+        if let Err(error) = self.data_plane.snapshot(&source, &record) {
             if let Err(meta_error) = self.meta.delete_snapshot(&record.volume, &record.name) {
                 tracing::warn!(
                     volume = %record.volume,
@@ -884,7 +884,12 @@ mod tests {
             state.compression_changes.push((volume.id, volume.compression));
         }
 
-        fn snapshot(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
+        fn snapshot(
+            &self,
+            volume: &VolumeRecord,
+            snapshot: &SnapshotRecord,
+        ) -> Result<(), DataPlaneError> {
+            let snapshot_id = snapshot.id;
             let mut state = self.state.lock().unwrap();
             assert!(state.published.contains(&volume.id), "snapshot of an unpublished volume");
             if state.refuse_layers {

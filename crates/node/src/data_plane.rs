@@ -249,10 +249,15 @@ pub trait DataPlane: Send + Sync {
     /// volumes, and those the data path starts with, get their record's setting already.
     fn set_compression(&self, _volume: &VolumeRecord) {}
 
-    /// Takes snapshot `snapshot_id` of the served `volume`, durably. Instant and read-only; the
-    /// volume's I/O goes on (the snapshot holds every write completed before the call).
-    fn snapshot(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
-        let _ = snapshot_id;
+    /// Takes snapshot `snapshot` (its record is durable) of the served `volume`, durably, and
+    /// serves it read-only over NVMe/TCP. Instant; the volume's I/O goes on (the snapshot holds
+    /// every write completed before the call).
+    fn snapshot(
+        &self,
+        volume: &VolumeRecord,
+        snapshot: &SnapshotRecord,
+    ) -> Result<(), DataPlaneError> {
+        let _ = snapshot;
         Err(no_snapshots(&volume.name))
     }
 

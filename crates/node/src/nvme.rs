@@ -268,6 +268,11 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             })?;
             catalog.insert(record, map, context.metrics.volume(record.id));
         }
+        for snapshot in &context.snapshots {
+            if let Some(volume) = context.volumes.iter().find(|v| v.name == snapshot.volume) {
+                catalog.insert_snapshot(snapshot, context.metrics.volume(volume.id));
+            }
+        }
 
         if context.nvme_listen.is_empty() || context.nvme_listen.len() > NVME_LISTENERS_MAX {
             return Err(DataPlaneError::failed(format!(
@@ -424,6 +429,9 @@ fn layout_of(record: &VolumeRecord) -> VolumeLayout {
 /// What the I/O path needs of a volume, shared by every connection to it (NVMe/TCP and NBD).
 pub(crate) struct VolumeHandle {
     pub(crate) name: VolumeName,
+    /// For a snapshot's handle, the snapshot's name (`name` is its volume's): served read-only
+    /// under [`VolumeName::snapshot_nqn`].
+    pub(crate) snapshot: Option<VolumeName>,
     pub(crate) map: Arc<VolumeMap>,
     pub(crate) metrics: Arc<VolumeMetrics>,
     pub(crate) size_blocks: Arc<AtomicU64>,
@@ -435,6 +443,14 @@ pub(crate) struct VolumeHandle {
 }
 
 impl VolumeHandle {
+    /// The NQN of the subsystem serving this volume or snapshot.
+    pub(crate) fn nqn(&self) -> Nqn {
+        match &self.snapshot {
+            Some(snapshot) => self.name.snapshot_nqn(snapshot),
+            None => self.name.subsystem_nqn(),
+        }
+    }
+
     /// Registers one I/O; false (and nothing registered) if the volume is fenced.
     pub(crate) fn begin(&self) -> bool {
         self.inflight.fetch_add(1, Ordering::SeqCst);
@@ -456,6 +472,9 @@ impl VolumeHandle {
 #[derive(Default)]
 pub(crate) struct NodeCatalog {
     volumes: RwLock<HashMap<u64, Arc<VolumeHandle>>>,
+    /// Snapshots, served read-only over NVMe/TCP, by snapshot id. Their hosts are their
+    /// volume's. Not NBD exports.
+    snapshots: RwLock<HashMap<u64, Arc<VolumeHandle>>>,
     /// Each volume's host access, by volume id. Kept apart from [`VolumeHandle`] because only
     /// Connect and the discovery log read it, never the I/O path. Lock order: `volumes` first.
     host_access: RwLock<HashMap<u64, HostAccess>>,
@@ -498,6 +517,7 @@ impl NodeCatalog {
         map.set_compression(engine_compression(record.compression));
         let handle = VolumeHandle {
             name: record.name.clone(),
+            snapshot: None,
             size_blocks: Arc::new(AtomicU64::new(
                 record.size_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES),
             )),
@@ -510,6 +530,36 @@ impl NodeCatalog {
         // Host access first, so the volume is never served without it.
         self.host_access_write().insert(record.id, record.host_access.clone());
         self.write().insert(record.id, Arc::new(handle));
+    }
+
+    /// Serves snapshot `record` read-only; its I/O is counted in its volume's `metrics`.
+    pub(crate) fn insert_snapshot(&self, record: &SnapshotRecord, metrics: Arc<VolumeMetrics>) {
+        let map = VolumeMap::standalone(VolumeId(record.id), record.size_bytes);
+        let handle = VolumeHandle {
+            name: record.volume.clone(),
+            snapshot: Some(record.name.clone()),
+            size_blocks: Arc::new(AtomicU64::new(
+                record.size_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES),
+            )),
+            map,
+            metrics,
+            uuid: record.uuid,
+            fenced: AtomicBool::new(false),
+            inflight: AtomicU64::new(0),
+        };
+        self.snapshots
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(record.id, Arc::new(handle));
+    }
+
+    /// Stops serving a snapshot.
+    pub(crate) fn remove_snapshot(&self, id: u64) -> Option<Arc<VolumeHandle>> {
+        self.snapshots.write().unwrap_or_else(|e| e.into_inner()).remove(&id)
+    }
+
+    fn snapshots_read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u64, Arc<VolumeHandle>>> {
+        self.snapshots.read().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Forgets a volume: its handle and its host access.
@@ -533,7 +583,12 @@ impl NodeCatalog {
     }
 
     pub(crate) fn get(&self, id: u64) -> Option<Arc<VolumeHandle>> {
-        self.read().get(&id).cloned()
+        self.read().get(&id).cloned().or_else(|| self.snapshots_read().get(&id).cloned())
+    }
+
+    /// The id of the served volume named `name`.
+    fn volume_id(&self, name: &VolumeName) -> Option<u64> {
+        self.read().iter().find_map(|(id, handle)| (handle.name == *name).then_some(*id))
     }
 }
 
@@ -542,19 +597,29 @@ impl Catalog for NodeCatalog {
         let mut subsystems: Vec<SubsystemInfo> = self
             .read()
             .values()
+            .chain(self.snapshots_read().values())
             .filter(|handle| !handle.fenced.load(Ordering::Acquire))
-            .map(|handle| SubsystemInfo { nqn: handle.name.subsystem_nqn() })
+            .map(|handle| SubsystemInfo { nqn: handle.nqn() })
             .collect();
         subsystems.sort_by(|a, b| a.nqn.cmp(&b.nqn));
         subsystems
     }
 
     fn namespace(&self, subnqn: &Nqn) -> Option<NamespaceInfo> {
-        let name = subnqn.volume_name()?;
         let volumes = self.read();
-        let (id, handle) = volumes
-            .iter()
-            .find(|(_, handle)| handle.name == name && !handle.fenced.load(Ordering::Acquire))?;
+        let snapshots = self.snapshots_read();
+        let (id, handle) = match subnqn.snapshot_names() {
+            Some((volume, snapshot)) => snapshots.iter().find(|(_, handle)| {
+                handle.name == volume && handle.snapshot.as_ref() == Some(&snapshot)
+            }),
+            None => {
+                let name = subnqn.volume_name()?;
+                volumes.iter().find(|(_, handle)| handle.name == name)
+            }
+        }?;
+        if handle.fenced.load(Ordering::Acquire) {
+            return None;
+        }
         let uuid = handle.uuid;
         let mut eui64 = [0u8; 8];
         eui64.copy_from_slice(&uuid[..8]);
@@ -566,12 +631,23 @@ impl Catalog for NodeCatalog {
             uuid,
             eui64,
             serial_number: serial_number(&uuid),
+            read_only: handle.snapshot.is_some(),
         })
     }
 
     /// Called on Connect and per subsystem of a discovery log read. A host is allowed by the
     /// volume's [`HostAccess`]; an NQN that names no served volume allows no host.
     fn host_allowed(&self, subnqn: &Nqn, hostnqn: &Nqn) -> bool {
+        if let Some((volume, snapshot)) = subnqn.snapshot_names() {
+            // A snapshot's hosts are its volume's.
+            let served = self.snapshots_read().values().any(|handle| {
+                handle.name == volume
+                    && handle.snapshot.as_ref() == Some(&snapshot)
+                    && !handle.fenced.load(Ordering::Acquire)
+            });
+            let Some(id) = self.volume_id(&volume).filter(|_| served) else { return false };
+            return self.host_access_read().get(&id).is_some_and(|access| access.allows(hostnqn));
+        }
         let Some(name) = subnqn.volume_name() else {
             return false;
         };
@@ -1376,8 +1452,15 @@ impl DataPlane for NvmeDataPlane {
         }
     }
 
-    fn snapshot(&self, volume: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
-        self.run(EngineOperation::Snapshot { volume: volume.id, snapshot: snapshot_id })
+    fn snapshot(
+        &self,
+        volume: &VolumeRecord,
+        snapshot: &SnapshotRecord,
+    ) -> Result<(), DataPlaneError> {
+        self.run(EngineOperation::Snapshot { volume: volume.id, snapshot: snapshot.id })?;
+        self.catalog.insert_snapshot(snapshot, self.metrics.volume(volume.id));
+        self.target.notify_subsystems_changed();
+        Ok(())
     }
 
     fn clone_snapshot(&self, clone: &VolumeRecord, snapshot_id: u64) -> Result<(), DataPlaneError> {
@@ -1398,6 +1481,22 @@ impl DataPlane for NvmeDataPlane {
     }
 
     fn remove_snapshot(&self, snapshot: &SnapshotRecord) {
+        // Hosts reading the snapshot are drained and disconnected before its data goes.
+        if let Some(handle) = self.catalog.get(snapshot.id).filter(|h| h.snapshot.is_some()) {
+            let drained = self.fence_and_drain(&handle);
+            self.target.disconnect_subsystem(&handle.nqn());
+            self.catalog.remove_snapshot(snapshot.id);
+            self.target.notify_subsystems_changed();
+            if let Err(error) = drained {
+                tracing::error!(
+                    volume = %snapshot.volume,
+                    snapshot = %snapshot.name,
+                    %error,
+                    "the snapshot's reads did not drain; its data is dropped at the next start"
+                );
+                return;
+            }
+        }
         if let Err(error) = self.delete_data(snapshot.id) {
             tracing::error!(
                 volume = %snapshot.volume,

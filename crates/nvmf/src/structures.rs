@@ -250,6 +250,8 @@ pub struct IdentifyNamespace {
     pub nlbaf: u8,
     pub flbas: u8,
     pub nmic: u8,
+    /// Namespace attributes: bit 0 write protected.
+    pub nsattr: u8,
     pub dlfeat: u8,
     /// NVM capacity in bytes.
     pub nvmcap: u128,
@@ -272,6 +274,7 @@ impl IdentifyNamespace {
         out[25] = self.nlbaf;
         out[26] = self.flbas;
         out[30] = self.nmic;
+        out[99] = self.nsattr;
         out[33] = self.dlfeat;
         out[48..64].copy_from_slice(&self.nvmcap.to_le_bytes());
         put_u32(out, 92, self.anagrpid);
@@ -299,6 +302,7 @@ impl IdentifyNamespace {
             nlbaf: data[25],
             flbas: data[26],
             nmic: data[30],
+            nsattr: data[99],
             dlfeat: data[33],
             nvmcap: u128::from_le_bytes(nvmcap),
             anagrpid: le_u32(&data[92..]),

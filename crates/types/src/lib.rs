@@ -24,6 +24,8 @@ pub const VOLUME_NAME_LENGTH_MAX: usize = 63;
 pub const NQN_LENGTH_MAX: usize = 223;
 /// The NQN prefix of every Ferrite subsystem; the volume name follows it.
 pub const SUBSYSTEM_NQN_PREFIX: &str = "nqn.2024-01.io.ferrite:vol:";
+/// The NQN prefix of a snapshot's read-only subsystem: `VOLUME:SNAPSHOT` follows it.
+pub const SNAPSHOT_NQN_PREFIX: &str = "nqn.2024-01.io.ferrite:snap:";
 /// The well-known discovery subsystem NQN (NVMe base specification).
 pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
 
@@ -81,6 +83,11 @@ impl VolumeName {
     pub fn subsystem_nqn(&self) -> Nqn {
         Nqn(format!("{SUBSYSTEM_NQN_PREFIX}{}", self.0))
     }
+
+    /// The NQN of the read-only subsystem that exposes this volume's snapshot `snapshot`.
+    pub fn snapshot_nqn(&self, snapshot: &VolumeName) -> Nqn {
+        Nqn(format!("{SNAPSHOT_NQN_PREFIX}{}:{}", self.0, snapshot.0))
+    }
 }
 
 impl fmt::Display for VolumeName {
@@ -123,6 +130,13 @@ impl Nqn {
     /// The volume this NQN names, if it is a Ferrite subsystem NQN.
     pub fn volume_name(&self) -> Option<VolumeName> {
         self.0.strip_prefix(SUBSYSTEM_NQN_PREFIX).and_then(|name| VolumeName::new(name).ok())
+    }
+
+    /// The volume and snapshot this NQN names, if it is a Ferrite snapshot subsystem NQN.
+    pub fn snapshot_names(&self) -> Option<(VolumeName, VolumeName)> {
+        let rest = self.0.strip_prefix(SNAPSHOT_NQN_PREFIX)?;
+        let (volume, snapshot) = rest.split_once(':')?;
+        Some((VolumeName::new(volume).ok()?, VolumeName::new(snapshot).ok()?))
     }
 }
 
@@ -217,6 +231,14 @@ mod tests {
         let name = VolumeName::new("db-1").unwrap();
         let nqn = name.subsystem_nqn();
         assert_eq!(nqn.as_str(), "nqn.2024-01.io.ferrite:vol:db-1");
+        let volume = VolumeName::new("db-1").unwrap();
+        let snapshot = VolumeName::new("nightly").unwrap();
+        let snap_nqn = volume.snapshot_nqn(&snapshot);
+        assert_eq!(snap_nqn.as_str(), "nqn.2024-01.io.ferrite:snap:db-1:nightly");
+        assert_eq!(snap_nqn.snapshot_names(), Some((volume.clone(), snapshot)));
+        assert_eq!(snap_nqn.volume_name(), None);
+        assert_eq!(volume.subsystem_nqn().snapshot_names(), None);
+        assert_eq!(Nqn::new("nqn.2024-01.io.ferrite:snap:db-1").unwrap().snapshot_names(), None);
         assert_eq!(nqn.volume_name(), Some(name));
         assert_eq!(Nqn::discovery().volume_name(), None);
         assert!(Nqn::new("nqn.x y").is_err());

@@ -387,6 +387,8 @@ impl Queue {
                             nuse: size_blocks,
                             // NMIC bit 0: may be attached to two or more controllers.
                             nmic: 1,
+                            // NSATTR bit 0: write protected (a snapshot).
+                            nsattr: u8::from(namespace.read_only),
                             // Deallocated blocks read as zeros (001b); Write Zeroes may
                             // deallocate (bit 3).
                             dlfeat: 0x01 | 0x08,

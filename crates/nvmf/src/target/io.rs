@@ -44,6 +44,12 @@ impl Queue {
                 return Outcome::Complete { status, result: 0 };
             }
         }
+        let writes = matches!(sqe.opcode(), io_opcode::WRITE | io_opcode::WRITE_ZEROES)
+            || (sqe.opcode() == io_opcode::DATASET_MANAGEMENT
+                && sqe.cdw(11) & DSM_ATTRIBUTE_DEALLOCATE != 0);
+        if writes && self.namespace.as_ref().is_some_and(|namespace| namespace.read_only) {
+            return Outcome::rejected(Status::NAMESPACE_WRITE_PROTECTED.with_dnr());
+        }
         let result = match sqe.opcode() {
             io_opcode::READ => self.read(&sqe),
             io_opcode::WRITE => self.write(&sqe, data),

@@ -240,6 +240,9 @@ pub struct NamespaceInfo {
     pub eui64: [u8; 8],
     /// The subsystem's serial number (Identify Controller SN), the same for all its controllers.
     pub serial_number: String,
+    /// Write protected (a snapshot): Identify Namespace says so (NSATTR bit 0), and Write, Write
+    /// Zeroes and Deallocate fail with Namespace Is Write Protected before reaching storage.
+    pub read_only: bool,
 }
 
 impl NamespaceInfo {

@@ -55,6 +55,7 @@ pub(super) fn namespace(volume: u64, size: &Arc<AtomicU64>) -> NamespaceInfo {
         uuid: [volume as u8 + 1; 16],
         eui64: [volume as u8 + 2; 8],
         serial_number: format!("serial-{volume}"),
+        read_only: false,
     }
 }
 
@@ -1161,4 +1162,32 @@ proptest! {
             }
         }
     }
+}
+
+/// A write-protected namespace (a snapshot) says so in Identify Namespace and refuses Write,
+/// Write Zeroes and Deallocate before any storage request, while reads work.
+#[test]
+fn a_write_protected_namespace_refuses_writes_and_says_so() {
+    let size = Arc::new(AtomicU64::new(64));
+    let snapshot = NamespaceInfo { read_only: true, ..namespace(9, &size) };
+    let catalog = TestCatalog { namespaces: vec![(subnqn("snap"), snapshot)] };
+    let target = Arc::new(Target::new(TargetConfig::default(), Arc::new(catalog)));
+    let nqn = subnqn("snap");
+    let mut admin = Host::new(&target);
+    let cntlid = admin.bring_up_admin(&nqn);
+    let (cqe, data) = admin.admin(Sqe::identify(0, cns::NAMESPACE, 1, 0, 4096));
+    assert!(cqe.status.is_success(), "{cqe:?}");
+    assert_eq!(data[99] & 1, 1, "NSATTR: write protected");
+    let mut io = Host::new(&target);
+    io.initialize(false, false, 0);
+    assert!(io.connect(1, 31, cntlid, &nqn, HOSTNQN).status.is_success());
+    let mut storage = Storage::default();
+    let (cqe, _) = io.exchange(&mut storage, write(0, 1), &pattern(BLOCK, 3), true);
+    assert_status(&cqe, Status::NAMESPACE_WRITE_PROTECTED);
+    let (cqe, _) = io.exchange(&mut storage, Sqe::write_zeroes(0, 1, 0, 4, false), &[], true);
+    assert_status(&cqe, Status::NAMESPACE_WRITE_PROTECTED);
+    assert!(storage.blocks.is_empty(), "nothing reached storage");
+    let (cqe, data) = io.exchange(&mut storage, read(0, 1), &[], true);
+    assert!(cqe.status.is_success(), "{cqe:?}");
+    assert_eq!(data, vec![0; BLOCK]);
 }
