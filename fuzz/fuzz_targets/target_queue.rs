@@ -215,6 +215,7 @@ fuzz_target!(|input: &[u8]| {
         uuid: [2; 16],
         eui64: [3; 8],
         serial_number: "fuzz".into(),
+        read_only: false,
     };
     let target = Arc::new(Target::new(TargetConfig::default(), Arc::new(OneVolume(namespace))));
     let mut storage = Storage::default();
