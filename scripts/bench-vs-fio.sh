@@ -6,6 +6,9 @@
 #
 #   scripts/bench-vs-fio.sh            # defaults: 2 GiB, 3 rounds, 10 s per workload
 #   SIZE=4G ROUNDS=5 RUNTIME=20 scripts/bench-vs-fio.sh
+#   COMPRESSION=off scripts/bench-vs-fio.sh   # the volume's compression (default lz4, as
+#                                             # `volume create`); the data is random, so lz4
+#                                             # only costs CPU here
 #
 # Note what the peer is: fio writes without fsync, so its random-write figure is the drive's
 # volatile-cache speed, while every Ferrite write is durable when acknowledged.
@@ -38,7 +41,7 @@ export FERRITE_API=http://127.0.0.1:$api_port
     --nvme-listen "127.0.0.1:$nvme_port" >"$work/up.log" 2>&1 &
 server=$!
 for _ in $(seq 1 100); do "$ferrite" node show >/dev/null 2>&1 && break; sleep 0.1; done
-"$ferrite" volume create bench --size "$size" >/dev/null
+"$ferrite" volume create bench --size "$size" --compression "${COMPRESSION:-lz4}" >/dev/null
 target="nvme+tcp://127.0.0.1:$nvme_port/nqn.2024-01.io.ferrite:vol:bench"
 
 echo "filling the volume and the raw file ($size each)"
