@@ -32,7 +32,9 @@
 //! volume was deleted stops reading, lets its in-flight requests finish with errors, and closes.
 
 use crate::metrics::VolumeMetrics;
-use crate::nvme::{close_gracefully, now_ms, Handoff, NodeCatalog, Poller, VolumeHandle};
+use crate::nvme::{
+    close_gracefully, now_ms, socket_ready, Handoff, NodeCatalog, Poller, VolumeHandle,
+};
 use crate::DataPlaneError;
 use engine::log::LogHandle;
 use engine::{StoreError, VolumeMap, VolumeStore};
@@ -46,7 +48,6 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Notify};
 use types::{AlignedBuf, LOGICAL_BLOCK_SIZE_BYTES};
@@ -349,18 +350,7 @@ pub(crate) async fn serve_connection(
         }
         let want_write = !output_sent;
         let want_read = !connection.wants_close() && refusal.is_none() && filled < input.len();
-        let interest = match (want_read, want_write) {
-            (true, true) => Some(Interest::READABLE | Interest::WRITABLE),
-            (true, false) => Some(Interest::READABLE),
-            (false, true) => Some(Interest::WRITABLE),
-            (false, false) => None,
-        };
-        let ready = async {
-            match interest {
-                Some(interest) => stream.ready(interest).await.map(Some),
-                None => std::future::pending().await,
-            }
-        };
+        let ready = socket_ready(&stream, want_read, want_write);
         tokio::select! {
             biased;
             _ = completions.notify.notified(), if inflight > 0 => continue,

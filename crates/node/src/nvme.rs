@@ -661,6 +661,23 @@ impl Catalog for NodeCatalog {
     }
 }
 
+/// Waits until the socket can take what the connection driver wants to do: read when
+/// `want_read`, write when `want_write`; `Ok(None)` never comes (neither wanted: wait forever, for
+/// the driver's other `select!` arm). Shared by the NVMe/TCP and NBD drivers.
+pub(crate) async fn socket_ready(
+    stream: &tokio::net::TcpStream,
+    want_read: bool,
+    want_write: bool,
+) -> std::io::Result<Option<tokio::io::Ready>> {
+    let interest = match (want_read, want_write) {
+        (true, true) => Interest::READABLE | Interest::WRITABLE,
+        (true, false) => Interest::READABLE,
+        (false, true) => Interest::WRITABLE,
+        (false, false) => return std::future::pending().await,
+    };
+    stream.ready(interest).await.map(Some)
+}
+
 /// Identify Controller SN: 20 ASCII characters, unique per subsystem.
 fn serial_number(uuid: &[u8; 16]) -> String {
     uuid[..10].iter().map(|byte| format!("{byte:02x}")).collect()
@@ -1103,18 +1120,7 @@ async fn serve_connection(
         }
         let want_write = !queue.output().is_empty();
         let want_read = !queue.wants_close() && filled < input.len();
-        let interest = match (want_read, want_write) {
-            (true, true) => Some(Interest::READABLE | Interest::WRITABLE),
-            (true, false) => Some(Interest::READABLE),
-            (false, true) => Some(Interest::WRITABLE),
-            (false, false) => None,
-        };
-        let ready = async {
-            match interest {
-                Some(interest) => stream.ready(interest).await.map(Some),
-                None => std::future::pending().await,
-            }
-        };
+        let ready = socket_ready(&stream, want_read, want_write);
         tokio::select! {
             biased;
             _ = completions.notify.notified(), if inflight > 0 => continue,
