@@ -17,6 +17,10 @@ command -v etcdctl >/dev/null 2>&1 || needed+=(etcd-client)
 command -v nbdinfo >/dev/null 2>&1 || needed+=(libnbd-bin)
 command -v qemu-io >/dev/null 2>&1 || needed+=(qemu-utils)
 command -v fusermount3 >/dev/null 2>&1 || needed+=(fuse3)
+# The database test (crates/cli/tests/pgbench.rs) and scripts/pgbench-ext4.sh run PostgreSQL on
+# ext4 on a volume: initdb, pg_ctl, postgres and pgbench are in postgresql-15, which pulls in
+# postgresql-client-15 (psql, pg_amcheck) and creates the `postgres` OS user they run as.
+[ -x /usr/lib/postgresql/15/bin/pgbench ] || needed+=(postgresql-15)
 if [ ${#needed[@]} -eq 0 ]; then
     exit 0
 fi

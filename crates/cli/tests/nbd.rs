@@ -13,20 +13,18 @@
 mod common;
 
 use common::{
-    assert_no_error_lines, ferrite, ferrite_ok, free_port, pattern, pattern_mismatch, runtime,
-    volume_nqn, ChildGuard, Node, BLOCK_BYTES,
+    assert_no_error_lines, client, ferrite, ferrite_ok, free_port, pattern, pattern_mismatch,
+    require_root_and_fuse, run, run_ok, runtime, volume_nqn, FuseFile, LoopDevice, Mount, Node,
+    BLOCK_BYTES,
 };
 use initiator::{AlignedBuf, ConnectOptions, Controller};
 use nbd::wire::{self, client_flag, command, option, reply_type};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
-/// A client that runs longer than this is killed and its test fails.
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(120);
 /// A connection the node must close is closed within this time.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the raw test client waits for one reply.
@@ -35,73 +33,6 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 const LISTED_HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000aa";
 
 // ----- Running the standard clients -----
-
-/// A command for `program`, which must be installed (from the Debian package `package`).
-fn client(program: &str, package: &str) -> Command {
-    let found = std::env::var_os("PATH")
-        .map(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
-        .unwrap_or(false);
-    assert!(
-        found,
-        "`{program}` is not installed: install the Debian package `{package}` (scripts/deps.sh \
-         installs it) to run the NBD tests"
-    );
-    Command::new(program)
-}
-
-/// What a finished client printed.
-struct Finished {
-    status: std::process::ExitStatus,
-    stdout: String,
-    /// Its stdout followed by its stderr.
-    text: String,
-}
-
-/// Runs `command` to completion within [`CLIENT_TIMEOUT`] (killed and the test failed if not).
-fn run(mut command: Command) -> Finished {
-    let description = format!("{command:?}");
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|error| panic!("cannot start {description}: {error}"));
-    // Read both pipes while the client runs, so that a chatty client never blocks on them.
-    let drain = |pipe: Option<Box<dyn Read + Send>>| {
-        std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            if let Some(mut pipe) = pipe {
-                let _ = pipe.read_to_end(&mut bytes);
-            }
-            String::from_utf8_lossy(&bytes).into_owned()
-        })
-    };
-    let stdout = drain(child.stdout.take().map(|pipe| Box::new(pipe) as Box<dyn Read + Send>));
-    let stderr = drain(child.stderr.take().map(|pipe| Box::new(pipe) as Box<dyn Read + Send>));
-    let mut guard = ChildGuard(child);
-    let Some(status) = guard.wait_timeout(CLIENT_TIMEOUT) else {
-        drop(guard);
-        panic!("{description} did not finish within {CLIENT_TIMEOUT:?}");
-    };
-    let stdout = stdout.join().expect("stdout reader");
-    let text = format!("{stdout}{}", stderr.join().expect("stderr reader"));
-    eprintln!("{description} ({status}):\n{text}");
-    Finished { status, stdout, text }
-}
-
-/// Runs `command`, requires success, and returns its stdout followed by its stderr.
-#[track_caller]
-fn run_ok(command: Command) -> String {
-    let description = format!("{command:?}");
-    let finished = run(command);
-    assert!(
-        finished.status.success(),
-        "{description} failed ({}):\n{}",
-        finished.status,
-        finished.text
-    );
-    finished.text
-}
 
 /// Runs qemu-io commands on `uri` (raw format) and requires that none failed: qemu-io reports a
 /// failed command on its output and may still exit 0.
@@ -517,141 +448,6 @@ fn deletion_rollback_and_access_changes_reach_nbd_connections() {
 }
 
 // ----- A real file system on an NBD export -----
-
-/// Checks what the file system test needs, failing with what is missing.
-fn require_root_and_fuse() {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "the NBD file system test needs root (losetup, mount); run it as root");
-    assert!(
-        Path::new("/dev/fuse").exists(),
-        "the NBD file system test needs /dev/fuse (nbdfuse): load the fuse module or give the \
-         container the device"
-    );
-    client("fusermount3", "fuse3");
-    client("losetup", "mount");
-    client("mkfs.ext4", "e2fsprogs");
-}
-
-/// An nbdfuse process exposing an export as the file MOUNTPOINT/NAME; unmounted and stopped
-/// (this process only) when dropped.
-struct FuseFile {
-    mountpoint: PathBuf,
-    file: PathBuf,
-    child: Option<ChildGuard>,
-}
-
-impl FuseFile {
-    fn start(mountpoint: &Path, name: &str, uri: &str, size_bytes: u64) -> FuseFile {
-        std::fs::create_dir_all(mountpoint).expect("create the FUSE mountpoint");
-        let file = mountpoint.join(name);
-        let mut command = client("nbdfuse", "libnbd-bin");
-        command.arg(&file).arg(uri).stdin(Stdio::null());
-        let child = ChildGuard(command.spawn().expect("start nbdfuse"));
-        let mut fuse = FuseFile { mountpoint: mountpoint.to_owned(), file, child: Some(child) };
-        let deadline = Instant::now() + CLIENT_TIMEOUT;
-        while std::fs::metadata(&fuse.file).map(|metadata| metadata.len()).unwrap_or(0)
-            != size_bytes
-        {
-            let child = fuse.child.as_mut().expect("nbdfuse child");
-            if let Some(status) = child.wait_timeout(Duration::ZERO) {
-                panic!("nbdfuse exited ({status}): FUSE must work here (/dev/fuse, root)");
-            }
-            assert!(Instant::now() < deadline, "nbdfuse did not mount within {CLIENT_TIMEOUT:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        fuse
-    }
-
-    /// Unmounts and waits for nbdfuse to exit.
-    fn stop(mut self) {
-        self.unmount();
-    }
-
-    fn unmount(&mut self) {
-        let Some(mut child) = self.child.take() else { return };
-        let _ = Command::new("fusermount3").arg("-u").arg(&self.mountpoint).status();
-        if child.wait_timeout(Duration::from_secs(10)).is_none() {
-            eprintln!("nbdfuse did not exit after unmounting; killing it");
-        }
-        // Dropping the guard kills it if it still runs.
-    }
-}
-
-impl Drop for FuseFile {
-    fn drop(&mut self) {
-        self.unmount();
-    }
-}
-
-/// A loop device over a file, detached (this device only) when dropped.
-struct LoopDevice {
-    device: Option<String>,
-}
-
-impl LoopDevice {
-    /// A loop device with 4 KiB sectors, so every I/O reaching the NBD export is aligned to the
-    /// node's minimum block (nbdfuse does no read-modify-write).
-    fn attach(file: &Path) -> LoopDevice {
-        let mut command = client("losetup", "mount");
-        command.args(["--find", "--show", "--sector-size", "4096"]).arg(file);
-        let device = run_ok(command).lines().next().unwrap_or_default().trim().to_owned();
-        assert!(device.starts_with("/dev/loop"), "losetup printed no device: {device:?}");
-        LoopDevice { device: Some(device) }
-    }
-
-    fn path(&self) -> &str {
-        self.device.as_deref().expect("attached")
-    }
-
-    fn detach(mut self) {
-        self.release(true);
-    }
-
-    fn release(&mut self, required: bool) {
-        let Some(device) = self.device.take() else { return };
-        let status = Command::new("losetup").args(["-d", &device]).status();
-        if required {
-            assert!(status.is_ok_and(|status| status.success()), "losetup -d {device} failed");
-        }
-    }
-}
-
-impl Drop for LoopDevice {
-    fn drop(&mut self) {
-        self.release(false);
-    }
-}
-
-/// A mounted file system, unmounted when dropped.
-struct Mount {
-    target: Option<PathBuf>,
-}
-
-impl Mount {
-    fn at(device: &str, target: &Path) -> Mount {
-        std::fs::create_dir_all(target).expect("create the mount target");
-        let mut command = client("mount", "mount");
-        command.arg(device).arg(target);
-        run_ok(command);
-        Mount { target: Some(target.to_owned()) }
-    }
-
-    fn unmount(mut self) {
-        let target = self.target.take().expect("mounted");
-        let mut command = client("umount", "mount");
-        command.arg(&target);
-        run_ok(command);
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        if let Some(target) = self.target.take() {
-            let _ = Command::new("umount").arg(&target).status();
-        }
-    }
-}
 
 /// The files the file system test writes: (name, contents).
 fn files() -> Vec<(String, Vec<u8>)> {
