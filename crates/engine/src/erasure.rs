@@ -313,6 +313,11 @@ impl ShardSet {
     pub fn count(self) -> u8 {
         self.0.count_ones() as u8
     }
+
+    /// The set as a bitmap: bit `s` for shard `s`.
+    pub fn bits(self) -> u32 {
+        self.0
+    }
 }
 
 impl FromIterator<u8> for ShardSet {

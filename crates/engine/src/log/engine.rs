@@ -40,7 +40,9 @@ use crate::compress::{
     PackBuilder,
 };
 use crate::drive::{Drive, DriveError, DriveOperation};
-use crate::join::{join_all, LocalFuture};
+use crate::erasure::Encoder;
+use crate::join::join_all;
+pub(super) use crate::join::LocalFuture;
 use crate::latches::DriveLatches;
 use crate::local_sync::LocalNotify;
 use crate::store::{StoreError, VolumeStore};
@@ -105,6 +107,15 @@ pub(super) struct Counters {
     pub scrub_errors: AtomicU64,
     pub scrub_passes: AtomicU64,
     pub scrub_findings: Mutex<VecDeque<super::scrub::ScrubFinding>>,
+    /// Coded logs: reads that found a drive unreadable on the fast path, reads served by
+    /// reconstruction from parity, and reads that lost more cells than the parity covers.
+    pub degraded_reads: AtomicU64,
+    pub reconstructed_reads: AtomicU64,
+    pub unrecoverable_reads: AtomicU64,
+    /// Reads whose block failed its checksum and was served rebuilt from parity.
+    pub repaired_reads: AtomicU64,
+    /// Coded writes in flight that skipped a failed drive (a rebuild waits for them).
+    pub skipping_writes: AtomicU64,
 }
 
 /// The durable checkpoint: its id and the segments holding it.
@@ -200,6 +211,11 @@ pub struct LogEngine {
     pub(super) counters: Counters,
     /// Host batches and index generation when a sweep last found nothing to drop.
     pub(super) sweep_mark: AtomicU64,
+    /// Per drive, how many times it was replaced: a handle reopens its handle of a drive whose
+    /// generation moved.
+    drive_generations: Box<[AtomicU64]>,
+    /// The drive rebuild in progress (coded logs), if any.
+    pub(super) rebuild: Mutex<Option<super::rebuild::RebuildState>>,
 }
 
 impl std::fmt::Debug for LogEngine {
@@ -258,6 +274,8 @@ impl LogEngine {
             capacity_blocks,
             counters: Counters::default(),
             sweep_mark: AtomicU64::new(u64::MAX),
+            drive_generations: (0..geometry.drive_count).map(|_| AtomicU64::new(0)).collect(),
+            rebuild: Mutex::new(None),
         })
     }
 
@@ -267,6 +285,17 @@ impl LogEngine {
 
     pub fn latches(&self) -> &Arc<DriveLatches> {
         &self.latches
+    }
+
+    /// How many times drive `index` was replaced in this process.
+    pub fn drive_generation(&self, index: u16) -> u64 {
+        self.drive_generations[usize::from(index)].load(Ordering::Acquire)
+    }
+
+    /// Records that drive `index` was replaced: every handle reopens its handle of it before
+    /// its next I/O there.
+    pub(super) fn bump_drive_generation(&self, index: u16) -> u64 {
+        self.drive_generations[usize::from(index)].fetch_add(1, Ordering::AcqRel) + 1
     }
 
     /// A handle for one data-path thread, over that thread's handles of the drives (index =
@@ -287,9 +316,17 @@ impl LogEngine {
             );
             slots.push(Arc::clone(&slot));
         }
+        let drives = drives
+            .into_iter()
+            .map(|drive| DriveSlot {
+                drive: RefCell::new(Rc::new(drive)),
+                generation: Cell::new(0),
+            })
+            .collect();
         LogHandle {
             engine: Arc::clone(self),
             drives,
+            reopen: RefCell::new(None),
             slot,
             volumes: RefCell::new(HashMap::new()),
             queue: RefCell::new(VecDeque::new()),
@@ -299,6 +336,7 @@ impl LogEngine {
             streams: [RefCell::new(StreamState::default()), RefCell::new(StreamState::default())],
             buffers: BufferPool::new((self.batch_data_max + 1) * BLOCK_BYTES),
             compress: RefCell::new(CompressScratch::new()),
+            erasure: RefCell::new(Encoder::new()),
         }
     }
 
@@ -695,11 +733,19 @@ pub(super) struct StreamState {
 pub(super) struct DriveSet(pub [u64; 4]);
 
 /// One drive's read of a run of rows: drive, first row, result, buffer.
-type RowsRead = (u16, u32, Result<(), DriveError>, AlignedBuf);
+pub(super) type RowsRead = (u16, u32, Result<(), DriveError>, AlignedBuf);
 
 impl DriveSet {
     pub fn insert(&mut self, drive: u16) {
         self.0[usize::from(drive / 64)] |= 1 << (drive % 64);
+    }
+
+    pub fn contains(self, drive: u16) -> bool {
+        self.0[usize::from(drive / 64)] & (1 << (drive % 64)) != 0
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0.iter().all(|word| *word == 0)
     }
 
     pub fn iter(self) -> impl Iterator<Item = u16> {
@@ -811,7 +857,10 @@ impl<D: Drive> Drop for SealOnDrop<'_, D> {
 /// drive handles. Create one per thread with [`LogEngine::handle`].
 pub struct LogHandle<D> {
     pub(super) engine: Arc<LogEngine>,
-    pub(super) drives: Vec<D>,
+    /// This thread's handles of the drives (index = drive index); a replaced drive's is
+    /// reopened with `reopen` when the engine's generation of that drive moves.
+    drives: Box<[DriveSlot<D>]>,
+    reopen: RefCell<Option<Reopen<D>>>,
     pub(super) slot: Arc<HandleSlot>,
     /// Volume id -> its layer, resolved at the index generation noted.
     volumes: RefCell<HashMap<u64, (Arc<VolumeIndex>, u64)>>,
@@ -825,6 +874,18 @@ pub struct LogHandle<D> {
     pub(super) buffers: BufferPool,
     /// Codec contexts and buffers for compressing writes and unpacking reads.
     pub(super) compress: RefCell<CompressScratch>,
+    /// The erasure codec's working space (coded logs).
+    pub(super) erasure: RefCell<Encoder>,
+}
+
+/// How a handle opens its own handle of a replaced drive (given the drive index).
+pub type Reopen<D> = Box<dyn Fn(u16) -> Result<D, DriveError>>;
+
+/// One drive as a handle sees it: its handle and the engine's drive generation it was opened
+/// at. `Rc` so an I/O in flight keeps the handle it started on when the drive is swapped.
+struct DriveSlot<D> {
+    drive: RefCell<Rc<D>>,
+    generation: Cell<u64>,
 }
 
 impl<D> std::fmt::Debug for LogHandle<D> {
@@ -838,8 +899,37 @@ impl<D: Drive> LogHandle<D> {
         &self.engine
     }
 
-    pub fn drives(&self) -> &[D] {
-        &self.drives
+    /// This handle's handle of drive `index`, reopened first if the drive was replaced since.
+    pub(super) fn drive(&self, index: u16) -> Rc<D> {
+        let slot = &self.drives[usize::from(index)];
+        let generation = self.engine.drive_generation(index);
+        if slot.generation.get() != generation {
+            if let Some(reopen) = self.reopen.borrow().as_ref() {
+                match reopen(index) {
+                    Ok(drive) => {
+                        *slot.drive.borrow_mut() = Rc::new(drive);
+                        slot.generation.set(generation);
+                    }
+                    Err(_) => {
+                        // Keep the old handle: its I/O fails and latches the drive again,
+                        // which the rebuild reports.
+                    }
+                }
+            }
+        }
+        Rc::clone(&slot.drive.borrow())
+    }
+
+    /// Sets how this handle opens a replaced drive (see [`LogEngine::replace_drive`]).
+    pub fn set_reopen(&self, reopen: Reopen<D>) {
+        *self.reopen.borrow_mut() = Some(reopen);
+    }
+
+    /// Swaps this handle's handle of drive `index` for `drive` (the handle that replaced it).
+    pub fn install_drive(&self, index: u16, drive: D) {
+        let slot = &self.drives[usize::from(index)];
+        *slot.drive.borrow_mut() = Rc::new(drive);
+        slot.generation.set(self.engine.drive_generation(index));
     }
 
     /// The layer a volume (or snapshot) reads and writes, from this thread's cache while no
@@ -1079,10 +1169,12 @@ impl<D: Drive> LogHandle<D> {
         data_blocks: usize,
     ) -> Result<(), Failure> {
         let engine = &*self.engine;
-        if let Some(drive) = engine.latches.failed_drives().first() {
-            return Err(Failure::DriveFailed(*drive));
+        if !self.failures_tolerable() {
+            let failed = engine.latches.failed_drives();
+            return Err(Failure::DriveFailed(failed.first().copied().unwrap_or(0)));
         }
-        let positions = 1 + data_blocks as u32;
+        // A coded log pads the batch to whole stripes.
+        let positions = engine.geometry.padded(1 + data_blocks as u32);
         self.make_room(stream, positions).await?;
         let (segment, segment_seq, position) = {
             let mut state = self.streams[stream as usize].borrow_mut();
@@ -1110,7 +1202,8 @@ impl<D: Drive> LogHandle<D> {
         // recovery walks a segment's header chain only up to the first gap: a later batch in
         // the same segment would be lost. So the stream moves to a new segment.
         let mut gap_guard = SealOnDrop { handle: self, stream, armed: true };
-        let mut result = self.write_positions(segment, position, positions, block_of).await;
+        let written = 1 + data_blocks as u32;
+        let mut result = self.write_positions(segment, position, written, block_of).await;
         if let Ok(touched) = result {
             result = self.sync_drives(touched).await.map(|()| touched);
         }
@@ -1202,6 +1295,9 @@ impl<D: Drive> LogHandle<D> {
         block_of: impl Fn(u32) -> &'b [u8],
     ) -> Result<DriveSet, Failure> {
         let geometry = &self.engine.geometry;
+        if geometry.is_coded() {
+            return self.write_stripes(segment, first, count, block_of).await;
+        }
         let mut touched = DriveSet::default();
         let mut writes: Vec<LocalFuture<'_, (u16, Result<(), DriveError>)>> = Vec::new();
         for (drive, first_row, rows) in geometry.drive_runs(first, count) {
@@ -1216,7 +1312,7 @@ impl<D: Drive> LogHandle<D> {
             }
             touched.insert(drive);
             let offset_bytes = geometry.row_offset_bytes(segment, first_row);
-            let target = &self.drives[usize::from(drive)];
+            let target = self.drive(drive);
             writes.push(Box::pin(async move {
                 let (result, buf) = target.write_at(offset_bytes, buf).await;
                 self.buffers.give(buf);
@@ -1239,12 +1335,16 @@ impl<D: Drive> LogHandle<D> {
 
     /// Syncs the given drives concurrently; a failed sync latches its drive.
     pub(super) async fn sync_drives(&self, drives: DriveSet) -> Result<(), Failure> {
+        let coded = self.engine.geometry.is_coded();
         let mut syncs: Vec<LocalFuture<'_, (u16, Result<(), DriveError>)>> = Vec::new();
         for drive in drives.iter() {
             if self.engine.latches.is_failed(drive) {
+                if coded && self.failures_tolerable() {
+                    continue;
+                }
                 return Err(Failure::DriveFailed(drive));
             }
-            let target = &self.drives[usize::from(drive)];
+            let target = self.drive(drive);
             self.engine.counters.drive_syncs.fetch_add(1, Ordering::Relaxed);
             syncs.push(Box::pin(async move { (drive, target.sync().await) }));
         }
@@ -1254,6 +1354,10 @@ impl<D: Drive> LogHandle<D> {
                 self.engine.latches.latch(drive);
                 failure.get_or_insert(Failure::from_drive(drive, &error));
             }
+        }
+        if coded && self.failures_tolerable() {
+            // The batch is whole on the drives that remain: parity covers the lost ones.
+            return Ok(());
         }
         failure.map_or(Ok(()), Err)
     }
@@ -1266,13 +1370,16 @@ impl<D: Drive> LogHandle<D> {
         count: u32,
     ) -> Result<AlignedBuf, LogError> {
         let geometry = &self.engine.geometry;
+        if geometry.is_coded() {
+            return self.read_stripes(segment, first, count, DriveSet::default()).await;
+        }
         let mut reads: Vec<LocalFuture<'_, RowsRead>> = Vec::new();
         for (drive, first_row, rows) in geometry.drive_runs(first, count) {
             if self.engine.latches.is_failed(drive) {
                 return Err(LogError::DriveFailed { drive });
             }
             let offset_bytes = geometry.row_offset_bytes(segment, first_row);
-            let target = &self.drives[usize::from(drive)];
+            let target = self.drive(drive);
             reads.push(Box::pin(async move {
                 let buf = AlignedBuf::new(rows as usize * BLOCK_BYTES);
                 let (result, buf) = target.read_at(offset_bytes, buf).await;
@@ -1299,11 +1406,43 @@ impl<D: Drive> LogHandle<D> {
     ) -> (Result<(), LogError>, AlignedBuf) {
         let (segment, position) = self.engine.geometry.split(location);
         let (drive, offset_bytes) = self.engine.geometry.place(segment, position);
-        if self.engine.latches.is_failed(drive) {
-            return (Err(LogError::DriveFailed { drive }), buf);
+        let coded = self.engine.geometry.is_coded();
+        let readable = if coded {
+            !self.unreadable_drives(segment).contains(drive)
+        } else {
+            !self.engine.latches.is_failed(drive)
+        };
+        if readable {
+            let (result, buf) = self.drive(drive).read_at(offset_bytes, buf).await;
+            match result {
+                Ok(()) => return (Ok(()), buf),
+                Err(source) if !coded => return (Err(LogError::io(drive, source)), buf),
+                Err(_) => return self.read_reconstructed(segment, position, drive, buf).await,
+            }
         }
-        let (result, buf) = self.drives[usize::from(drive)].read_at(offset_bytes, buf).await;
-        (result.map_err(|source| LogError::io(drive, source)), buf)
+        if coded {
+            return self.read_reconstructed(segment, position, drive, buf).await;
+        }
+        (Err(LogError::DriveFailed { drive }), buf)
+    }
+
+    /// Reads one block of a coded log without its own drive, `drive`: rebuilt from its stripe.
+    async fn read_reconstructed(
+        &self,
+        segment: u32,
+        position: u32,
+        drive: u16,
+        mut buf: AlignedBuf,
+    ) -> (Result<(), LogError>, AlignedBuf) {
+        let mut exclude = DriveSet::default();
+        exclude.insert(drive);
+        match self.read_stripes(segment, position, 1, exclude).await {
+            Ok(block) => {
+                buf.copy_from_slice(&block);
+                (Ok(()), buf)
+            }
+            Err(error) => (Err(error), buf),
+        }
     }
 
     /// Checks a block read from the log against its index tag; a pack slot is unpacked in
@@ -1360,6 +1499,17 @@ impl<D: Drive> LogHandle<D> {
                 self.engine.counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
                 let (segment, position) = self.engine.geometry.split(location);
                 let drive = self.engine.geometry.place(segment, position).0;
+                if self.engine.geometry.is_coded() {
+                    // The cell is damaged: rebuild it from the rest of its stripe, and serve it
+                    // if that is the block (scrub rewrites it elsewhere).
+                    let (result, returned) =
+                        self.read_reconstructed(segment, position, drive, buf).await;
+                    buf = returned;
+                    if result.is_ok() && self.verify_in_place(tag, &mut buf) {
+                        self.engine.counters.repaired_reads.fetch_add(1, Ordering::Relaxed);
+                        return (Ok(()), buf);
+                    }
+                }
                 let error =
                     LogError::ChecksumMismatch { volume: index.volume(), block, location, drive };
                 return (Err(error), buf);

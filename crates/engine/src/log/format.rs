@@ -9,13 +9,14 @@
 
 use std::fmt;
 
+use crate::erasure::ErasureScheme;
 use crate::format::NodeUuid;
 
 /// Bytes per block; every on-disk structure is one block.
 pub const BLOCK_BYTES: usize = types::BLOCK_SIZE_BYTES as usize;
 const BLOCK_BYTES_U64: u64 = BLOCK_BYTES as u64;
 /// The log format this build reads and writes.
-pub const LOG_FORMAT_VERSION: u32 = 3;
+pub const LOG_FORMAT_VERSION: u32 = 4;
 /// The first 16 bytes of the log superblock.
 pub const LOG_SUPERBLOCK_MAGIC: [u8; 16] = *b"FERRITE\0LOG\0\0\0\0\0";
 /// Magics of the other structures (the first 8 bytes of their block).
@@ -149,13 +150,24 @@ pub const STRIPE_BLOCKS_MAX: u32 = 128;
 
 /// How the log is laid out over a node's drives. Every drive has the same geometry.
 ///
-/// A segment is unit `s` of every drive. Its positions are dealt out in chunks of
-/// `stripe_blocks`: chunk `c = p / stripe_blocks` is on drive `c % drive_count`, at row
-/// `(c / drive_count) * stripe_blocks + p % stripe_blocks` of that drive's unit. So a batch of up
-/// to a chunk touches one drive or two (one sync each, not one per drive of the node), large
-/// runs still stripe across every drive, and any run of positions is one contiguous range of
-/// rows per drive. `stripe_blocks` is the largest power of two up to [`STRIPE_BLOCKS_MAX`] that
-/// divides `unit_blocks` (derived, so the superblock need not record it).
+/// Without parity (`parity_shards == 0`), a segment is unit `s` of every drive. Its positions
+/// are dealt out in chunks of `stripe_blocks`: chunk `c = p / stripe_blocks` is on drive
+/// `c % drive_count`, at row `(c / drive_count) * stripe_blocks + p % stripe_blocks` of that
+/// drive's unit. So a batch of up to a chunk touches one drive or two (one sync each, not one
+/// per drive of the node), large runs still stripe across every drive, and any run of positions
+/// is one contiguous range of rows per drive. `stripe_blocks` is the largest power of two up to
+/// [`STRIPE_BLOCKS_MAX`] that divides `unit_blocks` (derived, so the superblock need not record
+/// it).
+///
+/// With erasure coding `k+m` (`data_shards`, `parity_shards`, `k + m <= drive_count`), the
+/// segment's blocks are *cells*, numbered row-major: cell `c` is row `c / drive_count` of drive
+/// `c % drive_count`. Stripe `s` is the `w = k + m` consecutive cells `s*w..s*w + w`, so its
+/// cells lie on `w` distinct drives; its shard `i` (data `0..k`, then parity) is cell
+/// `s*w + (i + r) % w` where the rotation `r` is `s` plus the row of the stripe's first cell, so
+/// parity spreads over the drives. Positions address data cells only:
+/// position `p` is data shard `p % k` of stripe `p / k`. Batches start on a stripe boundary and
+/// are padded to whole stripes ([`Geometry::padded`]), so parity is computed once, in RAM, and
+/// never read-modify-written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Geometry {
     pub drive_count: u16,
@@ -164,15 +176,36 @@ pub struct Geometry {
     pub segment_count: u32,
     /// Where the log area starts on each drive (after the drive's own superblock region).
     pub area_offset_bytes: u64,
+    /// `k`: data cells per stripe (1 without parity, where it has no other meaning).
+    pub data_shards: u8,
+    /// `m`: parity cells per stripe, the drives the log survives losing; 0 for none.
+    pub parity_shards: u8,
 }
 
 impl Geometry {
-    /// The geometry for drives of `drive_size_bytes`, or why it is impossible.
+    /// The geometry without parity for drives of `drive_size_bytes`, or why it is impossible.
     pub fn new(
         drive_count: u16,
         drive_size_bytes: u64,
         unit_bytes: u64,
         area_offset_bytes: u64,
+    ) -> Result<Self, DecodeError> {
+        Self::coded(
+            drive_count,
+            drive_size_bytes,
+            unit_bytes,
+            area_offset_bytes,
+            ErasureScheme::NONE,
+        )
+    }
+
+    /// The geometry with erasure coding `scheme` (none when it has no parity).
+    pub fn coded(
+        drive_count: u16,
+        drive_size_bytes: u64,
+        unit_bytes: u64,
+        area_offset_bytes: u64,
+        scheme: ErasureScheme,
     ) -> Result<Self, DecodeError> {
         field((1..=DRIVE_COUNT_MAX).contains(&drive_count), "drive_count", drive_count.into())?;
         field(
@@ -182,14 +215,29 @@ impl Geometry {
             unit_bytes,
         )?;
         field(area_offset_bytes % BLOCK_BYTES_U64 == 0, "area_offset_bytes", area_offset_bytes)?;
+        field(scheme.check_drives(drive_count).is_ok(), "erasure_shards", scheme.shards().into())?;
         let usable = drive_size_bytes.saturating_sub(area_offset_bytes + LOG_HEADER_BYTES);
         let segment_count = usable / unit_bytes;
         let unit_blocks = unit_bytes / BLOCK_BYTES_U64;
-        let locations = segment_count * unit_blocks * u64::from(drive_count);
         field(segment_count >= 2, "segment_count", segment_count)?;
+        let coded = scheme.parity_shards() > 0;
+        let (data_shards, parity_shards) =
+            if coded { (scheme.data_shards(), scheme.parity_shards()) } else { (1, 0) };
+        let cells = unit_blocks * u64::from(drive_count);
+        let positions_per_segment = if coded {
+            let width = u64::from(data_shards) + u64::from(parity_shards);
+            cells / width * u64::from(data_shards)
+        } else {
+            cells
+        };
+        let locations = segment_count * positions_per_segment;
         field(locations <= LOCATIONS_MAX, "segment_count", segment_count)?;
         let unit_blocks = unit_blocks as u32;
-        let stripe_blocks = 1u32 << unit_blocks.trailing_zeros().min(STRIPE_BLOCKS_MAX.ilog2());
+        let stripe_blocks = if coded {
+            1
+        } else {
+            1u32 << unit_blocks.trailing_zeros().min(STRIPE_BLOCKS_MAX.ilog2())
+        };
         debug_assert!(unit_blocks % stripe_blocks == 0);
         Ok(Self {
             drive_count,
@@ -197,6 +245,91 @@ impl Geometry {
             stripe_blocks,
             segment_count: segment_count as u32,
             area_offset_bytes,
+            data_shards,
+            parity_shards,
+        })
+    }
+
+    /// True when the log keeps parity (erasure coding with `m >= 1`).
+    pub fn is_coded(&self) -> bool {
+        self.parity_shards > 0
+    }
+
+    /// The erasure-coding scheme (`1+0` without parity).
+    pub fn scheme(&self) -> ErasureScheme {
+        match ErasureScheme::new(self.data_shards, self.parity_shards) {
+            Ok(scheme) => scheme,
+            Err(error) => unreachable!("a geometry holds a valid scheme: {error}"),
+        }
+    }
+
+    /// `w = k + m`: cells per stripe.
+    pub fn stripe_width(&self) -> u32 {
+        u32::from(self.data_shards) + u32::from(self.parity_shards)
+    }
+
+    /// A run of `positions` rounded up to whole stripes: what a batch of that many positions
+    /// occupies (the padding cells hold zeros).
+    pub fn padded(&self, positions: u32) -> u32 {
+        if self.is_coded() {
+            let k = u32::from(self.data_shards);
+            positions.div_ceil(k) * k
+        } else {
+            positions
+        }
+    }
+
+    /// Stripes in a segment (coded geometry).
+    pub fn stripes_per_segment(&self) -> u32 {
+        assert!(self.is_coded());
+        self.positions_per_segment() / u32::from(self.data_shards)
+    }
+
+    /// The cell of shard `shard` (data `0..k`, then parity) of stripe `stripe` (coded geometry).
+    pub fn cell(&self, stripe: u32, shard: u32) -> u32 {
+        let width = self.stripe_width();
+        assert!(self.is_coded() && shard < width && stripe < self.stripes_per_segment());
+        stripe * width + (shard + self.rotation(stripe)) % width
+    }
+
+    /// How far stripe `stripe`'s shards are rotated: by the stripe number plus the row its first
+    /// cell is on, which spreads parity over every drive whether or not `w` divides the drive
+    /// count.
+    fn rotation(&self, stripe: u32) -> u32 {
+        let width = self.stripe_width();
+        (stripe + stripe * width / u32::from(self.drive_count)) % width
+    }
+
+    /// (stripe, shard) of a cell, or `None` for the unused cells after the last stripe.
+    pub fn cell_shard(&self, cell: u32) -> Option<(u32, u32)> {
+        let width = self.stripe_width();
+        let stripe = cell / width;
+        if stripe >= self.stripes_per_segment() {
+            return None;
+        }
+        let slot = cell % width;
+        Some((stripe, (slot + width - self.rotation(stripe)) % width))
+    }
+
+    /// (drive, row) of a cell.
+    pub fn cell_drive_row(&self, cell: u32) -> (u16, u32) {
+        let drives = u32::from(self.drive_count);
+        ((cell % drives) as u16, cell / drives)
+    }
+
+    /// For cells `first..end` of a segment: per drive, the first row and the row count it holds
+    /// (each drive's cells in a range are one contiguous range of rows).
+    pub fn cell_runs(&self, first: u32, end: u32) -> impl Iterator<Item = (u16, u32, u32)> {
+        assert!(first <= end && end <= u32::from(self.drive_count) * self.unit_blocks);
+        let drives = u32::from(self.drive_count);
+        (0..self.drive_count).filter_map(move |drive| {
+            let drive_u32 = u32::from(drive);
+            let start = first + (drive_u32 + drives - first % drives) % drives;
+            if start >= end {
+                return None;
+            }
+            let last = end - 1 - ((end - 1) % drives + drives - drive_u32) % drives;
+            Some((drive, start / drives, (last - start) / drives + 1))
         })
     }
 
@@ -205,7 +338,12 @@ impl Geometry {
     }
 
     pub fn positions_per_segment(&self) -> u32 {
-        u32::from(self.drive_count) * self.unit_blocks
+        let cells = u32::from(self.drive_count) * self.unit_blocks;
+        if self.is_coded() {
+            cells / self.stripe_width() * u32::from(self.data_shards)
+        } else {
+            cells
+        }
     }
 
     pub fn segment_bytes(&self) -> u64 {
@@ -241,6 +379,10 @@ impl Geometry {
     /// (drive, row) of a position of a segment.
     pub fn drive_row(&self, position: u32) -> (u16, u32) {
         assert!(position < self.positions_per_segment(), "position {position}");
+        if self.is_coded() {
+            let k = u32::from(self.data_shards);
+            return self.cell_drive_row(self.cell(position / k, position % k));
+        }
         let drives = u32::from(self.drive_count);
         let chunk = position / self.stripe_blocks;
         let drive = (chunk % drives) as u16;
@@ -251,6 +393,7 @@ impl Geometry {
     /// The position of a segment at `row` of `drive` (the inverse of [`Geometry::drive_row`]).
     pub fn position_of(&self, drive: u16, row: u32) -> u32 {
         assert!(drive < self.drive_count && row < self.unit_blocks);
+        assert!(!self.is_coded(), "a coded geometry maps cells with cell_shard");
         let chunk = (row / self.stripe_blocks) * u32::from(self.drive_count) + u32::from(drive);
         chunk * self.stripe_blocks + row % self.stripe_blocks
     }
@@ -267,6 +410,7 @@ impl Geometry {
     /// For positions `first..first + count` of a segment: per drive, the first row and the row
     /// count it holds (drives holding none are skipped).
     pub fn drive_runs(&self, first: u32, count: u32) -> impl Iterator<Item = (u16, u32, u32)> {
+        assert!(!self.is_coded(), "a coded geometry reads and writes whole stripes (cell_runs)");
         assert!(u64::from(first) + u64::from(count) <= u64::from(self.positions_per_segment()));
         let drives = u32::from(self.drive_count);
         let stripe = self.stripe_blocks;
@@ -312,6 +456,9 @@ pub struct LogSuperblock {
     pub node_uuid: NodeUuid,
     pub drive_index: u16,
     pub geometry: Geometry,
+    /// A replacement drive whose rebuild has not finished: its cells are not to be trusted
+    /// (coded logs; the rebuild starts again at the next open).
+    pub rebuilding: bool,
 }
 
 impl LogSuperblock {
@@ -325,6 +472,9 @@ impl LogSuperblock {
         put(&mut block, 40, &self.geometry.area_offset_bytes.to_le_bytes());
         put(&mut block, 48, &self.geometry.unit_bytes().to_le_bytes());
         put(&mut block, 56, &self.geometry.segment_count.to_le_bytes());
+        block[60] = self.geometry.data_shards;
+        block[61] = self.geometry.parity_shards;
+        block[62] = u8::from(self.rebuilding);
         seal(&mut block);
         block
     }
@@ -339,7 +489,17 @@ impl LogSuperblock {
         let unit_bytes = le_u64(block, 48);
         let segment_count = le_u32(block, 56);
         field(drive_index < drive_count, "drive_index", drive_index.into())?;
-        field(le_u32(block, 60) == 0, "reserved", le_u32(block, 60).into())?;
+        field(block[62] <= 1, "flags", block[62].into())?;
+        field(block[63] == 0, "reserved", block[63].into())?;
+        let rebuilding = block[62] == 1;
+        let (data_shards, parity_shards) = (block[60], block[61]);
+        let Ok(scheme) = ErasureScheme::new(data_shards, parity_shards) else {
+            return Err(DecodeError::FieldInvalid {
+                field: "erasure_shards",
+                value: u64::from(data_shards) << 8 | u64::from(parity_shards),
+            });
+        };
+        field(parity_shards > 0 || data_shards == 1, "data_shards", data_shards.into())?;
         // Recompute the geometry from the recorded sizes so every derived field is consistent.
         let size_bytes = area_offset_bytes
             .checked_add(LOG_HEADER_BYTES)
@@ -350,9 +510,11 @@ impl LogSuperblock {
                 value: segment_count.into(),
             });
         };
-        let geometry = Geometry::new(drive_count, size_bytes, unit_bytes, area_offset_bytes)?;
+        let geometry =
+            Geometry::coded(drive_count, size_bytes, unit_bytes, area_offset_bytes, scheme)?;
         field(geometry.segment_count == segment_count, "segment_count", segment_count.into())?;
-        Ok(Self { node_uuid: NodeUuid(uuid), drive_index, geometry })
+        field(!rebuilding || geometry.is_coded(), "flags", block[62].into())?;
+        Ok(Self { node_uuid: NodeUuid(uuid), drive_index, geometry, rebuilding })
     }
 }
 
@@ -937,11 +1099,16 @@ impl fmt::Display for Geometry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} drives, {} segments of {} KiB per drive",
+            "{} drives, {} segments of {} KiB per drive, ",
             self.drive_count,
             self.segment_count,
             self.unit_bytes() >> 10
-        )
+        )?;
+        if self.is_coded() {
+            write!(f, "erasure coding {}", self.scheme())
+        } else {
+            write!(f, "no parity")
+        }
     }
 }
 
@@ -1020,10 +1187,79 @@ mod tests {
         }
     }
 
+    /// Coded geometries: every stripe's cells are on distinct drives, parity rotates, positions
+    /// map to data cells one to one, and the cell runs of any range hold exactly its cells.
+    #[test]
+    fn coded_geometry_maps_stripes_onto_distinct_drives() {
+        for (drives, data, parity) in [(3u16, 2u8, 1u8), (5, 4, 1), (6, 4, 2), (4, 1, 1), (7, 3, 2)]
+        {
+            let scheme = ErasureScheme::new(data, parity).unwrap();
+            let unit_bytes = 96 << 10;
+            let geometry =
+                Geometry::coded(drives, LOG_HEADER_BYTES + 4 * unit_bytes, unit_bytes, 0, scheme)
+                    .unwrap();
+            assert!(geometry.is_coded());
+            assert_eq!(geometry.scheme(), scheme);
+            let width = geometry.stripe_width();
+            let cells = u32::from(drives) * geometry.unit_blocks;
+            assert_eq!(geometry.stripes_per_segment(), cells / width);
+            let mut parity_drives = vec![0u32; usize::from(drives)];
+            let mut seen = std::collections::HashSet::new();
+            for stripe in 0..geometry.stripes_per_segment() {
+                let mut used = std::collections::HashSet::new();
+                for shard in 0..width {
+                    let cell = geometry.cell(stripe, shard);
+                    assert_eq!(geometry.cell_shard(cell), Some((stripe, shard)));
+                    let (drive, row) = geometry.cell_drive_row(cell);
+                    assert!(used.insert(drive), "{geometry}: stripe {stripe} reuses drive {drive}");
+                    assert!(row < geometry.unit_blocks);
+                    if shard >= u32::from(data) {
+                        parity_drives[usize::from(drive)] += 1;
+                    }
+                }
+            }
+            for position in 0..geometry.positions_per_segment() {
+                assert!(seen.insert(geometry.drive_row(position)), "{geometry}: {position}");
+            }
+            let (least, most) = (
+                parity_drives.iter().min().copied().unwrap_or(0),
+                parity_drives.iter().max().copied().unwrap_or(0),
+            );
+            assert!(least > 0 && most <= 2 * least + 2, "{geometry}: parity {parity_drives:?}");
+            assert_eq!(geometry.padded(1), u32::from(data));
+            assert_eq!(geometry.padded(u32::from(data) + 1), 2 * u32::from(data));
+            for (first, end) in [(0, cells), (1, 2), (5, 17), (cells - 3, cells), (4, 4)] {
+                let mut expected: Vec<Vec<u32>> = vec![Vec::new(); usize::from(drives)];
+                for cell in first..end {
+                    let (drive, row) = geometry.cell_drive_row(cell);
+                    expected[usize::from(drive)].push(row);
+                }
+                let mut got: Vec<Vec<u32>> = vec![Vec::new(); usize::from(drives)];
+                for (drive, first_row, rows) in geometry.cell_runs(first, end) {
+                    got[usize::from(drive)] = (first_row..first_row + rows).collect();
+                }
+                assert_eq!(got, expected, "{geometry}: cells {first}..{end}");
+            }
+            let superblock = LogSuperblock {
+                node_uuid: NodeUuid([3; 16]),
+                drive_index: 1,
+                geometry,
+                rebuilding: true,
+            };
+            assert_eq!(LogSuperblock::decode(&superblock.encode()), Ok(superblock));
+        }
+        let too_wide = ErasureScheme::new(4, 1).unwrap();
+        assert!(Geometry::coded(4, 1 << 30, 1 << 20, 0, too_wide).is_err());
+    }
+
     #[test]
     fn superblock_round_trips_and_refuses_damage() {
-        let superblock =
-            LogSuperblock { node_uuid: NodeUuid([7; 16]), drive_index: 2, geometry: geometry() };
+        let superblock = LogSuperblock {
+            node_uuid: NodeUuid([7; 16]),
+            drive_index: 2,
+            geometry: geometry(),
+            rebuilding: false,
+        };
         let mut block = superblock.encode();
         assert_eq!(LogSuperblock::decode(&block), Ok(superblock));
         block[30] ^= 1;

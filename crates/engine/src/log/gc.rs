@@ -334,7 +334,7 @@ impl<D: Drive> LogHandle<D> {
                     batch.add(&found, source);
                 }
             }
-            position += header.positions();
+            position += engine.geometry.padded(header.positions());
         }
         if !batch.entries.is_empty() {
             relocated += self.commit_relocation(&mut batch).await?;
@@ -538,9 +538,13 @@ impl<D: Drive> LogHandle<D> {
         let offset_bytes = engine.geometry.header_offset_bytes(slot);
         let encoded = root.encode();
         let mut touched = DriveSet::default();
-        for (drive, target) in self.drives.iter().enumerate() {
-            let drive = drive as u16;
+        for drive in 0..engine.geometry.drive_count {
+            let target = self.drive(drive);
             if engine.latches.is_failed(drive) {
+                if engine.geometry.is_coded() && self.failures_tolerable() {
+                    // Every drive holds the root; the remaining ones are enough.
+                    continue;
+                }
                 return Err(LogError::DriveFailed { drive });
             }
             let mut buf = AlignedBuf::new(BLOCK_BYTES);
@@ -549,6 +553,9 @@ impl<D: Drive> LogHandle<D> {
             engine.counters.device_bytes_written.fetch_add(BLOCK_BYTES as u64, Ordering::Relaxed);
             if let Err(source) = result {
                 engine.latches.latch(drive);
+                if engine.geometry.is_coded() && self.failures_tolerable() {
+                    continue;
+                }
                 return Err(LogError::Io { drive, source });
             }
             touched.insert(drive);

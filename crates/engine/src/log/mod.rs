@@ -20,15 +20,20 @@ pub mod format;
 mod gc;
 pub mod index;
 mod pool;
+mod rebuild;
 mod recovery;
 mod scrub;
 pub mod segments;
+mod stripes;
 
 pub use engine::{LogEngine, LogHandle, LogStats, VolumeStats};
 pub use gc::GcOutcome;
+pub use rebuild::{RebuildProgress, REBUILD_BACKLOG_MAX, REBUILD_STRIPES_PER_CALL_MAX};
 pub use recovery::RecoveryReport;
 pub use scrub::{ScrubCursor, ScrubDamage, ScrubFinding, ScrubProgress};
 
+#[cfg(test)]
+mod erasure_tests;
 #[cfg(test)]
 mod snapshot_tests;
 #[cfg(test)]
@@ -37,6 +42,7 @@ mod tests;
 use std::io;
 
 use crate::drive::{DriveError, DriveOperation};
+use crate::erasure::ErasureScheme;
 use crate::format::NodeUuid;
 use crate::store::StoreError;
 use crate::volumes::VolumeId;
@@ -57,6 +63,9 @@ pub struct LogConfig {
     /// A checkpoint is taken after at least this many segments were sealed since the last one
     /// (and at least a quarter of the segments in use), bounding what recovery replays.
     pub checkpoint_interval_segments: u32,
+    /// The erasure coding the drives are formatted with (none by default); an opened log keeps
+    /// what its superblocks record.
+    pub erasure: ErasureScheme,
 }
 
 impl LogConfig {
@@ -67,6 +76,7 @@ impl LogConfig {
             area_offset_bytes: crate::format::HEADER_REGION_BYTES,
             handles_max: 64,
             checkpoint_interval_segments: 64,
+            erasure: ErasureScheme::NONE,
         }
     }
 
@@ -162,6 +172,8 @@ pub enum LogError {
          blocks in it could not be relocated and it is kept out of GC"
     )]
     SegmentCorrupt { segment: u32, position: u32, reason: &'static str, live_blocks: u32 },
+    #[error("drive {drive} cannot be replaced: {reason}")]
+    ReplaceRefused { drive: u16, reason: String },
     #[error("another checkpoint is being written; try again when it finishes")]
     CheckpointBusy,
     #[error(

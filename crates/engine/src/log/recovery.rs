@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use types::AlignedBuf;
 
-use super::engine::{CheckpointRecord, LogEngine, LogHandle};
+use super::engine::{CheckpointRecord, DriveSet, LogEngine, LogHandle};
 use super::format::{
     decode_checkpoint_block, decode_layer_block, BatchHeader, CheckpointEntry, DataSlots,
     EntryKind, Geometry, LayerRecordEntry, LogSuperblock, Root, BLOCK_BYTES,
@@ -44,6 +44,8 @@ pub struct RecoveryReport {
     pub batches_torn: u64,
     pub bytes_read: u64,
     pub mapped_blocks: u64,
+    /// Drives whose superblock could not be read, left latched failed (coded logs only).
+    pub drives_unusable: u16,
 }
 
 async fn read_block<D: Drive>(
@@ -67,9 +69,14 @@ impl LogEngine {
     pub async fn format<D: Drive>(drives: &[D], config: &LogConfig) -> Result<Geometry, LogError> {
         let drive_count = u16::try_from(drives.len()).unwrap_or(u16::MAX);
         let size_bytes = drives.iter().map(Drive::size_bytes).min().unwrap_or(0);
-        let geometry =
-            Geometry::new(drive_count, size_bytes, config.unit_bytes, config.area_offset_bytes)
-                .map_err(|source| LogError::SuperblockInvalid { drive: 0, source })?;
+        let geometry = Geometry::coded(
+            drive_count,
+            size_bytes,
+            config.unit_bytes,
+            config.area_offset_bytes,
+            config.erasure,
+        )
+        .map_err(|source| LogError::SuperblockInvalid { drive: 0, source })?;
         let empty = Root {
             checkpoint_id: 1,
             lsn_floor: 1,
@@ -87,7 +94,12 @@ impl LogEngine {
             let area_bytes =
                 LOG_HEADER_BYTES + geometry.unit_bytes() * u64::from(geometry.segment_count);
             drive.punch_hole(geometry.area_offset_bytes, area_bytes).await.map_err(io)?;
-            let superblock = LogSuperblock { node_uuid: config.node_uuid, drive_index, geometry };
+            let superblock = LogSuperblock {
+                node_uuid: config.node_uuid,
+                drive_index,
+                geometry,
+                rebuilding: false,
+            };
             let blocks =
                 [(SUPERBLOCK_BLOCK, superblock.encode()), (ROOT_SLOT_BLOCKS[1], empty.encode())];
             for (block, bytes) in blocks {
@@ -110,13 +122,31 @@ impl LogEngine {
     ) -> Result<(Arc<LogEngine>, LogHandle<D>, RecoveryReport), LogError> {
         let mut report = RecoveryReport::default();
         let mut geometry: Option<Geometry> = None;
+        // Drives whose superblock cannot be read or decoded: a coded log opens without up to
+        // its parity count of them (latched failed), anything else refuses to open.
+        let mut unusable: Vec<(u16, LogError)> = Vec::new();
+        let mut rebuilding: Vec<u16> = Vec::new();
         for (index, drive) in drives.iter().enumerate() {
             let drive_index = index as u16;
             let offset_bytes = config.area_offset_bytes + SUPERBLOCK_BLOCK * BLOCK_BYTES as u64;
-            let block = read_block(drive, drive_index, offset_bytes).await?;
+            let block = match read_block(drive, drive_index, offset_bytes).await {
+                Ok(block) => block,
+                Err(error) => {
+                    unusable.push((drive_index, error));
+                    continue;
+                }
+            };
             report.bytes_read += BLOCK_BYTES as u64;
-            let superblock = LogSuperblock::decode(&block)
-                .map_err(|source| LogError::SuperblockInvalid { drive: drive_index, source })?;
+            let superblock = match LogSuperblock::decode(&block) {
+                Ok(superblock) => superblock,
+                Err(source) => {
+                    unusable.push((
+                        drive_index,
+                        LogError::SuperblockInvalid { drive: drive_index, source },
+                    ));
+                    continue;
+                }
+            };
             if superblock.node_uuid != config.node_uuid {
                 return Err(LogError::NodeMismatch {
                     drive: drive_index,
@@ -134,10 +164,38 @@ impl LogEngine {
                     found: superblock.drive_index,
                 });
             }
+            if superblock.rebuilding {
+                rebuilding.push(drive_index);
+            }
             geometry = Some(superblock.geometry);
         }
-        let Some(geometry) = geometry else { return Err(LogError::RootMissing) };
+        let Some(geometry) = geometry else {
+            return Err(unusable
+                .into_iter()
+                .next()
+                .map_or(LogError::RootMissing, |(_, error)| error));
+        };
+        let tolerated = usize::from(geometry.parity_shards);
+        if !unusable.is_empty() && (unusable.len() + rebuilding.len() > tolerated) {
+            return Err(unusable
+                .into_iter()
+                .next()
+                .map_or(LogError::RootMissing, |(_, error)| error));
+        }
+        if rebuilding.len() > 1 || (rebuilding.len() == 1 && tolerated == 0) {
+            return Err(LogError::ReplaceRefused {
+                drive: rebuilding[0],
+                reason: format!("drives {rebuilding:?} are all marked as being rebuilt"),
+            });
+        }
+        for (drive, _) in &unusable {
+            latches.latch(*drive);
+        }
+        report.drives_unusable = unusable.len() as u16;
         let engine = Arc::new(LogEngine::new(geometry, config, latches)?);
+        if let Some(drive) = rebuilding.first() {
+            engine.resume_rebuild(*drive);
+        }
         let handle = engine.handle(drives);
         handle.recover(&mut report).await?;
         Ok((engine, handle, report))
@@ -172,6 +230,50 @@ impl<D: Drive> LogHandle<D> {
         })
     }
 
+    /// The batch header at `position` of `segment`, if one is there. On a coded log a header
+    /// that does not decode is rebuilt from its stripe without its own drive before giving up:
+    /// its cell may be stale (a drive that failed and came back) while the batch is whole.
+    async fn read_header(
+        &self,
+        segment: u32,
+        position: u32,
+    ) -> Result<Option<BatchHeader>, LogError> {
+        let geometry = self.engine.geometry;
+        let block = self.read_positions(segment, position, 1).await?;
+        if let Ok(header) = BatchHeader::decode(&block, &geometry, segment, position) {
+            return Ok(Some(header));
+        }
+        if !geometry.is_coded() {
+            return Ok(None);
+        }
+        let mut exclude = DriveSet::default();
+        exclude.insert(geometry.drive_row(position).0);
+        match self.read_stripes(segment, position, 1, exclude).await {
+            Ok(block) => Ok(BatchHeader::decode(&block, &geometry, segment, position).ok()),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Coded logs: whether a batch whose data failed its checksums is whole once the cells of
+    /// one drive are rebuilt from parity instead of read (that drive's cells may be stale).
+    async fn batch_is_whole_rebuilt(&self, header: &BatchHeader) -> bool {
+        let geometry = self.engine.geometry;
+        for drive in 0..geometry.drive_count {
+            let mut exclude = DriveSet::default();
+            exclude.insert(drive);
+            let first = header.position + 1;
+            let Ok(data) =
+                self.read_stripes(header.segment, first, header.data_blocks(), exclude).await
+            else {
+                continue;
+            };
+            if self.batch_is_whole(header, &data) {
+                return true;
+            }
+        }
+        false
+    }
+
     async fn recover(&self, report: &mut RecoveryReport) -> Result<(), LogError> {
         let engine = &*self.engine;
         let geometry = engine.geometry;
@@ -179,10 +281,19 @@ impl<D: Drive> LogHandle<D> {
 
         // 1. The newest valid root on any drive.
         let mut root: Option<Root> = None;
-        for (index, drive) in self.drives.iter().enumerate() {
+        for index in 0..geometry.drive_count {
+            if engine.latches.is_failed(index) {
+                continue;
+            }
+            let drive = self.drive(index);
             for slot in ROOT_SLOT_BLOCKS {
-                let block =
-                    read_block(drive, index as u16, geometry.header_offset_bytes(slot)).await?;
+                let read = read_block(&*drive, index, geometry.header_offset_bytes(slot)).await;
+                let block = match read {
+                    Ok(block) => block,
+                    // A coded log reads the root from the drives that answer.
+                    Err(_) if geometry.is_coded() => continue,
+                    Err(error) => return Err(error),
+                };
                 report.bytes_read += BLOCK_BYTES as u64;
                 if let Ok(found) = Root::decode(&block, &geometry) {
                     if root.as_ref().is_none_or(|best| found.checkpoint_id > best.checkpoint_id) {
@@ -276,9 +387,8 @@ impl<D: Drive> LogHandle<D> {
                 continue;
             }
             report.segments_probed += 1;
-            let block = self.read_positions(segment, 0, 1).await?;
             report.bytes_read += BLOCK_BYTES as u64;
-            let Ok(first) = BatchHeader::decode(&block, &geometry, segment, 0) else { continue };
+            let Some(first) = self.read_header(segment, 0).await? else { continue };
             seqs[segment as usize] = Some(first.segment_seq);
             seq_seen = seq_seen.max(first.segment_seq);
             lsn_seen = lsn_seen.max(first.lsn);
@@ -289,7 +399,7 @@ impl<D: Drive> LogHandle<D> {
             let mut header = first;
             loop {
                 let data_blocks = header.data_blocks();
-                let next = header.position + header.positions();
+                let next = header.position + geometry.padded(header.positions());
                 // Verify the batch's data: a torn batch ends the segment's log.
                 let mut whole = true;
                 if data_blocks > 0 {
@@ -297,6 +407,9 @@ impl<D: Drive> LogHandle<D> {
                         self.read_positions(segment, header.position + 1, data_blocks).await?;
                     report.bytes_read += u64::from(data_blocks) * BLOCK_BYTES as u64;
                     whole = self.batch_is_whole(&header, &data);
+                    if !whole && geometry.is_coded() {
+                        whole = self.batch_is_whole_rebuilt(&header).await;
+                    }
                 }
                 if !whole {
                     report.batches_torn += 1;
@@ -318,10 +431,9 @@ impl<D: Drive> LogHandle<D> {
                 if next >= per_segment {
                     break;
                 }
-                let block = self.read_positions(segment, next, 1).await?;
                 report.bytes_read += BLOCK_BYTES as u64;
-                match BatchHeader::decode(&block, &geometry, segment, next) {
-                    Ok(found) if found.segment_seq == seqs[segment as usize].unwrap_or(0) => {
+                match self.read_header(segment, next).await? {
+                    Some(found) if found.segment_seq == seqs[segment as usize].unwrap_or(0) => {
                         header = found
                     }
                     _ => break,

@@ -328,7 +328,7 @@ impl<D: Drive> LogHandle<D> {
         match resume_at {
             Some(entry_index) => cursor.entry_index = entry_index,
             None => {
-                cursor.position += header.positions();
+                cursor.position += geometry.padded(header.positions());
                 cursor.entry_index = 0;
             }
         }
@@ -677,7 +677,7 @@ mod tests {
         };
         // Block 0 is the first of its batch; damage the header of the batch after it.
         let first = read(position - 1);
-        let next = position - 1 + first.positions();
+        let next = position - 1 + geometry.padded(first.positions());
         assert_eq!(read(next).segment_seq, first.segment_seq, "a second batch follows");
         let mut beyond_units = 0;
         let mut beyond_blocks = 0;

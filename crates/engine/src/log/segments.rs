@@ -3,7 +3,7 @@
 //! are atomics updated on every install; the free list takes a lock only when a segment is
 //! allocated or freed (once per segment, not per I/O).
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 
 /// What a segment holds.
@@ -44,7 +44,19 @@ pub struct SegmentTable {
     /// Free segments, highest index first, so allocation takes the lowest.
     free: Mutex<Vec<u32>>,
     free_count: AtomicU32,
+    /// Coded logs: the end (in positions) of the last write completed in the segment since it
+    /// was allocated; a drive rebuild copies stripes below it.
+    written: Box<[AtomicU32]>,
+    /// Coded logs: whether every cell of the segment is valid on a drive being rebuilt (it was
+    /// allocated, or rebuilt, since the rebuild started).
+    rebuilt: Box<[AtomicBool]>,
+    /// A segment a drive rebuild is copying, which allocation skips (`NONE_PINNED` if none), so
+    /// the rebuild never writes a stale cell into a segment reused meanwhile.
+    pinned: AtomicU32,
 }
+
+/// [`SegmentTable`]'s `pinned` when no segment is.
+const NONE_PINNED: u32 = u32::MAX;
 
 impl SegmentTable {
     /// A table where every segment is free.
@@ -57,6 +69,9 @@ impl SegmentTable {
             lsn_max: (0..count).map(|_| AtomicU64::new(0)).collect(),
             free: Mutex::new((0..segment_count).rev().collect()),
             free_count: AtomicU32::new(segment_count),
+            written: (0..count).map(|_| AtomicU32::new(0)).collect(),
+            rebuilt: (0..count).map(|_| AtomicBool::new(true)).collect(),
+            pinned: AtomicU32::new(NONE_PINNED),
         }
     }
 
@@ -113,13 +128,51 @@ impl SegmentTable {
         if free.len() as u32 <= keep_free {
             return None;
         }
-        let segment = free.pop()?;
+        let pinned = self.pinned.load(Ordering::Acquire);
+        let at = free.iter().rposition(|candidate| *candidate != pinned)?;
+        let segment = free.remove(at);
         self.free_count.store(free.len() as u32, Ordering::Release);
+        self.written[segment as usize].store(0, Ordering::Release);
+        self.rebuilt[segment as usize].store(true, Ordering::Release);
         assert_eq!(self.state(segment), SegmentState::Free);
         assert_eq!(self.live_units(segment), 0, "a free segment holds no live block");
         self.lsn_max[segment as usize].store(0, Ordering::Release);
         self.states[segment as usize].store(state as u8, Ordering::Release);
         Some(segment)
+    }
+
+    /// The end of the last write completed in the segment (coded logs).
+    pub fn written(&self, segment: u32) -> u32 {
+        self.written[segment as usize].load(Ordering::Acquire)
+    }
+
+    pub fn note_written(&self, segment: u32, end: u32) {
+        self.written[segment as usize].fetch_max(end, Ordering::AcqRel);
+    }
+
+    pub fn is_rebuilt(&self, segment: u32) -> bool {
+        self.rebuilt[segment as usize].load(Ordering::Acquire)
+    }
+
+    pub fn set_rebuilt(&self, segment: u32, rebuilt: bool) {
+        self.rebuilt[segment as usize].store(rebuilt, Ordering::Release);
+    }
+
+    /// Marks every segment as not yet rebuilt (a drive rebuild starts).
+    pub fn clear_rebuilt(&self) {
+        for flag in self.rebuilt.iter() {
+            flag.store(false, Ordering::Release);
+        }
+    }
+
+    /// Keeps `segment` from being allocated until [`SegmentTable::unpin`].
+    pub fn pin(&self, segment: u32) {
+        let before = self.pinned.swap(segment, Ordering::AcqRel);
+        assert_eq!(before, NONE_PINNED, "one segment is pinned at a time");
+    }
+
+    pub fn unpin(&self) {
+        self.pinned.store(NONE_PINNED, Ordering::Release);
     }
 
     /// Gives a segment back to the free list.
@@ -163,7 +216,12 @@ mod tests {
         table.remove_live(1, 16);
         table.release(1);
         table.release(0);
+        table.pin(0);
+        assert_eq!(table.allocate(SegmentState::Open, 0), Some(1), "a pinned segment is skipped");
+        table.unpin();
         assert_eq!(table.allocate(SegmentState::Open, 0), Some(0));
-        assert_eq!(table.state(1), SegmentState::Free);
+        table.note_written(0, 8);
+        table.note_written(0, 4);
+        assert_eq!(table.written(0), 8);
     }
 }

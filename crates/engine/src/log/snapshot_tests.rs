@@ -37,6 +37,7 @@ fn config() -> LogConfig {
         area_offset_bytes: HEADER_REGION_BYTES,
         handles_max: 4,
         checkpoint_interval_segments: 4,
+        erasure: crate::erasure::ErasureScheme::NONE,
     }
 }
 

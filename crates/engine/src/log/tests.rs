@@ -8,6 +8,7 @@
 use std::cell::RefCell;
 use std::future::Future;
 use std::pin::pin;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Context, Waker};
 use std::time::Instant;
@@ -18,6 +19,7 @@ use super::format::{BLOCK_BYTES, LOG_HEADER_BYTES};
 use super::{GcOutcome, LogConfig, LogEngine, LogError, LogHandle, RecoveryReport};
 use crate::compress::Compression;
 use crate::drive::Drive;
+use crate::erasure::ErasureScheme;
 use crate::format::{NodeUuid, HEADER_REGION_BYTES};
 use crate::latches::DriveLatches;
 use crate::local_sync::LocalNotify;
@@ -31,25 +33,30 @@ use crate::volumes::{VolumeId, VolumeMap, Volumes};
 const UUID: NodeUuid = NodeUuid([0x42; 16]);
 const UNIT_BYTES: u64 = 64 << 10;
 const DRIVES: u16 = 3;
-const BLOCK: u64 = BLOCK_BYTES as u64;
+pub(super) const BLOCK: u64 = BLOCK_BYTES as u64;
 
-fn soak() -> u64 {
+pub(super) fn soak() -> u64 {
     std::env::var("FERRITE_LOG_SOAK").ok().and_then(|value| value.parse().ok()).unwrap_or(1)
 }
 
-fn config() -> LogConfig {
+pub(super) fn config() -> LogConfig {
     LogConfig {
         node_uuid: UUID,
         unit_bytes: UNIT_BYTES,
         area_offset_bytes: HEADER_REGION_BYTES,
         handles_max: 4,
         checkpoint_interval_segments: 4,
+        erasure: crate::erasure::ErasureScheme::NONE,
     }
 }
 
 fn sim_drives(segments: u64, seed: u64, yields_max: u64) -> Vec<SimDrive> {
+    sim_drives_n(DRIVES, segments, seed, yields_max)
+}
+
+fn sim_drives_n(count: u16, segments: u64, seed: u64, yields_max: u64) -> Vec<SimDrive> {
     let size_bytes = HEADER_REGION_BYTES + LOG_HEADER_BYTES + segments * UNIT_BYTES;
-    (0..DRIVES)
+    (0..count)
         .map(|index| {
             SimDrive::new(index, size_bytes, seed.rotate_left(8) ^ u64::from(index), yields_max)
         })
@@ -57,39 +64,90 @@ fn sim_drives(segments: u64, seed: u64, yields_max: u64) -> Vec<SimDrive> {
 }
 
 /// A node: its drives, the engine and one handle per simulated thread.
-struct Node {
-    drives: Vec<SimDrive>,
-    engine: Arc<LogEngine>,
-    handles: Vec<LogHandle<SimDrive>>,
-    report: RecoveryReport,
+pub(super) struct Node {
+    pub drives: Vec<SimDrive>,
+    pub engine: Arc<LogEngine>,
+    pub handles: Vec<LogHandle<SimDrive>>,
+    pub report: RecoveryReport,
+    /// The drives every handle reopens a replaced drive from.
+    current: Rc<RefCell<Vec<SimDrive>>>,
 }
 
 impl Node {
-    fn format(segments: u64, seed: u64, yields_max: u64, threads: usize) -> Self {
+    pub fn format(segments: u64, seed: u64, yields_max: u64, threads: usize) -> Self {
         let drives = sim_drives(segments, seed, yields_max);
         block_on(LogEngine::format(&drives, &config())).unwrap();
         Self::open(drives, threads).unwrap()
     }
 
-    fn open(drives: Vec<SimDrive>, threads: usize) -> Result<Self, LogError> {
-        let latches = Arc::new(DriveLatches::new(DRIVES));
+    /// A node of `drive_count` drives formatted with erasure coding `scheme`.
+    pub fn format_coded(
+        segments: u64,
+        seed: u64,
+        yields_max: u64,
+        threads: usize,
+        drive_count: u16,
+        scheme: ErasureScheme,
+    ) -> Self {
+        let drives = sim_drives_n(drive_count, segments, seed, yields_max);
+        let config = LogConfig { erasure: scheme, ..config() };
+        block_on(LogEngine::format(&drives, &config)).unwrap();
+        let node = Self::open(drives, threads).unwrap();
+        assert_eq!(node.engine.geometry().scheme(), scheme);
+        node
+    }
+
+    pub fn open(drives: Vec<SimDrive>, threads: usize) -> Result<Self, LogError> {
+        let latches = Arc::new(DriveLatches::new(drives.len() as u16));
         let (engine, first, report) = block_on(LogEngine::open(drives.clone(), config(), latches))?;
         let mut handles = vec![first];
         for _ in 1..threads {
             handles.push(engine.handle(drives.clone()));
         }
-        Ok(Self { drives, engine, handles, report })
+        let current = Rc::new(RefCell::new(drives.clone()));
+        for handle in &handles {
+            let current = Rc::clone(&current);
+            handle.set_reopen(Box::new(move |index| {
+                Ok(current.borrow()[usize::from(index)].clone())
+            }));
+        }
+        Ok(Self { drives, engine, handles, report, current })
+    }
+
+    /// Puts a new, empty drive in drive `index`'s place and starts its rebuild.
+    pub fn replace_drive(&mut self, index: u16, seed: u64) -> Result<(), LogError> {
+        let size_bytes = self.drives[0].size_bytes();
+        let new = SimDrive::new(index, size_bytes, seed, 0);
+        block_on(self.handles[0].begin_replace(index, new.clone()))?;
+        // Before any other handle's next I/O, which reopens the drive from here.
+        self.current.borrow_mut()[usize::from(index)] = new.clone();
+        self.drives[usize::from(index)] = new;
+        Ok(())
+    }
+
+    /// Runs the rebuild to its end in steps of `budget_bytes`; returns the steps taken.
+    pub fn finish_rebuild(&self, budget_bytes: u64) -> u32 {
+        let mut steps = 0;
+        loop {
+            steps += 1;
+            assert!(steps < 1_000_000, "the rebuild does not end");
+            match block_on(self.handles[0].rebuild_step(budget_bytes)).unwrap() {
+                Some(progress) if progress.finished => return steps,
+                Some(_) => {}
+                None => return steps,
+            }
+        }
     }
 
     /// A clean restart: every completed write is durable already.
-    fn restart(self) -> Self {
+    pub fn restart(self) -> Self {
         let (drives, threads) = (self.drives.clone(), self.handles.len());
         drop(self);
         Self::open(drives, threads).unwrap()
     }
 
     /// Power loss: unsynced blocks are kept, lost or torn; then recovery.
-    fn crash(self) -> Self {
+    pub fn crash(self) -> Self {
         let (drives, threads) = (self.drives.clone(), self.handles.len());
         drop(self);
         for drive in &drives {
@@ -99,7 +157,7 @@ impl Node {
     }
 }
 
-fn volume_maps(sizes_blocks: &[u64]) -> (Volumes, Vec<Arc<VolumeMap>>) {
+pub(super) fn volume_maps(sizes_blocks: &[u64]) -> (Volumes, Vec<Arc<VolumeMap>>) {
     let volumes = Volumes::new();
     let maps = sizes_blocks
         .iter()
@@ -114,7 +172,7 @@ fn volume_maps(sizes_blocks: &[u64]) -> (Volumes, Vec<Arc<VolumeMap>>) {
     (volumes, maps)
 }
 
-fn block_buf(volume: VolumeId, first: u64, count: u64, tag: u64) -> AlignedBuf {
+pub(super) fn block_buf(volume: VolumeId, first: u64, count: u64, tag: u64) -> AlignedBuf {
     let mut buf = AlignedBuf::new((count * BLOCK) as usize);
     for (number, block) in (first..).zip(buf.chunks_mut(BLOCK_BYTES)) {
         fill_block(block, volume, number, tag);
@@ -124,7 +182,7 @@ fn block_buf(volume: VolumeId, first: u64, count: u64, tag: u64) -> AlignedBuf {
 
 /// Polls `future` until it finishes or `stop()` holds after a poll; then drops it (a crash
 /// abandons everything in flight). Returns whether it finished.
-fn run_until<F: Future>(future: F, stop: impl Fn() -> bool, polls_max: u64) -> bool {
+pub(super) fn run_until<F: Future>(future: F, stop: impl Fn() -> bool, polls_max: u64) -> bool {
     let mut future = pin!(future);
     let mut context = Context::from_waker(Waker::noop());
     for _ in 0..polls_max {
@@ -139,7 +197,7 @@ fn run_until<F: Future>(future: F, stop: impl Fn() -> bool, polls_max: u64) -> b
 }
 
 /// Writers spread over every handle of the node, on every volume, concurrently.
-fn writers<'a>(
+pub(super) fn writers<'a>(
     node: &'a Node,
     maps: &'a [Arc<VolumeMap>],
     contexts: &'a [Vec<WriterContext<'a, LogHandle<SimDrive>>>],
@@ -164,7 +222,7 @@ fn writers<'a>(
     futures
 }
 
-fn contexts<'a>(
+pub(super) fn contexts<'a>(
     node: &'a Node,
     maps: &'a [Arc<VolumeMap>],
     oracle: &'a Oracle,
@@ -194,7 +252,7 @@ fn contexts<'a>(
 /// Reads every block a test touched: determined blocks must match exactly (checked by
 /// `verify_volume`), undetermined ones must hold zeros or a whole block some write produced
 /// for this very block, never a torn or foreign one.
-fn verify_all(node: &Node, maps: &[Arc<VolumeMap>], oracle: &Oracle) -> u64 {
+pub(super) fn verify_all(node: &Node, maps: &[Arc<VolumeMap>], oracle: &Oracle) -> u64 {
     let handle = &node.handles[0];
     let mut verified = 0;
     for map in maps {

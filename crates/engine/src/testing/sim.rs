@@ -82,6 +82,8 @@ struct SimState {
     in_flight_next: u64,
     fail_write_countdown: Option<u64>,
     fail_sync_countdown: Option<u64>,
+    /// The drive died: every operation fails.
+    dead: bool,
     stats: SimStats,
     events: Option<Rc<RefCell<Vec<SimEvent>>>>,
 }
@@ -147,6 +149,7 @@ impl SimDrive {
             in_flight_next: 0,
             fail_write_countdown: None,
             fail_sync_countdown: None,
+            dead: false,
             stats: SimStats::default(),
             events: None,
         };
@@ -163,6 +166,11 @@ impl SimDrive {
     pub fn fail_sync_after(&self, n: u64) {
         assert!(n > 0);
         self.state.borrow_mut().fail_sync_countdown = Some(n);
+    }
+
+    /// The drive dies (or is pulled): every read, write, sync and punch fails from now on.
+    pub fn fail_all(&self) {
+        self.state.borrow_mut().dead = true;
     }
 
     /// Logs this drive's events into a log shared with other drives and the test.
@@ -265,7 +273,13 @@ impl SimDrive {
         offset_bytes: u64,
         length_bytes: u64,
     ) -> Result<(), DriveError> {
-        let size_bytes = self.state.borrow().size_bytes;
+        let (size_bytes, dead) = {
+            let state = self.state.borrow();
+            (state.size_bytes, state.dead)
+        };
+        if dead {
+            return Err(Self::injected(operation, offset_bytes, length_bytes));
+        }
         check_request(operation, offset_bytes, length_bytes, size_bytes)
     }
 
@@ -361,7 +375,7 @@ impl Drive for SimDrive {
             let mut state = self.state.borrow_mut();
             state.stats.syncs += 1;
             state.log(SimEvent::SyncStarted { drive: state.index });
-            let fault = SimState::fault_due(&mut state.fail_sync_countdown);
+            let fault = SimState::fault_due(&mut state.fail_sync_countdown) || state.dead;
             let snapshot: Vec<(u64, WrittenBlock)> =
                 state.dirty.iter().map(|number| (*number, state.written[number].clone())).collect();
             (snapshot, fault)

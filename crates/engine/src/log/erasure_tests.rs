@@ -1,0 +1,291 @@
+//! Tests of the erasure-coded log over simulated drives: the model test on coded geometries
+//! (2+1, 4+2, 1+1) with restarts, power losses and GC; drives that die in the middle of a
+//! verifying workload; a corrupt cell repaired from parity; more drives lost than the parity
+//! covers; and drive replacement with a rebuild that runs beside writers, survives a crash, and
+//! leaves the node able to lose another drive.
+
+use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::pin::pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Waker};
+
+use types::AlignedBuf;
+
+use super::tests::{
+    block_buf, contexts, run_until, soak, verify_all, volume_maps, writers, Node, BLOCK,
+};
+use super::LogError;
+use crate::compress::Compression;
+use crate::drive::Drive;
+use crate::erasure::ErasureScheme;
+use crate::local_sync::LocalNotify;
+use crate::store::VolumeStore;
+use crate::testing::{
+    block_matches, block_on, describe_block, join_all, CheckReport, LocalBoxFuture, Oracle, Rng,
+};
+use crate::volumes::VolumeMap;
+
+use super::format::BLOCK_BYTES;
+
+fn scheme(data: u8, parity: u8) -> ErasureScheme {
+    ErasureScheme::new(data, parity).unwrap()
+}
+
+/// Polls `future` `polls` times, runs `action` once, then polls it to the end.
+fn run_with_event<F: Future>(future: F, polls: u64, action: impl FnOnce()) -> F::Output {
+    let mut future = pin!(future);
+    let mut context = Context::from_waker(Waker::noop());
+    let mut action = Some(action);
+    let mut count = 0u64;
+    loop {
+        if let std::task::Poll::Ready(output) = future.as_mut().poll(&mut context) {
+            if let Some(action) = action.take() {
+                action();
+            }
+            return output;
+        }
+        count += 1;
+        if count == polls {
+            if let Some(action) = action.take() {
+                action();
+            }
+        }
+        assert!(count < 50_000_000, "the workload does not end");
+    }
+}
+
+/// One round of writers on every volume; returns what they did.
+fn workload(
+    node: &Node,
+    maps: &[Arc<VolumeMap>],
+    oracle: &Oracle,
+    seed: u64,
+    ops: u32,
+) -> CheckReport {
+    let report = RefCell::new(CheckReport::default());
+    let progress = LocalNotify::new();
+    {
+        let contexts = contexts(node, maps, oracle, &report, &progress, 2, false);
+        block_on(join_all(writers(node, maps, &contexts, 2, seed, ops)));
+    }
+    report.into_inner()
+}
+
+#[test]
+fn coded_model_with_restarts_crashes_and_gc() {
+    for (drives, data, parity, segments) in [(3u16, 2u8, 1u8, 192), (6, 4, 2, 128), (2, 1, 1, 320)]
+    {
+        for seed in 0..2 * soak() {
+            let mut node = Node::format_coded(segments, seed, 3, 3, drives, scheme(data, parity));
+            let (_volumes, maps) = volume_maps(&[2000, 1500]);
+            let compression = Compression::ALL[(seed % 3) as usize];
+            for map in &maps {
+                map.set_compression(compression);
+            }
+            let oracle = Oracle::new();
+            let mut writes = 0;
+            for round in 0..4u64 {
+                let report = RefCell::new(CheckReport::default());
+                let progress = LocalNotify::new();
+                let phase_seed = seed * 1000 + round + u64::from(drives) * 77;
+                let crash_round = round % 2 == 1;
+                {
+                    let contexts = contexts(&node, &maps, &oracle, &report, &progress, 3, false);
+                    let futures =
+                        writers(&node, &maps, &contexts, 3, phase_seed, 100 * soak() as u32);
+                    if crash_round {
+                        let budget = 2_000 + Rng::new(phase_seed).below(30_000);
+                        run_until(join_all(futures), || false, budget);
+                    } else {
+                        block_on(join_all(futures));
+                    }
+                }
+                writes += report.into_inner().writes;
+                node = if crash_round { node.crash() } else { node.restart() };
+                // Recovery rebuilds headers it cannot decode (a torn tail) from parity; host
+                // reads never need to while every drive answers.
+                let reconstructed =
+                    || node.engine.counters.reconstructed_reads.load(Ordering::Relaxed);
+                let before = reconstructed();
+                assert!(verify_all(&node, &maps, &oracle) > 0);
+                assert_eq!(reconstructed(), before, "nothing is rebuilt while every drive answers");
+            }
+            assert!(writes > 200, "{writes} writes");
+            let stats = node.engine.stats();
+            assert!(stats.failed_drives.is_empty());
+        }
+    }
+}
+
+/// Drives die in the middle of a verifying workload (one of 2+1, two of 4+2): no write fails,
+/// nothing is lost, reads are rebuilt from parity, and the node restarts degraded. A
+/// replacement is rebuilt, after which the node survives losing other drives.
+#[test]
+fn drives_lost_mid_workload_lose_nothing_and_a_rebuild_restores_redundancy() {
+    for (drives, data, parity) in [(3u16, 2u8, 1u8), (6, 4, 2)] {
+        let seed = u64::from(drives);
+        let node = Node::format_coded(128, seed, 2, 2, drives, scheme(data, parity));
+        let (_volumes, maps) = volume_maps(&[1500]);
+        let oracle = Oracle::new();
+        workload(&node, &maps, &oracle, seed, 60);
+        let lost: Vec<u16> = (0..u16::from(parity)).map(|index| index * 2 + 1).collect();
+        {
+            let report = RefCell::new(CheckReport::default());
+            let progress = LocalNotify::new();
+            let contexts = contexts(&node, &maps, &oracle, &report, &progress, 2, false);
+            let futures = writers(&node, &maps, &contexts, 2, seed + 1, 150);
+            let dead: Vec<_> =
+                lost.iter().map(|index| node.drives[usize::from(*index)].clone()).collect();
+            run_with_event(join_all(futures), 200, || {
+                dead.iter().for_each(|drive| drive.fail_all())
+            });
+            assert!(report.into_inner().writes > 100);
+        }
+        assert_eq!(node.engine.stats().failed_drives, lost, "the dead drives are latched");
+        verify_all(&node, &maps, &oracle);
+        let reconstructed = node.engine.counters.reconstructed_reads.load(Ordering::Relaxed);
+        assert!(reconstructed > 0, "reads of the dead drives' blocks were rebuilt");
+        // GC and checkpoints go on degraded.
+        for _ in 0..4 {
+            block_on(node.handles[0].gc_step()).unwrap();
+        }
+        // A restart with the drives still dead opens degraded.
+        let mut node = node.restart();
+        assert_eq!(node.report.drives_unusable, parity as u16);
+        verify_all(&node, &maps, &oracle);
+        workload(&node, &maps, &oracle, seed + 2, 40);
+        // Replace them one at a time; writers run beside the first rebuild.
+        for (round, index) in lost.iter().enumerate() {
+            node.replace_drive(*index, seed * 10 + round as u64).unwrap();
+            let refused = node.replace_drive(*index, 99);
+            assert!(matches!(refused, Err(LogError::ReplaceRefused { .. })), "{refused:?}");
+            if round == 0 {
+                let report = RefCell::new(CheckReport::default());
+                let progress = LocalNotify::new();
+                let done = Cell::new(false);
+                let contexts = contexts(&node, &maps, &oracle, &report, &progress, 2, false);
+                let mut futures = writers(&node, &maps, &contexts, 2, seed + 3, 120);
+                let rebuild: LocalBoxFuture<'_, ()> = Box::pin(async {
+                    loop {
+                        match node.handles[1].rebuild_step(64 << 10).await.unwrap() {
+                            Some(progress) if progress.finished => break,
+                            None => break,
+                            Some(_) => {}
+                        }
+                    }
+                    done.set(true);
+                });
+                futures.push(rebuild);
+                block_on(join_all(futures));
+                assert!(done.get());
+            } else {
+                node.finish_rebuild(256 << 10);
+            }
+            assert!(node.engine.rebuild_progress().is_none());
+            verify_all(&node, &maps, &oracle);
+        }
+        assert!(node.engine.stats().failed_drives.is_empty(), "the replacements are healthy");
+        // Full redundancy again: lose other drives and still read everything.
+        let mut node = node.restart();
+        verify_all(&node, &maps, &oracle);
+        let others: Vec<u16> = (0..u16::from(parity)).map(|index| index * 2).collect();
+        for index in &others {
+            node.drives[usize::from(*index)].fail_all();
+        }
+        node.handles.truncate(1);
+        verify_all(&node, &maps, &oracle);
+        workload(&node, &maps, &oracle, seed + 4, 30);
+        verify_all(&node, &maps, &oracle);
+    }
+}
+
+#[test]
+fn a_rebuild_interrupted_by_a_crash_starts_again_at_open() {
+    let mut node = Node::format_coded(64, 5, 2, 1, 3, scheme(2, 1));
+    let (_volumes, maps) = volume_maps(&[2000]);
+    let oracle = Oracle::new();
+    workload(&node, &maps, &oracle, 5, 80);
+    node.drives[2].fail_all();
+    workload(&node, &maps, &oracle, 6, 40);
+    node.replace_drive(2, 77).unwrap();
+    for _ in 0..3 {
+        block_on(node.handles[0].rebuild_step(64 << 10)).unwrap();
+    }
+    let node = node.crash();
+    let progress = node.engine.rebuild_progress().expect("the rebuild resumes");
+    assert_eq!((progress.drive, progress.segments_done), (2, 0));
+    verify_all(&node, &maps, &oracle);
+    node.finish_rebuild(1 << 20);
+    node.drives[0].fail_all();
+    verify_all(&node, &maps, &oracle);
+}
+
+#[test]
+fn a_corrupt_cell_is_rebuilt_from_parity() {
+    let node = Node::format_coded(32, 7, 0, 1, 3, scheme(2, 1));
+    let (_volumes, maps) = volume_maps(&[1000]);
+    let map = &maps[0];
+    let handle = &node.handles[0];
+    let (result, _) = block_on(handle.write(map, 0, block_buf(map.volume(), 0, 4, 3)));
+    result.unwrap();
+    let index = node.engine.index.get(map.volume().0).unwrap();
+    let (location, _) = super::index::unpack(index.get(2)).unwrap();
+    let (segment, position) = node.engine.geometry.split(location);
+    let (drive, offset_bytes) = node.engine.geometry.place(segment, position);
+    let mut bad = AlignedBuf::new(BLOCK_BYTES);
+    bad.fill(0x5a);
+    block_on(node.drives[usize::from(drive)].write_at(offset_bytes, bad)).0.unwrap();
+    let (result, buf) = block_on(handle.read_blocks(map, 0, AlignedBuf::new(4 * BLOCK_BYTES)));
+    result.unwrap();
+    for (number, block) in (0..4u64).zip(buf.chunks(BLOCK_BYTES)) {
+        assert!(block_matches(block, map.volume(), number, 3), "{}", describe_block(block));
+    }
+    let stats = node.engine.stats();
+    assert_eq!(stats.checksum_errors, 1, "the damage is counted");
+    assert_eq!(node.engine.counters.repaired_reads.load(Ordering::Relaxed), 1);
+}
+
+/// Two of three drives lost under 2+1: blocks on the surviving drive still read, every other
+/// block is an error (never wrong data), and writes are refused.
+#[test]
+fn losing_more_drives_than_the_parity_is_an_error_on_exactly_the_data_affected() {
+    let node = Node::format_coded(32, 9, 0, 1, 3, scheme(2, 1));
+    let (_volumes, maps) = volume_maps(&[1000]);
+    let map = &maps[0];
+    let handle = &node.handles[0];
+    let (result, _) = block_on(handle.write(map, 0, block_buf(map.volume(), 0, 64, 4)));
+    result.unwrap();
+    node.drives[0].fail_all();
+    node.drives[1].fail_all();
+    let index = node.engine.index.get(map.volume().0).unwrap();
+    let (mut readable, mut unreadable) = (0, 0);
+    for number in 0..64u64 {
+        let (location, _) = super::index::unpack(index.get(number)).unwrap();
+        let (segment, position) = node.engine.geometry.split(location);
+        let drive = node.engine.geometry.place(segment, position).0;
+        let (result, block) =
+            block_on(handle.read(map, number * BLOCK, AlignedBuf::new(BLOCK_BYTES)));
+        if drive == 2 {
+            result.unwrap_or_else(|error| panic!("block {number} on the live drive: {error}"));
+            assert!(block_matches(&block, map.volume(), number, 4));
+            readable += 1;
+        } else {
+            assert!(
+                result.is_err(),
+                "block {number} on a dead drive read as {}",
+                describe_block(&block)
+            );
+            unreadable += 1;
+        }
+    }
+    assert!(readable > 0 && unreadable > 0, "{readable} {unreadable}");
+    let (result, _) = block_on(handle.write(map, 100 * BLOCK, block_buf(map.volume(), 100, 1, 5)));
+    assert!(result.is_err(), "writes are refused beyond the parity");
+    assert!(node.engine.counters.unrecoverable_reads.load(Ordering::Relaxed) > 0);
+    assert!(matches!(
+        block_on(node.handles[0].begin_replace(0, node.drives[0].clone())),
+        Err(LogError::ReplaceRefused { .. })
+    ));
+}
