@@ -40,7 +40,7 @@ use crate::compress::{
     PackBuilder,
 };
 use crate::drive::{Drive, DriveError, DriveOperation};
-use crate::erasure::Encoder;
+use crate::erasure::{Encoder, ErasureScheme};
 use crate::join::join_all;
 pub(super) use crate::join::LocalFuture;
 use crate::latches::DriveLatches;
@@ -163,6 +163,16 @@ pub struct LogStats {
     pub scrub_blocks_verified: u64,
     pub scrub_errors: u64,
     pub scrub_passes: u64,
+    /// The erasure coding the log is formatted with (`1+0` without parity).
+    pub erasure: ErasureScheme,
+    /// A drive being rebuilt, if any.
+    pub rebuilding_drive: Option<u16>,
+    /// Coded logs: reads served by rebuilding cells from parity (a drive failed, unreadable or
+    /// being rebuilt), reads whose block failed its CRC and was served rebuilt, and reads that
+    /// lost more cells than the parity covers (errors).
+    pub reconstructed_reads: u64,
+    pub repaired_reads: u64,
+    pub unrecoverable_reads: u64,
 }
 
 /// One volume's space figures.
@@ -377,6 +387,11 @@ impl LogEngine {
             scrub_blocks_verified: counters.scrub_blocks_verified.load(Ordering::Relaxed),
             scrub_errors: counters.scrub_errors.load(Ordering::Relaxed),
             scrub_passes: counters.scrub_passes.load(Ordering::Relaxed),
+            erasure: self.geometry.scheme(),
+            rebuilding_drive: self.latches.rebuilding_drive(),
+            reconstructed_reads: counters.reconstructed_reads.load(Ordering::Relaxed),
+            repaired_reads: counters.repaired_reads.load(Ordering::Relaxed),
+            unrecoverable_reads: counters.unrecoverable_reads.load(Ordering::Relaxed),
         }
     }
 
