@@ -392,7 +392,7 @@ pub const SCRUB_STATE_OFF: &str = "off";
 /// One piece of damage the scrub found.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScrubFindingInfo {
-    /// [`SCRUB_DAMAGE_BLOCK`] or [`SCRUB_DAMAGE_HEADER_CHAIN`].
+    /// [`SCRUB_DAMAGE_BLOCK`], [`SCRUB_DAMAGE_HEADER_CHAIN`] or [`SCRUB_DAMAGE_PARITY`].
     pub kind: String,
     /// For a damaged block: the volume whose own layer holds it (the volume, or its snapshots
     /// taken since, read it). Absent when the block belongs to a layer made by a snapshot or a
@@ -423,6 +423,8 @@ pub const SCRUB_DAMAGE_BLOCK: &str = "block";
 /// [`ScrubFindingInfo::kind`]: a segment's chain of batch headers is broken, so garbage
 /// collection and recovery cannot reach some of its blocks (which may still read fine).
 pub const SCRUB_DAMAGE_HEADER_CHAIN: &str = "header_chain";
+/// `ScrubFindingInfo.kind` of a stripe whose parity did not match its data (erasure-coded nodes).
+pub const SCRUB_DAMAGE_PARITY: &str = "parity";
 
 /// One drive of a node, in [`NodeInfo::drives`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -633,6 +633,9 @@ fn scrub_info(report: &ScrubReport, volumes: &[VolumeRecord]) -> api::ScrubInfo 
                 engine::log::ScrubDamage::HeaderChain { segment, .. } => {
                     (api::SCRUB_DAMAGE_HEADER_CHAIN, None, None, None, Some(segment))
                 }
+                engine::log::ScrubDamage::Parity { segment, .. } => {
+                    (api::SCRUB_DAMAGE_PARITY, None, None, None, Some(segment))
+                }
             };
             api::ScrubFindingInfo {
                 kind: kind.to_owned(),

@@ -289,3 +289,73 @@ fn losing_more_drives_than_the_parity_is_an_error_on_exactly_the_data_affected()
         Err(LogError::ReplaceRefused { .. })
     ));
 }
+
+/// Scrub on a coded log finds a damaged block and a damaged parity cell, rewrites both from
+/// their stripes, finds nothing on the next pass, and the repaired parity rebuilds a lost drive.
+#[test]
+fn scrub_repairs_damaged_blocks_and_parity_in_place() {
+    let node = Node::format_coded(32, 11, 0, 1, 3, scheme(2, 1));
+    let (_volumes, maps) = volume_maps(&[1000]);
+    let map = &maps[0];
+    let (result, _) = block_on(node.handles[0].write(map, 0, block_buf(map.volume(), 0, 64, 6)));
+    result.unwrap();
+    // A restart seals the segment, which scrub then covers.
+    let node = node.restart();
+    let geometry = *node.engine.geometry();
+    let index = node.engine.index.get(map.volume().0).unwrap();
+    let place = |number: u64| {
+        let (location, _) = super::index::unpack(index.get(number)).unwrap();
+        geometry.split(location)
+    };
+    let garbage = || {
+        let mut bad = AlignedBuf::new(BLOCK_BYTES);
+        bad.fill(0xa5);
+        bad
+    };
+    let (segment, position) = place(2);
+    let (drive, offset_bytes) = geometry.place(segment, position);
+    block_on(node.drives[usize::from(drive)].write_at(offset_bytes, garbage())).0.unwrap();
+    let (parity_segment, parity_position) = place(40);
+    let stripe = parity_position / u32::from(geometry.data_shards);
+    let (parity_drive, row) =
+        geometry.cell_drive_row(geometry.cell(stripe, u32::from(geometry.data_shards)));
+    let parity_offset = geometry.row_offset_bytes(parity_segment, row);
+    block_on(node.drives[usize::from(parity_drive)].write_at(parity_offset, garbage())).0.unwrap();
+    let pass = || {
+        let mut cursor = super::ScrubCursor::new();
+        let mut total = super::ScrubProgress::default();
+        for _ in 0..10_000 {
+            let progress = block_on(node.handles[0].scrub_step(&mut cursor, 4096)).unwrap();
+            total.blocks_verified += progress.blocks_verified;
+            total.blocks_damaged += progress.blocks_damaged;
+            total.blocks_repaired += progress.blocks_repaired;
+            total.parity_damaged += progress.parity_damaged;
+            total.parity_repaired += progress.parity_repaired;
+            if progress.pass_completed {
+                return total;
+            }
+        }
+        panic!("a scrub pass does not end");
+    };
+    let first = pass();
+    assert_eq!((first.blocks_damaged, first.blocks_repaired), (1, 1), "{first:?}");
+    assert_eq!((first.parity_damaged, first.parity_repaired), (1, 1), "{first:?}");
+    let second = pass();
+    assert_eq!(second.blocks_damaged + second.parity_damaged, 0, "{second:?}");
+    assert!(second.blocks_verified >= 64);
+    let findings = node.engine.scrub_findings();
+    assert!(findings.iter().all(|finding| finding.repaired), "{findings:?}");
+    // The rewritten parity is right: lose the drive holding block 40 and read it rebuilt.
+    let lost = geometry.place(parity_segment, parity_position).0;
+    node.drives[usize::from(lost)].fail_all();
+    let (result, buf) =
+        block_on(node.handles[0].read_blocks(map, 0, AlignedBuf::new(64 * BLOCK_BYTES)));
+    result.unwrap();
+    for (number, block) in (0..64u64).zip(buf.chunks(BLOCK_BYTES)) {
+        assert!(
+            block_matches(block, map.volume(), number, 6),
+            "block {number}: {}",
+            describe_block(block)
+        );
+    }
+}

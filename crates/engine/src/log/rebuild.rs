@@ -109,9 +109,9 @@ impl LogEngine {
     }
 }
 
-/// Unpins the segment a rebuild step holds when the step ends, however it ends.
-struct Pin<'a> {
-    engine: &'a LogEngine,
+/// Unpins the segment a rebuild step (or a scrub repair) holds when it ends, however it ends.
+pub(super) struct Pin<'a> {
+    pub engine: &'a LogEngine,
 }
 
 impl Drop for Pin<'_> {
@@ -217,7 +217,10 @@ impl<D: Drive> LogHandle<D> {
             return Ok(engine.rebuild_progress());
         }
         if segment < geometry.segment_count {
-            engine.segments.pin(segment);
+            if !engine.segments.try_pin(segment) {
+                // A scrub repair holds the pin for a moment: try again next step.
+                return Ok(engine.rebuild_progress());
+            }
             let _pin = Pin { engine };
             let state = engine.segments.state(segment);
             let end = match state {

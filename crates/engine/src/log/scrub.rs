@@ -14,15 +14,17 @@
 //! still maps it there after the read: GC or a host write may have moved it, and GC may even have
 //! freed and reused the segment, while the read was in flight.
 //!
-//! Repair: the log holds one copy of every block and no parity yet, so nothing can be repaired
-//! today. Damaged blocks stay mapped and their reads keep failing with
-//! [`LogError::ChecksumMismatch`]; scrub counts them in `scrub_errors`, not in
+//! Repair (coded logs): a damaged live block is rebuilt from the rest of its stripe and, if the
+//! rebuilt bytes pass its checksum, written back in place (its cell is immutable by design, so
+//! rewriting it with the verified bytes restores it; the segment is pinned meanwhile so it cannot
+//! be reused underneath). Then, once every live block of a batch is intact, the parity of the
+//! batch's stripes is recomputed from its data and any parity cell that differs is rewritten the
+//! same way ([`ScrubDamage::Parity`]), so a later drive loss rebuilds right. Without parity
+//! nothing can be repaired: damaged blocks stay mapped and their reads keep failing with
+//! [`LogError::ChecksumMismatch`]. Scrub counts damage in `scrub_errors`, not in
 //! `checksum_errors`, which counts failed host reads (a block found by scrub and then read by a
 //! host would otherwise count twice), and keeps the most recent findings
-//! ([`SCRUB_FINDINGS_MAX`]). With erasure coding, a damaged block will be rebuilt from its stripe
-//! and written back as a `Relocated` entry installed by compare-and-swap, as GC does (the write
-//! then needs the leadership; the verification still does not). [`ScrubFinding::repaired`] and
-//! [`ScrubProgress::blocks_repaired`] are in the API for that, false and 0 today.
+//! ([`SCRUB_FINDINGS_MAX`]).
 
 use std::sync::atomic::Ordering;
 
@@ -63,6 +65,9 @@ pub struct ScrubCursor {
     /// Decompression contexts and a block buffer, made when the first compressed block is met
     /// and kept for the scrub's life (a few hundred KiB).
     unpacking: Option<Box<Unpacking>>,
+    /// Coded logs: the batch being verified holds a damaged live block that was not repaired,
+    /// so its parity must not be recomputed from its data.
+    batch_unrepaired: bool,
 }
 
 /// What unpacking a compressed block needs.
@@ -119,11 +124,13 @@ pub struct ScrubProgress {
     pub blocks_verified: u32,
     /// Live blocks whose data did not (each is a [`ScrubFinding`]).
     pub blocks_damaged: u32,
-    /// Damaged blocks rebuilt and rewritten: always 0 until erasure coding gives the log a
-    /// second source for a block.
+    /// Damaged blocks rebuilt from parity and rewritten (coded logs).
     pub blocks_repaired: u32,
     /// Segments whose batch header chain ended before every live block was found.
     pub chains_damaged: u32,
+    /// Coded logs: stripes whose parity did not match their data, and those rewritten.
+    pub parity_damaged: u32,
+    pub parity_repaired: u32,
     /// The step reached the end of the last segment: a pass is complete and the cursor is back
     /// at segment 0.
     pub pass_completed: bool,
@@ -147,6 +154,9 @@ pub enum ScrubDamage {
     /// may be intact (reads check it), but GC cannot relocate them and recovery would not
     /// replay batches past that point.
     HeaderChain { segment: u32, live_units_unreachable: u32 },
+    /// Coded logs: the parity of stripe `stripe` of the segment did not match its data; a lost
+    /// drive would have been rebuilt wrong there (and failed its checksums).
+    Parity { segment: u32, stripe: u32 },
 }
 
 /// One piece of damage scrub found.
@@ -161,7 +171,7 @@ pub struct ScrubFinding {
     /// The pass that found it, counting from 1 (the cursor's completed passes plus one). Damage
     /// found again in a later pass is kept once, with the later pass.
     pub pass: u64,
-    /// Whether it was repaired: always false until erasure coding.
+    /// Whether it was repaired (rebuilt from parity and rewritten; coded logs only).
     pub repaired: bool,
 }
 
@@ -179,6 +189,22 @@ struct LiveBlock {
     location: u32,
     /// The data block of the batch holding it.
     data_index: u32,
+}
+
+/// Whether `bytes`, read from where `found` lives, are that block: the CRC-32C of a raw block,
+/// or of a compressed one unpacked from its slot.
+fn block_intact(bytes: &[u8], found: &LiveBlock, unpacking: &mut Option<Box<Unpacking>>) -> bool {
+    match found.packed_sub {
+        None => crc32c::crc32c(bytes) == found.crc,
+        Some(sub) => {
+            let unpacking = unpacking.get_or_insert_with(|| {
+                Box::new(Unpacking { scratch: CompressScratch::new(), block: [0; BLOCK_BYTES] })
+            });
+            let Ok(slot) = <&Block>::try_from(bytes) else { return false };
+            let Unpacking { scratch, block } = &mut **unpacking;
+            compress::unpack(slot, sub, block, scratch).is_ok_and(|crc| crc == found.crc)
+        }
+    }
 }
 
 impl LogEngine {
@@ -325,6 +351,7 @@ impl<D: Drive> LogHandle<D> {
             }
         }
         cursor.live_units_found += live.iter().map(|found| entry_units(found.entry)).sum::<u32>();
+        let batch_done = resume_at.is_none();
         match resume_at {
             Some(entry_index) => cursor.entry_index = entry_index,
             None => {
@@ -332,30 +359,19 @@ impl<D: Drive> LogHandle<D> {
                 cursor.entry_index = 0;
             }
         }
-        let Some(first) = live.iter().map(|found| found.data_index).min() else { return Ok(()) };
+        let Some(first) = live.iter().map(|found| found.data_index).min() else {
+            if batch_done {
+                cursor.batch_unrepaired = false;
+            }
+            return Ok(());
+        };
         let last = live.iter().map(|found| found.data_index).max().unwrap_or(first);
         let data = self.read_positions(segment, position + 1 + first, last - first + 1).await?;
         let pass = cursor.passes_completed + 1;
         for found in &live {
             let at = (found.data_index - first) as usize * BLOCK_BYTES;
             let bytes = &data[at..at + BLOCK_BYTES];
-            let intact = match found.packed_sub {
-                None => crc32c::crc32c(bytes) == found.crc,
-                Some(sub) => {
-                    let unpacking = cursor.unpacking.get_or_insert_with(|| {
-                        Box::new(Unpacking {
-                            scratch: CompressScratch::new(),
-                            block: [0; BLOCK_BYTES],
-                        })
-                    });
-                    let Ok(slot) = <&Block>::try_from(bytes) else {
-                        unreachable!("a data block is one pack slot long")
-                    };
-                    let Unpacking { scratch, block } = &mut **unpacking;
-                    compress::unpack(slot, sub, block, scratch).is_ok_and(|crc| crc == found.crc)
-                }
-            };
-            if intact {
+            if block_intact(bytes, found, &mut cursor.unpacking) {
                 progress.blocks_verified += 1;
                 engine.counters.scrub_blocks_verified.fetch_add(1, Ordering::Relaxed);
                 continue;
@@ -373,13 +389,46 @@ impl<D: Drive> LogHandle<D> {
                 continue;
             }
             progress.blocks_damaged += 1;
+            let block_position = position + 1 + found.data_index;
+            let repaired = geometry.is_coded()
+                && self
+                    .repair_position(segment, header.segment_seq, block_position, |rebuilt| {
+                        block_intact(rebuilt, found, &mut cursor.unpacking)
+                    })
+                    .await;
+            if repaired {
+                progress.blocks_repaired += 1;
+            } else {
+                cursor.batch_unrepaired = true;
+            }
             engine.record_scrub_finding(ScrubFinding {
                 damage: ScrubDamage::Block { label: owner.volume(), block: found.block },
                 location: found.location,
-                drive: geometry.place(segment, position + 1 + found.data_index).0,
+                drive: geometry.place(segment, block_position).0,
                 pass,
-                repaired: false,
+                repaired,
             });
+        }
+        if batch_done && geometry.is_coded() && !cursor.batch_unrepaired {
+            let (wrong, repaired) = self
+                .verify_parity(segment, header.segment_seq, position, header.positions())
+                .await?;
+            progress.parity_damaged += wrong.len() as u32;
+            progress.parity_repaired += repaired;
+            for stripe in wrong {
+                let cell = geometry.cell(stripe, u32::from(geometry.data_shards));
+                let (drive, _) = geometry.cell_drive_row(cell);
+                engine.record_scrub_finding(ScrubFinding {
+                    damage: ScrubDamage::Parity { segment, stripe },
+                    location: geometry.location(segment, stripe * u32::from(geometry.data_shards)),
+                    drive,
+                    pass,
+                    repaired: repaired > 0,
+                });
+            }
+        }
+        if batch_done {
+            cursor.batch_unrepaired = false;
         }
         Ok(())
     }

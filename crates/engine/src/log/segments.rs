@@ -165,10 +165,13 @@ impl SegmentTable {
         }
     }
 
-    /// Keeps `segment` from being allocated until [`SegmentTable::unpin`].
-    pub fn pin(&self, segment: u32) {
-        let before = self.pinned.swap(segment, Ordering::AcqRel);
-        assert_eq!(before, NONE_PINNED, "one segment is pinned at a time");
+    /// Keeps `segment` from being allocated until [`SegmentTable::unpin`]; false if another
+    /// segment is pinned already (one at a time: a rebuild's or a scrub repair's).
+    pub fn try_pin(&self, segment: u32) -> bool {
+        assert!(segment != NONE_PINNED);
+        self.pinned
+            .compare_exchange(NONE_PINNED, segment, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
     }
 
     pub fn unpin(&self) {
@@ -216,7 +219,8 @@ mod tests {
         table.remove_live(1, 16);
         table.release(1);
         table.release(0);
-        table.pin(0);
+        assert!(table.try_pin(0));
+        assert!(!table.try_pin(1), "one segment is pinned at a time");
         assert_eq!(table.allocate(SegmentState::Open, 0), Some(1), "a pinned segment is skipped");
         table.unpin();
         assert_eq!(table.allocate(SegmentState::Open, 0), Some(0));

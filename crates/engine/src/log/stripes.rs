@@ -430,6 +430,118 @@ impl<D: Drive> LogHandle<D> {
         Ok(bytes)
     }
 
+    /// Coded logs: rebuilds position `position` of `segment` from the rest of its stripe and,
+    /// if `check` accepts the rebuilt block, writes it back in place and syncs. The segment is
+    /// pinned meanwhile and must still be sealed with sequence `seq`, so a reused segment is
+    /// never written. True if the cell was repaired.
+    pub(super) async fn repair_position(
+        &self,
+        segment: u32,
+        seq: u64,
+        position: u32,
+        check: impl FnOnce(&[u8]) -> bool,
+    ) -> bool {
+        let engine = &*self.engine;
+        if !engine.geometry.is_coded() || !engine.segments.try_pin(segment) {
+            return false;
+        }
+        let _pin = super::rebuild::Pin { engine };
+        if engine.segments.seq(segment) != seq
+            || engine.segments.state(segment) != super::segments::SegmentState::Sealed
+        {
+            return false;
+        }
+        let (drive, offset_bytes) = engine.geometry.place(segment, position);
+        let mut exclude = DriveSet::default();
+        exclude.insert(drive);
+        let Ok(rebuilt) = self.read_stripes(segment, position, 1, exclude).await else {
+            return false;
+        };
+        if !check(&rebuilt) {
+            return false;
+        }
+        self.write_cell(drive, offset_bytes, rebuilt).await
+    }
+
+    /// Writes one cell in place and syncs its drive; a failure latches the drive.
+    async fn write_cell(&self, drive: u16, offset_bytes: u64, bytes: AlignedBuf) -> bool {
+        if self.engine.latches.is_failed(drive) {
+            return false;
+        }
+        let target = self.drive(drive);
+        let (result, _) = target.write_at(offset_bytes, bytes).await;
+        let result = match result {
+            Ok(()) => target.sync().await,
+            Err(error) => Err(error),
+        };
+        self.engine.counters.device_bytes_written.fetch_add(BLOCK_BYTES as u64, Ordering::Relaxed);
+        if result.is_err() {
+            self.engine.latches.latch(drive);
+            return false;
+        }
+        true
+    }
+
+    /// Coded logs: checks the parity of the stripes of the batch at `position` (of
+    /// `positions` positions, padded) against its data and rewrites, in place, every parity
+    /// cell that differs (the segment pinned, still sealed with sequence `seq`). Returns the
+    /// stripes found wrong and how many of them were repaired.
+    pub(super) async fn verify_parity(
+        &self,
+        segment: u32,
+        seq: u64,
+        position: u32,
+        positions: u32,
+    ) -> Result<(Vec<u32>, u32), LogError> {
+        let engine = &*self.engine;
+        let geometry = &engine.geometry;
+        let k = u32::from(geometry.data_shards);
+        let m = u32::from(geometry.parity_shards);
+        let width = geometry.stripe_width();
+        let stripe_first = position / k;
+        let stripes = geometry.padded(positions) / k;
+        let cells =
+            self.read_stripe_cells(segment, stripe_first, stripes, DriveSet::default()).await?;
+        let data_of =
+            |at: u32, shard: u32| -> &[u8] { block(&cells, (at * width + shard) as usize) };
+        let mut parity = self.buffers.take((m * stripes) as usize * BLOCK_BYTES);
+        self.compute_parity(stripes, &data_of, &mut parity);
+        let mut wrong: Vec<(u32, u32)> = Vec::new();
+        for at in 0..stripes {
+            for shard in 0..m {
+                let expected = block(&parity, (shard * stripes + at) as usize);
+                if expected != block(&cells, (at * width + k + shard) as usize) {
+                    wrong.push((at, shard));
+                }
+            }
+        }
+        let mut stripes_wrong: Vec<u32> = wrong.iter().map(|(at, _)| stripe_first + at).collect();
+        stripes_wrong.dedup();
+        if wrong.is_empty() || !engine.segments.try_pin(segment) {
+            self.buffers.give(parity);
+            return Ok((stripes_wrong, 0));
+        }
+        let _pin = super::rebuild::Pin { engine };
+        let mut repaired = 0;
+        let unchanged = engine.segments.seq(segment) == seq
+            && engine.segments.state(segment) == super::segments::SegmentState::Sealed;
+        for (at, shard) in wrong.iter().copied() {
+            if !unchanged {
+                break;
+            }
+            let cell = geometry.cell(stripe_first + at, k + shard);
+            let (drive, row) = geometry.cell_drive_row(cell);
+            let mut bytes = AlignedBuf::new(BLOCK_BYTES);
+            bytes.copy_from_slice(block(&parity, (shard * stripes + at) as usize));
+            if self.write_cell(drive, geometry.row_offset_bytes(segment, row), bytes).await {
+                repaired += 1;
+            }
+        }
+        self.buffers.give(parity);
+        let repaired_stripes = if repaired == wrong.len() { stripes_wrong.len() as u32 } else { 0 };
+        Ok((stripes_wrong, repaired_stripes))
+    }
+
     /// Rebuilds, in `cells` (stripe `i`'s shard `s` at block `i * w + s`), the lost data shards
     /// of every stripe; `lost[i]` are the shards stripe `i` could not read. Stripes that lost the
     /// same shards are rebuilt by one codec call.
