@@ -48,6 +48,21 @@ pub(super) struct RebuildState {
     pub overflowed: bool,
 }
 
+impl RebuildState {
+    /// A rebuild of `drive` from its first segment.
+    fn new(drive: u16) -> Self {
+        Self {
+            drive,
+            segment: 0,
+            stripe: 0,
+            segments_done: 0,
+            bytes_written: 0,
+            backlog: Vec::new(),
+            overflowed: false,
+        }
+    }
+}
+
 /// Where a drive rebuild stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RebuildProgress {
@@ -96,15 +111,7 @@ impl LogEngine {
     /// Recovery found drive `drive`'s superblock marked rebuilding: start its rebuild over.
     pub(super) fn resume_rebuild(&self, drive: u16) {
         self.segments.clear_rebuilt();
-        *self.rebuild.lock().unwrap_or_else(|e| e.into_inner()) = Some(RebuildState {
-            drive,
-            segment: 0,
-            stripe: 0,
-            segments_done: 0,
-            bytes_written: 0,
-            backlog: Vec::new(),
-            overflowed: false,
-        });
+        *self.rebuild.lock().unwrap_or_else(|e| e.into_inner()) = Some(RebuildState::new(drive));
         self.latches.start_rebuild(drive);
     }
 }
@@ -170,15 +177,7 @@ impl<D: Drive> LogHandle<D> {
         // Stop using the old drive before the new one takes its place.
         engine.latches.latch(drive);
         engine.segments.clear_rebuilt();
-        *engine.rebuild.lock().unwrap_or_else(|e| e.into_inner()) = Some(RebuildState {
-            drive,
-            segment: 0,
-            stripe: 0,
-            segments_done: 0,
-            bytes_written: 0,
-            backlog: Vec::new(),
-            overflowed: false,
-        });
+        *engine.rebuild.lock().unwrap_or_else(|e| e.into_inner()) = Some(RebuildState::new(drive));
         // A handle that sees the drive no longer failed must also see the new generation.
         engine.bump_drive_generation(drive);
         self.install_drive(drive, new);
