@@ -6,12 +6,14 @@ DATA_DIR ?= ./ferrite-data
 VOLUME ?= demo
 VOLUME_SIZE ?= 2G
 
-.PHONY: run test build release fmt lint tidy unit fuzz deps help
+.PHONY: run test build release fmt lint tidy unit fuzz deps help compare-ceph
 
 help:
 	@echo "make run    build (release), start a single-node cluster in $(DATA_DIR), create volume"
 	@echo "            '$(VOLUME)', run the five standard workloads over NVMe/TCP, keep serving"
 	@echo "make test   the whole test suite (format, lints, tidy, unit, integration, end to end)"
+	@echo "make compare-ceph   optional: Ferrite beside Ceph Pacific on this machine (fio, pgbench);"
+	@echo "            writes docs/BENCHMARKS.md; root, ~33 GiB free disk, ~20 min (scripts/compare-ceph.sh --help)"
 
 release: deps
 	$(CARGO) build --release --locked --bin ferrite
@@ -44,3 +46,9 @@ unit:
 # `unit` runs last so that its closing line, "tests: N passed, N failed", ends the output.
 test: deps fmt lint tidy fuzz
 	@$(MAKE) --no-print-directory unit
+
+# Optional, not part of `make test`: Ferrite and Ceph Pacific (../shared/anchors/ceph) measured one
+# after the other on this machine with the same fio jobs and pgbench; the table and chart go into
+# docs/BENCHMARKS.md. Knobs (COMPARE_RUNTIME, COMPARE_SIZE_GB, ...): scripts/compare-ceph.sh --help.
+compare-ceph: release
+	scripts/compare-ceph.sh

@@ -1,0 +1,647 @@
+#!/usr/bin/env bash
+# `make compare-ceph`: Ferrite beside Ceph Pacific on this machine, same disk, same fio jobs, same
+# pgbench, and the results written into docs/BENCHMARKS.md with a chart (issue 7). The sides run
+# one after the other, never at the same time, so neither takes CPU or disk from the other and
+# the host disk only ever holds one of them. Everything it starts is stopped on exit, also on
+# failure or Ctrl-C. See --help.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+
+usage() {
+    cat <<'EOF'
+Usage: scripts/compare-ceph.sh [-h|--help]        (or: make compare-ceph)
+
+Measures Ferrite and Ceph Pacific side by side on this machine and writes the tables and a chart
+into docs/BENCHMARKS.md (between the compare-ceph marker comments) and docs/compare-ceph.svg.
+
+What it does, in order:
+  1. Ferrite, 1 replica: one `ferrite up` node (temp data dir, 4 sparse drive files, free ports),
+     a volume of COMPARE_SIZE_GB, compression COMPARE_COMPRESSION. fio with ioengine=nbd on
+     nbd://127.0.0.1:PORT/VOLUME: a write-fill (sequential 1 MiB over the whole volume), then
+     the five workloads. Then pgbench on ext4 on a loop device over an nbdfuse file of the
+     volume (scripts/pgbench-ext4.sh). The node is stopped and its drives deleted.
+  2. Ferrite, 3 replicas: NOT RUN today. Ferrite has no replication yet (issue 6); the row is
+     recorded as "not run" with that reason. ferrite_replicated() in this script is the one
+     place to fill in when `ferrite volume create --replicas` exists.
+  3. Ceph: ../shared/anchors/ceph/up.sh (1 mon, 1 mgr, 3 BlueStore OSDs on sparse files, on
+     the same filesystem). A pool of size 1 (min_size 1) with an image of the same size is
+     created beside the anchor's size-3 pool. For each: fio with ioengine=rbd, the same
+     write-fill and the same five workloads, then the same pgbench on ext4 on a loop device
+     over an rbd-fuse file of the image. Then down.sh stops Ceph and deletes its data.
+  4. scripts/compare-report.py turns the results into the tables and the chart.
+
+fio is the same on both sides except the engine: iodepth 32 x 4 jobs, direct=1, random
+offsets (norandommap, randrepeat=0), refill_buffers (fresh random, incompressible data on every
+write), ramp then measured time, group_reporting, JSON with p50/p99/p99.9 of total latency.
+
+CPU: the server's CPU time (utime+stime from /proc/PID/stat: the `ferrite up` process; Ceph's
+mon, mgr, OSDs and radosgw) and fio's own (the client: libnbd or librbd) are read before and
+after every workload, as is the whole host's busy time, so the table shows IOPS per server CPU
+second and how much CPU other jobs on the machine took meanwhile.
+
+Environment (all optional):
+  COMPARE_SIZE_GB       volume and RBD image size in GiB                 [4]
+  COMPARE_RUNTIME       measured seconds per workload                    [30]
+  COMPARE_RAMP          ramp seconds per workload (not measured)         [5]
+  COMPARE_WORKLOADS     comma list from 4k_randread,4k_randwrite,8k_randrw_80_20,
+                        16k_randrw_70_30,32k_randrw_50_50                [all five]
+  COMPARE_IODEPTH       fio iodepth per job                              [32]
+  COMPARE_NUMJOBS       fio jobs                                         [4]
+  COMPARE_REPLICAS      replica counts to compare: 1 and/or 3            [1,3]
+  COMPARE_SIDES         ferrite and/or ceph (one side alone is for trying the script;
+                        the report then shows the other side as not run) [ferrite,ceph]
+  COMPARE_COMPRESSION   the Ferrite volume's compression: off, lz4, zstd [off]
+  COMPARE_PGBENCH       1 runs pgbench on both sides, 0 skips it          [1]
+  COMPARE_PGBENCH_TIME  pgbench seconds                                  [60]
+  COMPARE_PGBENCH_SCALE pgbench scale factor (15 MiB each)               [10]
+  COMPARE_PGBENCH_CLIENTS / COMPARE_PGBENCH_JOBS                        [4 / 2]
+  COMPARE_LABEL         a line printed at the top of the report, such as
+                        "short trial run"                                [none]
+  COMPARE_WRITE_DOCS    1 writes docs/BENCHMARKS.md and docs/compare-ceph.svg,
+                        0 leaves them alone (the report is still in COMPARE_OUT_DIR) [1]
+  COMPARE_OUT_DIR       raw results: fio JSON, logs, results.jsonl, report.md
+                        [/var/tmp/ferrite-compare-ceph/<timestamp>]
+  COMPARE_MIN_FREE_GB   stop everything if the disk's free space falls below this [4]
+  FERRITE_DRIVE_SIZE_GB each of Ferrite's 4 sparse drive files        [COMPARE_SIZE_GB/2+1, at least 2]
+  FERRITE_UP_ARGS       extra arguments for `ferrite up` (such as --poll-us 200)  [none]
+  CEPH_ANCHOR_DIR       the Ceph anchor scripts            [../shared/anchors/ceph]
+  CEPH_DATA_DIR         the Ceph cluster's data            [/var/tmp/ceph-anchor]
+  CEPH_OSD_SIZE_GB      each OSD's sparse block file; host disk use can grow to
+                        3 x this                           [2 x COMPARE_SIZE_GB + 1, at least 6]
+  KEEP_CEPH=1           leave the Ceph cluster running at the end (`. CEPH_DATA_DIR/env`
+                        to use it; a later run reuses it; down.sh removes it)
+
+Needs root (losetup, mount, FUSE), fio with the nbd and rbd engines, nbdfuse, rbd-fuse and
+postgresql-15; the Ceph packages and rbd-fuse are installed with apt when missing. Disk: free
+space for 3 x CEPH_OSD_SIZE_GB + 6 GiB (up.sh's own check; 33 GiB with the defaults). Time: about
+20 minutes with the defaults; the short trial below took 9.5 minutes:
+
+  COMPARE_RUNTIME=15 COMPARE_RAMP=3 COMPARE_SIZE_GB=2 COMPARE_PGBENCH_TIME=15 \
+    COMPARE_LABEL="Short trial run" make compare-ceph
+
+The machine's other jobs make the figures noisy: the "other CPU" column says how noisy.
+EOF
+}
+case "${1:-}" in
+    -h | --help) usage; exit 0 ;;
+    "") ;;
+    *) echo "compare-ceph: unknown argument $1 (see --help)" >&2; exit 2 ;;
+esac
+
+# ---------------------------------------------------------------- settings
+size_gb=${COMPARE_SIZE_GB:-4}
+[[ "$size_gb" =~ ^[1-9][0-9]*$ ]] || { echo "compare-ceph: COMPARE_SIZE_GB='$size_gb' is not a whole number of GiB" >&2; exit 2; }
+runtime_s=${COMPARE_RUNTIME:-30}
+ramp_s=${COMPARE_RAMP:-5}
+workloads=${COMPARE_WORKLOADS:-4k_randread,4k_randwrite,8k_randrw_80_20,16k_randrw_70_30,32k_randrw_50_50}
+iodepth=${COMPARE_IODEPTH:-32}
+numjobs=${COMPARE_NUMJOBS:-4}
+replica_counts=${COMPARE_REPLICAS:-1,3}
+sides=${COMPARE_SIDES:-ferrite,ceph}
+compression=${COMPARE_COMPRESSION:-off}
+pgbench_enabled=${COMPARE_PGBENCH:-1}
+pgbench_time_s=${COMPARE_PGBENCH_TIME:-60}
+pgbench_scale=${COMPARE_PGBENCH_SCALE:-10}
+pgbench_clients=${COMPARE_PGBENCH_CLIENTS:-4}
+pgbench_jobs=${COMPARE_PGBENCH_JOBS:-2}
+write_docs=${COMPARE_WRITE_DOCS:-1}
+min_free_gb=${COMPARE_MIN_FREE_GB:-4}
+drive_size_gb=${FERRITE_DRIVE_SIZE_GB:-$((size_gb / 2 + 1))}
+[ "$drive_size_gb" -ge 2 ] || drive_size_gb=2
+ferrite_drive_count=4
+anchor_dir=${CEPH_ANCHOR_DIR:-$repo/../shared/anchors/ceph}
+ceph_dir=${CEPH_DATA_DIR:-/var/tmp/ceph-anchor}
+osd_size_gb=${CEPH_OSD_SIZE_GB:-$((2 * size_gb + 1))}
+[ "$osd_size_gb" -ge 6 ] || osd_size_gb=6
+ceph_osd_count=3
+ceph_conf=$ceph_dir/ceph.conf
+ceph_size1_pool=compare-size1
+ceph_size1_image=compare
+volume=compare
+out=${COMPARE_OUT_DIR:-/var/tmp/ferrite-compare-ceph/$(date +%Y%m%d-%H%M%S)}
+results=$out/results.jsonl
+ferrite=$out/bin/ferrite   # a copy of target/release/ferrite, made at the start
+all_workloads="4k_randread 4k_randwrite 8k_randrw_80_20 16k_randrw_70_30 32k_randrw_50_50"
+
+# The command as the user gave it, for the report: the knobs that were set (except the two that
+# only say where the results go), then the entry point.
+command_line=""
+for knob in $(compgen -e | grep -E '^(COMPARE_[A-Z_]+|FERRITE_DRIVE_SIZE_GB|FERRITE_UP_ARGS|CEPH_ANCHOR_DIR|CEPH_DATA_DIR|CEPH_OSD_SIZE_GB|KEEP_CEPH)$' | grep -vE '^COMPARE_(OUT_DIR|WRITE_DOCS)$' | sort); do
+    command_line+="$knob=${!knob@Q} "
+done
+if [ -n "${MAKELEVEL:-}" ]; then command_line+="make compare-ceph"; else command_line+="scripts/compare-ceph.sh"; fi
+
+started_s=$(date +%s)
+log() { printf '[compare %5ss] %s\n' "$(($(date +%s) - started_s))" "$*"; }
+die() { log "ERROR: $*"; exit 1; }
+is_number() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
+for value in "$size_gb" "$runtime_s" "$iodepth" "$numjobs" "$pgbench_time_s" "$pgbench_scale" \
+    "$pgbench_clients" "$pgbench_jobs" "$drive_size_gb" "$osd_size_gb" "$min_free_gb"; do
+    is_number "$value" || die "'$value' is not a positive number (see --help)"
+done
+[[ "$ramp_s" =~ ^[0-9]+$ ]] || die "COMPARE_RAMP='$ramp_s' is not a number of seconds"
+for workload in ${workloads//,/ }; do
+    [[ " $all_workloads " == *" $workload "* ]] || die "unknown workload $workload (known: $all_workloads)"
+done
+for replicas in ${replica_counts//,/ }; do
+    [ "$replicas" = 1 ] || [ "$replicas" = 3 ] || die "COMPARE_REPLICAS takes 1 and/or 3, not $replicas"
+done
+case "$compression" in off | lz4 | zstd) ;; *) die "COMPARE_COMPRESSION is off, lz4 or zstd" ;; esac
+for side in ${sides//,/ }; do
+    [ "$side" = ferrite ] || [ "$side" = ceph ] || die "COMPARE_SIDES takes ferrite and/or ceph, not $side"
+done
+has_side() { [[ ",$sides," == *",$1,"* ]]; }
+
+# ---------------------------------------------------------------- what is running (for cleanup)
+# Every process, mount and loop device this script creates is recorded here, and cleanup()
+# releases exactly those: by PID and by path, never by name.
+child_pid=""          # the long-running command being waited on (fio, up.sh, pgbench-ext4.sh)
+guard_pid=""          # the free-disk guard
+ferrite_pids=()       # `ferrite up` processes
+ferrite_data_dirs=()  # their data dirs (drive files), deleted when they stop
+fuse_pids=()          # nbdfuse / rbd-fuse processes
+fuse_mounts=()        # their mountpoints
+loop_devices=()       # loop devices attached by this script
+pg_mounts=()          # where pgbench-ext4.sh mounts ext4 (and PostgreSQL runs)
+ceph_started=0
+
+ceph_cli() { timeout 120 ceph -c "$ceph_conf" --connect-timeout 20 "$@"; }
+rbd_cli() { timeout 120 rbd -c "$ceph_conf" "$@"; }
+
+wait_gone() {  # pid seconds: true once the process is gone
+    local pid=$1 tries=$(($2 * 5))
+    while kill -0 "$pid" 2>/dev/null && [ "$tries" -gt 0 ]; do sleep 0.2; tries=$((tries - 1)); done
+    ! kill -0 "$pid" 2>/dev/null
+}
+
+release_pg_mount() {  # mountpoint: stop a PostgreSQL left on it, then unmount it
+    local mnt=$1 pg_bin
+    if [ -e "$mnt/pgdata/postmaster.pid" ]; then
+        pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+        [ -n "$pg_bin" ] && runuser -u postgres -- "$pg_bin/pg_ctl" stop -w -m immediate -D "$mnt/pgdata" >/dev/null 2>&1 || true
+    fi
+    if mountpoint -q "$mnt" 2>/dev/null; then umount "$mnt" || umount -l "$mnt" || true; fi
+}
+
+release_fuse() {  # index into fuse_pids/fuse_mounts
+    local i=$1 pid=${fuse_pids[$1]} mnt=${fuse_mounts[$1]}
+    [ -n "$pid" ] || return 0
+    if mountpoint -q "$mnt" 2>/dev/null; then
+        fusermount3 -u "$mnt" 2>/dev/null || fusermount -u "$mnt" 2>/dev/null || umount -l "$mnt" 2>/dev/null || true
+    fi
+    if ! wait_gone "$pid" 10; then kill -TERM "$pid" 2>/dev/null || true; wait_gone "$pid" 10 || kill -KILL "$pid" 2>/dev/null || true; fi
+    wait "$pid" 2>/dev/null || true
+    fuse_pids[i]=""
+}
+
+release_loop() {  # index into loop_devices
+    local device=${loop_devices[$1]}
+    [ -n "$device" ] || return 0
+    losetup -d "$device" 2>/dev/null || log "could not detach $device"
+    loop_devices[$1]=""
+}
+
+stop_ferrite() {
+    local pid dir
+    for pid in "${ferrite_pids[@]}"; do
+        [ -n "$pid" ] || continue
+        if kill -0 "$pid" 2>/dev/null; then
+            kill -TERM "$pid" 2>/dev/null || true
+            wait_gone "$pid" 60 || { log "ferrite pid $pid still running after 60 s: SIGKILL"; kill -KILL "$pid" 2>/dev/null || true; }
+        fi
+        wait "$pid" 2>/dev/null || true
+    done
+    ferrite_pids=()
+    for dir in "${ferrite_data_dirs[@]}"; do rm -rf -- "$dir"; done
+    ferrite_data_dirs=()
+}
+
+cleanup() {
+    local rc=$? i
+    trap - EXIT INT TERM
+    set +e
+    # A signal can land while a step's output is redirected to its log; report on the terminal.
+    exec 1>&"$terminal_stdout" 2>&"$terminal_stderr"
+    [ -n "$guard_pid" ] && kill "$guard_pid" 2>/dev/null && wait "$guard_pid" 2>/dev/null
+    if [ -n "$child_pid" ] && kill -0 "$child_pid" 2>/dev/null; then
+        log "stopping the running step (pid $child_pid)"
+        kill -TERM "$child_pid" 2>/dev/null
+        wait_gone "$child_pid" 90 || kill -KILL "$child_pid" 2>/dev/null
+        wait "$child_pid" 2>/dev/null
+    fi
+    for i in "${!pg_mounts[@]}"; do release_pg_mount "${pg_mounts[$i]}"; done
+    for i in "${!loop_devices[@]}"; do release_loop "$i"; done
+    for i in "${!fuse_pids[@]}"; do release_fuse "$i"; done
+    stop_ferrite
+    if [ "$ceph_started" = 1 ]; then
+        if [ "${KEEP_CEPH:-0}" = 1 ]; then
+            log "KEEP_CEPH=1: Ceph keeps running; use it with '. $ceph_dir/env', remove it with $anchor_dir/down.sh"
+        else
+            CEPH_DATA_DIR="$ceph_dir" bash "$anchor_dir/down.sh" 2>&1 | sed 's/^/    /'
+        fi
+    fi
+    rm -f -- "$ferrite"   # the copy of the binary (55 MB); the results stay
+    [ -e "$out/DISK_LOW" ] && log "stopped because the disk's free space fell below $min_free_gb GiB"
+    case "$rc" in
+        0) ;;
+        130 | 143) log "interrupted; everything it started is stopped; logs in $out/logs" ;;
+        *) log "failed (exit $rc); everything it started is stopped; logs in $out/logs" ;;
+    esac
+    exit "$rc"
+}
+exec {terminal_stdout}>&1 {terminal_stderr}>&2
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# Runs a command in the background and waits for it, so that a signal (Ctrl-C, the disk guard)
+# reaches cleanup() at once instead of after the command ends.
+run_child() {
+    local rc=0
+    "$@" &
+    child_pid=$!
+    wait "$child_pid" || rc=$?
+    child_pid=""
+    return "$rc"
+}
+
+free_gb() { df -BG --output=avail "$1" | tail -1 | tr -dc 0-9; }
+need_free() {  # gigabytes why
+    local have
+    have=$(free_gb "$out")
+    [ "$have" -ge "$1" ] || die "only $have GiB free on the filesystem of $out; $2 needs $1 GiB. Free disk or lower COMPARE_SIZE_GB / CEPH_OSD_SIZE_GB."
+    log "disk: $have GiB free ($2 needs $1 GiB)"
+}
+
+# ---------------------------------------------------------------- CPU accounting
+clock_ticks=$(getconf CLK_TCK)
+process_ticks() {  # pid... -> utime+stime of those processes (all threads), in clock ticks
+    local total=0 pid stat fields
+    for pid in "$@"; do
+        stat=$(cat "/proc/$pid/stat" 2>/dev/null) || continue
+        read -ra fields <<<"${stat##*) }"
+        total=$((total + fields[11] + fields[12]))
+    done
+    echo "$total"
+}
+children_ticks() {  # CPU of this shell's finished, waited-for children (cutime+cstime): fio
+    local stat fields
+    stat=$(cat /proc/$$/stat)
+    read -ra fields <<<"${stat##*) }"
+    echo $((fields[13] + fields[14]))
+}
+host_busy_ticks() {  # user+nice+system+irq+softirq+steal of all CPUs
+    awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9; exit}' /proc/stat
+}
+ceph_pids() {  # the daemons up.sh started, only while they still run with our ceph.conf
+    local file pid
+    for file in "$ceph_dir"/run/*.pid; do
+        [ -e "$file" ] || continue
+        pid=$(cat "$file" 2>/dev/null || true)
+        [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || continue
+        tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$ceph_conf" && echo "$pid"
+    done
+    return 0
+}
+
+server_pids=()   # whose CPU counts as the storage system's: set per side
+measure_begin() {
+    measure_t0=$(date +%s.%N)
+    measure_server0=$(process_ticks "${server_pids[@]}")
+    measure_client0=$(children_ticks)
+    measure_host0=$(host_busy_ticks)
+}
+measure_json() {  # -> the JSON fields of the CPU spent since measure_begin
+    local t1 server1 client1 host1
+    t1=$(date +%s.%N)
+    server1=$(process_ticks "${server_pids[@]}")
+    client1=$(children_ticks)
+    host1=$(host_busy_ticks)
+    awk -v t0="$measure_t0" -v t1="$t1" -v s="$((server1 - measure_server0))" -v c="$((client1 - measure_client0))" \
+        -v h="$((host1 - measure_host0))" -v hz="$clock_ticks" \
+        'BEGIN { printf "\"wall_s\": %.3f, \"server_cpu_s\": %.2f, \"client_cpu_s\": %.2f, \"host_busy_cpu_s\": %.2f", t1 - t0, s / hz, c / hz, h / hz }'
+}
+
+record() { echo "{$1}" >>"$results"; }
+not_run() {  # side replicas reason
+    record "\"kind\": \"not_run\", \"side\": \"$1\", \"replicas\": $2, \"reason\": \"$3\""
+    log "$1 with $2 replicas: not run: $3"
+}
+
+# ---------------------------------------------------------------- fio
+workload_args() {  # workload -> rw, rwmixread, bs (the five standard workloads, as bench.sh)
+    case "$1" in
+        4k_randread) echo "randread 100 4k" ;;
+        4k_randwrite) echo "randwrite 0 4k" ;;
+        8k_randrw_80_20) echo "randrw 80 8k" ;;
+        16k_randrw_70_30) echo "randrw 70 16k" ;;
+        32k_randrw_50_50) echo "randrw 50 32k" ;;
+    esac
+}
+
+# side replicas label target-args...: the write-fill, then every workload, each in its own fio run
+fio_suite() {
+    local side=$1 replicas=$2 label=$3 workload rw mix bs json
+    shift 3
+    local target=("$@")
+    json=$out/fio/$label-fill.json
+    log "$label: write-fill (sequential 1 MiB writes over the whole ${size_gb} GiB, iodepth 16)"
+    measure_begin
+    run_child fio --name="$label-fill" "${target[@]}" --direct=1 --rw=write --bs=1M --iodepth=16 \
+        --numjobs=1 --refill_buffers=1 --output-format=json --output="$json" >"$out/logs/$label-fill.log" 2>&1 ||
+        { tail -20 "$out/logs/$label-fill.log"; die "$label: fio write-fill failed"; }
+    record "\"kind\": \"fill\", \"side\": \"$side\", \"replicas\": $replicas, \"fio_json\": \"$json\", $(measure_json)"
+    log "$label: filled: $(jq -r '.jobs[0].write | "\(.io_bytes / 1073741824 * 100 | round / 100) GiB at \(.bw_bytes / 1e6 | round) MB/s"' "$json")"
+    for workload in ${workloads//,/ }; do
+        read -r rw mix bs <<<"$(workload_args "$workload")"
+        json=$out/fio/$label-$workload.json
+        measure_begin
+        run_child fio --name="$label-$workload" "${target[@]}" --direct=1 --rw="$rw" --rwmixread="$mix" \
+            --bs="$bs" --iodepth="$iodepth" --numjobs="$numjobs" --group_reporting --time_based \
+            --ramp_time="$ramp_s" --runtime="$runtime_s" --norandommap --randrepeat=0 --refill_buffers=1 \
+            --lat_percentiles=1 --percentile_list=50:99:99.9 --unified_rw_reporting=both \
+            --output-format=json --output="$json" >"$out/logs/$label-$workload.log" 2>&1 ||
+            { tail -20 "$out/logs/$label-$workload.log"; die "$label: fio $workload failed"; }
+        record "\"kind\": \"fio\", \"side\": \"$side\", \"replicas\": $replicas, \"workload\": \"$workload\", \"fio_json\": \"$json\", $(measure_json)"
+        log "$label $workload: $(jq -r '.jobs[0].mixed | "\(.iops | round) IOPS, p99.9 \(.lat_ns.percentile["99.900000"] / 1000 | round) us"' "$json") ($(tail -1 "$results" | jq -r '"server CPU \(.server_cpu_s) s, fio CPU \(.client_cpu_s) s, host busy \(.host_busy_cpu_s) s in \(.wall_s) s"'))"
+    done
+}
+
+# ---------------------------------------------------------------- pgbench
+# side replicas label device-file: a loop device with 4 KiB sectors over the file (an nbdfuse or
+# rbd-fuse file), then scripts/pgbench-ext4.sh on it.
+pgbench_on_file() {
+    local side=$1 replicas=$2 label=$3 file=$4 device mnt=$out/mnt/pgbench index
+    device=$(losetup --find --show --sector-size 4096 "$file") || die "$label: losetup on $file failed"
+    loop_devices+=("$device")
+    index=$((${#loop_devices[@]} - 1))
+    pg_mounts+=("$mnt")
+    log "$label: pgbench on ext4 on $device (scale $pgbench_scale, $pgbench_clients clients, $pgbench_jobs jobs, ${pgbench_time_s} s)"
+    measure_begin
+    run_child scripts/pgbench-ext4.sh --scale "$pgbench_scale" --clients "$pgbench_clients" --jobs "$pgbench_jobs" \
+        --time "$pgbench_time_s" "$device" "$mnt" >"$out/logs/$label-pgbench.log" 2>&1 ||
+        { tail -20 "$out/logs/$label-pgbench.log"; die "$label: pgbench failed"; }
+    record "\"kind\": \"pgbench\", \"side\": \"$side\", \"replicas\": $replicas, \"log\": \"$out/logs/$label-pgbench.log\", $(measure_json)"
+    log "$label: $(grep -E '^(tps|latency average)' "$out/logs/$label-pgbench.log" | tr '\n' ' ')"
+    release_pg_mount "$mnt"
+    release_loop "$index"
+}
+
+wait_for_file_size() {  # file bytes fuse-pid what
+    local tries=600
+    until [ "$(stat -c %s "$1" 2>/dev/null || echo 0)" = "$2" ]; do
+        kill -0 "$3" 2>/dev/null || die "$4 exited before its file appeared (see $out/logs)"
+        tries=$((tries - 1))
+        [ "$tries" -gt 0 ] || die "$4 did not show $1 with $2 bytes within 60 s"
+        sleep 0.1
+    done
+}
+
+# ---------------------------------------------------------------- Ferrite
+
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# Starts one `ferrite up` node with its own data dir and free ports; sets node_api and node_nbd.
+start_ferrite_node() {  # name
+    local name=$1 dir=$out/ferrite-$1 api_port nvme_port nbd_port pid
+    api_port=$(port); nvme_port=$(port); nbd_port=$(port)
+    need_free $((ferrite_drive_count * drive_size_gb + min_free_gb)) "Ferrite node $name ($ferrite_drive_count sparse drives of $drive_size_gb GiB)"
+    ferrite_data_dirs+=("$dir")
+    # shellcheck disable=SC2086 # FERRITE_UP_ARGS is a list of arguments
+    "$ferrite" up --data-dir "$dir" --drives "$ferrite_drive_count" --drive-size "${drive_size_gb}G" \
+        --api-listen "127.0.0.1:$api_port" --nvme-listen "127.0.0.1:$nvme_port" \
+        --nbd-listen "127.0.0.1:$nbd_port" ${FERRITE_UP_ARGS:-} >"$out/logs/ferrite-$name.log" 2>&1 &
+    pid=$!
+    ferrite_pids+=("$pid")
+    node_api=http://127.0.0.1:$api_port
+    node_nbd=127.0.0.1:$nbd_port
+    for _ in $(seq 1 300); do
+        kill -0 "$pid" 2>/dev/null || { tail -20 "$out/logs/ferrite-$name.log"; die "ferrite up ($name) exited"; }
+        "$ferrite" node show --api "$node_api" >/dev/null 2>&1 && { log "ferrite node $name up (pid $pid, NBD $node_nbd, API $node_api)"; return; }
+        sleep 0.1
+    done
+    die "ferrite node $name did not answer on $node_api within 30 s"
+}
+
+# fio, then pgbench, on a Ferrite volume exported over NBD at nbd_uri.
+ferrite_measure() {  # replicas nbd_uri
+    local replicas=$1 uri=$2 label="ferrite-r$1" fuse_dir file pid
+    fio_suite ferrite "$replicas" "$label" --ioengine=nbd --uri="$uri"
+    [ "$pgbench_enabled" = 1 ] || return 0
+    fuse_dir=$out/mnt/fuse-$label
+    mkdir -p "$fuse_dir"
+    file=$fuse_dir/$volume
+    nbdfuse "$file" "$uri" </dev/null >"$out/logs/$label-nbdfuse.log" 2>&1 &
+    pid=$!
+    fuse_pids+=("$pid"); fuse_mounts+=("$fuse_dir")
+    wait_for_file_size "$file" $((size_gb * 1073741824)) "$pid" nbdfuse
+    pgbench_on_file ferrite "$replicas" "$label" "$file"
+    release_fuse $((${#fuse_pids[@]} - 1))
+}
+
+ferrite_single() {
+    log "== Ferrite, 1 replica: one node =="
+    start_ferrite_node node1
+    server_pids=("${ferrite_pids[@]}")
+    "$ferrite" volume create "$volume" --size "${size_gb}G" --compression "$compression" --api "$node_api" >"$out/logs/ferrite-volume.log"
+    ferrite_measure 1 "nbd://$node_nbd/$volume"
+    "$ferrite" node show --api "$node_api" >"$out/logs/ferrite-node-show.txt" 2>&1 || true
+    stop_ferrite
+    log "ferrite stopped; its drives are deleted"
+}
+
+# The Ferrite row for more than one replica. Ferrite has no replication yet (issue 6), so today
+# this only records the row as not run. When `ferrite volume create --replicas N` exists, this is
+# the one function to fill in: start REPLICAS nodes with start_ferrite_node (each has its own
+# data dir and ports) joined into one cluster the way issue 6 defines, set server_pids to all
+# their PIDs (every node's CPU counts), create the volume with --replicas REPLICAS
+# --compression "$compression", call ferrite_measure REPLICAS "nbd://<primary's NBD>/$volume",
+# then stop_ferrite. The report picks the row up by its replica count.
+ferrite_replicated() {  # replicas
+    local replicas=$1
+    log "== Ferrite, $replicas replicas =="
+    local help
+    help=$("$ferrite" volume create --help 2>&1 || true)
+    if [[ "$help" != *--replicas* ]]; then
+        not_run ferrite "$replicas" "Ferrite has no replication yet (issue 6)"
+        return
+    fi
+    not_run ferrite "$replicas" "ferrite volume create has --replicas, but scripts/compare-ceph.sh does not start a ${replicas}-node cluster yet (fill in ferrite_replicated)"
+}
+
+# ---------------------------------------------------------------- Ceph
+ceph_pgs_clean() {
+    ceph_cli pg stat -f json | jq -e '(.pg_summary.num_pgs // .num_pgs) as $n
+        | ([(.pg_summary.num_pg_by_state // .num_pg_by_state)[] | select(.name == "active+clean") | .num] | add // 0) as $c
+        | $n > 0 and $c == $n' >/dev/null
+}
+
+ceph_up() {
+    log "== Ceph Pacific: $anchor_dir/up.sh ($ceph_osd_count OSDs of $osd_size_gb GiB, image ${size_gb} GiB) =="
+    if [ -e "$ceph_dir" ] && [ ! -e "$ceph_dir/.compare-ceph" ]; then
+        die "$ceph_dir holds a Ceph cluster this script did not start (another anchor run?); stop it with $anchor_dir/down.sh or set CEPH_DATA_DIR"
+    fi
+    if [ ! -e "$ceph_dir/.bootstrapped" ]; then
+        # up.sh refuses with less than this too; checking here says it before anything starts
+        need_free $((ceph_osd_count * osd_size_gb + 6)) "Ceph ($ceph_osd_count OSD files that can grow to $osd_size_gb GiB each, + 6 GiB)"
+    fi
+    ceph_started=1
+    run_child env CEPH_DATA_DIR="$ceph_dir" CEPH_OSD_COUNT="$ceph_osd_count" CEPH_OSD_SIZE_GB="$osd_size_gb" \
+        CEPH_RBD_SIZE_GB="$size_gb" bash "$anchor_dir/up.sh" >"$out/logs/ceph-up.log" 2>&1 ||
+        { tail -30 "$out/logs/ceph-up.log"; die "up.sh failed (log: $out/logs/ceph-up.log)"; }
+    touch "$ceph_dir/.compare-ceph"
+    # shellcheck disable=SC1091
+    . "$ceph_dir/env"
+    export CEPH_CONF
+    anchor_pool=$CEPH_ANCHOR_RBD_POOL
+    anchor_image=$CEPH_ANCHOR_RBD_IMAGE
+    local bytes
+    bytes=$(rbd_cli info "$anchor_pool/$anchor_image" --format json | jq .size)
+    [ "$bytes" = $((size_gb * 1073741824)) ] ||
+        die "the anchor's image $anchor_pool/$anchor_image holds $bytes bytes, not ${size_gb} GiB (a kept cluster from another size?): run $anchor_dir/down.sh"
+    log "ceph up: $(ceph --version | awk '{print $3, $5}'), image $anchor_pool/$anchor_image (size $(ceph_cli osd pool get "$anchor_pool" size -f json | jq .size))"
+}
+
+# A second RBD pool holding one copy of each object (size 1, min_size 1), for the 1-replica row.
+ceph_size1_pool() {
+    if ! ceph_cli osd pool ls | grep -qx "$ceph_size1_pool"; then
+        local pg_num
+        pg_num=$(ceph_cli osd pool get "$anchor_pool" pg_num -f json | jq .pg_num)
+        ceph_cli config set global mon_allow_pool_size_one true >>"$out/logs/ceph-cli.log" 2>&1
+        ceph_cli osd pool create "$ceph_size1_pool" "$pg_num" "$pg_num" replicated >>"$out/logs/ceph-cli.log" 2>&1
+        ceph_cli osd pool set "$ceph_size1_pool" min_size 1 >>"$out/logs/ceph-cli.log" 2>&1
+        ceph_cli osd pool set "$ceph_size1_pool" size 1 --yes-i-really-mean-it >>"$out/logs/ceph-cli.log" 2>&1
+        ceph_cli osd pool application enable "$ceph_size1_pool" rbd >>"$out/logs/ceph-cli.log" 2>&1
+        rbd_cli pool init "$ceph_size1_pool" >>"$out/logs/ceph-cli.log" 2>&1
+        log "pool $ceph_size1_pool created (pg_num $pg_num, size 1, min_size 1)"
+    fi
+    if ! rbd_cli info "$ceph_size1_pool/$ceph_size1_image" >/dev/null 2>&1; then
+        rbd_cli create --size "${size_gb}G" --image-feature layering "$ceph_size1_pool/$ceph_size1_image"
+        log "image $ceph_size1_pool/$ceph_size1_image created (${size_gb} GiB, layering only, as the anchor's)"
+    fi
+    local tries=300
+    until ceph_pgs_clean; do
+        tries=$((tries - 1)); [ "$tries" -gt 0 ] || die "Ceph PGs not active+clean after 300 s"
+        sleep 1
+    done
+    [ "$(ceph_cli osd pool get "$ceph_size1_pool" size -f json | jq .size)" = 1 ] || die "pool $ceph_size1_pool is not size 1"
+}
+
+ceph_measure() {  # replicas pool image
+    local replicas=$1 pool=$2 image=$3 label="ceph-r$1" fuse_dir file pid
+    log "== Ceph, $replicas replica(s): $pool/$image =="
+    server_pids=()
+    mapfile -t server_pids < <(ceph_pids)
+    [ "${#server_pids[@]}" -gt 0 ] || die "no Ceph daemon PIDs under $ceph_dir/run"
+    ceph_cli -s >"$out/logs/$label-ceph-status.txt" 2>&1 || true
+    fio_suite ceph "$replicas" "$label" --ioengine=rbd --clientname=admin --pool="$pool" --rbdname="$image"
+    [ "$pgbench_enabled" = 1 ] || return 0
+    fuse_dir=$out/mnt/fuse-$label
+    mkdir -p "$fuse_dir"
+    file=$fuse_dir/$image
+    rbd-fuse -c "$ceph_conf" -p "$pool" -r "$image" "$fuse_dir" -f </dev/null >"$out/logs/$label-rbd-fuse.log" 2>&1 &
+    pid=$!
+    fuse_pids+=("$pid"); fuse_mounts+=("$fuse_dir")
+    wait_for_file_size "$file" $((size_gb * 1073741824)) "$pid" rbd-fuse
+    pgbench_on_file ceph "$replicas" "$label" "$file"
+    release_fuse $((${#fuse_pids[@]} - 1))
+}
+
+# ---------------------------------------------------------------- preflight
+[ "$(id -u)" -eq 0 ] || die "needs root (losetup, mount, FUSE, apt for the Ceph packages)"
+[ -x "$anchor_dir/up.sh" ] || [ -f "$anchor_dir/up.sh" ] || die "no Ceph anchor at $anchor_dir (set CEPH_ANCHOR_DIR)"
+mkdir -p "$out/fio" "$out/logs" "$out/bin" "$out/mnt"
+chmod 755 "$out" "$out/mnt"   # pgbench-ext4.sh's postgres user walks down to its mount
+: >"$results"
+[ -x target/release/ferrite ] || cargo build --release --locked --bin ferrite
+# A copy, so that a rebuild by someone else during the run cannot change the binary under us.
+cp target/release/ferrite "$ferrite"
+command -v fio >/dev/null || scripts/deps.sh
+fio --enghelp 2>/dev/null | grep -qw nbd || die "this fio has no nbd engine"
+if [ "$pgbench_enabled" = 1 ]; then
+    command -v nbdfuse >/dev/null && [ -x /usr/lib/postgresql/15/bin/pgbench ] || scripts/deps.sh
+    if ! command -v rbd-fuse >/dev/null; then
+        log "installing rbd-fuse with apt"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends rbd-fuse >"$out/logs/apt.log" 2>&1 ||
+            { apt-get update -q >>"$out/logs/apt.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends rbd-fuse >>"$out/logs/apt.log" 2>&1; } ||
+            die "could not install rbd-fuse (see $out/logs/apt.log)"
+    fi
+    [ -e /dev/fuse ] || die "no /dev/fuse: nbdfuse and rbd-fuse need it"
+fi
+
+# Stops everything if the disk runs low: a full disk stops every process on the machine.
+(
+    while sleep 5; do
+        have_mb=$(df -BM --output=avail "$out" | tail -1 | tr -dc 0-9)
+        if [ "$have_mb" -lt $((min_free_gb * 1024)) ]; then
+            echo "compare-ceph: only $have_mb MiB free on the disk: stopping everything" >&2
+            touch "$out/DISK_LOW"
+            kill -TERM $$
+            exit 0
+        fi
+    done
+) &
+guard_pid=$!
+
+# The commit checked out at the start, read from .git's files (HEAD, then the ref it names).
+git_commit() {
+    local head ref
+    head=$(cat .git/HEAD 2>/dev/null) || { echo unknown; return; }
+    if [[ "$head" != "ref: "* ]]; then echo "${head:0:12}"; return; fi
+    ref=${head#ref: }
+    if [ -f ".git/$ref" ]; then cut -c1-12 ".git/$ref"; return; fi
+    awk -v ref="$ref" '$2 == ref { print substr($1, 1, 12); found = 1 } END { if (!found) print "unknown" }' .git/packed-refs 2>/dev/null || echo unknown
+}
+
+{
+    printf '{"kind": "meta", "date_utc": "%s", "commit": "%s", "command": %s, "label": %s, ' "$(date -u +%FT%TZ)" "$(git_commit)" \
+        "$(jq -Rn --arg c "$command_line" '$c')" "$(jq -Rn --arg c "${COMPARE_LABEL:-}" '$c')"
+    printf '"host_cpus": %s, "host_mem_mib": %s, "kernel": "%s", "fio": "%s", ' "$(nproc)" \
+        "$(free -m | awk '/^Mem:/{print $2}')" "$(uname -r)" "$(fio --version)"
+    printf '"ferrite": "%s", "ferrite_binary_mtime": "%s", ' "$("$ferrite" --version | tr -d '\n')" \
+        "$(date -u -r target/release/ferrite +%FT%TZ)"
+    printf '"size_gb": %s, "runtime_s": %s, "ramp_s": %s, "iodepth": %s, "numjobs": %s, ' \
+        "$size_gb" "$runtime_s" "$ramp_s" "$iodepth" "$numjobs"
+    printf '"workloads": "%s", "compression": "%s", "ferrite_drives": "%s x %s GiB", ' "$workloads" "$compression" \
+        "$ferrite_drive_count" "$drive_size_gb"
+    printf '"ferrite_up_args": %s, "ceph_osds": "%s x %s GiB", ' "$(jq -Rn --arg c "${FERRITE_UP_ARGS:-}" '$c')" \
+        "$ceph_osd_count" "$osd_size_gb"
+    printf '"pgbench": %s, "pgbench_scale": %s, "pgbench_clients": %s, "pgbench_jobs": %s, "pgbench_time_s": %s, ' \
+        "$pgbench_enabled" "$pgbench_scale" "$pgbench_clients" "$pgbench_jobs" "$pgbench_time_s"
+    printf '"load_at_start": "%s"}\n' "$(cut -d' ' -f1-3 /proc/loadavg)"
+} >>"$results"
+
+log "results -> $out"
+log "fio: iodepth $iodepth x $numjobs jobs, ramp ${ramp_s} s + ${runtime_s} s per workload, image ${size_gb} GiB; load $(cut -d' ' -f1-3 /proc/loadavg)"
+
+# ---------------------------------------------------------------- run
+for replicas in ${replica_counts//,/ }; do
+    if ! has_side ferrite; then not_run ferrite "$replicas" "COMPARE_SIDES=$sides"; continue; fi
+    if [ "$replicas" = 1 ]; then ferrite_single; else ferrite_replicated "$replicas"; fi
+done
+
+if has_side ceph; then
+    ceph_up
+    for replicas in ${replica_counts//,/ }; do
+        if [ "$replicas" = 1 ]; then
+            ceph_size1_pool
+            ceph_measure 1 "$ceph_size1_pool" "$ceph_size1_image"
+        else
+            ceph_measure 3 "$anchor_pool" "$anchor_image"
+        fi
+    done
+    ceph_cli df >"$out/logs/ceph-df.txt" 2>&1 || true
+    log "disk: $(free_gb "$out") GiB free after the Ceph runs"
+else
+    for replicas in ${replica_counts//,/ }; do not_run ceph "$replicas" "COMPARE_SIDES=$sides"; done
+fi
+
+report_args=(--results "$results" --repo "$repo" --markdown "$out/report.md" --svg "$out/compare-ceph.svg")
+[ "$write_docs" = 1 ] && report_args+=(--benchmarks-md docs/BENCHMARKS.md --docs-svg docs/compare-ceph.svg)
+python3 scripts/compare-report.py "${report_args[@]}"
+echo
+cat "$out/report.md"
+log "done in $(($(date +%s) - started_s)) s; raw results in $out"
+[ "$write_docs" = 1 ] && log "wrote docs/BENCHMARKS.md (compare-ceph section) and docs/compare-ceph.svg"
+exit 0
