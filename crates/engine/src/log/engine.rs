@@ -51,6 +51,8 @@ use crate::volumes::VolumeMap;
 const BLOCK_BYTES_U64: u64 = BLOCK_BYTES as u64;
 /// Batches a handle holds queued behind the one being committed; writers wait beyond it.
 pub const BATCHES_QUEUED_MAX: usize = 8;
+/// The most queued batches one leader writes before a single sync covers them all.
+pub const GROUP_BATCHES_MAX: usize = 4;
 /// Times a read re-reads a block whose checksum failed because GC moved it meanwhile.
 pub const READ_RETRIES_MAX: u32 = 4;
 /// Volumes a handle keeps in its cache before starting the cache over.
@@ -853,14 +855,26 @@ impl Drop for Ticket<'_> {
     }
 }
 
-/// Seals a stream's segment when a batch written to it did not complete (see `commit_one`).
-struct SealOnDrop<'a, D: Drive> {
+/// Batch parts written to one stream and not yet installed: synced once and installed in
+/// order by `finish_group`. Seals the stream's segment if dropped before that (the future
+/// abandoned): a part's positions may hold nothing valid, and recovery walks a segment's header
+/// chain only up to the first gap, so a later batch in that segment would be lost.
+pub(super) struct Group<'a, D: Drive> {
     handle: &'a LogHandle<D>,
     stream: Stream,
+    /// Positions of the stream's segment were taken for a part.
     armed: bool,
+    parts: Vec<BatchHeader>,
+    touched: DriveSet,
 }
 
-impl<D: Drive> Drop for SealOnDrop<'_, D> {
+impl<'a, D: Drive> Group<'a, D> {
+    fn new(handle: &'a LogHandle<D>, stream: Stream) -> Self {
+        Self { handle, stream, armed: false, parts: Vec::new(), touched: DriveSet::default() }
+    }
+}
+
+impl<D: Drive> Drop for Group<'_, D> {
     fn drop(&mut self) {
         if self.armed {
             self.handle.seal_stream(self.stream);
@@ -1095,27 +1109,60 @@ impl<D: Drive> LogHandle<D> {
         }
     }
 
-    /// As the leader: commits the oldest queued batch. False if the queue was empty.
+    /// As the leader: commits the queued batches, oldest first, at most
+    /// [`GROUP_BATCHES_MAX`] of them with one sync of their drives (each batch is written as
+    /// soon as it is taken; all are installed, in order, once the sync covers them). False if
+    /// the queue was empty.
     async fn commit_front(&self) -> bool {
-        let Some(batch) = self.queue.borrow_mut().pop_front() else { return false };
+        let taken: Vec<Pending> = {
+            let mut queue = self.queue.borrow_mut();
+            let count = queue.len().min(GROUP_BATCHES_MAX);
+            queue.drain(..count).collect()
+        };
+        if taken.is_empty() {
+            return false;
+        }
         self.changed.notify_all();
-        let mut guard = CommitGuard { cell: Rc::clone(&batch.cell), slot: &self.slot, armed: true };
-        let Pending { entries, mut data, data_blocks, admitted_blocks, host_bytes, cell, packs } =
-            batch;
-        if let Some(mut packs) = packs {
-            packs.finish_all(&mut data);
+        let mut guards: Vec<CommitGuard<'_>> = taken
+            .iter()
+            .map(|batch| CommitGuard {
+                cell: Rc::clone(&batch.cell),
+                slot: &self.slot,
+                armed: true,
+            })
+            .collect();
+        let mut group = Group::new(self, Stream::Host);
+        let mut result = Ok(());
+        let mut written: Vec<Pending> = Vec::with_capacity(taken.len());
+        for mut batch in taken {
+            if let Some(mut packs) = batch.packs.take() {
+                packs.finish_all(&mut batch.data);
+            }
+            if result.is_ok() {
+                let entries = std::mem::take(&mut batch.entries);
+                result =
+                    self.write_batch(entries, &batch.data, batch.data_blocks, &mut group).await;
+            }
+            written.push(batch);
         }
-        let result = self.commit_batch(Stream::Host, entries, &data, data_blocks).await;
-        self.engine.counters.admitted_blocks.fetch_sub(admitted_blocks, Ordering::AcqRel);
         if result.is_ok() {
-            let counters = &self.engine.counters;
-            counters.host_bytes_written.fetch_add(host_bytes, Ordering::Relaxed);
-            counters.host_batches.fetch_add(1, Ordering::Relaxed);
-            counters.host_batch_blocks.fetch_add(data_blocks as u64, Ordering::Relaxed);
+            result = self.finish_group(group).await;
+        } else {
+            self.abandon_group(group);
         }
-        guard.armed = false;
-        self.buffers.give(data);
-        cell.result.set(Some(result));
+        let counters = &self.engine.counters;
+        for (batch, guard) in written.into_iter().zip(guards.iter_mut()) {
+            counters.admitted_blocks.fetch_sub(batch.admitted_blocks, Ordering::AcqRel);
+            if result.is_ok() {
+                counters.host_bytes_written.fetch_add(batch.host_bytes, Ordering::Relaxed);
+                counters.host_batches.fetch_add(1, Ordering::Relaxed);
+                counters.host_batch_blocks.fetch_add(batch.data_blocks as u64, Ordering::Relaxed);
+            }
+            guard.armed = false;
+            self.buffers.give(batch.data);
+            batch.cell.result.set(Some(result));
+        }
+        drop(guards);
         self.changed.notify_all();
         if result.is_ok() && self.checkpoint_due() {
             // Bounded recovery: a failure here is reported by the next checkpoint attempt or by
@@ -1125,20 +1172,40 @@ impl<D: Drive> LogHandle<D> {
         true
     }
 
-    /// Writes a batch to `stream` and installs it once durable. If the open segment has room
-    /// for part of it, the batch is split so the segment's tail is filled rather than wasted;
-    /// the parts are committed (and installed) in order.
+    /// Writes a batch to `stream` and installs it once durable (see [`LogHandle::write_batch`]).
     pub(super) async fn commit_batch(
         &self,
         stream: Stream,
-        mut entries: Vec<Entry>,
+        entries: Vec<Entry>,
         data: &[u8],
         data_blocks: usize,
     ) -> Result<(), Failure> {
+        let mut group = Group::new(self, stream);
+        match self.write_batch(entries, data, data_blocks, &mut group).await {
+            Ok(()) => self.finish_group(group).await,
+            Err(failure) => {
+                self.abandon_group(group);
+                Err(failure)
+            }
+        }
+    }
+
+    /// Writes a batch to `stream`, adding its parts to `group` (synced and installed by
+    /// [`LogHandle::finish_group`]). If the open segment has room for part of it, the batch is
+    /// split so the segment's tail is filled rather than wasted; the parts are installed in
+    /// order.
+    async fn write_batch(
+        &self,
+        mut entries: Vec<Entry>,
+        data: &[u8],
+        data_blocks: usize,
+        group: &mut Group<'_, D>,
+    ) -> Result<(), Failure> {
+        let stream = group.stream;
         let per_segment = self.engine.geometry.positions_per_segment();
         let mut data_offset = 0usize;
         let mut remaining_blocks = data_blocks;
-        // Each round commits at least one entry, so it ends within the entry count.
+        // Each round writes at least one entry, so it ends within the entry count.
         loop {
             let room = {
                 let state = self.streams[stream as usize].borrow();
@@ -1147,7 +1214,7 @@ impl<D: Drive> LogHandle<D> {
             // A batch with pack slots stays whole: its packed entries name slots by order.
             if room < 2 || room > remaining_blocks || entries.iter().any(Entry::is_packed) {
                 let part = &data[data_offset * BLOCK_BYTES..];
-                return self.commit_one(stream, entries, part, remaining_blocks).await;
+                return self.write_part(entries, part, remaining_blocks, group).await;
             }
             // Take entries in order until the data blocks fill the room after the header.
             let mut taken_blocks = 0;
@@ -1165,7 +1232,7 @@ impl<D: Drive> LogHandle<D> {
                 .unwrap_or(entries.len());
             let rest = entries.split_off(split);
             let part = &data[data_offset * BLOCK_BYTES..(data_offset + taken_blocks) * BLOCK_BYTES];
-            self.commit_one(stream, entries, part, taken_blocks).await?;
+            self.write_part(entries, part, taken_blocks, group).await?;
             entries = rest;
             data_offset += taken_blocks;
             remaining_blocks -= taken_blocks;
@@ -1175,14 +1242,15 @@ impl<D: Drive> LogHandle<D> {
         }
     }
 
-    /// Writes one batch that fits a segment to `stream` and installs it once durable.
-    async fn commit_one(
+    /// Writes one batch that fits a segment to `stream` (not yet synced or installed).
+    async fn write_part(
         &self,
-        stream: Stream,
         entries: Vec<Entry>,
         data: &[u8],
         data_blocks: usize,
+        group: &mut Group<'_, D>,
     ) -> Result<(), Failure> {
+        let stream = group.stream;
         let engine = &*self.engine;
         if !self.failures_tolerable() {
             let failed = engine.latches.failed_drives();
@@ -1190,6 +1258,11 @@ impl<D: Drive> LogHandle<D> {
         }
         // A coded log pads the batch to whole stripes.
         let positions = engine.geometry.padded(1 + data_blocks as u32);
+        if !group.parts.is_empty() && !self.has_room(stream, positions) {
+            // Making room may collect garbage and take a checkpoint, which waits for this
+            // handle's batches in flight: install the group's parts first.
+            self.flush_group(group).await?;
+        }
         self.make_room(stream, positions).await?;
         let (segment, segment_seq, position) = {
             let mut state = self.streams[stream as usize].borrow_mut();
@@ -1198,11 +1271,18 @@ impl<D: Drive> LogHandle<D> {
             state.next_position += positions;
             (segment, state.seq, position)
         };
+        // Until the group is installed, a failure or an abandoned future seals the segment.
+        group.armed = true;
         // Publish a floor before taking the LSN, so a checkpoint that reads the counter after
-        // this batch took its LSN also sees the floor (see `checkpoint`).
-        self.slot.lsn_floor.store(engine.lsn_next.load(Ordering::SeqCst), Ordering::SeqCst);
+        // this batch took its LSN also sees the floor (see `checkpoint`). The group's first
+        // part sets it; it stays until the group is installed.
+        if group.parts.is_empty() {
+            self.slot.lsn_floor.store(engine.lsn_next.load(Ordering::SeqCst), Ordering::SeqCst);
+        }
         let lsn = engine.lsn_next.fetch_add(1, Ordering::SeqCst);
-        self.slot.lsn_floor.store(lsn, Ordering::SeqCst);
+        if group.parts.is_empty() {
+            self.slot.lsn_floor.store(lsn, Ordering::SeqCst);
+        }
         let header = BatchHeader { segment, segment_seq, position, lsn, entries };
         let header_block = header.encode();
         let block_of = |index: u32| -> &[u8] {
@@ -1213,22 +1293,53 @@ impl<D: Drive> LogHandle<D> {
                 &data[at..at + BLOCK_BYTES]
             }
         };
-        // If this batch is abandoned or fails, its positions may hold nothing valid, and
-        // recovery walks a segment's header chain only up to the first gap: a later batch in
-        // the same segment would be lost. So the stream moves to a new segment.
-        let mut gap_guard = SealOnDrop { handle: self, stream, armed: true };
         let written = 1 + data_blocks as u32;
-        let mut result = self.write_positions(segment, position, written, block_of).await;
-        if let Ok(touched) = result {
-            result = self.sync_drives(touched).await.map(|()| touched);
+        let touched = self.write_positions(segment, position, written, block_of).await?;
+        for drive in touched.iter() {
+            group.touched.insert(drive);
         }
-        if result.is_ok() {
-            engine.install(&header);
-            gap_guard.armed = false;
+        group.parts.push(header);
+        Ok(())
+    }
+
+    /// Whether `stream`'s open segment has `positions` free positions.
+    fn has_room(&self, stream: Stream, positions: u32) -> bool {
+        let state = self.streams[stream as usize].borrow();
+        let per_segment = self.engine.geometry.positions_per_segment();
+        state.segment.is_some() && state.next_position + positions <= per_segment
+    }
+
+    /// Syncs and installs the group's parts so far; the group goes on empty.
+    async fn flush_group(&self, group: &mut Group<'_, D>) -> Result<(), Failure> {
+        self.sync_drives(group.touched).await?;
+        for header in group.parts.drain(..) {
+            self.engine.install(&header);
         }
-        drop(gap_guard);
+        group.touched = DriveSet::default();
+        group.armed = false;
         self.slot.lsn_floor.store(u64::MAX, Ordering::SeqCst);
-        result.map(|_| ())
+        Ok(())
+    }
+
+    /// Syncs the drives a group of parts was written to, then installs the parts in order.
+    async fn finish_group(&self, mut group: Group<'_, D>) -> Result<(), Failure> {
+        let result = self.sync_drives(group.touched).await;
+        if result.is_ok() {
+            for header in &group.parts {
+                self.engine.install(header);
+            }
+            group.armed = false;
+        }
+        // Dropping an armed group seals the stream.
+        drop(group);
+        self.slot.lsn_floor.store(u64::MAX, Ordering::SeqCst);
+        result
+    }
+
+    /// A part of the group failed: nothing of it is installed, and the stream moves on.
+    fn abandon_group(&self, group: Group<'_, D>) {
+        drop(group);
+        self.slot.lsn_floor.store(u64::MAX, Ordering::SeqCst);
     }
 
     /// Seals `stream`'s open segment (RAM only): its next batch opens a new segment.
