@@ -214,6 +214,9 @@ impl<D: Drive> LogHandle<D> {
         count: u32,
         exclude: DriveSet,
     ) -> Result<AlignedBuf, LogError> {
+        if count == 0 {
+            return Ok(AlignedBuf::new(0));
+        }
         let mut exclude = exclude;
         for drive in self.unreadable_drives(segment).iter() {
             exclude.insert(drive);
