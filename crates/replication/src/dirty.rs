@@ -1,0 +1,116 @@
+//! The set of blocks a replica is missing, which a primary keeps for each replica that is not
+//! in sync: the LBAs written while it was away, bounded; past the bound, or when nothing is
+//! known, a cursor over the whole volume (a full copy).
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+
+use crate::COPY_SCAN_MAX;
+
+/// What `DirtySet::take` found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Take {
+    Lba(u64),
+    /// Blocks remain, but every one examined is blocked for now.
+    Blocked,
+    Empty,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct DirtySet {
+    lbas: BTreeSet<u64>,
+    /// `Some(c)`: every LBA from `c` to the end of the volume is dirty too.
+    cursor: Option<u64>,
+    limit: usize,
+    volume_blocks: u64,
+}
+
+impl DirtySet {
+    pub fn empty(limit: usize, volume_blocks: u64) -> Self {
+        assert!(limit > 0 && volume_blocks > 0);
+        Self { lbas: BTreeSet::new(), cursor: None, limit, volume_blocks }
+    }
+
+    pub fn full(limit: usize, volume_blocks: u64) -> Self {
+        Self { cursor: Some(0), ..Self::empty(limit, volume_blocks) }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lbas.is_empty() && self.cursor.is_none()
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.cursor == Some(0)
+    }
+
+    pub fn insert_range(&mut self, range: Range<u64>) {
+        assert!(range.end <= self.volume_blocks, "LBAs are checked before they get here");
+        for lba in range {
+            if self.cursor.is_some_and(|cursor| lba >= cursor) {
+                continue;
+            }
+            self.lbas.insert(lba);
+            if self.lbas.len() > self.limit {
+                self.lbas.clear();
+                self.cursor = Some(0);
+                return;
+            }
+        }
+    }
+
+    /// Removes and returns the next block to copy, skipping those `blocked` says to leave for
+    /// later (at most `COPY_SCAN_MAX` examined).
+    pub fn take(&mut self, blocked: impl Fn(u64) -> bool) -> Take {
+        let found = self.lbas.iter().take(COPY_SCAN_MAX).copied().find(|&lba| !blocked(lba));
+        if let Some(lba) = found {
+            self.lbas.remove(&lba);
+            return Take::Lba(lba);
+        }
+        if let Some(cursor) = self.cursor {
+            assert!(cursor < self.volume_blocks);
+            if blocked(cursor) {
+                return Take::Blocked;
+            }
+            self.cursor = (cursor + 1 < self.volume_blocks).then_some(cursor + 1);
+            return Take::Lba(cursor);
+        }
+        if self.lbas.is_empty() {
+            Take::Empty
+        } else {
+            Take::Blocked
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drain(set: &mut DirtySet) -> Vec<u64> {
+        let mut out = Vec::new();
+        while let Take::Lba(lba) = set.take(|_| false) {
+            out.push(lba);
+        }
+        out
+    }
+
+    #[test]
+    fn overflow_becomes_full() {
+        let mut set = DirtySet::empty(3, 8);
+        set.insert_range(1..3);
+        set.insert_range(5..7);
+        assert!(set.is_full());
+        assert_eq!(drain(&mut set), (0..8).collect::<Vec<_>>());
+        assert!(set.is_empty());
+    }
+
+    #[test]
+    fn blocked_blocks_wait() {
+        let mut set = DirtySet::empty(10, 8);
+        set.insert_range(2..4);
+        assert_eq!(set.take(|lba| lba == 2), Take::Lba(3));
+        assert_eq!(set.take(|lba| lba == 2), Take::Blocked);
+        assert_eq!(set.take(|_| false), Take::Lba(2));
+        assert_eq!(set.take(|_| false), Take::Empty);
+    }
+}

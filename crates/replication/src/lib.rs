@@ -1,0 +1,320 @@
+//! Synchronous replication, failover and fencing of one volume, as sans-IO state machines.
+//!
+//! Each node holding a replica of a volume runs one [`VolumeNode`]; each node runs one
+//! [`LeaseKeeper`]; the cluster runs a [`Manager`] (one elected leader; more are harmless). They
+//! take events (a host command, a message from another node, a storage or control-store reply,
+//! a tick with the time `now_ms`) and return [`Action`]s (send a message, read or write local
+//! storage, persist the epoch, ask the control store, complete a host command). They own no
+//! thread, clock, socket or file: the node crate wires them to TCP, etcd and the engine, and
+//! the simulation in `tests/sim.rs` wires them to a seeded fake world.
+//!
+//! # The control store
+//!
+//! One record per volume ([`VolumeState`], changed only by compare-and-swap on its version):
+//! `epoch`, `primary`, `primary_lease` (the lease the primary held when promoted), `in_sync`
+//! (replicas holding every completed write) and `members` (nodes holding a replica). Who may
+//! change what:
+//!
+//! - the manager *promotes*: `epoch + 1`, a new primary chosen from `in_sync`, the old primary
+//!   out of `in_sync`; the CAS also requires, at the store's instant, that the old
+//!   `primary_lease` is not live and the new primary's lease is;
+//! - the manager *rebuilds*: it replaces a member that is not in sync and has had no live lease
+//!   for `grace_ms` by a live node holding no replica (which the primary then copies in full);
+//! - the primary of the current epoch, and nobody else, moves replicas in and out of `in_sync`;
+//! - a primary whose storage failed *resigns* (sets `primary_lease` to `LeaseId::NONE`).
+//!
+//! Leases ([`LeaseKeeper`]) expire on the store's clock and are never revived: a node whose
+//! lease expired gets a new lease id. A node measures its lease from when it *sent* the renewal,
+//! so it believes the lease ends no later than the store does.
+//!
+//! # Streams
+//!
+//! A primary sends each replica one ordered stream of entries ([`Message::Append`]): host writes
+//! (numbered `op` in the epoch, sent to every replica that takes live writes) and copies of the
+//! primary's blocks (resync and reconciliation). A stream is identified by (epoch, stream id)
+//! and opened for one replica process (`incarnation`); a replica that restarted refuses it
+//! (`Resync`) and must be taken back. The replica applies entries strictly in sequence order
+//! (early ones wait in a bounded buffer, duplicates are acknowledged again, an entry waits for
+//! an earlier write to the same block) and acknowledges cumulatively ([`Message::Ack`]) what is
+//! durable. Lost entries are sent again; every append and heartbeat carries `commit_op`, the
+//! highest op such that it and every earlier op completed. Because both sides apply one stream
+//! in one order, a replica's blocks go through the same sequence of values as the primary's.
+//!
+//! # Writes
+//!
+//! The primary numbers a host write, sends it to every peer taking live writes, and writes it
+//! locally (after any earlier write to the same blocks). It completes the write when it is
+//! durable locally and every peer in `InSync` or `Adding` acknowledged it, while no peer is
+//! `Removing`, and while the primary holds its lease. A peer that acknowledges nothing for
+//! `ack_timeout_ms` (or restarts, or reports a storage error) becomes `Removing`: the primary
+//! CASes it out of `in_sync` under its own epoch and only after the store confirms completes the
+//! writes waiting for it. If the CAS finds another epoch or another primary, or any node
+//! answers `Stale`, the primary is deposed: pending writes fail with
+//! [`HostError::NotPrimary`] (the host retries on the new primary), never complete. Reads are
+//! served from the primary's storage under the same conditions. Flush completes at once (every
+//! completed write is already durable everywhere it must be).
+//!
+//! # Fencing
+//!
+//! Every message carries the sender's epoch. A node keeps the highest epoch it has seen (from
+//! messages and from the store) and refuses anything older with `Stale`. It persists the epoch
+//! ([`Action::PersistEpoch`]) and acknowledges entries, or answers a probe, only once their
+//! epoch is durable, so a restart never takes it back to an older epoch. A promoted node
+//! persists its new epoch before it does anything else in the term.
+//!
+//! # Failover and reconciliation
+//!
+//! When the store names a node primary of a newer epoch, with the lease it holds, it starts a
+//! term: persist the epoch, then `Probe` every other in-sync replica. A probed replica adopts
+//! the epoch (so it applies nothing more of the old one), and replies with its *divergence*:
+//! the blocks of every entry it applied whose data reflects a write beyond the commit point it
+//! had been told ([`DivergenceReport`]; `Unknown` after a restart or past
+//! `divergence_lbas_max`). Writes in flight at the old primary may have reached some replicas and
+//! not others; those blocks, and only those, are in some divergence list. For each replica the
+//! new primary copies its own version of the blocks in its own list and the replica's (all
+//! blocks if either is unknown), tagged as uncommitted op 1 of the new epoch. Once every in-sync
+//! replica holds them (or was removed through the store), op 1 commits and the term serves.
+//! A replica drops divergence entries when a commit point covers them, and all entries of older
+//! epochs when it learns a newer epoch committed op 1. A primary that steps down adds the
+//! blocks of its pending writes to its own list. Any value is acceptable for a block whose write
+//! never completed; what matters is that every in-sync replica ends with the primary's.
+//!
+//! # Resync
+//!
+//! For each member out of sync the primary keeps a *dirty set*: the blocks that member's stream
+//! had not acknowledged when it was removed, plus every block written since (past
+//! `dirty_lbas_max`, or for a member the term found out of sync, the whole volume). When the
+//! member asks to come back (`Hello`), the primary opens a new stream, sends it live writes from
+//! then on, and copies the dirty blocks (at most `copy_blocks_per_tick` per tick). A copy reads
+//! a block only when no local write to it is in flight or waiting, and is dropped if a host
+//! write to the block is issued before the read returns (the member gets that write live, after
+//! in its stream); a copy reflecting a pending write is tagged with it, so it counts as
+//! uncommitted. When nothing is left to copy, every copy and every completed write has been
+//! acknowledged and every pending write went to it live, the peer is `Adding`: writes now wait
+//! for it too, and the primary CASes it into `in_sync`. A CAS whose reply was lost is settled
+//! only by a later CAS reply, never by a read, since the lost one could still be applied.
+//!
+//! # Why a completed write is never lost
+//!
+//! Let write W complete at primary P in epoch e. The peers W waited for include every member of
+//! the store's `in_sync` (P adds a peer to the set only after it takes live writes, and removes
+//! one only after the store confirms), so every member of `in_sync` at that moment holds W
+//! durably, and any member added later got W or a newer value by copy. The manager promotes only
+//! a member of `in_sync`, so the next primary holds W; reconciliation overwrites only blocks
+//! whose writes had not completed. By induction over epochs, W (or a later completed write to its
+//! blocks) stays on every in-sync replica, and on every primary.
+//!
+//! # Why there is no split brain
+//!
+//! Epochs alone keep P from completing anything once a newer primary N serves: N was in P's
+//! `in_sync`, so every write of P waits for N's ack or for a CAS removing N under epoch e; N
+//! persisted epoch e+1 before its term began and refuses epoch e, and the CAS fails because the
+//! epoch moved. Leases make the two periods disjoint in time, reads included: P serves and
+//! completes only while its lease is valid by its own clock; the manager promotes only when the
+//! store says that lease expired, which by the lease rule above is no earlier. This needs clocks
+//! that run at the same rate (bounded drift, absorbed by a margin in `lease_ms`), not clocks that
+//! agree. Every change to the store is a CAS, so concurrent managers or primaries cannot both
+//! succeed on one version.
+//!
+//! # What the wiring must provide
+//!
+//! - Storage: a write completes only when durable; the machine never has two writes to one block
+//!   in flight; after a crash each write in flight may or may not have reached the disk.
+//! - `PersistEpoch` durable with the node's state; `incarnation` different at every start.
+//! - Messages may be lost, duplicated, delayed and reordered, but not corrupted or cut.
+//! - The control store: linearizable single-key CAS and leases (etcd; [`MemStore`] in tests).
+//! - Host connections: a host that gives up on a command resets the connection to that node
+//!   before retrying elsewhere (as NVMe/TCP multipath does), so a stale copy of the command
+//!   cannot run after the retry completed.
+//!
+//! The deterministic simulation (`tests/sim.rs`) checks all of this over many seeds:
+//! `FERRITE_SIM_SEED=N cargo test -p replication --test sim -- --nocapture` replays one seed
+//! with a trace.
+
+mod dirty;
+mod divergence;
+pub mod lease;
+pub mod manager;
+pub mod message;
+mod primary;
+mod replica;
+pub mod store;
+mod volume;
+
+pub use lease::{LeaseKeeper, LeaseStatus};
+pub use manager::Manager;
+pub use message::{DivergenceReport, Entry, EntryKind, Message};
+pub use store::{
+    CasFailure, LeaseInfo, MemStore, StoreCall, StoreReply, StoreRequest, Versioned, VolumeState,
+};
+pub use volume::{Action, Event, HostError, HostOp, HostReply, Stats, StorageResult, VolumeNode};
+
+use std::sync::Arc;
+
+/// One node of the cluster, as the control store names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NodeId(pub u32);
+
+impl std::fmt::Display for NodeId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "n{}", self.0)
+    }
+}
+
+/// A liveness lease granted by the control store. `LeaseId::NONE` is never live: a volume whose
+/// primary holds it (new volume, or a primary that resigned) is promoted at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LeaseId(pub u64);
+
+impl LeaseId {
+    pub const NONE: LeaseId = LeaseId(0);
+}
+
+/// One ordered stream of entries from a primary to one replica, unique within an epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamId(pub u64);
+
+/// A host command, named by whoever submitted it; echoed in its completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HostOpId(pub u64);
+
+/// A local storage request, named by the state machine; the wiring echoes it in the reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StorageOpId(pub u64);
+
+/// A control store request, named by the state machine; the wiring echoes it in the reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StoreRequestId(pub u64);
+
+/// The contents of one block. Shared, so one host write feeds every replica without a copy.
+pub type Block = Arc<[u8]>;
+
+/// A block as storage holds it: `None` is a block never written (or deallocated): it reads as
+/// zeros, and copying it to a replica deallocates it there.
+pub type BlockData = Option<Block>;
+
+/// Host writes pending on a primary at once; more are refused with `HostError::Busy`.
+pub const INFLIGHT_WRITES_MAX: usize = 64;
+/// Host reads pending on a primary at once; more are refused with `HostError::Busy`.
+pub const INFLIGHT_READS_MAX: usize = 64;
+/// Blocks in one host read or write.
+pub const BLOCKS_PER_OP_MAX: u32 = 64;
+/// Copies (resync or reconciliation) read or unacknowledged on one stream at once.
+pub const COPY_WINDOW_MAX: usize = 32;
+/// Entries sent and not yet acknowledged on one stream. An in-sync replica holds at most
+/// `INFLIGHT_WRITES_MAX` (every pending write) plus nothing else; a resyncing one also holds
+/// copies and writes that completed without it. A stream that fills up is a laggard.
+pub const STREAM_WINDOW_MAX: usize = INFLIGHT_WRITES_MAX + 2 * COPY_WINDOW_MAX;
+/// Entries re-sent per tick on one stream.
+pub const RETRANSMITS_PER_TICK_MAX: usize = 16;
+/// LBAs examined per tick when a copy has to skip blocks with a local write in flight.
+pub const COPY_SCAN_MAX: usize = 64;
+
+const _: () = assert!(COPY_WINDOW_MAX < STREAM_WINDOW_MAX);
+const _: () = assert!(INFLIGHT_WRITES_MAX < STREAM_WINDOW_MAX);
+
+/// Timing and size parameters of one volume's replication. Times are in milliseconds of the
+/// caller's clock, which must advance at the same rate on every node as on the control store
+/// (the lease argument in the crate documentation needs it; it does not need them to agree).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Blocks in the volume; LBAs are `0..volume_blocks`.
+    pub volume_blocks: u64,
+    /// Bytes in one block; host writes of any other size are refused.
+    pub block_size_bytes: usize,
+    /// How long a lease lives after the control store last heard from its holder.
+    pub lease_ms: u64,
+    /// How often a node renews its lease; well below `lease_ms`.
+    pub keepalive_interval_ms: u64,
+    /// How often a node reads the volume's state from the control store.
+    pub store_poll_ms: u64,
+    /// A control store request without a reply after this long is given up (and re-read).
+    pub store_timeout_ms: u64,
+    /// How often a primary sends a heartbeat on every stream (and the commit point with it).
+    pub heartbeat_ms: u64,
+    /// An entry without an acknowledgement after this long is sent again.
+    pub retransmit_ms: u64,
+    /// A replica that acknowledges nothing for this long is removed from the in-sync set.
+    pub ack_timeout_ms: u64,
+    /// A replica without a live stream asks the primary to take it back this often.
+    pub hello_interval_ms: u64,
+    /// Resync and reconciliation copy at most this many blocks per tick, over all replicas.
+    pub copy_blocks_per_tick: u32,
+    /// A primary remembers at most this many changed LBAs per out-of-sync replica; beyond, that
+    /// replica gets a full copy.
+    pub dirty_lbas_max: usize,
+    /// A replica remembers at most this many uncommitted LBAs; beyond, its divergence is
+    /// unknown and a reconciliation copies the whole volume to it.
+    pub divergence_lbas_max: usize,
+    /// The cluster manager replaces a member that has been gone this long (when a spare node
+    /// is live).
+    pub grace_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            volume_blocks: 1 << 18,
+            block_size_bytes: 4096,
+            lease_ms: 10_000,
+            keepalive_interval_ms: 2_000,
+            store_poll_ms: 500,
+            store_timeout_ms: 2_000,
+            heartbeat_ms: 200,
+            retransmit_ms: 200,
+            ack_timeout_ms: 3_000,
+            hello_interval_ms: 1_000,
+            copy_blocks_per_tick: 256,
+            dirty_lbas_max: 1 << 16,
+            divergence_lbas_max: 1 << 12,
+            grace_ms: 600_000,
+        }
+    }
+}
+
+/// A configuration that cannot work; the message says which setting to change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("volume_blocks and block_size_bytes must be above zero")]
+    EmptyVolume,
+    #[error("keepalive_interval_ms ({keepalive_ms}) must be below half of lease_ms ({lease_ms})")]
+    KeepaliveTooSlow { keepalive_ms: u64, lease_ms: u64 },
+    #[error("every interval and timeout must be above zero")]
+    ZeroInterval,
+    #[error("copy_blocks_per_tick, dirty_lbas_max and divergence_lbas_max must be above zero")]
+    ZeroLimit,
+}
+
+impl Config {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.volume_blocks == 0 || self.block_size_bytes == 0 {
+            return Err(ConfigError::EmptyVolume);
+        }
+        let intervals = [
+            self.lease_ms,
+            self.keepalive_interval_ms,
+            self.store_poll_ms,
+            self.store_timeout_ms,
+            self.heartbeat_ms,
+            self.retransmit_ms,
+            self.ack_timeout_ms,
+            self.hello_interval_ms,
+        ];
+        if intervals.contains(&0) {
+            return Err(ConfigError::ZeroInterval);
+        }
+        if self.keepalive_interval_ms * 2 >= self.lease_ms {
+            return Err(ConfigError::KeepaliveTooSlow {
+                keepalive_ms: self.keepalive_interval_ms,
+                lease_ms: self.lease_ms,
+            });
+        }
+        if self.copy_blocks_per_tick == 0
+            || self.dirty_lbas_max == 0
+            || self.divergence_lbas_max == 0
+        {
+            return Err(ConfigError::ZeroLimit);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,100 @@
+//! The messages nodes exchange about one volume. Every one carries the sender's epoch, which
+//! is what fences a deposed primary: a node refuses anything older than the newest epoch it has
+//! seen and answers `Stale` with its own.
+//!
+//! This module defines them as values; encoding them for TCP belongs to the node's wiring
+//! (a later issue), which must keep each message whole (no partial delivery). Loss,
+//! duplication, delay and reordering are all tolerated.
+
+use crate::{BlockData, StreamId};
+
+/// What a stream entry does on the replica: both write `blocks` at `lba`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EntryKind {
+    /// A host write, numbered `op` in the primary's epoch.
+    Write { op: u64 },
+    /// A copy of the primary's current blocks (resync or reconciliation). Its data reflects
+    /// host writes up to `covers_op`; 0 when every write it reflects had completed.
+    Copy { covers_op: u64 },
+}
+
+/// One entry of a stream: blocks to write at `lba`, applied in stream order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub kind: EntryKind,
+    pub lba: u64,
+    pub blocks: Vec<BlockData>,
+}
+
+impl Entry {
+    /// The newest host write this entry's data may reflect (0: only completed ones).
+    pub fn covers_op(&self) -> u64 {
+        match self.kind {
+            EntryKind::Write { op } => op,
+            EntryKind::Copy { covers_op } => covers_op,
+        }
+    }
+
+    /// The LBAs the entry writes.
+    pub fn lbas(&self) -> std::ops::Range<u64> {
+        self.lba..self.lba + self.blocks.len() as u64
+    }
+}
+
+/// The LBAs a replica may hold differently from the other in-sync replicas: those written by
+/// entries not yet known to be committed. `Unknown` after a restart or an overflow.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DivergenceReport {
+    Known(Vec<u64>),
+    Unknown,
+}
+
+/// A message about the volume between two nodes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    /// Primary to replica: entry `seq` of `stream` (sequence numbers start at 1 and have no
+    /// gaps). `incarnation` is the replica process the stream was opened for; `commit_op`
+    /// says every host write up to it is on every in-sync replica.
+    Append {
+        epoch: u64,
+        stream: StreamId,
+        incarnation: u64,
+        seq: u64,
+        commit_op: u64,
+        entry: Entry,
+    },
+    /// Primary to replica, periodically on every stream: liveness and the commit point.
+    Heartbeat { epoch: u64, stream: StreamId, incarnation: u64, commit_op: u64 },
+    /// Replica to primary: every entry of `stream` up to `durable_seq` is durable here.
+    Ack { epoch: u64, stream: StreamId, durable_seq: u64 },
+    /// New primary to in-sync replica: adopt `epoch` and report your divergence.
+    Probe { epoch: u64 },
+    /// Reply to `Probe`, sent once `epoch` is durable on the replica.
+    ProbeReply { epoch: u64, incarnation: u64, divergence: DivergenceReport },
+    /// Replica to primary: I have no live stream from you; take me back.
+    Hello { epoch: u64, incarnation: u64 },
+    /// Either way: I have seen `epoch`, newer than yours. The receiver adopts it; a primary
+    /// that receives it is deposed.
+    Stale { epoch: u64 },
+    /// Replica to primary: your stream is not for my process (`incarnation`); I cannot apply it.
+    Resync { epoch: u64, incarnation: u64 },
+    /// Replica to primary: my storage failed; I acknowledge nothing more until restarted.
+    Failed { epoch: u64, incarnation: u64 },
+}
+
+impl Message {
+    /// The epoch the sender held when it sent this.
+    pub fn epoch(&self) -> u64 {
+        match *self {
+            Message::Append { epoch, .. }
+            | Message::Heartbeat { epoch, .. }
+            | Message::Ack { epoch, .. }
+            | Message::Probe { epoch }
+            | Message::ProbeReply { epoch, .. }
+            | Message::Hello { epoch, .. }
+            | Message::Stale { epoch }
+            | Message::Resync { epoch, .. }
+            | Message::Failed { epoch, .. } => epoch,
+        }
+    }
+}

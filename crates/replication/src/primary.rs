@@ -1,0 +1,1019 @@
+//! The primary role for one epoch (a "term"): reconcile the in-sync replicas, then serve host
+//! I/O, send every write to every replica that takes live writes, complete a write once it is
+//! durable locally and on every in-sync replica, remove laggards from the in-sync set through
+//! the control store, and bring replicas back (resync) by copying what they missed.
+//!
+//! Each peer (another member of the volume) is in one state:
+//!
+//! ```text
+//!  term start ─► Probing ─reply─► Pushing ─copies acked─► InSync ◄──CAS done── Adding
+//!                   │                │                      │                    ▲
+//!                   └──timeout───────┴──────timeout─────────┴─► Removing         │
+//!                                                              (CAS out) │       │
+//!  not in sync at term start ─► OutOfSync ◄────CAS done─────────────────┘       │
+//!                                  │  ▲                                          │
+//!                            Hello │  │ timeout                                  │
+//!                                  ▼  │                                          │
+//!                                CatchingUp ──dirty copied, all acked────────────┘
+//! ```
+//!
+//! A write completes only when, for every peer in InSync or Adding, that peer acknowledged the
+//! write, and no peer is Removing. Those three states are exactly the peers the store may list
+//! in `in_sync` (a peer leaves Removing, or enters InSync, only when the store's answer shows
+//! it: a CAS reply, or a read while no CAS of this primary is unsettled), so the set a write
+//! waits for always contains the store's in-sync set.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::Range;
+
+use crate::dirty::{DirtySet, Take};
+use crate::message::{DivergenceReport, Entry, EntryKind, Message};
+use crate::store::StoreRequest;
+use crate::volume::{Action, HostError, HostOp, HostReply, Purpose, Shared, StorageResult};
+use crate::{
+    BlockData, HostOpId, LeaseId, NodeId, StorageOpId, StreamId, BLOCKS_PER_OP_MAX,
+    COPY_WINDOW_MAX, INFLIGHT_READS_MAX, INFLIGHT_WRITES_MAX, RETRANSMITS_PER_TICK_MAX,
+    STREAM_WINDOW_MAX,
+};
+
+/// The op number of a term's reconciliation: every block it pushes is tagged with it, and it
+/// commits (making the term serve) once every in-sync replica holds them.
+const RECONCILE_OP: u64 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for the new epoch to be durable here.
+    Persisting,
+    Reconciling,
+    Serving,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Local {
+    /// Not issued yet: an earlier write to one of its blocks is in flight.
+    Deferred,
+    InFlight,
+    Durable,
+}
+
+#[derive(Debug)]
+struct PendingWrite {
+    host: HostOpId,
+    lbas: Range<u64>,
+    blocks: Vec<BlockData>,
+    local: Local,
+    /// The stream entry each peer got it as.
+    sent: Vec<(NodeId, StreamId, u64)>,
+}
+
+#[derive(Debug)]
+struct Unacked {
+    seq: u64,
+    entry: Entry,
+    first_sent_ms: u64,
+    last_sent_ms: u64,
+}
+
+#[derive(Debug)]
+struct OutStream {
+    id: StreamId,
+    incarnation: u64,
+    next_seq: u64,
+    acked_seq: u64,
+    unacked: VecDeque<Unacked>,
+}
+
+impl OutStream {
+    fn unacked_lbas(&self, dirty: &mut DirtySet) {
+        for unacked in &self.unacked {
+            dirty.insert_range(unacked.entry.lbas());
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CopyJob {
+    dirty: DirtySet,
+    /// Copy reads in flight: storage op -> block.
+    reads: BTreeMap<StorageOpId, u64>,
+    /// Reads overtaken by a host write to their block, which the peer receives live.
+    cancelled: BTreeSet<StorageOpId>,
+    last_copy_seq: u64,
+    /// Reconciliation pushes (tagged `RECONCILE_OP`) rather than a resync.
+    reconcile: bool,
+}
+
+impl CopyJob {
+    fn new(dirty: DirtySet, reconcile: bool) -> Self {
+        Self {
+            dirty,
+            reads: BTreeMap::new(),
+            cancelled: BTreeSet::new(),
+            last_copy_seq: 0,
+            reconcile,
+        }
+    }
+
+    fn finished(&self, stream: &OutStream) -> bool {
+        self.dirty.is_empty() && self.reads.is_empty() && stream.acked_seq >= self.last_copy_seq
+    }
+
+    /// Everything it still owes, for when it is abandoned.
+    fn into_dirty(mut self) -> DirtySet {
+        for (_, lba) in std::mem::take(&mut self.reads) {
+            self.dirty.insert_range(lba..lba + 1);
+        }
+        self.dirty
+    }
+}
+
+#[derive(Debug)]
+enum PeerState {
+    Probing {
+        since_ms: u64,
+        last_sent_ms: u64,
+    },
+    Pushing(CopyJob),
+    InSync,
+    /// Being removed from the store's in-sync set; every write waits for that.
+    Removing(DirtySet),
+    OutOfSync(DirtySet),
+    /// Receives live writes (from `live_from_op` on) while its dirty blocks are copied.
+    CatchingUp {
+        job: CopyJob,
+        live_from_op: u64,
+    },
+    /// Caught up; being added to the store's in-sync set. Writes wait for its acks.
+    Adding,
+}
+
+#[derive(Debug)]
+struct Peer {
+    state: PeerState,
+    stream: Option<OutStream>,
+    last_heard_ms: u64,
+    last_heartbeat_ms: u64,
+}
+
+impl Peer {
+    fn job_mut(&mut self) -> Option<&mut CopyJob> {
+        match &mut self.state {
+            PeerState::Pushing(job) | PeerState::CatchingUp { job, .. } => Some(job),
+            _ => None,
+        }
+    }
+}
+
+/// A copy read that completed: which read, for which peer and stream, of which block.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CopyRead {
+    pub id: StorageOpId,
+    pub peer: NodeId,
+    pub stream: StreamId,
+    pub lba: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct Term {
+    pub epoch: u64,
+    /// The lease this node was promoted with; the term ends if the node holds another.
+    pub lease: LeaseId,
+    phase: Phase,
+    next_op: u64,
+    committed_op: u64,
+    pending: BTreeMap<u64, PendingWrite>,
+    reads_in_flight: usize,
+    peers: BTreeMap<NodeId, Peer>,
+    next_stream: u64,
+    /// This node's divergence when the term started, for reconciliation.
+    own_divergence: DivergenceReport,
+    dirty_limit: usize,
+    volume_blocks: u64,
+}
+
+impl Term {
+    /// Starts the term the store's view names this node primary of.
+    pub fn start(shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) -> Term {
+        let Some(view) = &shared.view else {
+            unreachable!("a term starts from a view of the store");
+        };
+        let epoch = view.value.epoch;
+        assert_eq!(epoch, shared.epoch);
+        assert!(epoch > shared.term_started);
+        shared.term_started = epoch;
+        shared.stats.terms_started += 1;
+        let mut term = Term {
+            epoch,
+            lease: view.value.primary_lease,
+            phase: Phase::Persisting,
+            next_op: RECONCILE_OP + 1,
+            committed_op: 0,
+            pending: BTreeMap::new(),
+            reads_in_flight: 0,
+            peers: BTreeMap::new(),
+            next_stream: 1,
+            own_divergence: shared.divergence.report(),
+            dirty_limit: shared.config.dirty_lbas_max,
+            volume_blocks: shared.config.volume_blocks,
+        };
+        term.on_persisted(shared, now_ms, out);
+        term
+    }
+
+    pub fn serving(&self, shared: &Shared, now_ms: u64) -> bool {
+        self.phase == Phase::Serving
+            && !shared.latched
+            && shared.valid_lease(now_ms) == Some(self.lease)
+    }
+
+    pub fn on_persisted(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        if self.phase != Phase::Persisting || shared.persisted_epoch < self.epoch {
+            return;
+        }
+        // The epoch is durable: from now on this node refuses every older epoch, even after a
+        // restart. Only now may anything of this term happen.
+        self.phase = Phase::Reconciling;
+        let Some(view) = &shared.view else {
+            unreachable!("a term starts from a view of the store");
+        };
+        let volume = &view.value;
+        let (limit, blocks) = (shared.config.dirty_lbas_max, shared.config.volume_blocks);
+        for &member in volume.members.iter().filter(|&&member| member != shared.me) {
+            let state = if volume.in_sync.contains(&member) {
+                PeerState::Probing { since_ms: now_ms, last_sent_ms: now_ms }
+            } else {
+                PeerState::OutOfSync(DirtySet::full(limit, blocks))
+            };
+            let peer =
+                Peer { state, stream: None, last_heard_ms: now_ms, last_heartbeat_ms: now_ms };
+            self.peers.insert(member, peer);
+        }
+        let probing: Vec<NodeId> = self
+            .peers
+            .iter()
+            .filter(|(_, peer)| matches!(peer.state, PeerState::Probing { .. }))
+            .map(|(&node, _)| node)
+            .collect();
+        for node in probing {
+            shared.send(node, Message::Probe { epoch: self.epoch }, out);
+        }
+        self.maybe_finish_reconcile(shared);
+    }
+
+    /// Serving starts once every in-sync peer holds this node's version of every block that
+    /// may differ (or has been removed from the in-sync set).
+    fn maybe_finish_reconcile(&mut self, shared: &mut Shared) {
+        if self.phase != Phase::Reconciling {
+            return;
+        }
+        let done = self
+            .peers
+            .values()
+            .all(|peer| matches!(peer.state, PeerState::InSync | PeerState::OutOfSync(_)));
+        if done {
+            self.phase = Phase::Serving;
+            self.committed_op = RECONCILE_OP;
+            // Every in-sync replica now holds this node's blocks wherever they could differ.
+            shared.divergence.clear();
+        }
+    }
+
+    /// The primary steps down: pending writes fail (the host retries on the next primary), and
+    /// their blocks join this node's divergence, since it may hold them and others may not.
+    pub fn end(self, shared: &mut Shared, out: &mut Vec<Action>) {
+        shared.stats.terms_ended += 1;
+        shared.stats.writes_failed += self.pending.len() as u64;
+        for (op, write) in self.pending {
+            shared.divergence.record(self.epoch, op, write.lbas);
+            out.push(Action::CompleteHost {
+                id: write.host,
+                epoch: self.epoch,
+                result: Err(HostError::NotPrimary),
+            });
+        }
+    }
+
+    pub fn on_host(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        id: HostOpId,
+        op: HostOp,
+        out: &mut Vec<Action>,
+    ) {
+        let result = self.start_host_op(shared, now_ms, id, op, out);
+        if let Some(result) = result {
+            out.push(Action::CompleteHost { id, epoch: self.epoch, result });
+        }
+    }
+
+    /// Returns the completion if the command completes at once.
+    fn start_host_op(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        id: HostOpId,
+        op: HostOp,
+        out: &mut Vec<Action>,
+    ) -> Option<Result<HostReply, HostError>> {
+        if !self.serving(shared, now_ms) {
+            return Some(Err(HostError::NotPrimary));
+        }
+        match op {
+            HostOp::Flush => Some(Ok(HostReply::Flushed)),
+            HostOp::Read { lba, count } => {
+                if let Err(error) = check_range(shared, lba, u64::from(count)) {
+                    return Some(Err(error));
+                }
+                if self.reads_in_flight >= INFLIGHT_READS_MAX {
+                    return Some(Err(HostError::Busy));
+                }
+                self.reads_in_flight += 1;
+                let purpose = Purpose::HostRead { epoch: self.epoch, host: id, count };
+                shared.storage_read(lba, count, purpose, out);
+                None
+            }
+            HostOp::Write { lba, blocks } => {
+                if let Err(error) = check_range(shared, lba, blocks.len() as u64) {
+                    return Some(Err(error));
+                }
+                let expected_bytes = shared.config.block_size_bytes;
+                if let Some((index, block)) =
+                    blocks.iter().enumerate().find(|(_, block)| block.len() != expected_bytes)
+                {
+                    let size_bytes = block.len();
+                    return Some(Err(HostError::BlockSize { index, size_bytes, expected_bytes }));
+                }
+                if self.pending.len() >= INFLIGHT_WRITES_MAX {
+                    return Some(Err(HostError::Busy));
+                }
+                self.start_write(
+                    shared,
+                    now_ms,
+                    id,
+                    lba,
+                    blocks.into_iter().map(Some).collect(),
+                    out,
+                );
+                None
+            }
+        }
+    }
+
+    fn start_write(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        host: HostOpId,
+        lba: u64,
+        blocks: Vec<BlockData>,
+        out: &mut Vec<Action>,
+    ) {
+        assert_eq!(self.phase, Phase::Serving);
+        let op = self.next_op;
+        self.next_op += 1;
+        let lbas = lba..lba + blocks.len() as u64;
+        let entry = Entry { kind: EntryKind::Write { op }, lba, blocks: blocks.clone() };
+        let mut sent = Vec::new();
+        let nodes: Vec<NodeId> = self.peers.keys().copied().collect();
+        for node in nodes {
+            let Some(peer) = self.peers.get_mut(&node) else { continue };
+            if let Some(job) = peer.job_mut() {
+                // A copy read of these blocks would now be older than this write, which the
+                // peer receives live after it.
+                for (&read, &block) in &job.reads {
+                    if lbas.contains(&block) {
+                        job.cancelled.insert(read);
+                    }
+                }
+            }
+            let full = peer.stream.as_ref().is_some_and(|s| s.unacked.len() >= STREAM_WINDOW_MAX);
+            if full && matches!(peer.state, PeerState::CatchingUp { .. }) {
+                self.abort_peer(node);
+            }
+            let Some(peer) = self.peers.get_mut(&node) else { continue };
+            match &mut peer.state {
+                PeerState::InSync | PeerState::Adding | PeerState::CatchingUp { .. } => {
+                    let Some(stream) = peer.stream.as_mut() else {
+                        unreachable!("peers taking live writes have a stream");
+                    };
+                    let seq = send_entry(
+                        shared,
+                        self.epoch,
+                        node,
+                        stream,
+                        self.committed_op,
+                        entry.clone(),
+                        now_ms,
+                        out,
+                    );
+                    sent.push((node, stream.id, seq));
+                }
+                PeerState::Removing(dirty) | PeerState::OutOfSync(dirty) => {
+                    dirty.insert_range(lbas.clone());
+                }
+                PeerState::Probing { .. } | PeerState::Pushing(_) => {
+                    unreachable!("no peer is being reconciled while the term serves")
+                }
+            }
+        }
+        let write = PendingWrite { host, lbas, blocks, local: Local::Deferred, sent };
+        self.pending.insert(op, write);
+        self.issue_deferred(shared, out);
+    }
+
+    /// Issues local writes in op order, each once no earlier write to its blocks is in flight.
+    fn issue_deferred(&mut self, shared: &mut Shared, out: &mut Vec<Action>) {
+        let mut waiting: Vec<Range<u64>> = Vec::new();
+        for (&op, write) in self.pending.iter_mut() {
+            if write.local != Local::Deferred {
+                continue;
+            }
+            let overlaps_waiting = waiting
+                .iter()
+                .any(|other| other.start < write.lbas.end && write.lbas.start < other.end);
+            if overlaps_waiting || shared.write_in_flight(write.lbas.clone()) {
+                waiting.push(write.lbas.clone());
+                continue;
+            }
+            write.local = Local::InFlight;
+            let purpose = Purpose::LocalWrite { epoch: self.epoch, op };
+            shared.storage_write(write.lbas.start, write.blocks.clone(), purpose, out);
+        }
+    }
+
+    pub fn on_local_write_done(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        op: u64,
+        out: &mut Vec<Action>,
+    ) {
+        if let Some(write) = self.pending.get_mut(&op) {
+            assert_eq!(write.local, Local::InFlight);
+            write.local = Local::Durable;
+        }
+        self.try_complete(shared, now_ms, out);
+    }
+
+    /// A storage request finished: writes waiting for its blocks may go, and so may copies.
+    pub fn on_storage_idle(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        self.issue_deferred(shared, out);
+        self.pump_copies(shared, out);
+        self.try_complete(shared, now_ms, out);
+    }
+
+    pub fn on_host_read_done(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        host: HostOpId,
+        result: StorageResult,
+        out: &mut Vec<Action>,
+    ) {
+        assert!(self.reads_in_flight > 0);
+        self.reads_in_flight -= 1;
+        let result = match result {
+            StorageResult::Read(blocks) if self.serving(shared, now_ms) => {
+                Ok(HostReply::Read(blocks))
+            }
+            _ => Err(HostError::NotPrimary),
+        };
+        out.push(Action::CompleteHost { id: host, epoch: self.epoch, result });
+    }
+
+    /// Completes every pending write that is durable here and on every peer it must wait for.
+    fn try_complete(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        if !self.serving(shared, now_ms) {
+            return;
+        }
+        if self.peers.values().any(|peer| matches!(peer.state, PeerState::Removing(_))) {
+            return;
+        }
+        let peers = &self.peers;
+        let complete: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, write)| write.local == Local::Durable)
+            .filter(|(_, write)| {
+                peers.iter().all(|(node, peer)| match peer.state {
+                    PeerState::InSync | PeerState::Adding => acked(*node, peer, write),
+                    _ => true,
+                })
+            })
+            .map(|(&op, _)| op)
+            .collect();
+        for op in complete {
+            let Some(write) = self.pending.remove(&op) else { continue };
+            shared.stats.writes_completed += 1;
+            let result = Ok(HostReply::Written);
+            out.push(Action::CompleteHost { id: write.host, epoch: self.epoch, result });
+        }
+        self.committed_op = self.pending.keys().next().map_or(self.next_op - 1, |first| first - 1);
+        // Peers waiting for the writes from before they took live writes may be done now.
+        let nodes: Vec<NodeId> = self.peers.keys().copied().collect();
+        for node in nodes {
+            self.advance_peer(shared, node);
+        }
+    }
+
+    pub fn on_peer_message(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        from: NodeId,
+        message: Message,
+        out: &mut Vec<Action>,
+    ) {
+        if !self.peers.contains_key(&from) {
+            return;
+        }
+        match message {
+            Message::Ack { stream, durable_seq, .. } => {
+                self.on_ack(shared, now_ms, from, stream, durable_seq, out)
+            }
+            Message::ProbeReply { incarnation, divergence, .. } => {
+                self.on_probe_reply(shared, now_ms, from, incarnation, divergence)
+            }
+            Message::Hello { incarnation, .. } => {
+                self.on_hello(shared, now_ms, from, incarnation, out)
+            }
+            Message::Resync { incarnation, .. } => {
+                let stale = self
+                    .peers
+                    .get(&from)
+                    .and_then(|peer| peer.stream.as_ref())
+                    .is_some_and(|stream| stream.incarnation != incarnation);
+                if stale {
+                    self.abort_peer(from);
+                }
+            }
+            Message::Failed { .. } => self.abort_peer(from),
+            _ => {}
+        }
+        self.drive_membership(shared, now_ms, out);
+        self.try_complete(shared, now_ms, out);
+        self.maybe_finish_reconcile(shared);
+    }
+
+    fn on_ack(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        from: NodeId,
+        stream_id: StreamId,
+        durable_seq: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(peer) = self.peers.get_mut(&from) else { return };
+        let Some(stream) = peer.stream.as_mut() else { return };
+        if stream.id != stream_id {
+            return;
+        }
+        peer.last_heard_ms = now_ms;
+        let durable_seq = durable_seq.min(stream.next_seq - 1);
+        if durable_seq > stream.acked_seq {
+            stream.acked_seq = durable_seq;
+            while stream.unacked.front().is_some_and(|unacked| unacked.seq <= durable_seq) {
+                stream.unacked.pop_front();
+            }
+        }
+        self.advance_peer(shared, from);
+        self.pump_copies(shared, out);
+    }
+
+    fn on_probe_reply(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        from: NodeId,
+        incarnation: u64,
+        divergence: DivergenceReport,
+    ) {
+        if !self
+            .peers
+            .get(&from)
+            .is_some_and(|peer| matches!(peer.state, PeerState::Probing { .. }))
+        {
+            return;
+        }
+        // The blocks where the two may differ: those either applied beyond a commit point.
+        let mut dirty = self.empty_dirty();
+        for report in [&self.own_divergence, &divergence] {
+            match report {
+                DivergenceReport::Known(lbas) => {
+                    for &lba in lbas {
+                        if lba < self.volume_blocks {
+                            dirty.insert_range(lba..lba + 1);
+                        } else {
+                            dirty = self.full_dirty();
+                        }
+                    }
+                }
+                DivergenceReport::Unknown => dirty = self.full_dirty(),
+            }
+        }
+        if dirty.is_full() {
+            shared.stats.reconciled_full += 1;
+        }
+        let Some(peer) = self.peers.get_mut(&from) else { return };
+        peer.stream = Some(new_stream(&mut self.next_stream, incarnation));
+        peer.last_heard_ms = now_ms;
+        peer.state = if dirty.is_empty() {
+            PeerState::InSync
+        } else {
+            PeerState::Pushing(CopyJob::new(dirty, true))
+        };
+    }
+
+    fn on_hello(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        from: NodeId,
+        incarnation: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let serving = self.phase == Phase::Serving;
+        let Some(peer) = self.peers.get_mut(&from) else { return };
+        if peer.stream.as_ref().is_some_and(|stream| stream.incarnation != incarnation) {
+            // The replica restarted: what its stream state was is gone.
+            self.abort_peer(from);
+        }
+        let Some(peer) = self.peers.get_mut(&from) else { return };
+        match &mut peer.state {
+            PeerState::Probing { last_sent_ms, .. } => {
+                *last_sent_ms = now_ms;
+                shared.send(from, Message::Probe { epoch: self.epoch }, out);
+            }
+            PeerState::OutOfSync(dirty) if serving => {
+                let dirty =
+                    std::mem::replace(dirty, DirtySet::empty(self.dirty_limit, self.volume_blocks));
+                shared.stats.resyncs_started += 1;
+                if dirty.is_full() {
+                    shared.stats.resyncs_full += 1;
+                }
+                peer.stream = Some(new_stream(&mut self.next_stream, incarnation));
+                peer.last_heard_ms = now_ms;
+                peer.last_heartbeat_ms = 0;
+                peer.state = PeerState::CatchingUp {
+                    job: CopyJob::new(dirty, false),
+                    live_from_op: self.next_op,
+                };
+                self.pump_copies(shared, out);
+            }
+            // A peer that has a stream and still says Hello is not hearing it; it will time
+            // out unless its acknowledgements resume.
+            _ => {}
+        }
+    }
+
+    /// The peer stopped answering, restarted, or failed: it no longer counts as in sync, and
+    /// it owes every block its stream had not acknowledged.
+    fn abort_peer(&mut self, node: NodeId) {
+        let (mut empty, full) = (self.empty_dirty(), self.full_dirty());
+        let Some(peer) = self.peers.get_mut(&node) else { return };
+        let stream = peer.stream.take();
+        let old = std::mem::replace(&mut peer.state, PeerState::InSync);
+        peer.state = match old {
+            PeerState::InSync | PeerState::Adding => {
+                if let Some(stream) = &stream {
+                    stream.unacked_lbas(&mut empty);
+                }
+                PeerState::Removing(empty)
+            }
+            PeerState::Probing { .. } | PeerState::Pushing(_) => PeerState::Removing(full),
+            PeerState::CatchingUp { job, .. } => {
+                let mut dirty = job.into_dirty();
+                if let Some(stream) = &stream {
+                    stream.unacked_lbas(&mut dirty);
+                }
+                PeerState::OutOfSync(dirty)
+            }
+            state @ (PeerState::Removing(_) | PeerState::OutOfSync(_)) => state,
+        };
+    }
+
+    fn empty_dirty(&self) -> DirtySet {
+        DirtySet::empty(self.dirty_limit, self.volume_blocks)
+    }
+
+    fn full_dirty(&self) -> DirtySet {
+        DirtySet::full(self.dirty_limit, self.volume_blocks)
+    }
+
+    /// Moves a peer on when its copy job is done.
+    fn advance_peer(&mut self, shared: &mut Shared, node: NodeId) {
+        let oldest_pending = self.pending.keys().next().copied();
+        let pending = &self.pending;
+        let Some(peer) = self.peers.get_mut(&node) else { return };
+        let Some(stream) = &peer.stream else { return };
+        match &peer.state {
+            PeerState::Pushing(job) if job.finished(stream) => peer.state = PeerState::InSync,
+            PeerState::CatchingUp { job, live_from_op }
+                if job.finished(stream)
+                    && oldest_pending.is_none_or(|oldest| oldest >= *live_from_op)
+                    && stream.unacked.iter().all(|unacked| match unacked.entry.kind {
+                        EntryKind::Write { op } => pending.contains_key(&op),
+                        EntryKind::Copy { .. } => false,
+                    }) =>
+            {
+                // It holds every copy and every completed write; every pending write went to
+                // it live. From now on writes wait for its acks.
+                peer.state = PeerState::Adding;
+            }
+            _ => {}
+        }
+        self.maybe_finish_reconcile(shared);
+    }
+
+    pub fn on_copy_read_done(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        read: CopyRead,
+        blocks: Vec<BlockData>,
+        out: &mut Vec<Action>,
+    ) {
+        let CopyRead { id: read, peer: node, stream: stream_id, lba } = read;
+        let covers_pending = self
+            .pending
+            .iter()
+            .filter(|(_, write)| write.lbas.contains(&lba))
+            .map(|(&op, _)| op)
+            .max()
+            .unwrap_or(0);
+        let Some(peer) = self.peers.get_mut(&node) else { return };
+        if peer.stream.as_ref().is_none_or(|stream| stream.id != stream_id) {
+            return;
+        }
+        let Some(job) = peer.job_mut() else { return };
+        if job.reads.remove(&read).is_none() {
+            return;
+        }
+        let reconcile = job.reconcile;
+        if !job.cancelled.remove(&read) {
+            // A reconciliation push is uncommitted until the reconciliation commits; a resync
+            // copy reflects the pending writes to its block (none: only completed ones).
+            let covers_op = if job.reconcile { RECONCILE_OP } else { covers_pending };
+            let entry = Entry { kind: EntryKind::Copy { covers_op }, lba, blocks };
+            let Some(stream) = peer.stream.as_mut() else { return };
+            let seq =
+                send_entry(shared, self.epoch, node, stream, self.committed_op, entry, now_ms, out);
+            if let Some(job) = peer.job_mut() {
+                job.last_copy_seq = seq;
+            }
+            if reconcile {
+                shared.stats.blocks_pushed += 1;
+            } else {
+                shared.stats.blocks_resynced += 1;
+            }
+        }
+        self.advance_peer(shared, node);
+    }
+
+    /// Starts copy reads, at most `copy_blocks_per_tick` per call over all peers. A block
+    /// with a local write in flight or not yet issued waits: its read would not show that write.
+    fn pump_copies(&mut self, shared: &mut Shared, out: &mut Vec<Action>) {
+        let mut budget = shared.config.copy_blocks_per_tick;
+        let mut reads = Vec::new();
+        {
+            let pending = &self.pending;
+            let shared: &Shared = shared;
+            let busy = |lba: u64| {
+                shared.write_in_flight(lba..lba + 1)
+                    || pending
+                        .values()
+                        .any(|write| write.local != Local::Durable && write.lbas.contains(&lba))
+            };
+            for (&node, peer) in self.peers.iter_mut() {
+                let Some(stream) = &peer.stream else { continue };
+                let (stream_id, in_window) = (stream.id, stream.unacked.len());
+                let Some(job) = peer.job_mut() else { continue };
+                let mut started = 0;
+                while budget > 0
+                    && job.reads.len() + started < COPY_WINDOW_MAX
+                    && in_window + job.reads.len() + started
+                        < STREAM_WINDOW_MAX - INFLIGHT_WRITES_MAX
+                {
+                    match job.dirty.take(busy) {
+                        Take::Lba(lba) => {
+                            reads.push((node, stream_id, lba));
+                            started += 1;
+                            budget -= 1;
+                        }
+                        Take::Blocked | Take::Empty => break,
+                    }
+                }
+            }
+        }
+        for (node, stream, lba) in reads {
+            let purpose = Purpose::CopyRead { epoch: self.epoch, peer: node, stream, lba };
+            let id = shared.storage_read(lba, 1, purpose, out);
+            if let Some(job) = self.peers.get_mut(&node).and_then(Peer::job_mut) {
+                job.reads.insert(id, lba);
+            }
+        }
+        let nodes: Vec<NodeId> = self.peers.keys().copied().collect();
+        for node in nodes {
+            self.advance_peer(shared, node);
+        }
+    }
+
+    pub fn on_lease(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        self.try_complete(shared, now_ms, out);
+    }
+
+    /// The store's view changed (and still names this node primary of this epoch).
+    pub fn on_view(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        if self.phase != Phase::Persisting {
+            let Some(view) = &shared.view else { return };
+            let volume = &view.value;
+            let (limit, blocks) = (shared.config.dirty_lbas_max, shared.config.volume_blocks);
+            for &member in volume.members.iter().filter(|&&member| member != shared.me) {
+                self.peers.entry(member).or_insert_with(|| Peer {
+                    state: PeerState::OutOfSync(DirtySet::full(limit, blocks)),
+                    stream: None,
+                    last_heard_ms: now_ms,
+                    last_heartbeat_ms: now_ms,
+                });
+            }
+            // A member replaced by the manager was not in sync; it needs nothing more.
+            self.peers
+                .retain(|node, _| volume.members.contains(node) || volume.in_sync.contains(node));
+        }
+        self.drive_membership(shared, now_ms, out);
+        self.try_complete(shared, now_ms, out);
+        self.maybe_finish_reconcile(shared);
+    }
+
+    /// Brings the store's in-sync set in line with the peers: settles what the store shows,
+    /// then asks for the next change. One CAS at a time; after a CAS timed out, nothing is
+    /// settled until a later CAS is answered (a CAS sent now either fails because the lost one
+    /// was applied, or makes sure it never will be).
+    fn drive_membership(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        if shared.cas_in_flight.is_some() || self.phase == Phase::Persisting {
+            return;
+        }
+        let Some(view) = &shared.view else { return };
+        assert_eq!(view.value.epoch, self.epoch, "a term ends when the store's epoch moves");
+        let in_sync = &view.value.in_sync;
+        let mut removals = Vec::new();
+        let mut additions = Vec::new();
+        for (&node, peer) in self.peers.iter_mut() {
+            let settle = !shared.cas_uncertain;
+            match &peer.state {
+                PeerState::Removing(_) if settle && !in_sync.contains(&node) => {
+                    shared.stats.replicas_removed += 1;
+                    let old = std::mem::replace(&mut peer.state, PeerState::InSync);
+                    let PeerState::Removing(dirty) = old else { unreachable!("matched above") };
+                    peer.state = PeerState::OutOfSync(dirty);
+                }
+                PeerState::Removing(_) => removals.push(node),
+                PeerState::Adding if settle && in_sync.contains(&node) => {
+                    peer.state = PeerState::InSync;
+                    shared.stats.resyncs_completed += 1;
+                }
+                PeerState::Adding if view.value.members.contains(&node) => additions.push(node),
+                _ => {}
+            }
+        }
+        if removals.is_empty() && additions.is_empty() && !shared.cas_uncertain {
+            return;
+        }
+        let mut new = view.value.clone();
+        for node in removals {
+            new.in_sync.remove(&node);
+        }
+        for node in additions {
+            new.in_sync.insert(node);
+        }
+        let request = StoreRequest::Cas {
+            expected_version: view.version,
+            new,
+            require_live: None,
+            require_not_live: None,
+        };
+        let id = shared.store_request(request, out);
+        shared.cas_in_flight = Some((id, now_ms));
+    }
+
+    pub fn tick(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        if self.phase == Phase::Persisting {
+            return;
+        }
+        let config = &shared.config;
+        let (timeout, retransmit, heartbeat) =
+            (config.ack_timeout_ms, config.retransmit_ms, config.heartbeat_ms);
+        let mut laggards = Vec::new();
+        for (&node, peer) in self.peers.iter_mut() {
+            if let PeerState::Probing { since_ms, last_sent_ms } = &mut peer.state {
+                if *since_ms + timeout <= now_ms {
+                    laggards.push(node);
+                } else if *last_sent_ms + retransmit <= now_ms {
+                    *last_sent_ms = now_ms;
+                    shared.send(node, Message::Probe { epoch: self.epoch }, out);
+                }
+                continue;
+            }
+            let Some(stream) = peer.stream.as_mut() else { continue };
+            let oldest_late = stream
+                .unacked
+                .front()
+                .is_some_and(|oldest| oldest.first_sent_ms + timeout <= now_ms);
+            let silent = peer.last_heard_ms + timeout <= now_ms;
+            if oldest_late || silent {
+                laggards.push(node);
+                continue;
+            }
+            if peer.last_heartbeat_ms + heartbeat <= now_ms {
+                peer.last_heartbeat_ms = now_ms;
+                let message = Message::Heartbeat {
+                    epoch: self.epoch,
+                    stream: stream.id,
+                    incarnation: stream.incarnation,
+                    commit_op: self.committed_op,
+                };
+                shared.send(node, message, out);
+            }
+            let resend = stream
+                .unacked
+                .iter_mut()
+                .filter(|unacked| unacked.last_sent_ms + retransmit <= now_ms)
+                .take(RETRANSMITS_PER_TICK_MAX);
+            for unacked in resend {
+                unacked.last_sent_ms = now_ms;
+                let message = Message::Append {
+                    epoch: self.epoch,
+                    stream: stream.id,
+                    incarnation: stream.incarnation,
+                    seq: unacked.seq,
+                    commit_op: self.committed_op,
+                    entry: unacked.entry.clone(),
+                };
+                shared.send(node, message, out);
+            }
+        }
+        for node in laggards {
+            self.abort_peer(node);
+        }
+        self.pump_copies(shared, out);
+        self.drive_membership(shared, now_ms, out);
+        self.try_complete(shared, now_ms, out);
+        self.maybe_finish_reconcile(shared);
+    }
+}
+
+fn check_range(shared: &Shared, lba: u64, count: u64) -> Result<(), HostError> {
+    if count == 0 || count > u64::from(BLOCKS_PER_OP_MAX) {
+        return Err(HostError::BadLength { count, max: BLOCKS_PER_OP_MAX });
+    }
+    let volume_blocks = shared.config.volume_blocks;
+    if lba.checked_add(count).is_none_or(|end| end > volume_blocks) {
+        return Err(HostError::OutOfRange { lba, count, volume_blocks });
+    }
+    Ok(())
+}
+
+fn new_stream(next_stream: &mut u64, incarnation: u64) -> OutStream {
+    let id = StreamId(*next_stream);
+    *next_stream += 1;
+    OutStream { id, incarnation, next_seq: 1, acked_seq: 0, unacked: VecDeque::new() }
+}
+
+fn acked(node: NodeId, peer: &Peer, write: &PendingWrite) -> bool {
+    let Some(&(_, stream_id, seq)) = write.sent.iter().find(|(sent_to, _, _)| *sent_to == node)
+    else {
+        panic!("{node} must acknowledge a write it was never sent: in-sync peers get every write");
+    };
+    peer.stream.as_ref().is_some_and(|stream| stream.id == stream_id && stream.acked_seq >= seq)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn send_entry(
+    shared: &Shared,
+    epoch: u64,
+    to: NodeId,
+    stream: &mut OutStream,
+    commit_op: u64,
+    entry: Entry,
+    now_ms: u64,
+    out: &mut Vec<Action>,
+) -> u64 {
+    assert!(stream.unacked.len() < STREAM_WINDOW_MAX + COPY_WINDOW_MAX);
+    let seq = stream.next_seq;
+    stream.next_seq += 1;
+    let message = Message::Append {
+        epoch,
+        stream: stream.id,
+        incarnation: stream.incarnation,
+        seq,
+        commit_op,
+        entry: entry.clone(),
+    };
+    shared.send(to, message, out);
+    stream.unacked.push_back(Unacked { seq, entry, first_sent_ms: now_ms, last_sent_ms: now_ms });
+    seq
+}
+
+const _: () = assert!(RETRANSMITS_PER_TICK_MAX > 0);

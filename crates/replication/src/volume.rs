@@ -1,0 +1,721 @@
+//! `VolumeNode`: one node's part in replicating one volume. It is a replica or, for one epoch
+//! at a time, the primary; the events it takes and the actions it returns are the whole of its
+//! contact with the world (no clock, socket, disk or thread here).
+//!
+//! This module holds what both roles share (the epoch and its persistence, the node's view of
+//! the control store, the local storage requests in flight, the divergence list) and the
+//! transitions between roles; `replica` and `primary` hold the roles themselves.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use crate::divergence::Divergence;
+use crate::lease::LeaseStatus;
+use crate::message::Message;
+use crate::primary::{CopyRead, Term};
+use crate::replica::Replica;
+use crate::store::{StoreReply, StoreRequest, Versioned, VolumeState};
+use crate::{
+    Block, BlockData, Config, HostOpId, LeaseId, NodeId, StorageOpId, StoreRequestId, StreamId,
+};
+
+/// A command from a host, submitted to the node it believes is the primary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostOp {
+    Read {
+        lba: u64,
+        count: u32,
+    },
+    Write {
+        lba: u64,
+        blocks: Vec<Block>,
+    },
+    /// Every completed write is already durable on every in-sync replica, so a flush only
+    /// needs a serving primary.
+    Flush,
+}
+
+/// A successful host command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostReply {
+    Written,
+    Read(Vec<BlockData>),
+    Flushed,
+}
+
+/// Why a host command failed. `NotPrimary` is a path error: the host retries on the primary the
+/// control store names (it may be this node again, once it serves).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HostError {
+    #[error(
+        "this node is not serving the volume (not its primary, not yet, or no longer); \
+         retry on the primary the control store names"
+    )]
+    NotPrimary,
+    #[error("too many commands in flight on the primary; retry when some complete")]
+    Busy,
+    #[error("blocks {lba}..{lba}+{count} are outside the volume of {volume_blocks} blocks")]
+    OutOfRange { lba: u64, count: u64, volume_blocks: u64 },
+    #[error("a command must cover 1 to {max} blocks, not {count}")]
+    BadLength { count: u64, max: u32 },
+    #[error("block {index} of the write holds {size_bytes} bytes; blocks hold {expected_bytes}")]
+    BlockSize { index: usize, size_bytes: usize, expected_bytes: usize },
+}
+
+/// What local storage did with a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StorageResult {
+    /// The write is durable.
+    Written,
+    /// The blocks read, one per block asked for.
+    Read(Vec<BlockData>),
+    /// An I/O error. The node latches: it serves and acknowledges nothing more until restarted.
+    Failed,
+}
+
+/// Something that happened, for `VolumeNode::handle`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// Time passed; call every few milliseconds (a tenth of the shortest interval is plenty).
+    Tick,
+    Host {
+        id: HostOpId,
+        op: HostOp,
+    },
+    Message {
+        from: NodeId,
+        message: Message,
+    },
+    Storage {
+        id: StorageOpId,
+        result: StorageResult,
+    },
+    /// A `PersistEpoch` action completed: `epoch` is durable in the node's state.
+    EpochPersisted {
+        epoch: u64,
+    },
+    Store {
+        id: StoreRequestId,
+        reply: StoreReply,
+    },
+    /// The node's lease changed or was renewed (from `LeaseKeeper`).
+    Lease(LeaseStatus),
+}
+
+/// Something the wiring must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Send {
+        to: NodeId,
+        message: Message,
+    },
+    /// Write `blocks` at `lba`; reply `StorageResult::Written` once durable. The machine never
+    /// has two writes to one block in flight, so their order is its own.
+    StorageWrite {
+        id: StorageOpId,
+        lba: u64,
+        blocks: Vec<BlockData>,
+    },
+    /// Read `count` blocks at `lba`: each reads as the last write to it that completed, or as a
+    /// write to it still in flight.
+    StorageRead {
+        id: StorageOpId,
+        lba: u64,
+        count: u32,
+    },
+    /// Make `epoch` durable in the node's state (with the storage, it survives a restart) and
+    /// reply `Event::EpochPersisted`.
+    PersistEpoch {
+        epoch: u64,
+    },
+    Store {
+        id: StoreRequestId,
+        request: StoreRequest,
+    },
+    /// Complete a host command. `epoch` is the epoch the node served it under (its current
+    /// epoch for errors).
+    CompleteHost {
+        id: HostOpId,
+        epoch: u64,
+        result: Result<HostReply, HostError>,
+    },
+}
+
+/// Counters of what one node process did for the volume, since it started.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub terms_started: u64,
+    pub terms_ended: u64,
+    /// Host writes completed as primary.
+    pub writes_completed: u64,
+    /// Host writes failed with a path error because the term ended under them.
+    pub writes_failed: u64,
+    /// Replicas this primary removed from the in-sync set.
+    pub replicas_removed: u64,
+    pub resyncs_started: u64,
+    /// Resyncs that copied the whole volume (nothing or too much known about what changed).
+    pub resyncs_full: u64,
+    /// Resynced replicas added back to the in-sync set.
+    pub resyncs_completed: u64,
+    pub blocks_resynced: u64,
+    /// Blocks a new primary pushed to reconcile the in-sync replicas after a failover.
+    pub blocks_pushed: u64,
+    /// Reconciliations of one replica that had to push the whole volume.
+    pub reconciled_full: u64,
+}
+
+/// Why a local storage request was made; its completion goes back to whoever made it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Purpose {
+    /// A replica applying entry `seq` of a stream.
+    StreamEntry {
+        epoch: u64,
+        stream: StreamId,
+        seq: u64,
+    },
+    /// A primary writing host write `op` locally.
+    LocalWrite {
+        epoch: u64,
+        op: u64,
+    },
+    HostRead {
+        epoch: u64,
+        host: HostOpId,
+        count: u32,
+    },
+    /// A primary reading a block to copy it to `peer` on `stream`.
+    CopyRead {
+        epoch: u64,
+        peer: NodeId,
+        stream: StreamId,
+        lba: u64,
+    },
+}
+
+#[derive(Debug)]
+struct InFlight {
+    purpose: Purpose,
+    write: Option<Range<u64>>,
+}
+
+/// The state both roles share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub config: Config,
+    pub me: NodeId,
+    pub incarnation: u64,
+    /// The newest epoch this node has seen; it refuses anything older.
+    pub epoch: u64,
+    pub persisted_epoch: u64,
+    persist_in_flight: bool,
+    pub lease: Option<LeaseStatus>,
+    pub view: Option<Versioned<VolumeState>>,
+    get_in_flight: Option<(StoreRequestId, u64)>,
+    last_poll_ms: Option<u64>,
+    pub cas_in_flight: Option<(StoreRequestId, u64)>,
+    /// A CAS timed out: it may still be applied, so reads of the store do not settle who is
+    /// in sync until a later CAS is answered (after which the lost one can never apply).
+    pub cas_uncertain: bool,
+    next_store_request: u64,
+    next_storage_op: u64,
+    /// Block -> the write in flight to it. At most one per block.
+    writes_in_flight: BTreeMap<u64, StorageOpId>,
+    storage_ops: BTreeMap<StorageOpId, InFlight>,
+    /// Set by a storage error, for the life of the process.
+    pub latched: bool,
+    pub divergence: Divergence,
+    pub stats: Stats,
+    /// The newest epoch this process started a term in; it never starts one twice.
+    pub term_started: u64,
+}
+
+impl Shared {
+    pub fn send(&self, to: NodeId, message: Message, out: &mut Vec<Action>) {
+        assert_ne!(to, self.me, "a node never sends to itself");
+        out.push(Action::Send { to, message });
+    }
+
+    pub fn write_in_flight(&self, lbas: Range<u64>) -> bool {
+        self.writes_in_flight.range(lbas).next().is_some()
+    }
+
+    pub fn storage_write(
+        &mut self,
+        lba: u64,
+        blocks: Vec<BlockData>,
+        purpose: Purpose,
+        out: &mut Vec<Action>,
+    ) -> StorageOpId {
+        let lbas = lba..lba + blocks.len() as u64;
+        assert!(!blocks.is_empty() && lbas.end <= self.config.volume_blocks);
+        assert!(!self.write_in_flight(lbas.clone()), "two writes to one block in flight");
+        let id = StorageOpId(self.next_storage_op);
+        self.next_storage_op += 1;
+        for block in lbas.clone() {
+            self.writes_in_flight.insert(block, id);
+        }
+        self.storage_ops.insert(id, InFlight { purpose, write: Some(lbas) });
+        out.push(Action::StorageWrite { id, lba, blocks });
+        id
+    }
+
+    pub fn storage_read(
+        &mut self,
+        lba: u64,
+        count: u32,
+        purpose: Purpose,
+        out: &mut Vec<Action>,
+    ) -> StorageOpId {
+        assert!(count > 0 && lba + u64::from(count) <= self.config.volume_blocks);
+        let id = StorageOpId(self.next_storage_op);
+        self.next_storage_op += 1;
+        self.storage_ops.insert(id, InFlight { purpose, write: None });
+        out.push(Action::StorageRead { id, lba, count });
+        id
+    }
+
+    pub fn store_request(
+        &mut self,
+        request: StoreRequest,
+        out: &mut Vec<Action>,
+    ) -> StoreRequestId {
+        let id = StoreRequestId(self.next_store_request);
+        self.next_store_request += 1;
+        out.push(Action::Store { id, request });
+        id
+    }
+
+    fn persist_epoch_if_needed(&mut self, out: &mut Vec<Action>) {
+        if !self.persist_in_flight && self.persisted_epoch < self.epoch {
+            self.persist_in_flight = true;
+            out.push(Action::PersistEpoch { epoch: self.epoch });
+        }
+    }
+
+    /// The lease this node may rely on now, if any.
+    pub fn valid_lease(&self, now_ms: u64) -> Option<LeaseId> {
+        self.lease.filter(|lease| lease.valid(now_ms)).map(|lease| lease.lease)
+    }
+}
+
+#[derive(Debug)]
+enum Role {
+    Replica(Replica),
+    Primary(Box<Term>),
+}
+
+/// One node's replication state machine for one volume.
+#[derive(Debug)]
+pub struct VolumeNode {
+    shared: Shared,
+    role: Role,
+}
+
+impl VolumeNode {
+    /// A node process starting: `persisted_epoch` is what `PersistEpoch` last made durable (0 on
+    /// a new node) and `incarnation` differs from every earlier start of this node.
+    pub fn new(config: Config, me: NodeId, incarnation: u64, persisted_epoch: u64) -> Self {
+        assert!(config.validate().is_ok(), "the wiring validates the configuration first");
+        let divergence = if persisted_epoch == 0 {
+            // A node that never saw an epoch never applied anything.
+            Divergence::known_empty(config.divergence_lbas_max)
+        } else {
+            Divergence::after_restart(config.divergence_lbas_max, persisted_epoch)
+        };
+        let shared = Shared {
+            config,
+            me,
+            incarnation,
+            epoch: persisted_epoch,
+            persisted_epoch,
+            persist_in_flight: false,
+            lease: None,
+            view: None,
+            get_in_flight: None,
+            last_poll_ms: None,
+            cas_in_flight: None,
+            cas_uncertain: false,
+            next_store_request: 1,
+            next_storage_op: 1,
+            writes_in_flight: BTreeMap::new(),
+            storage_ops: BTreeMap::new(),
+            latched: false,
+            divergence,
+            stats: Stats::default(),
+            term_started: 0,
+        };
+        Self { shared, role: Role::Replica(Replica::new()) }
+    }
+
+    pub fn id(&self) -> NodeId {
+        self.shared.me
+    }
+
+    /// The newest epoch this node has seen.
+    pub fn epoch(&self) -> u64 {
+        self.shared.epoch
+    }
+
+    /// The epoch this node serves host I/O under right now, if it does.
+    pub fn serving_epoch(&self, now_ms: u64) -> Option<u64> {
+        match &self.role {
+            Role::Primary(term) if term.serving(&self.shared, now_ms) => Some(term.epoch),
+            _ => None,
+        }
+    }
+
+    /// Whether storage failed in this process.
+    pub fn latched(&self) -> bool {
+        self.shared.latched
+    }
+
+    /// What this process has done so far (for metrics and tests).
+    pub fn stats(&self) -> &Stats {
+        &self.shared.stats
+    }
+
+    /// Takes one event; appends what to do to `out`.
+    pub fn handle(&mut self, now_ms: u64, event: Event, out: &mut Vec<Action>) {
+        match event {
+            Event::Tick => self.on_tick(now_ms, out),
+            Event::Host { id, op } => match &mut self.role {
+                Role::Primary(term) => term.on_host(&mut self.shared, now_ms, id, op, out),
+                Role::Replica(_) => out.push(Action::CompleteHost {
+                    id,
+                    epoch: self.shared.epoch,
+                    result: Err(HostError::NotPrimary),
+                }),
+            },
+            Event::Message { from, message } => self.on_message(now_ms, from, message, out),
+            Event::Storage { id, result } => self.on_storage(now_ms, id, result, out),
+            Event::EpochPersisted { epoch } => {
+                self.shared.persist_in_flight = false;
+                self.shared.persisted_epoch = self.shared.persisted_epoch.max(epoch);
+                self.shared.persist_epoch_if_needed(out);
+                match &mut self.role {
+                    Role::Replica(replica) => replica.on_persisted(&mut self.shared, out),
+                    Role::Primary(term) => term.on_persisted(&mut self.shared, now_ms, out),
+                }
+            }
+            Event::Store { id, reply } => self.on_store(now_ms, id, reply, out),
+            Event::Lease(status) => {
+                self.shared.lease = Some(status);
+                if let Role::Primary(term) = &mut self.role {
+                    if term.lease != status.lease {
+                        self.end_term(now_ms, out);
+                    } else {
+                        term.on_lease(&mut self.shared, now_ms, out);
+                    }
+                }
+                self.maybe_start_term(now_ms, out);
+            }
+        }
+    }
+
+    fn on_tick(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let shared = &mut self.shared;
+        if shared
+            .get_in_flight
+            .is_some_and(|(_, sent)| sent + shared.config.store_timeout_ms <= now_ms)
+        {
+            shared.get_in_flight = None;
+        }
+        if let Some((_, sent)) = shared.cas_in_flight {
+            if sent + shared.config.store_timeout_ms <= now_ms {
+                // The outcome is unknown: re-read the state before deciding anything else.
+                shared.cas_in_flight = None;
+                shared.cas_uncertain = true;
+                shared.last_poll_ms = None;
+            }
+        }
+        if shared.get_in_flight.is_none()
+            && shared.last_poll_ms.is_none_or(|last| last + shared.config.store_poll_ms <= now_ms)
+        {
+            let id = shared.store_request(StoreRequest::Get, out);
+            shared.get_in_flight = Some((id, now_ms));
+            shared.last_poll_ms = Some(now_ms);
+        }
+        match &mut self.role {
+            Role::Replica(replica) => replica.tick(&mut self.shared, now_ms, out),
+            Role::Primary(term) => term.tick(&mut self.shared, now_ms, out),
+        }
+        self.resign_if_latched(now_ms, out);
+    }
+
+    fn on_message(&mut self, now_ms: u64, from: NodeId, message: Message, out: &mut Vec<Action>) {
+        if from == self.shared.me {
+            return;
+        }
+        let epoch = message.epoch();
+        if epoch > self.shared.epoch {
+            self.raise_epoch(epoch, now_ms, out);
+        }
+        let shared = &mut self.shared;
+        match (&mut self.role, message) {
+            (_, Message::Stale { .. }) => {}
+            (
+                Role::Replica(replica),
+                Message::Append { epoch, stream, incarnation, seq, commit_op, entry },
+            ) => replica.on_stream(
+                shared,
+                now_ms,
+                from,
+                epoch,
+                stream,
+                incarnation,
+                commit_op,
+                Some((seq, entry)),
+                out,
+            ),
+            (
+                Role::Replica(replica),
+                Message::Heartbeat { epoch, stream, incarnation, commit_op },
+            ) => replica.on_stream(
+                shared,
+                now_ms,
+                from,
+                epoch,
+                stream,
+                incarnation,
+                commit_op,
+                None,
+                out,
+            ),
+            (Role::Replica(replica), Message::Probe { epoch }) => {
+                replica.on_probe(shared, from, epoch, out)
+            }
+            // Only the primary of an epoch sends these, and this node is the primary of a newer
+            // one.
+            (Role::Primary(term), Message::Append { epoch, .. })
+            | (Role::Primary(term), Message::Heartbeat { epoch, .. })
+            | (Role::Primary(term), Message::Probe { epoch })
+                if epoch < term.epoch =>
+            {
+                shared.send(from, Message::Stale { epoch: shared.epoch }, out);
+            }
+            (Role::Primary(_), Message::Append { .. })
+            | (Role::Primary(_), Message::Heartbeat { .. })
+            | (Role::Primary(_), Message::Probe { .. }) => {}
+            (Role::Primary(term), message) if message.epoch() == term.epoch => {
+                term.on_peer_message(shared, now_ms, from, message, out)
+            }
+            (_, Message::Hello { epoch, .. }) if epoch < shared.epoch => {
+                shared.send(from, Message::Stale { epoch: shared.epoch }, out);
+            }
+            // Replies to a term this node no longer holds.
+            _ => {}
+        }
+    }
+
+    fn on_storage(
+        &mut self,
+        now_ms: u64,
+        id: StorageOpId,
+        result: StorageResult,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(in_flight) = self.shared.storage_ops.remove(&id) else {
+            return;
+        };
+        if let Some(lbas) = &in_flight.write {
+            for lba in lbas.clone() {
+                let removed = self.shared.writes_in_flight.remove(&lba);
+                assert_eq!(
+                    removed,
+                    Some(id),
+                    "the write in flight to a block is the one completing"
+                );
+            }
+        }
+        let result = match (&in_flight.purpose, result) {
+            (Purpose::HostRead { count, .. }, StorageResult::Read(blocks))
+                if blocks.len() != *count as usize =>
+            {
+                StorageResult::Failed
+            }
+            (Purpose::CopyRead { .. }, StorageResult::Read(blocks)) if blocks.len() != 1 => {
+                StorageResult::Failed
+            }
+            (_, result) => result,
+        };
+        if result == StorageResult::Failed {
+            self.latch(now_ms, out);
+        }
+        match (&mut self.role, in_flight.purpose) {
+            (Role::Replica(replica), Purpose::StreamEntry { epoch, stream, seq })
+                if result == StorageResult::Written =>
+            {
+                replica.on_entry_durable(&mut self.shared, epoch, stream, seq, out);
+            }
+            (Role::Primary(term), Purpose::LocalWrite { epoch, op })
+                if epoch == term.epoch && result == StorageResult::Written =>
+            {
+                term.on_local_write_done(&mut self.shared, now_ms, op, out);
+            }
+            (Role::Primary(term), Purpose::HostRead { epoch, host, .. }) if epoch == term.epoch => {
+                term.on_host_read_done(&mut self.shared, now_ms, host, result, out);
+            }
+            (_, Purpose::HostRead { host, .. }) => out.push(Action::CompleteHost {
+                id: host,
+                epoch: self.shared.epoch,
+                result: Err(HostError::NotPrimary),
+            }),
+            (Role::Primary(term), Purpose::CopyRead { epoch, peer, stream, lba })
+                if epoch == term.epoch =>
+            {
+                if let StorageResult::Read(blocks) = result {
+                    let read = CopyRead { id, peer, stream, lba };
+                    term.on_copy_read_done(&mut self.shared, now_ms, read, blocks, out);
+                }
+            }
+            _ => {}
+        }
+        // A completed write may unblock entries or local writes waiting for its blocks.
+        match &mut self.role {
+            Role::Replica(replica) => replica.pump(&mut self.shared, out),
+            Role::Primary(term) => term.on_storage_idle(&mut self.shared, now_ms, out),
+        }
+    }
+
+    fn on_store(
+        &mut self,
+        now_ms: u64,
+        id: StoreRequestId,
+        reply: StoreReply,
+        out: &mut Vec<Action>,
+    ) {
+        let shared = &mut self.shared;
+        let from_get = shared.get_in_flight.is_some_and(|(expected, _)| expected == id);
+        let from_cas = shared.cas_in_flight.is_some_and(|(expected, _)| expected == id);
+        if from_get {
+            shared.get_in_flight = None;
+        }
+        if from_cas {
+            shared.cas_in_flight = None;
+            shared.cas_uncertain = false;
+        }
+        if !from_get && !from_cas {
+            return;
+        }
+        let state = match reply {
+            StoreReply::Volume(state)
+            | StoreReply::CasDone(state)
+            | StoreReply::CasFailed { current: state, .. } => state,
+            StoreReply::Snapshot { volume, .. } => volume,
+            StoreReply::Lease { .. } => return,
+        };
+        if shared.view.as_ref().is_none_or(|view| view.version < state.version) {
+            shared.view = Some(state);
+        }
+        self.after_view_change(now_ms, out);
+    }
+
+    fn after_view_change(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let Some(view) = &self.shared.view else {
+            return;
+        };
+        let view_epoch = view.value.epoch;
+        if view_epoch > self.shared.epoch {
+            self.raise_epoch(view_epoch, now_ms, out);
+        }
+        let Some(view) = &self.shared.view else {
+            return;
+        };
+        if let Role::Primary(term) = &mut self.role {
+            let still_mine = view.value.epoch == term.epoch
+                && view.value.primary == Some(self.shared.me)
+                && view.value.primary_lease == term.lease;
+            if still_mine {
+                term.on_view(&mut self.shared, now_ms, out);
+            } else {
+                self.end_term(now_ms, out);
+            }
+        }
+        self.maybe_start_term(now_ms, out);
+        self.resign_if_latched(now_ms, out);
+    }
+
+    fn raise_epoch(&mut self, epoch: u64, now_ms: u64, out: &mut Vec<Action>) {
+        if epoch <= self.shared.epoch {
+            return;
+        }
+        self.shared.epoch = epoch;
+        self.shared.persist_epoch_if_needed(out);
+        match &mut self.role {
+            Role::Primary(term) => {
+                assert!(term.epoch < epoch);
+                self.end_term(now_ms, out);
+            }
+            Role::Replica(replica) => replica.on_epoch_raised(epoch),
+        }
+    }
+
+    /// Leaves the primary role (deposed, lease lost, or storage failed): pending host writes
+    /// fail with a path error, never complete.
+    fn end_term(&mut self, _now_ms: u64, out: &mut Vec<Action>) {
+        let role = std::mem::replace(&mut self.role, Role::Replica(Replica::new()));
+        if let Role::Primary(term) = role {
+            term.end(&mut self.shared, out);
+        }
+    }
+
+    fn maybe_start_term(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let Role::Replica(_) = self.role else {
+            return;
+        };
+        let shared = &self.shared;
+        let Some(view) = &shared.view else {
+            return;
+        };
+        let state = &view.value;
+        let promoted = state.primary == Some(shared.me)
+            && shared.valid_lease(now_ms) == Some(state.primary_lease)
+            && state.primary_lease != LeaseId::NONE
+            && state.epoch == shared.epoch
+            && state.epoch > shared.term_started
+            && state.in_sync.contains(&shared.me)
+            && state.in_sync.is_subset(&state.members)
+            && !shared.latched;
+        if promoted {
+            let term = Term::start(&mut self.shared, now_ms, out);
+            self.role = Role::Primary(Box::new(term));
+        }
+    }
+
+    fn latch(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        if self.shared.latched {
+            return;
+        }
+        self.shared.latched = true;
+        match &mut self.role {
+            Role::Primary(_) => self.end_term(now_ms, out),
+            Role::Replica(replica) => replica.on_latched(&mut self.shared, out),
+        }
+        self.resign_if_latched(now_ms, out);
+    }
+
+    /// A latched node that the store names primary gives the role up at once (it cannot serve),
+    /// so the manager promotes another without waiting for the lease to expire.
+    fn resign_if_latched(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let shared = &mut self.shared;
+        if !shared.latched || shared.cas_in_flight.is_some() {
+            return;
+        }
+        let Some(view) = &shared.view else {
+            return;
+        };
+        if view.value.primary != Some(shared.me) || view.value.primary_lease == LeaseId::NONE {
+            return;
+        }
+        let mut new = view.value.clone();
+        new.primary_lease = LeaseId::NONE;
+        let request = StoreRequest::Cas {
+            expected_version: view.version,
+            new,
+            require_live: None,
+            require_not_live: None,
+        };
+        let id = shared.store_request(request, out);
+        shared.cas_in_flight = Some((id, now_ms));
+    }
+}

@@ -1,0 +1,396 @@
+//! Targeted protocol tests: small scripted clusters (instant storage and network, links cut by
+//! hand) that check one rule each: a stale epoch is refused; a write waits until a laggard is
+//! removed from the in-sync set; a deposed primary fails its pending writes; a resync copies
+//! only the blocks written while the replica was away.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
+
+use replication::{
+    Action, BlockData, Config, Entry, EntryKind, Event, HostError, HostOp, HostOpId, HostReply,
+    LeaseKeeper, Manager, MemStore, Message, NodeId, StorageResult, StoreReply, StoreRequest,
+    StreamId, VolumeNode, VolumeState,
+};
+
+const BLOCK_BYTES: usize = 16;
+
+fn config() -> Config {
+    Config {
+        volume_blocks: 32,
+        block_size_bytes: BLOCK_BYTES,
+        lease_ms: 400,
+        keepalive_interval_ms: 100,
+        store_poll_ms: 50,
+        store_timeout_ms: 150,
+        heartbeat_ms: 30,
+        retransmit_ms: 40,
+        ack_timeout_ms: 150,
+        hello_interval_ms: 100,
+        copy_blocks_per_tick: 4,
+        dirty_lbas_max: 16,
+        divergence_lbas_max: 16,
+        grace_ms: 60_000,
+    }
+}
+
+fn block(byte: u8) -> Arc<[u8]> {
+    Arc::from(vec![byte; BLOCK_BYTES])
+}
+
+#[derive(Debug)]
+enum Input {
+    Node(usize, Event),
+    Lease(usize, replication::StoreRequestId, StoreReply),
+    Manager(replication::StoreRequestId, StoreReply),
+}
+
+struct Node {
+    volume: VolumeNode,
+    lease: LeaseKeeper,
+    disk: Vec<BlockData>,
+}
+
+/// Three nodes, a store and a manager; storage and messages are instant. `cut` links drop
+/// messages in both directions; `store_cut` nodes cannot reach the store.
+struct Cluster {
+    now_ms: u64,
+    store: MemStore,
+    manager: Manager,
+    nodes: Vec<Node>,
+    queue: VecDeque<Input>,
+    cut: BTreeSet<(usize, usize)>,
+    store_cut: BTreeSet<usize>,
+    completions: Vec<(u64, HostOpId, u64, Result<HostReply, HostError>)>,
+    next_host_op: u64,
+}
+
+impl Cluster {
+    fn new(config: Config) -> Cluster {
+        let members: BTreeSet<NodeId> = (0..3).map(NodeId).collect();
+        let initial = VolumeState {
+            epoch: 0,
+            primary: None,
+            primary_lease: replication::LeaseId::NONE,
+            in_sync: members.clone(),
+            members,
+        };
+        let nodes = (0..3)
+            .map(|index| Node {
+                volume: VolumeNode::new(config.clone(), NodeId(index), 1, 0),
+                lease: LeaseKeeper::new(NodeId(index), 1, &config),
+                disk: vec![None; config.volume_blocks as usize],
+            })
+            .collect();
+        Cluster {
+            now_ms: 0,
+            store: MemStore::new(initial, config.lease_ms),
+            manager: Manager::new(&config),
+            nodes,
+            queue: VecDeque::new(),
+            cut: BTreeSet::new(),
+            store_cut: BTreeSet::new(),
+            completions: Vec::new(),
+            next_host_op: 1,
+        }
+    }
+
+    fn state(&self) -> VolumeState {
+        self.store.volume().value.clone()
+    }
+
+    fn cut_link(&mut self, a: usize, b: usize) {
+        self.cut.insert((a.min(b), a.max(b)));
+    }
+
+    fn heal(&mut self) {
+        self.cut.clear();
+        self.store_cut.clear();
+    }
+
+    fn linked(&self, a: usize, b: usize) -> bool {
+        !self.cut.contains(&(a.min(b), a.max(b)))
+    }
+
+    /// Advances time by `ms`, ticking everyone every 5 ms and delivering everything at once.
+    fn run(&mut self, ms: u64) {
+        let end = self.now_ms + ms;
+        while self.now_ms < end {
+            self.now_ms += 1;
+            if self.now_ms % 5 == 0 {
+                for node in 0..self.nodes.len() {
+                    if let Some(call) = self.nodes[node].lease.tick(self.now_ms) {
+                        if !self.store_cut.contains(&node) {
+                            let reply = self.store.handle(self.now_ms, &call.request);
+                            self.queue.push_back(Input::Lease(node, call.id, reply));
+                        }
+                    }
+                    self.queue.push_back(Input::Node(node, Event::Tick));
+                }
+                if let Some(call) = self.manager.tick(self.now_ms) {
+                    let reply = self.store.handle(self.now_ms, &call.request);
+                    self.queue.push_back(Input::Manager(call.id, reply));
+                }
+            }
+            self.drain();
+        }
+    }
+
+    fn drain(&mut self) {
+        let mut steps = 0;
+        while let Some(input) = self.queue.pop_front() {
+            steps += 1;
+            assert!(steps < 1_000_000, "the cluster does not quiesce");
+            match input {
+                Input::Node(node, event) => self.node_event(node, event),
+                Input::Lease(node, id, reply) => {
+                    if let Some(status) = self.nodes[node].lease.on_reply(id, &reply) {
+                        self.node_event(node, Event::Lease(status));
+                    }
+                }
+                Input::Manager(id, reply) => {
+                    if let Some(call) = self.manager.on_reply(self.now_ms, id, &reply) {
+                        let reply = self.store.handle(self.now_ms, &call.request);
+                        self.queue.push_back(Input::Manager(call.id, reply));
+                    }
+                }
+            }
+        }
+    }
+
+    fn node_event(&mut self, node: usize, event: Event) {
+        let mut actions = Vec::new();
+        self.nodes[node].volume.handle(self.now_ms, event, &mut actions);
+        for action in actions {
+            match action {
+                Action::Send { to, message } => {
+                    let to = to.0 as usize;
+                    if self.linked(node, to) {
+                        let event = Event::Message { from: NodeId(node as u32), message };
+                        self.queue.push_back(Input::Node(to, event));
+                    }
+                }
+                Action::StorageWrite { id, lba, blocks } => {
+                    let disk = &mut self.nodes[node].disk;
+                    for (index, data) in blocks.into_iter().enumerate() {
+                        disk[lba as usize + index] = data;
+                    }
+                    let event = Event::Storage { id, result: StorageResult::Written };
+                    self.queue.push_back(Input::Node(node, event));
+                }
+                Action::StorageRead { id, lba, count } => {
+                    let range = lba as usize..(lba + u64::from(count)) as usize;
+                    let blocks = self.nodes[node].disk[range].to_vec();
+                    let event = Event::Storage { id, result: StorageResult::Read(blocks) };
+                    self.queue.push_back(Input::Node(node, event));
+                }
+                Action::PersistEpoch { epoch } => {
+                    self.queue.push_back(Input::Node(node, Event::EpochPersisted { epoch }));
+                }
+                Action::Store { id, request } => {
+                    if !self.store_cut.contains(&node) {
+                        let reply = self.store.handle(self.now_ms, &request);
+                        self.queue.push_back(Input::Node(node, Event::Store { id, reply }));
+                    }
+                }
+                Action::CompleteHost { id, epoch, result } => {
+                    self.completions.push((self.now_ms, id, epoch, result));
+                }
+            }
+        }
+    }
+
+    fn host(&mut self, node: usize, op: HostOp) -> HostOpId {
+        let id = HostOpId(self.next_host_op);
+        self.next_host_op += 1;
+        self.queue.push_back(Input::Node(node, Event::Host { id, op }));
+        self.drain();
+        id
+    }
+
+    fn write(&mut self, node: usize, lba: u64, byte: u8) -> HostOpId {
+        self.host(node, HostOp::Write { lba, blocks: vec![block(byte)] })
+    }
+
+    fn completion(
+        &self,
+        id: HostOpId,
+    ) -> Option<&(u64, HostOpId, u64, Result<HostReply, HostError>)> {
+        let mut found = self.completions.iter().filter(|(_, done, _, _)| *done == id);
+        let first = found.next();
+        assert!(found.next().is_none(), "a host command completes once");
+        first
+    }
+
+    /// Starts the cluster and waits until node 0 serves epoch 1.
+    fn started(config: Config) -> Cluster {
+        let mut cluster = Cluster::new(config);
+        cluster.run(200);
+        let state = cluster.state();
+        assert_eq!((state.epoch, state.primary), (1, Some(NodeId(0))));
+        assert_eq!(cluster.nodes[0].volume.serving_epoch(cluster.now_ms), Some(1));
+        cluster
+    }
+}
+
+#[test]
+fn a_stale_epoch_is_refused() {
+    let mut node = VolumeNode::new(config(), NodeId(1), 1, 5);
+    let append = Message::Append {
+        epoch: 4,
+        stream: StreamId(1),
+        incarnation: 1,
+        seq: 1,
+        commit_op: 0,
+        entry: Entry { kind: EntryKind::Write { op: 2 }, lba: 0, blocks: vec![Some(block(1))] },
+    };
+    for message in [
+        append,
+        Message::Probe { epoch: 4 },
+        Message::Heartbeat { epoch: 4, stream: StreamId(1), incarnation: 1, commit_op: 0 },
+    ] {
+        let mut actions = Vec::new();
+        node.handle(0, Event::Message { from: NodeId(0), message }, &mut actions);
+        assert_eq!(
+            actions,
+            vec![Action::Send { to: NodeId(0), message: Message::Stale { epoch: 5 } }],
+            "an older epoch gets Stale and nothing else: no write, no acknowledgement"
+        );
+    }
+    // The same entry under the node's own epoch is applied.
+    let mut actions = Vec::new();
+    let append = Message::Append {
+        epoch: 5,
+        stream: StreamId(1),
+        incarnation: 1,
+        seq: 1,
+        commit_op: 0,
+        entry: Entry { kind: EntryKind::Write { op: 2 }, lba: 0, blocks: vec![Some(block(1))] },
+    };
+    node.handle(0, Event::Message { from: NodeId(0), message: append }, &mut actions);
+    assert!(matches!(actions.as_slice(), [Action::StorageWrite { lba: 0, .. }]), "{actions:?}");
+}
+
+#[test]
+fn a_write_completes_only_after_the_laggard_is_removed() {
+    let mut cluster = Cluster::started(config());
+    // Node 2 stops answering, and node 0 cannot reach the store for now.
+    cluster.cut_link(0, 2);
+    cluster.store_cut.insert(0);
+    let write = cluster.write(0, 3, 7);
+    let cut_ms = cluster.now_ms;
+    cluster.run(200);
+    assert!(cluster.completion(write).is_none(), "node 2 never acknowledged and is still in sync");
+    assert!(cluster.state().in_sync.contains(&NodeId(2)));
+    // The store is reachable again (before the lease runs out): the laggard goes, then the
+    // write completes.
+    cluster.store_cut.clear();
+    let healed_ms = cluster.now_ms;
+    cluster.run(100);
+    let (done_ms, _, epoch, result) = cluster.completion(write).expect("completed").clone();
+    assert_eq!((epoch, result), (1, Ok(HostReply::Written)));
+    assert_eq!(cluster.state().in_sync, [NodeId(0), NodeId(1)].into_iter().collect());
+    assert!(done_ms > healed_ms && healed_ms > cut_ms, "not before the CAS that removed node 2");
+    assert_eq!(cluster.nodes[1].disk[3], Some(block(7)), "the in-sync replica holds it");
+    assert_eq!(cluster.nodes[2].disk[3], None);
+}
+
+#[test]
+fn a_deposed_primary_fails_its_pending_writes() {
+    let mut cluster = Cluster::started(config());
+    // Node 0 loses both replicas; its writes wait for acks it will never get.
+    cluster.cut_link(0, 1);
+    cluster.cut_link(0, 2);
+    let write = cluster.write(0, 4, 9);
+    cluster.run(20);
+    assert!(cluster.completion(write).is_none());
+    // Meanwhile a new epoch is created (as a manager would, once node 0's lease is gone; here by
+    // hand, so node 0 still believes it is primary).
+    let current = cluster.store.volume().clone();
+    let mut next = current.value.clone();
+    next.epoch = 2;
+    next.primary = Some(NodeId(1));
+    next.in_sync.remove(&NodeId(0));
+    let request = StoreRequest::Cas {
+        expected_version: current.version,
+        new: next,
+        require_live: None,
+        require_not_live: None,
+    };
+    assert!(matches!(cluster.store.handle(cluster.now_ms, &request), StoreReply::CasDone(_)));
+    // Node 0 times the replicas out; its CAS fails on the new epoch; it is deposed.
+    cluster.run(300);
+    let (_, _, epoch, result) = cluster.completion(write).expect("the write was answered").clone();
+    assert_eq!((epoch, result), (1, Err(HostError::NotPrimary)));
+    assert!(cluster.nodes[0].volume.epoch() >= 2);
+    assert_eq!(cluster.nodes[0].volume.serving_epoch(cluster.now_ms), None);
+    let late = cluster.write(0, 5, 1);
+    assert!(matches!(cluster.completion(late), Some((_, _, _, Err(HostError::NotPrimary)))));
+}
+
+/// Node 2 is cut off while `lbas` are written (one block each), then comes back.
+fn resync_after_writes(config: Config, lbas: &[u64]) -> Cluster {
+    let mut cluster = Cluster::started(config);
+    for lba in 10..14 {
+        cluster.write(0, lba, 1);
+    }
+    cluster.run(50);
+    cluster.cut_link(0, 2);
+    for (index, &lba) in lbas.iter().enumerate() {
+        cluster.write(0, lba, 2 + index as u8);
+        cluster.run(10);
+    }
+    cluster.run(300);
+    assert_eq!(cluster.state().in_sync, [NodeId(0), NodeId(1)].into_iter().collect());
+    assert!(cluster.completions.iter().all(|(_, _, _, result)| result.is_ok()));
+    cluster.heal();
+    cluster.run(500);
+    assert_eq!(cluster.state().in_sync.len(), 3, "node 2 is back in sync");
+    assert_eq!(cluster.nodes[2].disk, cluster.nodes[0].disk);
+    assert_eq!(cluster.nodes[1].disk, cluster.nodes[0].disk);
+    cluster
+}
+
+#[test]
+fn a_resync_copies_only_the_blocks_written_while_away() {
+    let lbas = [0, 3, 5, 6, 20];
+    let cluster = resync_after_writes(config(), &lbas);
+    let stats = cluster.nodes[0].volume.stats();
+    assert_eq!((stats.resyncs_started, stats.resyncs_full, stats.resyncs_completed), (1, 0, 1));
+    assert_eq!(stats.blocks_resynced, lbas.len() as u64);
+}
+
+#[test]
+fn a_resync_copies_everything_when_too_much_changed() {
+    let config = Config { dirty_lbas_max: 3, ..config() };
+    let volume_blocks = config.volume_blocks;
+    let cluster = resync_after_writes(config, &[0, 3, 5, 6, 20]);
+    let stats = cluster.nodes[0].volume.stats();
+    assert_eq!((stats.resyncs_started, stats.resyncs_full), (1, 1));
+    assert_eq!(stats.blocks_resynced, volume_blocks);
+}
+
+#[test]
+fn failover_reconciles_a_write_only_some_replicas_got() {
+    let mut cluster = Cluster::started(config());
+    cluster.write(0, 1, 1);
+    cluster.run(50);
+    // A write reaches node 1 only, then node 0 dies before it completes.
+    cluster.cut_link(0, 2);
+    let lost = cluster.write(0, 1, 2);
+    cluster.cut_link(0, 1);
+    cluster.store_cut.insert(0);
+    assert_eq!(cluster.nodes[1].disk[1], Some(block(2)));
+    assert_eq!(cluster.nodes[2].disk[1], Some(block(1)));
+    cluster.run(1_000);
+    let state = cluster.state();
+    assert!(state.epoch >= 2 && state.primary != Some(NodeId(0)), "{state:?}");
+    assert!(cluster.completion(lost).is_none_or(|(_, _, _, result)| result.is_err()));
+    // Whichever replica was promoted, both now hold the same version of block 1.
+    assert_eq!(cluster.nodes[1].disk[1], cluster.nodes[2].disk[1]);
+    let primary = state.primary.map(|node| node.0 as usize).expect("a primary");
+    assert!(cluster.nodes[primary].volume.stats().blocks_pushed >= 1);
+    // And the new primary serves it.
+    let read = cluster.host(primary, HostOp::Read { lba: 1, count: 1 });
+    let (_, _, _, result) = cluster.completion(read).expect("read").clone();
+    assert_eq!(result, Ok(HostReply::Read(vec![cluster.nodes[1].disk[1].clone()])));
+}

@@ -1,0 +1,117 @@
+//! Deterministic, seeded simulation of the replication protocol with network, node, disk and
+//! control-plane faults; every run is checked (see `sim/checker.rs`).
+//!
+//! `cargo test -p replication --test sim` runs `SEEDS_DEFAULT` seeds. Environment:
+//! - `FERRITE_SIM_SEED=N`: run only seed N, print its settings and a trace of the run.
+//! - `FERRITE_SIM_SEEDS=K`: run K seeds instead (from `FERRITE_SIM_SEED_START`, default 0).
+
+mod sim {
+    pub mod checker;
+    pub mod world;
+}
+
+use std::time::Instant;
+
+use replication::Stats;
+use sim::world::{add_stats, World};
+
+/// Seeds run by a plain `cargo test`, split over two tests so both cores work.
+const SEEDS_DEFAULT: u64 = 1000;
+
+fn env_u64(name: &str) -> Option<u64> {
+    let value = std::env::var(name).ok()?;
+    match value.parse() {
+        Ok(number) => Some(number),
+        Err(_) => panic!("{name}={value:?} is not a number"),
+    }
+}
+
+fn run_seed(seed: u64, trace: bool) -> Result<sim::world::Outcome, String> {
+    let run = std::panic::catch_unwind(|| World::new(seed, trace).run());
+    let outcome = match run {
+        Ok(outcome) => outcome,
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|text| text.to_string()))
+                .unwrap_or_default();
+            return Err(format!(
+                "seed {seed} panicked: {message}\nrerun: FERRITE_SIM_SEED={seed} cargo test -p replication --test sim -- --nocapture"
+            ));
+        }
+    };
+    if outcome.violations.is_empty() {
+        return Ok(outcome);
+    }
+    let mut report = format!(
+        "seed {seed} failed at {} ms: {}\nrerun: FERRITE_SIM_SEED={seed} cargo test -p replication --test sim -- --nocapture",
+        outcome.end_ms,
+        outcome.violations.join("\n  ")
+    );
+    if trace {
+        report.push_str("\ntrace (most recent last):\n");
+        let shown =
+            if std::env::var_os("FERRITE_SIM_PRINT_TRACE").is_some() { usize::MAX } else { 400 };
+        let tail = outcome.trace_tail.len().saturating_sub(shown);
+        report.push_str(&outcome.trace_tail[tail..].join("\n"));
+    }
+    Err(report)
+}
+
+fn run_range(part: u64, parts: u64) {
+    if let Some(seed) = env_u64("FERRITE_SIM_SEED") {
+        if part != 0 {
+            return;
+        }
+        let settings = World::new(seed, false).settings().clone();
+        println!("seed {seed}: {settings:#?}");
+        match run_seed(seed, true) {
+            Ok(outcome) if std::env::var_os("FERRITE_SIM_PRINT_TRACE").is_some() => {
+                println!("{}", outcome.trace_tail.join("\n"))
+            }
+            Ok(outcome) => println!(
+                "seed {seed} passed: {} writes completed, {} block reads checked, {} faults, \
+                 final epoch {}, ended at {} ms\n{:#?}",
+                outcome.writes_completed,
+                outcome.reads_checked,
+                outcome.faults,
+                outcome.final_epoch,
+                outcome.end_ms,
+                outcome.stats
+            ),
+            Err(report) => panic!("{report}"),
+        }
+        return;
+    }
+    let count = env_u64("FERRITE_SIM_SEEDS").unwrap_or(SEEDS_DEFAULT);
+    let start = env_u64("FERRITE_SIM_SEED_START").unwrap_or(0);
+    let begun = Instant::now();
+    let (mut writes, mut epochs, mut runs) = (0, 0, 0);
+    let mut stats = Stats::default();
+    for seed in (start..start + count).filter(|seed| seed % parts == part) {
+        match run_seed(seed, false) {
+            Ok(outcome) => {
+                writes += outcome.writes_completed;
+                add_stats(&mut stats, &outcome.stats);
+                epochs += outcome.final_epoch;
+                runs += 1;
+            }
+            Err(report) => panic!("{report}"),
+        }
+    }
+    println!(
+        "{runs} seeds passed in {:.1} s: {writes} writes completed, {epochs} epochs in all\n{stats:?}",
+        begun.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn sim_seeds_even() {
+    run_range(0, 2);
+}
+
+#[test]
+fn sim_seeds_odd() {
+    run_range(1, 2);
+}

@@ -1,0 +1,1100 @@
+//! The simulated cluster: nodes (a `VolumeNode` and a `LeaseKeeper` over a simulated disk),
+//! the control store (`MemStore`), the manager, one host, and a network between them, all
+//! driven by one event queue in simulated time and one seeded random generator, so a seed
+//! replays exactly.
+//!
+//! Faults injected: message loss, duplication, delay and reordering (delay spikes); partitions
+//! (one node from everyone, the primary from everyone but the host, the primary from the store
+//! only, the host from the primary, random splits); node crashes (in-flight messages and
+//! storage requests are lost; a random part of the in-flight writes reaches the disk; the disk
+//! and the persisted epoch survive) and restarts; manager crashes; disk write and read errors.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use replication::{
+    Action, BlockData, Config, Event, HostError, HostOp, HostOpId, HostReply, LeaseKeeper, Manager,
+    MemStore, Message, NodeId, Stats, StorageOpId, StorageResult, StoreReply, StoreRequest,
+    StoreRequestId, VolumeNode, VolumeState,
+};
+
+use super::checker::{encode, Checker, VALUE_BYTES};
+
+const NODE_TICK_MS: u64 = 10;
+/// Kinds of fault `World::inject_fault` knows.
+const FAULT_KINDS: u16 = 10;
+const FAULT_KINDS_ALL: u16 = (1 << FAULT_KINDS) - 1;
+const HOST_TICK_MS: u64 = 5;
+const MANAGER_TICK_MS: u64 = 20;
+const HOST_TIMEOUT_MS: u64 = 250;
+const HOST_RETRY_MS: u64 = 15;
+const TRACE_LINES_MAX: usize = 400_000;
+/// Simulated time allowed, after the faults stop, for the cluster to heal and settle.
+const QUIESCE_MS_MAX: u64 = 40_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Endpoint {
+    Node(usize),
+    Host,
+    Store,
+    Manager,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    Volume,
+    Lease,
+    /// One of the managers (two run at once in some runs: an old leader that has not noticed).
+    Manager(usize),
+}
+
+#[derive(Debug, Clone)]
+enum Payload {
+    Message(Message),
+    /// Host commands travel on a connection (one per node process, re-made after the host
+    /// gives up on it): like TCP, they are never duplicated, and a command still in flight on a
+    /// connection the host reset, or to a process that has since restarted, is lost.
+    HostRequest {
+        op: u64,
+        attempt: u32,
+        command: HostOp,
+        connection: u64,
+        incarnation: u64,
+    },
+    HostResponse {
+        op: u64,
+        attempt: u32,
+        result: Result<HostReply, HostError>,
+        connection: u64,
+    },
+    StoreRequest {
+        origin: Origin,
+        id: StoreRequestId,
+        request: StoreRequest,
+    },
+    StoreResponse {
+        origin: Origin,
+        id: StoreRequestId,
+        reply: StoreReply,
+    },
+}
+
+#[derive(Debug)]
+enum SimEvent {
+    NodeTick(usize),
+    HostTick,
+    ManagerTick(usize),
+    Deliver { from: Endpoint, to: Endpoint, payload: Payload },
+    StorageDone { node: usize, incarnation: u64, id: StorageOpId },
+    PersistDone { node: usize, incarnation: u64, epoch: u64 },
+    Fault,
+    Restart(usize),
+    ManagerRestart(usize),
+    Heal(u64),
+}
+
+#[derive(Debug)]
+enum DiskOp {
+    Write { lba: u64, blocks: Vec<BlockData> },
+    Read { lba: u64, count: u32 },
+}
+
+struct SimNode {
+    up: bool,
+    incarnation: u64,
+    persisted_epoch: u64,
+    disk: Vec<BlockData>,
+    disk_ops: BTreeMap<StorageOpId, DiskOp>,
+    persist_in_flight: Option<u64>,
+    volume: VolumeNode,
+    lease: LeaseKeeper,
+    disk_fault_until_ms: u64,
+    /// Host commands in flight here: id -> (host op, attempt, connection).
+    host_commands: BTreeMap<HostOpId, (u64, u32, u64)>,
+}
+
+#[derive(Debug, Clone)]
+enum Command {
+    Write { lba: u64, count: u64 },
+    Read { lba: u64, count: u32 },
+    Flush,
+}
+
+#[derive(Debug)]
+struct HostCommand {
+    command: Command,
+    attempt_sent_ms: Vec<u64>,
+    retry_at_ms: Option<u64>,
+    /// The node and connection the current attempt went to.
+    sent_on: Option<(usize, u64)>,
+}
+
+struct Partition {
+    /// Endpoint pairs that cannot talk (both directions).
+    blocked: BTreeSet<(Endpoint, Endpoint)>,
+}
+
+/// Per-seed settings, drawn from the seed.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub nodes: usize,
+    pub members: usize,
+    pub block_bytes: usize,
+    pub host_depth: usize,
+    pub fault_ms: u64,
+    pub drop_probability: f64,
+    pub duplicate_probability: f64,
+    pub spike_probability: f64,
+    /// Which kinds of fault this run injects (a bit per kind of `World::inject_fault`), so
+    /// some runs hammer one kind.
+    pub fault_kinds: u16,
+    /// Extra delay of each node's outgoing messages, so one replica lags the other.
+    pub node_delay_ms: Vec<u64>,
+    /// How often the host gives up a write that failed instead of retrying it, so the blocks of
+    /// writes in flight at a failover stay as the failover left them.
+    pub abandon_probability: f64,
+    /// Managers running at once.
+    pub managers: usize,
+    pub config: Config,
+}
+
+impl Settings {
+    pub fn draw(rng: &mut StdRng) -> Settings {
+        let volume_blocks = [64, 128, 256][rng.random_range(0..3)];
+        let small = rng.random_bool(0.3);
+        let config = Config {
+            volume_blocks,
+            block_size_bytes: 32,
+            lease_ms: 400,
+            keepalive_interval_ms: 100,
+            store_poll_ms: 50,
+            store_timeout_ms: 150,
+            heartbeat_ms: 30,
+            retransmit_ms: 40,
+            ack_timeout_ms: 150,
+            hello_interval_ms: 100,
+            copy_blocks_per_tick: rng.random_range(1..=16),
+            dirty_lbas_max: if small { rng.random_range(2..=8) } else { 1024 },
+            divergence_lbas_max: if small { rng.random_range(2..=8) } else { 1024 },
+            grace_ms: rng.random_range(500..=3000),
+        };
+        let nodes = rng.random_range(3..=4);
+        let fault_kinds = match rng.random_range(0..4) {
+            0 => FAULT_KINDS_ALL,
+            1 => 1 << rng.random_range(0..FAULT_KINDS),
+            _ => rng.random_range(1..=FAULT_KINDS_ALL),
+        };
+        let node_delay_ms = (0..nodes)
+            .map(|_| if rng.random_bool(0.3) { rng.random_range(0..=8) } else { 0 })
+            .collect();
+        let abandon_probability =
+            if rng.random_bool(0.7) { rng.random_range(0.2..0.9) } else { 0.0 };
+        let managers = if rng.random_bool(0.2) { 2 } else { 1 };
+        Settings {
+            nodes,
+            managers,
+            abandon_probability,
+            fault_kinds,
+            node_delay_ms,
+            members: 3,
+            block_bytes: 32,
+            host_depth: rng.random_range(1..=8),
+            fault_ms: rng.random_range(2000..=5000),
+            drop_probability: rng.random_range(0.0..0.05),
+            duplicate_probability: rng.random_range(0.0..0.03),
+            spike_probability: rng.random_range(0.0..0.05),
+            config,
+        }
+    }
+}
+
+/// What a run found, for the report.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub violations: Vec<String>,
+    pub writes_completed: u64,
+    pub reads_checked: u64,
+    pub final_epoch: u64,
+    pub end_ms: u64,
+    pub faults: u64,
+    pub stats: Stats,
+    pub trace_tail: Vec<String>,
+}
+
+/// Adds `more` to `total`, counter by counter.
+pub fn add_stats(total: &mut Stats, more: &Stats) {
+    total.terms_started += more.terms_started;
+    total.terms_ended += more.terms_ended;
+    total.writes_completed += more.writes_completed;
+    total.writes_failed += more.writes_failed;
+    total.replicas_removed += more.replicas_removed;
+    total.resyncs_started += more.resyncs_started;
+    total.resyncs_full += more.resyncs_full;
+    total.resyncs_completed += more.resyncs_completed;
+    total.blocks_resynced += more.blocks_resynced;
+    total.blocks_pushed += more.blocks_pushed;
+    total.reconciled_full += more.reconciled_full;
+}
+
+pub struct World {
+    rng: StdRng,
+    now_ms: u64,
+    queue: BTreeMap<(u64, u64), SimEvent>,
+    next_event: u64,
+    settings: Settings,
+    nodes: Vec<SimNode>,
+    store: MemStore,
+    managers: Vec<Option<Manager>>,
+    host: BTreeMap<u64, HostCommand>,
+    next_host_op: u64,
+    next_host_command: u64,
+    host_issuing: bool,
+    /// The host's current connection to each node.
+    host_connections: Vec<u64>,
+    partitions: BTreeMap<u64, Partition>,
+    next_partition: u64,
+    faults_on: bool,
+    faults: u64,
+    /// Counters of node processes that have ended.
+    stats: Stats,
+    checker: Checker,
+    trace: Option<Vec<String>>,
+    trace_all: bool,
+}
+
+impl World {
+    pub fn new(seed: u64, trace: bool) -> World {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let settings = Settings::draw(&mut rng);
+        let settings_nodes = settings.nodes;
+        let settings_managers = settings.managers;
+        let config = &settings.config;
+        let members: BTreeSet<NodeId> = (0..settings.members as u32).map(NodeId).collect();
+        let initial = VolumeState {
+            epoch: 0,
+            primary: None,
+            primary_lease: replication::LeaseId::NONE,
+            in_sync: members.clone(),
+            members,
+        };
+        let nodes = (0..settings.nodes)
+            .map(|index| SimNode {
+                up: true,
+                incarnation: 1,
+                persisted_epoch: 0,
+                disk: vec![None; config.volume_blocks as usize],
+                disk_ops: BTreeMap::new(),
+                persist_in_flight: None,
+                volume: VolumeNode::new(config.clone(), NodeId(index as u32), 1, 0),
+                lease: LeaseKeeper::new(NodeId(index as u32), 1, config),
+                disk_fault_until_ms: 0,
+                host_commands: BTreeMap::new(),
+            })
+            .collect();
+        let mut world = World {
+            rng,
+            now_ms: 0,
+            queue: BTreeMap::new(),
+            next_event: 0,
+            store: MemStore::new(initial, config.lease_ms),
+            managers: (0..settings_managers).map(|_| Some(Manager::new(config))).collect(),
+            settings,
+            nodes,
+            host: BTreeMap::new(),
+            next_host_op: 1,
+            next_host_command: 1,
+            host_issuing: true,
+            host_connections: vec![1; settings_nodes],
+            partitions: BTreeMap::new(),
+            next_partition: 1,
+            faults_on: true,
+            faults: 0,
+            stats: Stats::default(),
+            checker: Checker::default(),
+            trace: trace.then(Vec::new),
+            trace_all: std::env::var_os("FERRITE_SIM_TRACE_ALL").is_some(),
+        };
+        for node in 0..world.nodes.len() {
+            world.schedule(node as u64 % NODE_TICK_MS, SimEvent::NodeTick(node));
+        }
+        world.schedule(1, SimEvent::HostTick);
+        for manager in 0..world.managers.len() {
+            world.schedule(3 + manager as u64 * 7, SimEvent::ManagerTick(manager));
+        }
+        world.schedule(500, SimEvent::Fault);
+        world
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    fn schedule(&mut self, delay_ms: u64, event: SimEvent) {
+        self.next_event += 1;
+        self.queue.insert((self.now_ms + delay_ms, self.next_event), event);
+    }
+
+    fn log(&mut self, line: impl FnOnce() -> String) {
+        if let Some(trace) = &mut self.trace {
+            if trace.len() == TRACE_LINES_MAX {
+                trace.drain(..TRACE_LINES_MAX / 2);
+            }
+            let line = line();
+            trace.push(format!("{:>6} {line}", self.now_ms));
+        }
+    }
+
+    /// Runs the faulty phase, then heals and waits for the cluster to settle, then checks.
+    pub fn run(mut self) -> Outcome {
+        let fault_end_ms = self.settings.fault_ms;
+        while self.now_ms < fault_end_ms {
+            self.step();
+            if !self.checker.violations.is_empty() {
+                return self.finish();
+            }
+        }
+        self.heal_everything();
+        let deadline_ms = fault_end_ms + QUIESCE_MS_MAX;
+        let mut settled_since: Option<u64> = None;
+        while self.now_ms < deadline_ms {
+            self.step();
+            if !self.checker.violations.is_empty() {
+                return self.finish();
+            }
+            if self.settled() {
+                let since = *settled_since.get_or_insert(self.now_ms);
+                if self.now_ms >= since + 300 {
+                    self.final_checks();
+                    return self.finish();
+                }
+            } else {
+                settled_since = None;
+            }
+        }
+        let state = self.store.volume().value.clone();
+        let pending: Vec<_> =
+            self.host.iter().map(|(op, cmd)| (op, &cmd.command)).take(5).collect();
+        let problem = format!(
+            "the cluster did not settle within {QUIESCE_MS_MAX} ms of healing: store {state:?}, \
+             host commands pending {} (first {pending:?})",
+            self.host.len()
+        );
+        self.checker.violations.push(problem);
+        self.finish()
+    }
+
+    fn finish(mut self) -> Outcome {
+        for node in &self.nodes {
+            add_stats(&mut self.stats, node.volume.stats());
+        }
+        Outcome {
+            stats: self.stats,
+            violations: self.checker.violations,
+            writes_completed: self.checker.writes_completed,
+            reads_checked: self.checker.reads_checked,
+            final_epoch: self.store.volume().value.epoch,
+            end_ms: self.now_ms,
+            faults: self.faults,
+            trace_tail: self.trace.unwrap_or_default(),
+        }
+    }
+
+    /// Nothing left to do: no host command pending, every member in sync, a primary serving.
+    fn settled(&self) -> bool {
+        let state = &self.store.volume().value;
+        let Some(primary) = state.primary else { return false };
+        let node = &self.nodes[primary.0 as usize];
+        self.host.is_empty()
+            && state.in_sync == state.members
+            && node.up
+            && node.volume.serving_epoch(self.now_ms) == Some(state.epoch)
+            && self.nodes.iter().all(|node| node.disk_ops.is_empty())
+    }
+
+    fn final_checks(&mut self) {
+        let state = self.store.volume().value.clone();
+        let Some(primary) = state.primary else { return };
+        let reference = self.nodes[primary.0 as usize].disk.clone();
+        for (lba, block) in reference.iter().enumerate() {
+            self.checker.check_read(lba as u64, block, self.now_ms, self.now_ms);
+        }
+        for member in &state.in_sync {
+            let disk = &self.nodes[member.0 as usize].disk;
+            let differing: Vec<usize> =
+                (0..disk.len()).filter(|&lba| disk[lba] != reference[lba]).take(8).collect();
+            if !differing.is_empty() {
+                self.checker.violations.push(format!(
+                    "in-sync replica {member} differs from primary {primary} at blocks {differing:?}"
+                ));
+            }
+        }
+    }
+
+    fn heal_everything(&mut self) {
+        self.log(|| "faults stop: heal partitions, restart nodes and manager".into());
+        self.faults_on = false;
+        self.host_issuing = false;
+        self.partitions.clear();
+        self.settings.drop_probability = 0.0;
+        self.settings.duplicate_probability = 0.0;
+        self.settings.spike_probability = 0.0;
+        for node in 0..self.nodes.len() {
+            self.nodes[node].disk_fault_until_ms = 0;
+            if !self.nodes[node].up {
+                self.schedule(1, SimEvent::Restart(node));
+            }
+        }
+        for manager in 0..self.managers.len() {
+            if self.managers[manager].is_none() {
+                self.schedule(1, SimEvent::ManagerRestart(manager));
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        let Some(((at_ms, _), event)) = self.queue.pop_first() else {
+            unreachable!("ticks keep the queue non-empty");
+        };
+        assert!(at_ms >= self.now_ms, "time never goes back");
+        self.now_ms = at_ms;
+        match event {
+            SimEvent::NodeTick(node) => {
+                self.schedule(NODE_TICK_MS, SimEvent::NodeTick(node));
+                if self.nodes[node].up && self.nodes[node].volume.latched() {
+                    // The operator's answer to a failed drive: replace it, restart the process.
+                    self.log(|| format!("n{node} is latched: restart it"));
+                    self.crash(node);
+                }
+                if self.nodes[node].up {
+                    if let Some(call) = self.nodes[node].lease.tick(self.now_ms) {
+                        let payload = Payload::StoreRequest {
+                            origin: Origin::Lease,
+                            id: call.id,
+                            request: call.request,
+                        };
+                        self.send(Endpoint::Node(node), Endpoint::Store, payload);
+                    }
+                    self.node_event(node, Event::Tick);
+                }
+            }
+            SimEvent::HostTick => {
+                self.schedule(HOST_TICK_MS, SimEvent::HostTick);
+                self.host_tick();
+            }
+            SimEvent::ManagerTick(manager) => {
+                self.schedule(MANAGER_TICK_MS, SimEvent::ManagerTick(manager));
+                let now_ms = self.now_ms;
+                let call = self.managers[manager].as_mut().and_then(|manager| manager.tick(now_ms));
+                if let Some(call) = call {
+                    let payload = Payload::StoreRequest {
+                        origin: Origin::Manager(manager),
+                        id: call.id,
+                        request: call.request,
+                    };
+                    self.send(Endpoint::Manager, Endpoint::Store, payload);
+                }
+            }
+            SimEvent::Deliver { from, to, payload } => self.deliver(from, to, payload),
+            SimEvent::StorageDone { node, incarnation, id } => {
+                self.storage_done(node, incarnation, id)
+            }
+            SimEvent::PersistDone { node, incarnation, epoch } => {
+                let sim = &mut self.nodes[node];
+                if sim.up && sim.incarnation == incarnation {
+                    sim.persist_in_flight = None;
+                    sim.persisted_epoch = sim.persisted_epoch.max(epoch);
+                    self.node_event(node, Event::EpochPersisted { epoch });
+                }
+            }
+            SimEvent::Fault => {
+                if self.faults_on {
+                    self.inject_fault();
+                    let next = self.rng.random_range(200..900);
+                    self.schedule(next, SimEvent::Fault);
+                }
+            }
+            SimEvent::Restart(node) => self.restart(node),
+            SimEvent::ManagerRestart(manager) => {
+                if self.managers[manager].is_none() {
+                    self.log(|| format!("manager {manager} restarts"));
+                    self.managers[manager] = Some(Manager::new(&self.settings.config));
+                }
+            }
+            SimEvent::Heal(partition) => {
+                if self.partitions.remove(&partition).is_some() {
+                    self.log(|| format!("partition {partition} heals"));
+                }
+            }
+        }
+    }
+
+    fn blocked(&self, from: Endpoint, to: Endpoint) -> bool {
+        let pair = (from.min(to), from.max(to));
+        self.partitions.values().any(|partition| partition.blocked.contains(&pair))
+    }
+
+    fn send(&mut self, from: Endpoint, to: Endpoint, payload: Payload) {
+        let manager_link = from == Endpoint::Manager || to == Endpoint::Manager;
+        let host_link = from == Endpoint::Host || to == Endpoint::Host;
+        if !manager_link && self.rng.random_bool(self.settings.drop_probability) {
+            return;
+        }
+        let duplicate = !manager_link
+            && !host_link
+            && self.rng.random_bool(self.settings.duplicate_probability);
+        let copies = if duplicate { 2 } else { 1 };
+        let lag_ms = match from {
+            Endpoint::Node(node) => self.settings.node_delay_ms[node],
+            _ => 0,
+        };
+        for _ in 0..copies {
+            let mut delay_ms = self.rng.random_range(1..=4) + lag_ms;
+            if self.rng.random_bool(self.settings.spike_probability) {
+                delay_ms += self.rng.random_range(10..=120);
+            }
+            let payload = payload.clone();
+            self.schedule(delay_ms, SimEvent::Deliver { from, to, payload });
+        }
+    }
+
+    fn deliver(&mut self, from: Endpoint, to: Endpoint, payload: Payload) {
+        // A partition that starts while a message is in flight stops it too.
+        if self.blocked(from, to) {
+            return;
+        }
+        match (to, payload) {
+            (Endpoint::Store, Payload::StoreRequest { origin, id, request }) => {
+                let before = self.store.volume().value.epoch;
+                let reply = self.store.handle(self.now_ms, &request);
+                let after = self.store.volume().value.epoch;
+                if after != before {
+                    let primary = self.store.volume().value.primary;
+                    self.log(|| format!("store: epoch {before} -> {after}, primary {primary:?}"));
+                    if self.trace.is_some() {
+                        let state = self.store.volume().value.clone();
+                        if let Some(primary) = state.primary {
+                            for member in &state.in_sync {
+                                let (a, b) = (
+                                    &self.nodes[primary.0 as usize].disk,
+                                    &self.nodes[member.0 as usize].disk,
+                                );
+                                let differing: Vec<usize> =
+                                    (0..a.len()).filter(|&lba| a[lba] != b[lba]).collect();
+                                self.log(|| format!("at promotion, {member} differs from {primary} at {differing:?}"));
+                            }
+                        }
+                    }
+                }
+                if let StoreReply::CasDone(state) = &reply {
+                    self.log(|| format!("store: {from:?} set {state:?}"));
+                }
+                self.send(Endpoint::Store, from, Payload::StoreResponse { origin, id, reply });
+            }
+            (
+                Endpoint::Manager,
+                Payload::StoreResponse { id, reply, origin: Origin::Manager(manager) },
+            ) => {
+                let now_ms = self.now_ms;
+                let call = self.managers[manager]
+                    .as_mut()
+                    .and_then(|state| state.on_reply(now_ms, id, &reply));
+                if let Some(call) = call {
+                    self.log(|| format!("manager: {:?}", call.request));
+                    let payload = Payload::StoreRequest {
+                        origin: Origin::Manager(manager),
+                        id: call.id,
+                        request: call.request,
+                    };
+                    self.send(Endpoint::Manager, Endpoint::Store, payload);
+                }
+            }
+            (Endpoint::Node(node), payload) => {
+                if !self.nodes[node].up {
+                    return;
+                }
+                match payload {
+                    Payload::Message(message) => {
+                        let Endpoint::Node(sender) = from else { return };
+                        let routine =
+                            matches!(message, Message::Heartbeat { .. } | Message::Ack { .. });
+                        if !routine || self.trace_all {
+                            self.log(|| format!("n{sender} -> n{node}: {}", short(&message)));
+                        }
+                        let event = Event::Message { from: NodeId(sender as u32), message };
+                        self.node_event(node, event);
+                    }
+                    Payload::StoreResponse { origin: Origin::Lease, id, reply } => {
+                        if let Some(status) = self.nodes[node].lease.on_reply(id, &reply) {
+                            self.node_event(node, Event::Lease(status));
+                        }
+                    }
+                    Payload::StoreResponse { origin: _, id, reply } => {
+                        self.node_event(node, Event::Store { id, reply });
+                    }
+                    Payload::HostRequest { op, attempt, command, connection, incarnation } => {
+                        if connection != self.host_connections[node]
+                            || incarnation != self.nodes[node].incarnation
+                        {
+                            return;
+                        }
+                        self.log(|| format!("n{node}: host {op}.{attempt} {}", brief_op(&command)));
+                        let id = HostOpId(self.next_host_command);
+                        self.next_host_command += 1;
+                        self.nodes[node].host_commands.insert(id, (op, attempt, connection));
+                        self.node_event(node, Event::Host { id, op: command });
+                    }
+                    _ => {}
+                }
+            }
+            (Endpoint::Host, Payload::HostResponse { op, attempt, result, connection }) => {
+                let Endpoint::Node(node) = from else { return };
+                if connection == self.host_connections[node] {
+                    self.host_response(op, attempt, result);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn node_event(&mut self, node: usize, event: Event) {
+        let mut actions = Vec::new();
+        self.nodes[node].volume.handle(self.now_ms, event, &mut actions);
+        for action in actions {
+            self.node_action(node, action);
+        }
+    }
+
+    fn node_action(&mut self, node: usize, action: Action) {
+        match action {
+            Action::Send { to, message } => {
+                let payload = Payload::Message(message);
+                self.send(Endpoint::Node(node), Endpoint::Node(to.0 as usize), payload);
+            }
+            Action::StorageWrite { id, lba, blocks } => {
+                self.log(|| {
+                    format!("n{node}: disk write {} at {lba}: {}", id.0, describe(lba, &blocks))
+                });
+                self.nodes[node].disk_ops.insert(id, DiskOp::Write { lba, blocks });
+                self.schedule_storage(node, id);
+            }
+            Action::StorageRead { id, lba, count } => {
+                self.nodes[node].disk_ops.insert(id, DiskOp::Read { lba, count });
+                self.schedule_storage(node, id);
+            }
+            Action::PersistEpoch { epoch } => {
+                let sim = &mut self.nodes[node];
+                sim.persist_in_flight = Some(epoch);
+                let incarnation = sim.incarnation;
+                let delay_ms = self.rng.random_range(1..=3);
+                self.schedule(delay_ms, SimEvent::PersistDone { node, incarnation, epoch });
+            }
+            Action::Store { id, request } => {
+                let payload = Payload::StoreRequest { origin: Origin::Volume, id, request };
+                self.send(Endpoint::Node(node), Endpoint::Store, payload);
+            }
+            Action::CompleteHost { id, epoch, result } => {
+                let host_op = self.nodes[node].host_commands.get(&id).copied();
+                self.log(|| {
+                    format!(
+                        "n{node}: host {host_op:?} done under epoch {epoch}: {}",
+                        brief(&result)
+                    )
+                });
+                if result.is_ok() {
+                    let store_epoch = self.store.volume().value.epoch;
+                    self.checker.node_completed(self.now_ms, node, epoch, store_epoch);
+                }
+                if let Some((op, attempt, connection)) = self.nodes[node].host_commands.remove(&id)
+                {
+                    let payload = Payload::HostResponse { op, attempt, result, connection };
+                    self.send(Endpoint::Node(node), Endpoint::Host, payload);
+                }
+            }
+        }
+    }
+
+    fn schedule_storage(&mut self, node: usize, id: StorageOpId) {
+        let mut delay_ms = self.rng.random_range(1..=3);
+        if self.rng.random_bool(0.02) {
+            delay_ms += self.rng.random_range(5..=40);
+        }
+        let incarnation = self.nodes[node].incarnation;
+        self.schedule(delay_ms, SimEvent::StorageDone { node, incarnation, id });
+    }
+
+    fn storage_done(&mut self, node: usize, incarnation: u64, id: StorageOpId) {
+        let faulty =
+            self.nodes[node].disk_fault_until_ms > self.now_ms && self.rng.random_bool(0.3);
+        let sim = &mut self.nodes[node];
+        if !sim.up || sim.incarnation != incarnation {
+            return;
+        }
+        let Some(op) = sim.disk_ops.remove(&id) else { return };
+        let result = match op {
+            DiskOp::Write { lba, blocks } => {
+                for (index, block) in blocks.into_iter().enumerate() {
+                    // A failed write may have reached the disk in part.
+                    if !faulty || self.rng.random_bool(0.5) {
+                        sim.disk[lba as usize + index] = block;
+                    }
+                }
+                if faulty {
+                    StorageResult::Failed
+                } else {
+                    StorageResult::Written
+                }
+            }
+            DiskOp::Read { lba, count } => {
+                if faulty {
+                    StorageResult::Failed
+                } else {
+                    let range = lba as usize..lba as usize + count as usize;
+                    StorageResult::Read(sim.disk[range].to_vec())
+                }
+            }
+        };
+        self.log(|| format!("n{node}: disk op {} done, failed: {faulty}", id.0));
+        self.node_event(node, Event::Storage { id, result });
+    }
+
+    fn crash(&mut self, node: usize) {
+        if !self.nodes[node].up {
+            return;
+        }
+        self.log(|| format!("n{node} crashes"));
+        add_stats(&mut self.stats, self.nodes[node].volume.stats());
+        // A machine that loses power loses what it had not sent yet: each message of its still
+        // in flight is lost or not.
+        let unsent: Vec<(u64, u64)> = self
+            .queue
+            .iter()
+            .filter(|(_, event)| matches!(event, SimEvent::Deliver { from: Endpoint::Node(from), .. } if *from == node))
+            .map(|(&key, _)| key)
+            .collect();
+        for key in unsent {
+            if self.rng.random_bool(0.5) {
+                self.queue.remove(&key);
+            }
+        }
+        let sim = &mut self.nodes[node];
+        sim.up = false;
+        // Writes in flight reach the disk or not, block by block.
+        for (_, op) in std::mem::take(&mut sim.disk_ops) {
+            if let DiskOp::Write { lba, blocks } = op {
+                for (index, block) in blocks.into_iter().enumerate() {
+                    if self.rng.random_bool(0.5) {
+                        sim.disk[lba as usize + index] = block;
+                    }
+                }
+            }
+        }
+        if let Some(epoch) = sim.persist_in_flight.take() {
+            if self.rng.random_bool(0.5) {
+                sim.persisted_epoch = sim.persisted_epoch.max(epoch);
+            }
+        }
+        sim.host_commands.clear();
+        let down_ms = self.rng.random_range(50..1500);
+        self.schedule(down_ms, SimEvent::Restart(node));
+    }
+
+    fn restart(&mut self, node: usize) {
+        let config = self.settings.config.clone();
+        let sim = &mut self.nodes[node];
+        if sim.up {
+            return;
+        }
+        sim.up = true;
+        sim.incarnation += 1;
+        sim.disk_fault_until_ms = 0;
+        let id = NodeId(node as u32);
+        sim.volume = VolumeNode::new(config.clone(), id, sim.incarnation, sim.persisted_epoch);
+        sim.lease = LeaseKeeper::new(id, sim.incarnation, &config);
+        let (incarnation, epoch) = (sim.incarnation, sim.persisted_epoch);
+        self.log(|| format!("n{node} restarts (incarnation {incarnation}, epoch {epoch})"));
+    }
+
+    fn partition(&mut self, blocked: BTreeSet<(Endpoint, Endpoint)>, what: String) {
+        let id = self.next_partition;
+        self.next_partition += 1;
+        self.log(|| format!("partition {id}: {what}"));
+        self.partitions.insert(id, Partition { blocked });
+        let heal_ms = self.rng.random_range(100..1500);
+        self.schedule(heal_ms, SimEvent::Heal(id));
+    }
+
+    fn endpoints(&self) -> Vec<Endpoint> {
+        let mut all: Vec<Endpoint> = (0..self.nodes.len()).map(Endpoint::Node).collect();
+        all.push(Endpoint::Host);
+        all.push(Endpoint::Store);
+        all
+    }
+
+    /// Cuts `node` off from every endpoint except those in `keep`.
+    fn isolate(&mut self, node: usize, keep: &[Endpoint], what: &str) {
+        let me = Endpoint::Node(node);
+        let blocked = self
+            .endpoints()
+            .into_iter()
+            .filter(|other| *other != me && !keep.contains(other))
+            .map(|other| (me.min(other), me.max(other)))
+            .collect();
+        self.partition(blocked, format!("{what} n{node}"));
+    }
+
+    fn inject_fault(&mut self) {
+        self.faults += 1;
+        let nodes = self.nodes.len();
+        let primary = self.store.volume().value.primary.map(|node| node.0 as usize);
+        let random_node = self.rng.random_range(0..nodes);
+        let target = primary.unwrap_or(random_node);
+        let forced = std::env::var("FERRITE_SIM_FAULTS").ok().and_then(|mask| mask.parse().ok());
+        let kinds = forced.unwrap_or(self.settings.fault_kinds);
+        let allowed: Vec<u16> = (0..FAULT_KINDS).filter(|kind| kinds & (1 << kind) != 0).collect();
+        let kind = allowed[self.rng.random_range(0..allowed.len())];
+        match kind {
+            0 => self.crash(random_node),
+            1 => self.crash(target),
+            2 => self.isolate(target, &[Endpoint::Host], "cut off all but the host:"),
+            3 => {
+                let me = Endpoint::Node(target);
+                let blocked = [(me.min(Endpoint::Store), me.max(Endpoint::Store))].into();
+                self.partition(blocked, format!("n{target} from the store"));
+            }
+            4 => self.isolate(random_node, &[], "cut off completely:"),
+            5 => {
+                let endpoints = self.endpoints();
+                let side: Vec<bool> = endpoints.iter().map(|_| self.rng.random_bool(0.5)).collect();
+                let mut blocked = BTreeSet::new();
+                for (a, &x) in endpoints.iter().enumerate() {
+                    for (b, &y) in endpoints.iter().enumerate() {
+                        if a < b && side[a] != side[b] {
+                            blocked.insert((x.min(y), x.max(y)));
+                        }
+                    }
+                }
+                self.partition(blocked, format!("split {endpoints:?} by {side:?}"));
+            }
+            6 => {
+                let until_ms = self.now_ms + self.rng.random_range(20..300);
+                self.nodes[random_node].disk_fault_until_ms = until_ms;
+                self.log(|| format!("n{random_node}: disk faults until {until_ms}"));
+            }
+            7 => {
+                let manager = self.rng.random_range(0..self.managers.len());
+                if self.managers[manager].take().is_some() {
+                    self.log(|| format!("manager {manager} crashes"));
+                    let down_ms = self.rng.random_range(100..1500);
+                    self.schedule(down_ms, SimEvent::ManagerRestart(manager));
+                }
+            }
+            8 => {
+                let me = Endpoint::Node(target);
+                let blocked = [(me.min(Endpoint::Host), me.max(Endpoint::Host))].into();
+                self.partition(blocked, format!("the host from n{target}"));
+            }
+            _ => {
+                let until_ms = self.now_ms + self.rng.random_range(20..300);
+                self.nodes[target].disk_fault_until_ms = until_ms;
+                self.log(|| format!("n{target} (primary): disk faults until {until_ms}"));
+            }
+        }
+    }
+
+    fn host_tick(&mut self) {
+        let now_ms = self.now_ms;
+        // A command without an answer for too long: reset its connection (which loses every
+        // command still on it) and send them all again.
+        let timed_out: Vec<(usize, u64)> = self
+            .host
+            .values()
+            .filter(|command| command.retry_at_ms.is_none())
+            .filter(|command| {
+                command.attempt_sent_ms.last().is_some_and(|sent| sent + HOST_TIMEOUT_MS <= now_ms)
+            })
+            .filter_map(|command| command.sent_on)
+            .collect();
+        for (node, connection) in timed_out {
+            if self.host_connections[node] == connection {
+                self.host_connections[node] += 1;
+                self.log(|| format!("host resets its connection to n{node}"));
+                for command in self.host.values_mut() {
+                    if command.sent_on == Some((node, connection)) && command.retry_at_ms.is_none()
+                    {
+                        command.retry_at_ms = Some(now_ms);
+                    }
+                }
+            }
+        }
+        let due: Vec<u64> = self
+            .host
+            .iter()
+            .filter(|(_, command)| command.retry_at_ms.is_some_and(|at| at <= now_ms))
+            .map(|(&op, _)| op)
+            .collect();
+        for op in due {
+            self.host_send(op);
+        }
+        let volume_blocks = self.settings.config.volume_blocks;
+        if self.host_issuing && self.host.len() < self.settings.host_depth {
+            let hot = self.rng.random_bool(0.3);
+            let lba = if hot {
+                self.rng.random_range(0..8)
+            } else {
+                self.rng.random_range(0..volume_blocks)
+            };
+            let count = self.rng.random_range(1..=3u64).min(volume_blocks - lba);
+            let command = match self.rng.random_range(0..20) {
+                0 => Command::Flush,
+                1..=7 => Command::Read { lba, count: count as u32 },
+                _ => Command::Write { lba, count },
+            };
+            let op = self.next_host_op;
+            self.next_host_op += 1;
+            if let Command::Write { lba, count } = command {
+                self.checker.write_issued(op, lba..lba + count, now_ms);
+            }
+            let command = HostCommand {
+                command,
+                attempt_sent_ms: Vec::new(),
+                retry_at_ms: None,
+                sent_on: None,
+            };
+            self.host.insert(op, command);
+            self.host_send(op);
+        }
+    }
+
+    /// Sends (or re-sends) a command to the primary the store names now.
+    fn host_send(&mut self, op: u64) {
+        let Some(command) = self.host.get(&op) else { return };
+        let retry = !command.attempt_sent_ms.is_empty();
+        if retry
+            && self.host_issuing
+            && matches!(command.command, Command::Write { .. })
+            && self.rng.random_bool(self.settings.abandon_probability)
+        {
+            // It stays a write that never completed: its value may show up at any time.
+            self.log(|| format!("host abandons write {op}"));
+            self.host.remove(&op);
+            return;
+        }
+        let Some(command) = self.host.get_mut(&op) else { return };
+        let Some(primary) = self.store.volume().value.primary else {
+            command.retry_at_ms = Some(self.now_ms + HOST_RETRY_MS);
+            return;
+        };
+        let node = primary.0 as usize;
+        let connection = self.host_connections[node];
+        let incarnation = self.nodes[node].incarnation;
+        command.sent_on = Some((node, connection));
+        command.retry_at_ms = None;
+        command.attempt_sent_ms.push(self.now_ms);
+        let attempt = command.attempt_sent_ms.len() as u32 - 1;
+        let block_bytes = self.settings.block_bytes;
+        let payload = match command.command {
+            Command::Flush => HostOp::Flush,
+            Command::Read { lba, count } => HostOp::Read { lba, count },
+            Command::Write { lba, count } => HostOp::Write {
+                lba,
+                blocks: (lba..lba + count)
+                    .map(|block| Arc::<[u8]>::from(encode(block, op, block_bytes)))
+                    .collect(),
+            },
+        };
+        let payload =
+            Payload::HostRequest { op, attempt, command: payload, connection, incarnation };
+        self.send(Endpoint::Host, Endpoint::Node(node), payload);
+    }
+
+    fn host_response(&mut self, op: u64, attempt: u32, result: Result<HostReply, HostError>) {
+        let Some(command) = self.host.get_mut(&op) else { return };
+        let now_ms = self.now_ms;
+        match result {
+            Ok(reply) => {
+                let sent_ms = command.attempt_sent_ms[attempt as usize];
+                let command = command.command.clone();
+                self.host.remove(&op);
+                match (command, reply) {
+                    (Command::Write { lba, count }, HostReply::Written) => {
+                        self.checker.write_completed(op, lba..lba + count, now_ms);
+                    }
+                    (Command::Read { lba, count }, HostReply::Read(blocks)) => {
+                        if blocks.len() != count as usize {
+                            self.checker
+                                .violations
+                                .push(format!("read of {count} blocks got {}", blocks.len()));
+                        }
+                        for (index, block) in blocks.iter().enumerate() {
+                            self.checker.check_read(lba + index as u64, block, sent_ms, now_ms);
+                        }
+                    }
+                    (Command::Flush, HostReply::Flushed) => {}
+                    (command, reply) => {
+                        self.checker.violations.push(format!("{command:?} answered with {reply:?}"))
+                    }
+                }
+            }
+            Err(HostError::NotPrimary | HostError::Busy) => {
+                if attempt as usize + 1 == command.attempt_sent_ms.len() {
+                    command.retry_at_ms = Some(now_ms + HOST_RETRY_MS);
+                }
+            }
+            Err(error) => {
+                self.checker.violations.push(format!("host command {op} failed: {error}"))
+            }
+        }
+    }
+}
+
+fn short(message: &Message) -> String {
+    let mut text = String::new();
+    match message {
+        Message::Append { epoch, stream, seq, commit_op, entry, .. } => {
+            let _ = write!(
+                text,
+                "Append e{epoch} s{} #{seq} c{commit_op} {:?} lba {}+{}",
+                stream.0,
+                entry.kind,
+                entry.lba,
+                entry.blocks.len()
+            );
+        }
+        other => {
+            let _ = write!(text, "{other:?}");
+        }
+    }
+    text
+}
+
+const _: () = assert!(VALUE_BYTES <= 32);
+
+fn describe(lba: u64, blocks: &[BlockData]) -> String {
+    let ids: Vec<String> = blocks
+        .iter()
+        .enumerate()
+        .map(|(index, block)| match super::checker::decode(lba + index as u64, block) {
+            Ok(id) => format!("w{id}"),
+            Err(problem) => problem,
+        })
+        .collect();
+    ids.join(",")
+}
+
+fn brief(result: &Result<HostReply, HostError>) -> String {
+    match result {
+        Ok(HostReply::Read(blocks)) => format!("read {} blocks", blocks.len()),
+        Ok(reply) => format!("{reply:?}"),
+        Err(error) => format!("{error:?}"),
+    }
+}
+
+fn brief_op(op: &HostOp) -> String {
+    match op {
+        HostOp::Write { lba, blocks } => format!("write {lba}+{}", blocks.len()),
+        other => format!("{other:?}"),
+    }
+}
