@@ -5,9 +5,9 @@
 //! sees, so callers print it as is.
 
 use crate::wire::{
-    AnaState, CreateSnapshot, CreateVolume, ErrorBody, ErrorCode, HostAccess, NodeInfo,
-    ResizeVolume, RollbackVolume, SetCompression, SetPathState, SnapshotInfo, SnapshotList,
-    VolumeInfo, VolumeList, VolumePaths,
+    AnaState, CreateSnapshot, CreateVolume, DriveInfo, ErrorBody, ErrorCode, HostAccess, NodeInfo,
+    ReplaceDrive, ResizeVolume, RollbackVolume, SetCompression, SetPathState, SnapshotInfo,
+    SnapshotList, VolumeInfo, VolumeList, VolumePaths,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -191,6 +191,14 @@ impl Client {
     ) -> Result<VolumePaths, ClientError> {
         let body = json(&SetPathState { ana_state });
         self.call("PUT", &volume_path(volume, &format!("/paths/{port_id}")), Some(body))
+    }
+
+    /// Puts a new drive in place of drive `index` and starts its rebuild; `path` names the new
+    /// block device or file on a node with external drives (none for drive files). Returns the
+    /// new drive.
+    pub fn replace_drive(&self, index: u16, path: Option<&str>) -> Result<DriveInfo, ClientError> {
+        let body = json(&ReplaceDrive { path: path.map(str::to_owned) });
+        self.call("POST", &format!("/v1/drives/{index}/replace"), Some(body))
     }
 
     /// The Prometheus text exposition of the node's metrics.

@@ -46,6 +46,10 @@ pub mod paths {
     /// of its snapshots; answers the volume's [`VolumeInfo`](crate::VolumeInfo).
     pub const VOLUME_ROLLBACK: &str = "/v1/volumes/{name}/rollback";
     pub const NODE: &str = "/v1/node";
+    /// `POST` with a [`ReplaceDrive`](crate::ReplaceDrive): puts a new drive in place of drive
+    /// `{index}` (a failed one, usually) and starts rebuilding it from the other drives;
+    /// answers the new drive's [`DriveInfo`](crate::DriveInfo). Nodes with erasure coding only.
+    pub const DRIVE_REPLACE: &str = "/v1/drives/{index}/replace";
     pub const METRICS: &str = "/metrics";
     pub const HEALTHZ: &str = "/healthz";
 }

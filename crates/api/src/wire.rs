@@ -355,6 +355,86 @@ pub struct NodeInfo {
     /// The background scrub. Absent from nodes older than scrub.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scrub: Option<ScrubInfo>,
+    /// Erasure coding across the drives, degraded reads and drive rebuilds. Absent from nodes
+    /// older than erasure coding (whose drives hold no parity).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub erasure: Option<ErasureInfo>,
+}
+
+/// A node's erasure coding, in [`NodeInfo::erasure`]: each stripe of `data_shards` blocks gets
+/// `parity_shards` parity blocks, each on its own drive, so the node keeps serving every block
+/// with up to `parity_shards` drives lost.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErasureInfo {
+    /// `k+m`, such as "4+1"; "1+0" for a node without parity (`ferrite up --erasure-coding
+    /// none`, or one drive).
+    pub scheme: String,
+    pub data_shards: u8,
+    pub parity_shards: u8,
+    /// What the scheme survives, in a sentence.
+    pub protection: String,
+    /// Reads whose data was rebuilt from the other drives because its drive had failed or
+    /// could not be read, since the node started.
+    pub reconstructed_reads: u64,
+    /// Reads of a block that failed its checksum and was rebuilt intact from parity.
+    pub repaired_reads: u64,
+    /// Reads that could not be served: their stripe lost more than `parity_shards` cells.
+    pub unrecoverable_reads: u64,
+    /// The most a rebuild writes per second, in MiB (`ferrite up --rebuild-mb-per-s`; 0: no
+    /// limit).
+    pub rebuild_mb_per_s: u64,
+    /// The rebuild in progress, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuild: Option<RebuildInfo>,
+    /// How the last rebuild of this node's run ended, if one ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_rebuild: Option<RebuildOutcome>,
+}
+
+/// A drive rebuild in progress, in [`ErasureInfo::rebuild`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RebuildInfo {
+    /// The drive being rebuilt.
+    pub drive: u16,
+    /// Log segments examined (restored, or found to need nothing) of the node's total.
+    pub segments_done: u32,
+    pub segments_total: u32,
+    /// `segments_done` in percent of `segments_total`.
+    pub percent: f64,
+    /// Bytes written to the new drive so far.
+    pub bytes_written: u64,
+    pub elapsed_seconds: f64,
+    /// The average write rate so far, in bytes per second.
+    pub bytes_per_second: u64,
+    /// A rough estimate of the seconds left, from the segments still to examine; absent until
+    /// one was examined.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eta_seconds: Option<u64>,
+    /// Why the rebuild's last step failed (another drive could not be read); it retries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stalled: Option<String>,
+}
+
+/// How a drive rebuild ended, in [`ErasureInfo::last_rebuild`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RebuildOutcome {
+    pub drive: u16,
+    /// True if the drive is whole again; false if the rebuild failed (see `error`).
+    pub finished: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    pub bytes_written: u64,
+    pub seconds: f64,
+}
+
+/// `POST /v1/drives/{index}/replace`: the new drive. Drive files and memory drives get a new
+/// file made by the node (leave `path` out); a node on block devices or files given with
+/// `ferrite up --drive` needs the new device's path.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplaceDrive {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
 }
 
 /// The background scrub of a node, in [`NodeInfo::scrub`]: it reads every live block back and
@@ -384,7 +464,8 @@ pub const SCRUB_STATE_RUNNING: &str = "running";
 /// [`ScrubInfo::state`]: a pass completed; the next starts when the minimum interval between
 /// passes is over.
 pub const SCRUB_STATE_WAITING: &str = "waiting";
-/// [`ScrubInfo::state`]: a drive is latched failed; the scrub waits for the node's restart.
+/// [`ScrubInfo::state`]: a drive is latched failed; the scrub waits for its replacement or the
+/// node's restart.
 pub const SCRUB_STATE_PAUSED: &str = "paused";
 /// [`ScrubInfo::state`]: the node runs no scrub (`--scrub-mb-per-s 0`).
 pub const SCRUB_STATE_OFF: &str = "off";
@@ -434,16 +515,26 @@ pub struct DriveInfo {
     pub path: String,
     /// The bytes of the drive the node uses.
     pub size_bytes: u64,
-    /// [`DRIVE_STATE_OK`] or [`DRIVE_STATE_FAILED`].
+    /// [`DRIVE_STATE_OK`], [`DRIVE_STATE_FAILED`] or [`DRIVE_STATE_REBUILDING`].
     pub state: String,
+    /// For a drive being rebuilt: how far, in whole percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuild_percent: Option<u8>,
 }
 
 /// [`DriveInfo::state`] of a drive in service.
 pub const DRIVE_STATE_OK: &str = "ok";
-/// [`DriveInfo::state`] of a drive latched failed after a failed write, sync or punch: no I/O
-/// reaches it until the node restarts, so every write to the node fails (its batches span the
-/// drives) and reads of blocks stored on it fail; reads of blocks on other drives still work.
+/// [`DriveInfo::state`] of a drive latched failed after a failed write, sync or punch (or whose
+/// superblock could not be read at start): no I/O reaches it until it is replaced. On a node
+/// with erasure coding `k+m`, up to `m` failed drives change nothing for hosts (reads of their
+/// blocks are rebuilt from parity); without parity every write to the node fails (its batches
+/// span the drives) and reads of blocks stored on it fail, while reads of blocks on other
+/// drives still work.
 pub const DRIVE_STATE_FAILED: &str = "failed";
+/// [`DriveInfo::state`] of a new drive (`ferrite drive replace`) whose contents are being
+/// rebuilt from the other drives: new writes already go to it, and until the rebuild finishes
+/// the node's redundancy is not yet whole.
+pub const DRIVE_STATE_REBUILDING: &str = "rebuilding";
 
 /// [`NodeInfo::drive_backend`] of a node that does not report it.
 fn file_drive_backend() -> String {
@@ -507,10 +598,18 @@ pub enum ErrorCode {
     /// 409: the operation is refused while hosts are connected to the volume (a rollback,
     /// say); disconnect them first.
     VolumeBusy,
+    /// 404: the node has no drive of this index.
+    DriveNotFound,
+    /// 409: the drive cannot be replaced now (no parity, another rebuild running, too many
+    /// drives failed); the message says why.
+    ReplaceRefused,
+    /// 400: the new drive given is unusable (missing, mounted or in use, too small, another
+    /// node's or one of this node's drives), or a path was given where none is taken.
+    InvalidDrive,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 19] = [
+    pub const ALL: [ErrorCode; 22] = [
         Self::VolumeExists,
         Self::VolumeNotFound,
         Self::InvalidSize,
@@ -530,6 +629,9 @@ impl ErrorCode {
         Self::SnapshotExists,
         Self::SnapshotLimit,
         Self::VolumeBusy,
+        Self::DriveNotFound,
+        Self::ReplaceRefused,
+        Self::InvalidDrive,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -553,6 +655,9 @@ impl ErrorCode {
             Self::SnapshotExists => "snapshot_exists",
             Self::SnapshotLimit => "snapshot_limit",
             Self::VolumeBusy => "volume_busy",
+            Self::DriveNotFound => "drive_not_found",
+            Self::ReplaceRefused => "replace_refused",
+            Self::InvalidDrive => "invalid_drive",
         }
     }
 
@@ -564,9 +669,17 @@ impl ErrorCode {
             | Self::TooManyHosts
             | Self::SnapshotExists
             | Self::SnapshotLimit
-            | Self::VolumeBusy => 409,
-            Self::VolumeNotFound | Self::NotFound | Self::SnapshotNotFound => 404,
-            Self::InvalidSize | Self::InvalidName | Self::InvalidRequest | Self::InvalidNqn => 400,
+            | Self::VolumeBusy
+            | Self::ReplaceRefused => 409,
+            Self::VolumeNotFound
+            | Self::NotFound
+            | Self::SnapshotNotFound
+            | Self::DriveNotFound => 404,
+            Self::InvalidSize
+            | Self::InvalidName
+            | Self::InvalidRequest
+            | Self::InvalidNqn
+            | Self::InvalidDrive => 400,
             Self::NoSpace => 507,
             Self::RequestTooLarge => 413,
             Self::MethodNotAllowed => 405,
@@ -608,7 +721,10 @@ mod tests {
                 "snapshot_not_found",
                 "snapshot_exists",
                 "snapshot_limit",
-                "volume_busy"
+                "volume_busy",
+                "drive_not_found",
+                "replace_refused",
+                "invalid_drive"
             ]
         );
         for code in ErrorCode::ALL {
@@ -762,6 +878,50 @@ mod tests {
         assert!(json["findings"][0].get("segment").is_none(), "{json}");
         assert_eq!(json["findings"][0]["volume"], "db");
         assert_eq!(serde_json::from_value::<ScrubInfo>(json).unwrap(), scrub);
+    }
+
+    #[test]
+    fn erasure_and_replace_json() {
+        let erasure = ErasureInfo {
+            scheme: "2+1".to_owned(),
+            data_shards: 2,
+            parity_shards: 1,
+            protection: "each stripe survives the loss of 1 drive".to_owned(),
+            reconstructed_reads: 5,
+            repaired_reads: 1,
+            unrecoverable_reads: 0,
+            rebuild_mb_per_s: 256,
+            rebuild: Some(RebuildInfo {
+                drive: 1,
+                segments_done: 10,
+                segments_total: 40,
+                percent: 25.0,
+                bytes_written: 1 << 20,
+                elapsed_seconds: 0.5,
+                bytes_per_second: 2 << 20,
+                eta_seconds: None,
+                stalled: None,
+            }),
+            last_rebuild: None,
+        };
+        let json = serde_json::to_value(&erasure).unwrap();
+        assert!(json.get("last_rebuild").is_none(), "{json}");
+        assert!(json["rebuild"].get("eta_seconds").is_none(), "{json}");
+        assert_eq!(serde_json::from_value::<ErasureInfo>(json).unwrap(), erasure);
+
+        let drive: DriveInfo =
+            serde_json::from_str(r#"{"index":1,"path":"/d","size_bytes":4096,"state":"failed"}"#)
+                .unwrap();
+        assert_eq!(drive.rebuild_percent, None, "older nodes send no rebuild_percent");
+        assert!(serde_json::to_value(&drive).unwrap().get("rebuild_percent").is_none());
+
+        assert_eq!(serde_json::to_string(&ReplaceDrive::default()).unwrap(), "{}");
+        let with_path: ReplaceDrive = serde_json::from_str(r#"{"path":"/dev/sdc"}"#).unwrap();
+        assert_eq!(with_path.path.as_deref(), Some("/dev/sdc"));
+        assert!(serde_json::from_str::<ReplaceDrive>(r#"{"device":"/dev/sdc"}"#).is_err());
+        assert_eq!(ErrorCode::DriveNotFound.http_status(), 404);
+        assert_eq!(ErrorCode::ReplaceRefused.http_status(), 409);
+        assert_eq!(ErrorCode::InvalidDrive.http_status(), 400);
     }
 
     #[test]

@@ -28,6 +28,9 @@ Examples:
       4 sparse drive files of 16 GiB in ./ferrite-data, NVMe/TCP on 127.0.0.1:4420,
       NBD on 127.0.0.1:10809, REST API on 127.0.0.1:8080.
   ferrite up --data-dir /var/lib/ferrite --drives 8 --drive-size 100G
+  ferrite up --drives 6 --erasure-coding 4+2
+      Each stripe of 4 data blocks gets 2 parity blocks, each on its own drive: any 2 drives
+      may fail without losing data; 4/6 = 67% of the drive space holds data.
   ferrite up --nvme-listen 0.0.0.0:4420 --api-listen 127.0.0.1:9000
   ferrite up --nbd-listen 0.0.0.0:10809     # or --nbd-listen off
       Every volume open to any host is also an NBD export (nbd://HOST:10809/VOLUME); a volume
@@ -40,7 +43,14 @@ Examples:
       target core) with no drive in the way, like a target serving from RAM.
 
 Drives are created on the first start in DATA-DIR; later starts reuse them and keep every
-volume, so --drives and --drive-size matter only the first time. Stop with Ctrl-C or SIGTERM.
+volume, so --drives, --drive-size and --erasure-coding matter only the first time. Stop with
+Ctrl-C or SIGTERM.
+
+Erasure coding: by default a node with 5 or more drives uses 4+1 and a smaller one keeps one
+drive's worth of parity (3+1 on 4 drives, 2+1 on 3, a mirror 1+1 on 2; none on 1). A failed
+drive changes nothing for hosts while the parity covers it; `ferrite drive replace INDEX` puts
+a new drive in its place and rebuilds it in the background (`ferrite node show` reports it). A
+drive file found missing at start is replaced and rebuilt the same way, by itself.
 
 With --drive PATH (repeatable, up to 64), the given block devices or existing regular files
 are the drives instead of files in DATA-DIR/drives. On the first start they are formatted: a
@@ -135,6 +145,29 @@ Examples:
   ferrite volume rollback db --to before-upgrade
   ferrite snapshot delete db before-upgrade";
 
+const DRIVE_ABOUT: &str = "\
+Replace a failed drive; the node rebuilds its contents from the other drives.
+
+On a node with erasure coding (`ferrite up --erasure-coding K+M`), up to M failed drives change
+nothing for hosts: reads of their blocks are rebuilt from parity and writes go on. Replacing a
+drive restores the redundancy: new writes go to the new drive at once, and a background rebuild
+(paced by `ferrite up --rebuild-mb-per-s`) restores what the old drive held. `ferrite node
+show` reports the drive as rebuilding, with the progress. Replace one drive at a time. A node
+without parity refuses: its lost data cannot be rebuilt.
+
+Every command talks to a running node's REST API (see --api).";
+
+const DRIVE_EXAMPLES: &str = "\
+Examples:
+  ferrite drive replace 2
+      The node's drives are files in DATA-DIR/drives: drive 2 gets a new empty file (the old
+      one is dropped) and is rebuilt.
+  ferrite drive replace 1 --path /dev/nvme3n1
+      The node runs on block devices (`ferrite up --drive`): /dev/nvme3n1 becomes drive 1; it
+      must not be mounted or in use, and must be at least as large as the node's drives. Pass
+      it with --drive instead of the old device on later starts.
+  ferrite node show       # the rebuild's progress";
+
 /// Ferrite: block storage served over NVMe/TCP.
 #[derive(Parser)]
 #[command(name = "ferrite", version, after_long_help = ROOT_EXAMPLES, propagate_version = true)]
@@ -165,6 +198,9 @@ enum Command {
     Snapshot(SnapshotArgs),
     /// Show this node: capacity, drives and what it serves.
     Node(NodeArgs),
+    /// Replace a failed drive; the node rebuilds it from the other drives.
+    #[command(long_about = DRIVE_ABOUT, after_long_help = DRIVE_EXAMPLES)]
+    Drive(DriveArgs),
     /// Measure a volume with the five standard workloads over NVMe/TCP.
     Bench(Box<bench::BenchArgs>),
 }
@@ -186,6 +222,35 @@ enum NodeCommand {
     /// Show the node's identity, capacity and listen addresses.
     #[command(after_long_help = "Example:\n  ferrite node show")]
     Show,
+}
+
+#[derive(Args)]
+struct DriveArgs {
+    /// The node's REST API.
+    #[arg(long, global = true, value_name = "URL", env = "FERRITE_API", default_value = api::DEFAULT_API_URL)]
+    api: String,
+    /// Print JSON instead of text, for scripts.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: DriveCommand,
+}
+
+#[derive(Subcommand)]
+enum DriveCommand {
+    /// Put a new drive in place of drive INDEX and rebuild it from the other drives.
+    ///
+    /// For drive files (the default), the node makes a new empty sparse file for the drive;
+    /// leave --path out. For block devices or files given with `ferrite up --drive`, give the
+    /// new one with --path. The rebuild runs in the background; `ferrite node show` follows it.
+    #[command(after_long_help = DRIVE_EXAMPLES)]
+    Replace {
+        /// The drive's index, as `ferrite node show` lists it (from 0).
+        index: u16,
+        /// The new block device or file (nodes on `--drive` drives only).
+        #[arg(long, value_name = "PATH")]
+        path: Option<PathBuf>,
+    },
 }
 
 #[derive(Args)]
@@ -334,6 +399,33 @@ struct UpArgs {
     /// pass starts at most once a minute. It pauses while a drive is latched failed.
     #[arg(long, value_name = "MB", default_value_t = node::scrub::DEFAULT_SCRUB_MB_PER_S)]
     scrub_mb_per_s: u64,
+    /// Erasure coding across the drives, on the first start: K+M (such as 4+1) or none
+    /// [default: 4+1 with 5 or more drives, else one parity drive and the rest data: 3+1 on 4,
+    /// 2+1 on 3, a mirror 1+1 on 2; none on 1].
+    ///
+    /// Each stripe of K data blocks gets M parity blocks, each of the K+M blocks on its own
+    /// drive. What survives: any M drives may fail without losing data or stopping I/O (reads
+    /// of a failed drive's blocks are rebuilt from the others, and a replaced drive is rebuilt
+    /// in the background, see `ferrite drive replace`). The cost: K/(K+M) of the raw drive
+    /// space holds data (4+1: 80%, 2+1: 67%, 4+2: 67%, 1+1: 50%), and writes also write the
+    /// parity. `none` keeps all the space for data and survives no drive loss: a failed drive
+    /// fails the node's writes and the reads of its blocks. K+M may not exceed the drives (a
+    /// wider request falls back to fewer data blocks, as the log says); M is at most 3. Fixed
+    /// at the first start: later starts keep it and refuse another.
+    #[arg(long, value_name = "K+M|none", value_parser = parse_erasure_coding)]
+    erasure_coding: Option<node::ErasureScheme>,
+    /// The most a drive rebuild writes per second, in MiB; 0 sets no limit.
+    ///
+    /// After `ferrite drive replace` (or a drive file found missing at start) the node rebuilds
+    /// the new drive from the others in the background, yielding to host I/O between steps.
+    /// Until it finishes, the stripes it has not restored have one parity block less: a faster
+    /// rebuild restores redundancy sooner, a slower one leaves hosts more of the drives.
+    #[arg(long, value_name = "MB", default_value_t = node::rebuild::DEFAULT_REBUILD_MB_PER_S)]
+    rebuild_mb_per_s: u64,
+}
+
+fn parse_erasure_coding(text: &str) -> Result<node::ErasureScheme, String> {
+    node::config::parse_erasure_coding(text).map_err(|error| error.to_string())
 }
 
 /// A listen address, or `off`.
@@ -495,6 +587,7 @@ fn main() -> ExitCode {
         Command::Host(args) => host_command(args),
         Command::Snapshot(args) => snapshot_command(args),
         Command::Node(args) => node_command(args),
+        Command::Drive(args) => drive_command(args),
         Command::Bench(args) => bench_command(&args),
     };
     match result {
@@ -542,6 +635,8 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         data_threads: args.data_threads,
         poll_us: args.poll_us,
         scrub_mb_per_s: args.scrub_mb_per_s,
+        erasure_coding: args.erasure_coding,
+        rebuild_mb_per_s: args.rebuild_mb_per_s,
     };
     let node = node::Node::start_on(config, backend)?;
     print::started(&node);
@@ -678,6 +773,24 @@ fn node_command(args: NodeArgs) -> anyhow::Result<()> {
     let client = api::Client::new(&args.api)?;
     match args.command {
         NodeCommand::Show => print::node(args.json, &client.node()?),
+    }
+}
+
+fn drive_command(args: DriveArgs) -> anyhow::Result<()> {
+    let client = api::Client::new(&args.api)?;
+    match args.command {
+        DriveCommand::Replace { index, path } => {
+            let path = match path {
+                Some(path) => Some(
+                    path.to_str()
+                        .with_context(|| format!("--path {} is not UTF-8", path.display()))?
+                        .to_owned(),
+                ),
+                None => None,
+            };
+            let drive = client.replace_drive(index, path.as_deref())?;
+            print::drive_replaced(args.json, &drive)
+        }
     }
 }
 

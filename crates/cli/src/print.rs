@@ -30,6 +30,16 @@ pub fn started(node: &node::Node) {
         None => println!("  NBD:       off"),
     }
     println!("  drives:    {drives}");
+    let erasure = node.erasure();
+    println!(
+        "  erasure:   {}",
+        erasure_summary(
+            &erasure.to_string(),
+            erasure.data_shards(),
+            erasure.parity_shards(),
+            &erasure.protection()
+        )
+    );
     println!("  metadata:  {}", node.meta_path().display());
     if memory {
         println!("  WARNING:   {}", node::MEMORY_BACKEND_WARNING);
@@ -50,6 +60,20 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
         ("nvme", format!("tcp {}:{}", node.nvme_host, node.nvme_port)),
         ("drives", format!("{} x {}", node.drive_count, ByteSize(node.drive_size_bytes))),
         ("drive backend", drive_backend(&node.drive_backend)),
+        (
+            "erasure coding",
+            node.erasure.as_ref().map_or_else(
+                || "unknown (the node does not report it)".to_owned(),
+                |erasure| {
+                    erasure_summary(
+                        &erasure.scheme,
+                        erasure.data_shards,
+                        erasure.parity_shards,
+                        &erasure.protection,
+                    )
+                },
+            ),
+        ),
         ("capacity", format!("{} total", ByteSize(capacity.total_bytes))),
         ("free", format!("{}", ByteSize(capacity.free_bytes))),
         ("provisioned", format!("{} (thin)", ByteSize(capacity.provisioned_bytes))),
@@ -72,27 +96,162 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
     }
     for drive in &node.drives {
         let key = format!("drive {}:", drive.index);
-        println!("{key:<17}{} {} ({})", drive.state, drive.path, ByteSize(drive.size_bytes));
+        let rebuilt = match drive.rebuild_percent {
+            Some(percent) => format!(", {percent}% rebuilt"),
+            None => String::new(),
+        };
+        println!(
+            "{key:<17}{} {} ({}){rebuilt}",
+            drive.state,
+            drive.path,
+            ByteSize(drive.size_bytes)
+        );
     }
     let failed: Vec<String> = node
         .drives
         .iter()
-        .filter(|drive| drive.state != api::DRIVE_STATE_OK)
+        .filter(|drive| drive.state == api::DRIVE_STATE_FAILED)
         .map(|drive| format!("{} ({})", drive.index, drive.path))
         .collect();
+    if let Some(erasure) = &node.erasure {
+        print_erasure(erasure);
+    }
     if let Some(scrub) = &node.scrub {
         print_scrub(scrub);
     }
     if !failed.is_empty() {
-        println!(
-            "FAILED DRIVES:   drive {} failed: an I/O error or a failed sync latched it, and no \
-             I/O reaches it until the node restarts. Every write, write-zeroes and deallocate on \
-             this node now fails with an error (each write batch spans the drives); reads of data \
-             on the other drives still work, and reads of data on a failed drive fail with an \
-             error, never wrong data. Check the drive and the kernel log, then restart the node.",
-            failed.join(", drive ")
-        );
+        let parity = node.erasure.as_ref().map_or(0, |erasure| erasure.parity_shards);
+        let first = node
+            .drives
+            .iter()
+            .find(|drive| drive.state == api::DRIVE_STATE_FAILED)
+            .map_or(0, |drive| drive.index);
+        if parity == 0 {
+            println!(
+                "FAILED DRIVES:   drive {} failed: an I/O error or a failed sync latched it, and \
+                 no I/O reaches it until the node restarts. Every write, write-zeroes and \
+                 deallocate on this node now fails with an error (each write batch spans the \
+                 drives); reads of data on the other drives still work, and reads of data on a \
+                 failed drive fail with an error, never wrong data. This node has no parity, so \
+                 the drive cannot be rebuilt: check the drive and the kernel log, then restart \
+                 the node.",
+                failed.join(", drive ")
+            );
+        } else if failed.len() <= usize::from(parity) {
+            let margin = match usize::from(parity) - failed.len() {
+                0 => "one more failed drive would lose data".to_owned(),
+                more => format!("the node survives {more} more failed drive(s) only"),
+            };
+            println!(
+                "DEGRADED:        drive {} failed (latched after an I/O error, or unreadable at \
+                 start). Hosts see no difference: reads of its data are rebuilt from parity and \
+                 writes go on without it. But {margin}: replace it with `ferrite drive replace \
+                 {first}` (add --path NEW on a node on block devices) to rebuild it.",
+                failed.join(", drive ")
+            );
+        } else {
+            println!(
+                "FAILED DRIVES:   drives {} failed, more than the {parity} the erasure coding \
+                 covers: every write fails, and reads of stripes that lost more than {parity} \
+                 drives fail with an error (never wrong data). Bring drives back and restart, \
+                 or restore from a replica or a backup.",
+                failed.join(", drive ")
+            );
+        }
     }
+    Ok(())
+}
+
+/// `k+m: what it survives; the share of raw space that holds data`.
+fn erasure_summary(scheme: &str, data_shards: u8, parity_shards: u8, protection: &str) -> String {
+    if parity_shards == 0 {
+        return format!("none ({scheme}): {protection}");
+    }
+    let shards = u32::from(data_shards) + u32::from(parity_shards);
+    let data_percent = (u32::from(data_shards) * 100 + shards / 2) / shards.max(1);
+    format!("{scheme}: {protection}; {data_percent}% of the drive space holds data")
+}
+
+/// The rebuild and degraded-read lines of `node show`.
+fn print_erasure(erasure: &api::ErasureInfo) {
+    let mut rows = Vec::new();
+    if let Some(rebuild) = &erasure.rebuild {
+        let eta = rebuild
+            .eta_seconds
+            .map_or_else(String::new, |seconds| format!(", about {} left", duration(seconds)));
+        let pace = match erasure.rebuild_mb_per_s {
+            0 => "no limit".to_owned(),
+            limit => format!("at most {limit} MiB/s"),
+        };
+        rows.push((
+            "rebuild",
+            format!(
+                "drive {}: {:.0}% ({} of {} segments), {} written at {}/s ({pace}){eta}",
+                rebuild.drive,
+                rebuild.percent,
+                rebuild.segments_done,
+                rebuild.segments_total,
+                ByteSize(rebuild.bytes_written),
+                ByteSize(rebuild.bytes_per_second),
+            ),
+        ));
+        if let Some(stalled) = &rebuild.stalled {
+            rows.push(("rebuild stalled", format!("{stalled} (it retries)")));
+        }
+    }
+    if let Some(last) = &erasure.last_rebuild {
+        let outcome = if last.finished {
+            format!(
+                "drive {} rebuilt: {} in {:.1} s",
+                last.drive,
+                ByteSize(last.bytes_written),
+                last.seconds
+            )
+        } else {
+            format!(
+                "drive {} FAILED after {:.1} s: {}; replace it again with `ferrite drive \
+                 replace {}`",
+                last.drive,
+                last.seconds,
+                last.error.as_deref().unwrap_or("unknown error"),
+                last.drive
+            )
+        };
+        rows.push(("last rebuild", outcome));
+    }
+    if erasure.parity_shards > 0 || erasure.reconstructed_reads > 0 {
+        rows.push((
+            "degraded reads",
+            format!(
+                "{} rebuilt from parity, {} repaired (bad checksum), {} unrecoverable",
+                erasure.reconstructed_reads, erasure.repaired_reads, erasure.unrecoverable_reads
+            ),
+        ));
+    }
+    for (key, value) in rows {
+        println!("{:<17}{value}", format!("{key}:"));
+    }
+}
+
+/// Seconds for people: `45 s`, `12 min`, `3.5 h`.
+fn duration(seconds: u64) -> String {
+    match seconds {
+        0..120 => format!("{seconds} s"),
+        120..7200 => format!("{} min", seconds.div_ceil(60)),
+        _ => format!("{:.1} h", seconds as f64 / 3600.0),
+    }
+}
+
+/// After `ferrite drive replace`.
+pub fn drive_replaced(json: bool, drive: &api::DriveInfo) -> anyhow::Result<()> {
+    if json {
+        return print_json(drive);
+    }
+    println!(
+        "replaced drive {} with {}: it is being rebuilt from the other drives in the background",
+        drive.index, drive.path
+    );
+    println!("  follow the rebuild with `ferrite node show`");
     Ok(())
 }
 
@@ -110,9 +269,9 @@ fn print_scrub(scrub: &api::ScrubInfo) {
         api::SCRUB_STATE_WAITING => {
             "waiting for the next pass (one starts at most every minute)".to_owned()
         }
-        api::SCRUB_STATE_PAUSED => {
-            "paused: a drive is latched failed; it resumes when the node restarts".to_owned()
-        }
+        api::SCRUB_STATE_PAUSED => "paused: a drive is latched failed; it resumes once the \
+                                    drive is replaced or the node restarts"
+            .to_owned(),
         api::SCRUB_STATE_OFF => "off (ferrite up --scrub-mb-per-s 0)".to_owned(),
         other => other.to_owned(),
     };

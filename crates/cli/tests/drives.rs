@@ -6,8 +6,9 @@
 //!   it refuses to start without `--drive` or with a drive missing, and another node refuses
 //!   its devices.
 //! - A real drive failure: one drive is a loop device over a sparse 1 GiB file on a 48 MiB
-//!   tmpfs. Writing more than the tmpfs holds makes the device fail writes with I/O errors; the
-//!   engine latches the drive, the node keeps running and reports it (`ferrite node show`, the
+//!   tmpfs, on a node without parity (`--erasure-coding none`; tests/erasure.rs covers failures
+//!   on nodes with parity). Writing more than the tmpfs holds makes the device fail writes with
+//!   I/O errors; the engine latches the drive, the node keeps running and reports it (`ferrite node show`, the
 //!   REST JSON, `ferrite_drive_failed`), every later write fails, and earlier acknowledged data
 //!   reads back intact or fails with an error status, never as wrong data.
 //!
@@ -229,7 +230,11 @@ fn a_failed_drive_is_latched_and_reported_while_the_node_keeps_serving() {
     let failing = LoopDevice::over_sparse_file(&tmpfs.dir.join("failing.img"));
     let data_dir = dir.path().join("data");
     let nvme_port = free_port();
-    let node = start(&data_dir, nvme_port, &[&healthy, &failing]);
+    // No parity: the failure's effect on a node that has none (a coded node keeps writing).
+    let mut args = drive_args(&[&healthy, &failing]);
+    args.extend(["--erasure-coding".to_owned(), "none".to_owned()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let node = Node::start_with_drives(&data_dir, nvme_port, &args);
     ferrite_ok(&node.api_url, &["volume", "create", "db", "--size", "512M"]);
 
     let rt = runtime();

@@ -20,8 +20,11 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// Two sparse 1 GiB drive files and a scrub fast enough to finish a pass within a tick.
-const NODE_ARGS: [&str; 6] = ["--drives", "2", "--drive-size", "1G", "--scrub-mb-per-s", "1024"];
+/// Two sparse 1 GiB drive files without parity (so each block is stored once, and a damaged
+/// one cannot be repaired from the other drive) and a scrub fast enough to finish a pass within
+/// a tick.
+const NODE_ARGS: [&str; 8] =
+    ["--drives", "2", "--drive-size", "1G", "--scrub-mb-per-s", "1024", "--erasure-coding", "none"];
 /// Blocks written to each volume.
 const BLOCKS: usize = 64;
 const VICTIM_TAG: u64 = 0x5C2B_B1D0;

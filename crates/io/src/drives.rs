@@ -17,6 +17,15 @@
 //! `/dev/sdX`) between starts does not matter. A block device is sized with the BLKGETSIZE64
 //! ioctl, and refused while it is mounted or held exclusively by another program.
 //!
+//! Replacing a drive (`ferrite drive replace`, or a drive file found missing at start on a node
+//! with parity): [`replace_drive_file`] creates the new sparse file next to the old one under a
+//! temporary name, writes its superblock and renames it over the old file, so the drive's name
+//! always holds a whole drive; [`prepare_external_replacement`] checks and formats a new block
+//! device or file in place; [`MemoryDrives::replace`] swaps in a new memory file. The engine
+//! then writes the drive's log superblock and rebuilds its contents from the other drives.
+//! [`read_log_superblock`] tells a drive whose log was never written (such a replacement, if the
+//! node stopped before its rebuild began) from a formatted or damaged one.
+//!
 //! [`MemoryDrives`] are RAM-backed drives (`ferrite up --drive-backend memory`, NOT DURABLE):
 //! anonymous memory files linked into a drive folder under the drive files' names, so the
 //! functions above and [`crate::DriveFile`] handle them like drive files.
@@ -27,7 +36,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use std::sync::{Mutex, PoisonError};
+
 use engine::format::{HEADER_REGION_BYTES, SUPERBLOCK_SIZE_BYTES};
+use engine::log::format::{LogSuperblock, BLOCK_BYTES as LOG_BLOCK_BYTES, SUPERBLOCK_BLOCK};
 use engine::{NodeUuid, Superblock, SuperblockError};
 
 /// Why drive files could not be created or opened. Each message names the file and what to do.
@@ -129,6 +141,12 @@ pub enum DriveSetupError {
         path.display()
     )]
     DeviceShrank { path: PathBuf, recorded_bytes: u64, actual_bytes: u64 },
+    #[error(
+        "{} is drive {index} of this node already; give a new drive (a block device or file \
+         that is not one of the node's drives)",
+        path.display()
+    )]
+    DriveOfThisNode { path: PathBuf, index: u16 },
     #[error(
         "{} links into {PROC_SELF_FD} but is not a memory drive (the file it names is not in \
          RAM); memory drives exist only inside the process that created them",
@@ -274,6 +292,88 @@ fn check_drive(
         });
     }
     Ok(DriveInfo { path, superblock })
+}
+
+/// The name a replacement drive file is created under, next to the drive file it replaces,
+/// before it is renamed over it.
+fn replacement_path(dir: &Path, index: u16) -> PathBuf {
+    dir.join(format!("drive-{index:03}.img.new"))
+}
+
+/// Puts a new, empty drive file in place of drive `index` of node `node_uuid` in `dir`: a sparse
+/// file of `size_bytes` holding only the drive superblock (its log area reads as zeros), created
+/// next to the old file and renamed over it, then the folder is synced. Whatever the old file
+/// was (a failed drive, or nothing: a missing file) is gone from the folder afterwards; handles
+/// already open on it keep working on the old file until they are closed.
+///
+/// A crash leaves either the old file or the whole new one under the drive's name (and at most a
+/// stale temporary file, which the next replacement removes).
+pub fn replace_drive_file(
+    dir: &Path,
+    node_uuid: NodeUuid,
+    index: u16,
+    count: u16,
+    size_bytes: u64,
+) -> Result<DriveInfo, DriveSetupError> {
+    let path = drive_path(dir, index);
+    let temporary = replacement_path(dir, index);
+    let superblock = Superblock::new(node_uuid, index, count, size_bytes)
+        .map_err(|source| DriveSetupError::Superblock { path: path.clone(), source })?;
+    match fs::remove_file(&temporary) {
+        Ok(()) => {}
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+        Err(error) => return Err(io_error("remove the stale", &temporary)(error)),
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&temporary)
+        .map_err(io_error("create", &temporary))?;
+    file.set_len(size_bytes).map_err(io_error("size", &temporary))?;
+    file.write_all_at(&superblock.encode(), 0)
+        .map_err(io_error("write the superblock of", &temporary))?;
+    file.sync_all().map_err(io_error("fsync", &temporary))?;
+    drop(file);
+    fs::rename(&temporary, &path).map_err(io_error("rename the new drive file over", &path))?;
+    sync_directory(dir)?;
+    Ok(DriveInfo { path, superblock })
+}
+
+/// What block 0 of a drive's log area holds: the engine's log superblock
+/// (docs/format-log-v1.md), right after the drive's header region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LogSuperblockFound {
+    /// Only zeros: no log was ever written there. A replacement drive whose rebuild had not
+    /// begun looks like this (its drive superblock is written, its log superblock not yet).
+    Blank,
+    Valid(LogSuperblock),
+    /// Neither: damaged, cut short, or not a Ferrite log; the reason says which.
+    Invalid(String),
+}
+
+/// Reads the log superblock of the drive at `path` (a drive file, a memory drive's link, or an
+/// external drive) with plain reads, at startup, before the data path opens the drives.
+pub fn read_log_superblock(path: &Path) -> Result<LogSuperblockFound, DriveSetupError> {
+    let file = File::open(path).map_err(io_error("open", path))?;
+    let offset_bytes = HEADER_REGION_BYTES + SUPERBLOCK_BLOCK * LOG_BLOCK_BYTES as u64;
+    let mut block = vec![0u8; LOG_BLOCK_BYTES];
+    match file.read_exact_at(&mut block, offset_bytes) {
+        Ok(()) => {}
+        Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => {
+            return Ok(LogSuperblockFound::Invalid(
+                "the drive ends before its log superblock".to_owned(),
+            ));
+        }
+        Err(error) => return Err(io_error("read the log superblock of", path)(error)),
+    }
+    if block.iter().all(|byte| *byte == 0) {
+        return Ok(LogSuperblockFound::Blank);
+    }
+    Ok(match LogSuperblock::decode(&block) {
+        Ok(superblock) => LogSuperblockFound::Valid(superblock),
+        Err(error) => LogSuperblockFound::Invalid(error.to_string()),
+    })
 }
 
 /// What an external drive path names.
@@ -496,6 +596,68 @@ pub fn open_external_drives(
     Ok(drives)
 }
 
+/// Whether two paths name the same drive: the same block device (by device number, whatever
+/// node in /dev names it) or the same file.
+fn same_drive(first: &fs::Metadata, second: &fs::Metadata) -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    if first.file_type().is_block_device() && second.file_type().is_block_device() {
+        first.rdev() == second.rdev()
+    } else {
+        first.dev() == second.dev() && first.ino() == second.ino()
+    }
+}
+
+/// Checks and formats the block device or file at `path` as the new drive `index` of node
+/// `node_uuid` (which has `count` drives of `size_bytes` and whose current drives are
+/// `current`, in index order): it must be a block device or regular file, not mounted or in use,
+/// at least `size_bytes` large, not one of the node's other drives, and not another node's
+/// drive. Its header region is then written in place (superblock first block, zeros after) and
+/// synced, as [`format_external_drives`] does; its log area is the engine's to write.
+pub fn prepare_external_replacement(
+    path: &Path,
+    node_uuid: NodeUuid,
+    index: u16,
+    count: u16,
+    size_bytes: u64,
+    current: &[PathBuf],
+) -> Result<DriveInfo, DriveSetupError> {
+    let superblock = Superblock::new(node_uuid, index, count, size_bytes)
+        .map_err(|source| DriveSetupError::Superblock { path: path.to_owned(), source })?;
+    let probed = probe_external_drive(path)?;
+    if probed.size_bytes < size_bytes {
+        return Err(DriveSetupError::TooSmall {
+            path: path.to_owned(),
+            size_bytes: probed.size_bytes,
+            min_bytes: size_bytes,
+        });
+    }
+    let metadata = fs::metadata(path).map_err(io_error("find", path))?;
+    for (other, other_path) in (0u16..).zip(current) {
+        if other == index {
+            // The drive being replaced may take itself back (a drive that came back).
+            continue;
+        }
+        if fs::metadata(other_path).is_ok_and(|found| same_drive(&found, &metadata)) {
+            return Err(DriveSetupError::DriveOfThisNode { path: path.to_owned(), index: other });
+        }
+    }
+    let (file, _kind) = open_external(path, true)?;
+    if let Ok(existing) = read_superblock_of(&file, path)? {
+        if existing.node_uuid != node_uuid {
+            return Err(DriveSetupError::AlreadyFormatted {
+                path: path.to_owned(),
+                found: existing.node_uuid,
+                expected: node_uuid,
+            });
+        }
+    }
+    let mut header = vec![0u8; HEADER_REGION_BYTES as usize];
+    header[..SUPERBLOCK_SIZE_BYTES].copy_from_slice(&superblock.encode());
+    file.write_all_at(&header, 0).map_err(io_error("write the superblock of", path))?;
+    file.sync_all().map_err(io_error("fsync", path))?;
+    Ok(DriveInfo { path: path.to_owned(), superblock })
+}
+
 /// Where a process finds its own open descriptors by number; a memory drive's link points here.
 const PROC_SELF_FD: &str = "/proc/self/fd";
 
@@ -518,8 +680,10 @@ const PROC_SELF_FD: &str = "/proc/self/fd";
 #[derive(Debug)]
 pub struct MemoryDrives {
     dir: PathBuf,
-    /// Drive `index` is `files[index]`, linked as `drive_path(dir, index)`.
-    files: Vec<File>,
+    size_bytes: u64,
+    /// Drive `index` is `files[index]`, linked as `drive_path(dir, index)`. Behind a lock only
+    /// so that [`MemoryDrives::replace`] can swap one; nothing on the data path takes it.
+    files: Mutex<Vec<File>>,
 }
 
 impl MemoryDrives {
@@ -529,8 +693,11 @@ impl MemoryDrives {
     pub fn create(dir: &Path, count: u16, size_bytes: u64) -> Result<Self, DriveSetupError> {
         assert!(count > 0, "a node has at least one drive");
         fs::create_dir_all(dir).map_err(io_error("create directory", dir))?;
-        let mut drives =
-            Self { dir: dir.to_owned(), files: Vec::with_capacity(usize::from(count)) };
+        let drives = Self {
+            dir: dir.to_owned(),
+            size_bytes,
+            files: Mutex::new(Vec::with_capacity(usize::from(count))),
+        };
         for index in 0..count {
             let path = drive_path(dir, index);
             let file = memory_file(index).map_err(io_error("create the memory file for", &path))?;
@@ -539,9 +706,41 @@ impl MemoryDrives {
             std::os::unix::fs::symlink(&target, &path)
                 .map_err(io_error("link the memory drive", &path))?;
             // Only linked drives are pushed, so dropping `drives` removes only our own links.
-            drives.files.push(file);
+            drives.lock_files().push(file);
         }
         Ok(drives)
+    }
+
+    fn lock_files(&self) -> std::sync::MutexGuard<'_, Vec<File>> {
+        // A swap either happened or not; a panicking holder leaves no half state.
+        self.files.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Puts a new, empty memory drive in place of drive `index`, holding `superblock` (of that
+    /// index): a new memory file linked under the drive's name (the link is replaced
+    /// atomically). The old drive's RAM is freed once every handle open on it is closed.
+    pub fn replace(&self, superblock: &Superblock) -> Result<DriveInfo, DriveSetupError> {
+        let index = superblock.drive_index;
+        assert!(index < self.count(), "memory drive {index} does not exist");
+        let path = drive_path(&self.dir, index);
+        let temporary = replacement_path(&self.dir, index);
+        let file = memory_file(index).map_err(io_error("create the memory file for", &path))?;
+        file.set_len(self.size_bytes).map_err(io_error("size", &path))?;
+        file.write_all_at(&superblock.encode(), 0)
+            .map_err(io_error("write the superblock of", &path))?;
+        let target = Path::new(PROC_SELF_FD).join(file.as_raw_fd().to_string());
+        match fs::remove_file(&temporary) {
+            Ok(()) => {}
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+            Err(error) => return Err(io_error("remove the stale", &temporary)(error)),
+        }
+        let mut files = self.lock_files();
+        std::os::unix::fs::symlink(&target, &temporary)
+            .map_err(io_error("link the memory drive", &temporary))?;
+        fs::rename(&temporary, &path).map_err(io_error("rename the new link over", &path))?;
+        // The old file's descriptor closes here; the link already names the new one.
+        files[usize::from(index)] = file;
+        Ok(DriveInfo { path, superblock: *superblock })
     }
 
     /// The drive folder the drives are linked into.
@@ -550,7 +749,7 @@ impl MemoryDrives {
     }
 
     pub fn count(&self) -> u16 {
-        u16::try_from(self.files.len()).unwrap_or(u16::MAX)
+        u16::try_from(self.lock_files().len()).unwrap_or(u16::MAX)
     }
 }
 
@@ -768,6 +967,124 @@ mod tests {
         // Shrunk below what its superblock records.
         OpenOptions::new().write(true).open(&paths[1]).unwrap().set_len(SIZE_BYTES - 4096).unwrap();
         check(&paths, NODE, "shrank");
+    }
+
+    #[test]
+    fn a_replaced_drive_file_is_new_and_whole() {
+        let dir = formatted();
+        let old = drive_path(dir.path(), 1);
+        OpenOptions::new()
+            .write(true)
+            .open(&old)
+            .unwrap()
+            .write_all_at(&[7; 4096], 1 << 20)
+            .unwrap();
+        // A stale temporary file of an earlier attempt is replaced too.
+        fs::write(replacement_path(dir.path(), 1), b"stale").unwrap();
+        let replaced = replace_drive_file(dir.path(), NODE, 1, 3, SIZE_BYTES).unwrap();
+        assert_eq!(replaced.path, old);
+        assert_eq!(replaced.superblock.drive_index, 1);
+        assert!(!replacement_path(dir.path(), 1).exists());
+        let mut bytes = [1u8; 4096];
+        File::open(&old).unwrap().read_exact_at(&mut bytes, 1 << 20).unwrap();
+        assert_eq!(bytes, [0; 4096], "the new file holds nothing of the old one");
+        assert_eq!(read_log_superblock(&old).unwrap(), LogSuperblockFound::Blank);
+        assert_eq!(open_drives(dir.path(), NODE).unwrap().len(), 3, "valid as drive 1");
+        // A missing file gets one too.
+        fs::remove_file(drive_path(dir.path(), 2)).unwrap();
+        replace_drive_file(dir.path(), NODE, 2, 3, SIZE_BYTES).unwrap();
+        assert_eq!(open_drives(dir.path(), NODE).unwrap().len(), 3);
+    }
+
+    #[test]
+    fn log_superblocks_are_told_apart() {
+        use engine::erasure::ErasureScheme;
+        use engine::log::format::Geometry;
+        let dir = formatted();
+        let path = drive_path(dir.path(), 0);
+        assert_eq!(read_log_superblock(&path).unwrap(), LogSuperblockFound::Blank);
+        let scheme = ErasureScheme::new(2, 1).unwrap();
+        let geometry =
+            Geometry::coded(3, SIZE_BYTES, 1 << 20, HEADER_REGION_BYTES, scheme).unwrap();
+        let superblock =
+            LogSuperblock { node_uuid: NODE, drive_index: 0, geometry, rebuilding: false };
+        let file = OpenOptions::new().write(true).open(&path).unwrap();
+        file.write_all_at(&superblock.encode(), HEADER_REGION_BYTES).unwrap();
+        let LogSuperblockFound::Valid(found) = read_log_superblock(&path).unwrap() else {
+            panic!("the log superblock written is not found");
+        };
+        assert_eq!(found.geometry.scheme(), scheme);
+        file.write_all_at(&[1], HEADER_REGION_BYTES + 100).unwrap();
+        let found = read_log_superblock(&path).unwrap();
+        assert!(
+            matches!(&found, LogSuperblockFound::Invalid(reason) if reason.contains("checksum"))
+        );
+        let short = dir.path().join("short");
+        File::create(&short).unwrap().set_len(HEADER_REGION_BYTES).unwrap();
+        assert!(matches!(read_log_superblock(&short).unwrap(), LogSuperblockFound::Invalid(_)));
+    }
+
+    #[test]
+    fn external_replacements_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths: Vec<PathBuf> =
+            (0..3).map(|index| dir.path().join(format!("d{index}"))).collect();
+        for path in &paths {
+            File::create(path).unwrap().set_len(SIZE_BYTES).unwrap();
+        }
+        format_external_drives(&paths, NODE, SIZE_BYTES).unwrap();
+        let check = |path: &Path, expect: &str| {
+            let error = message(
+                prepare_external_replacement(path, NODE, 1, 3, SIZE_BYTES, &paths).unwrap_err(),
+            );
+            assert!(error.contains(expect), "{error:?} lacks {expect:?}");
+        };
+        check(&paths[0], "is drive 0 of this node already");
+        let link = dir.path().join("link-to-d2");
+        std::os::unix::fs::symlink(&paths[2], &link).unwrap();
+        check(&link, "is drive 2 of this node already");
+        let small = dir.path().join("small");
+        File::create(&small).unwrap().set_len(SIZE_BYTES - (1 << 20)).unwrap();
+        check(&small, "too small");
+        check(dir.path(), "neither a block device nor a regular file");
+        let foreign = dir.path().join("foreign");
+        File::create(&foreign).unwrap().set_len(SIZE_BYTES).unwrap();
+        format_external_drives(std::slice::from_ref(&foreign), OTHER, SIZE_BYTES).unwrap();
+        check(&foreign, "refusing to format over it");
+
+        let new = dir.path().join("new");
+        File::create(&new).unwrap().set_len(SIZE_BYTES + (4 << 20)).unwrap();
+        let info = prepare_external_replacement(&new, NODE, 1, 3, SIZE_BYTES, &paths).unwrap();
+        assert_eq!(info.superblock.drive_index, 1);
+        let mut current = paths.clone();
+        current[1] = new.clone();
+        let opened = open_external_drives(&current, NODE, 3).unwrap();
+        assert_eq!(opened[1].path, new);
+        // The drive being replaced may be given back as its own replacement.
+        prepare_external_replacement(&new, NODE, 1, 3, SIZE_BYTES, &current).unwrap();
+    }
+
+    #[test]
+    fn memory_drives_are_replaced_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let drives = MemoryDrives::create(&dir.path().join("drives"), 2, SIZE_BYTES).unwrap();
+        format_drives(drives.dir(), NODE, 2, SIZE_BYTES).unwrap();
+        let path = drive_path(drives.dir(), 1);
+        OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .write_all_at(&[5; 4096], 1 << 20)
+            .unwrap();
+        let superblock = Superblock::new(NODE, 1, 2, SIZE_BYTES).unwrap();
+        let info = drives.replace(&superblock).unwrap();
+        assert_eq!(info.path, path);
+        assert!(is_memory_drive_link(&path));
+        let mut bytes = [1u8; 4096];
+        File::open(&path).unwrap().read_exact_at(&mut bytes, 1 << 20).unwrap();
+        assert_eq!(bytes, [0; 4096]);
+        assert_eq!(open_drives(drives.dir(), NODE).unwrap().len(), 2);
+        assert_eq!(drives.count(), 2);
     }
 
     #[test]

@@ -8,6 +8,9 @@
 //!   superblock; the engine formats the log area behind it).
 //! - [`format_external_drives`] / [`open_external_drives`]: block devices or existing files
 //!   given with `ferrite up --drive`, identified by their superblocks, not their paths.
+//! - [`replace_drive_file`] / [`prepare_external_replacement`] / [`MemoryDrives::replace`]: a
+//!   new drive in a failed or missing one's place (the engine rebuilds its contents);
+//!   [`read_log_superblock`] reads a drive's log superblock at startup.
 //! - [`MemoryDrives`]: RAM-backed drives (memfd), NOT DURABLE, linked into a drive folder so
 //!   the functions above and `DriveFile` serve them like drive files.
 //!
@@ -20,7 +23,8 @@ mod ring;
 pub use drive_file::DriveFile;
 pub use drives::{
     drive_path, format_drives, format_external_drives, open_drives, open_external_drives,
-    probe_external_drive, DriveInfo, DriveKind, DriveSetupError, ExternalDrive, MemoryDrives,
+    prepare_external_replacement, probe_external_drive, read_log_superblock, replace_drive_file,
+    DriveInfo, DriveKind, DriveSetupError, ExternalDrive, LogSuperblockFound, MemoryDrives,
 };
 pub use ring::{Ring, RingError, INFLIGHT_OPS_MAX, RING_ENTRIES};
 

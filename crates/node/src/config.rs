@@ -8,10 +8,16 @@
 //! existing files) the operator names with `--drive` ([`NodeConfig::drives`]); the node record
 //! remembers which, and external drives are recognised by their superblocks, not their paths.
 //!
+//! Erasure coding (`--erasure-coding k+m`) is chosen on the first start too, and written into
+//! every drive's log superblock by the engine: that is where later starts find it (a differing
+//! request is refused, see `crate::NodeError::ErasureChanged`). Without a request a node gets
+//! `engine::erasure::ErasureScheme::for_drives`'s default for its drive count.
+//!
 //! The drive backend ([`DriveBackend`]) says what holds the drives' bytes: files (durable) or
 //! RAM (NOT DURABLE, for measuring the target without a drive in the way). Memory drives must
 //! fit in RAM with room to spare ([`NodeConfig::check_memory_drives`]).
 
+use engine::erasure::ErasureScheme;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
 use types::ByteSize;
@@ -108,6 +114,13 @@ pub struct NodeConfig {
     /// The most the background scrub reads, in MiB per second; 0 runs no scrub (see
     /// `crate::scrub`).
     pub scrub_mb_per_s: u64,
+    /// The erasure coding to format the drives with on the first start
+    /// ([`parse_erasure_coding`]); `None` takes the default for the drive count. On later
+    /// starts it must be `None` or what the drives were formatted with.
+    pub erasure_coding: Option<ErasureScheme>,
+    /// The most a drive rebuild writes, in MiB per second; 0 sets no limit (see
+    /// `crate::rebuild`).
+    pub rebuild_mb_per_s: u64,
 }
 
 impl Default for NodeConfig {
@@ -124,7 +137,43 @@ impl Default for NodeConfig {
             data_threads: 0,
             poll_us: 0,
             scrub_mb_per_s: crate::scrub::DEFAULT_SCRUB_MB_PER_S,
+            erasure_coding: None,
+            rebuild_mb_per_s: crate::rebuild::DEFAULT_REBUILD_MB_PER_S,
         }
+    }
+}
+
+/// Parses `--erasure-coding`: `k+m` (such as `4+1`: 4 data and 1 parity block per stripe, each
+/// on its own drive) or `none` (no parity, the same as `1+0`).
+pub fn parse_erasure_coding(text: &str) -> Result<ErasureScheme, ConfigError> {
+    let text = text.trim();
+    if text.eq_ignore_ascii_case("none") {
+        return Ok(ErasureScheme::NONE);
+    }
+    let scheme: ErasureScheme = text.parse().map_err(|error: engine::erasure::ErasureError| {
+        ConfigError::ErasureCoding { text: text.to_owned(), reason: error.to_string() }
+    })?;
+    if scheme.parity_shards() == 0 && scheme != ErasureScheme::NONE {
+        return Err(ConfigError::ErasureCoding {
+            text: text.to_owned(),
+            reason: "a scheme without parity blocks is `none`".to_owned(),
+        });
+    }
+    Ok(scheme)
+}
+
+/// The scheme a new node of `drive_count` drives is formatted with, given what was asked for,
+/// and a sentence to log when it differs from the request (or from the default).
+pub fn resolve_erasure(
+    requested: Option<ErasureScheme>,
+    drive_count: u16,
+) -> (ErasureScheme, Option<String>) {
+    let request = requested.map(|scheme| (scheme.data_shards(), scheme.parity_shards()));
+    match ErasureScheme::for_drives(drive_count, request) {
+        Ok(resolved) => resolved,
+        // Unreachable for a parsed scheme (`for_drives` only refuses invalid ones); no parity
+        // is the safe reading of a request it cannot place.
+        Err(error) => (ErasureScheme::NONE, Some(format!("{error}; using none"))),
     }
 }
 
@@ -163,6 +212,16 @@ pub enum ConfigError {
         max = crate::scrub::SCRUB_MB_PER_S_MAX
     )]
     ScrubRate(u64),
+    #[error(
+        "--rebuild-mb-per-s {0} is out of range: give 0 (no limit) to {max} MiB per second",
+        max = crate::rebuild::REBUILD_MB_PER_S_MAX
+    )]
+    RebuildRate(u64),
+    #[error(
+        "--erasure-coding {text:?} is not a scheme: {reason}; give k+m (k data and m parity \
+         blocks per stripe, such as 4+1 or 2+1) or none"
+    )]
+    ErasureCoding { text: String, reason: String },
 }
 
 impl NodeConfig {
@@ -180,6 +239,9 @@ impl NodeConfig {
         }
         if self.scrub_mb_per_s > crate::scrub::SCRUB_MB_PER_S_MAX {
             return Err(ConfigError::ScrubRate(self.scrub_mb_per_s));
+        }
+        if self.rebuild_mb_per_s > crate::rebuild::REBUILD_MB_PER_S_MAX {
+            return Err(ConfigError::RebuildRate(self.rebuild_mb_per_s));
         }
         if let Some(count) = self.drive_count {
             if !(1..=DRIVE_COUNT_MAX).contains(&count) {
@@ -289,6 +351,35 @@ mod tests {
         let over = crate::scrub::SCRUB_MB_PER_S_MAX + 1;
         assert_eq!(check(over), Err(ConfigError::ScrubRate(over)));
         assert!(check(over).unwrap_err().to_string().contains("--scrub-mb-per-s"));
+    }
+
+    #[test]
+    fn erasure_coding_is_parsed_and_resolved() {
+        let parse = |text: &str| parse_erasure_coding(text).map(|scheme| scheme.to_string());
+        assert_eq!(parse("4+1").as_deref(), Ok("4+1"));
+        assert_eq!(parse(" 2+2 ").as_deref(), Ok("2+2"));
+        assert_eq!(parse("none").as_deref(), Ok("1+0"));
+        assert_eq!(parse("1+0").as_deref(), Ok("1+0"));
+        for bad in ["3+0", "4", "four+1", "0+1", "4+9", ""] {
+            let error = parse_erasure_coding(bad).unwrap_err().to_string();
+            assert!(error.contains("--erasure-coding") && error.contains("k+m"), "{error}");
+        }
+        let resolve = |requested: Option<&str>, drives: u16| {
+            let requested = requested.map(|text| parse_erasure_coding(text).unwrap());
+            let (scheme, note) = resolve_erasure(requested, drives);
+            (scheme.to_string(), note.is_some())
+        };
+        assert_eq!(resolve(None, 5), ("4+1".to_owned(), false));
+        assert_eq!(resolve(None, 4), ("3+1".to_owned(), true));
+        assert_eq!(resolve(None, 2), ("1+1".to_owned(), true));
+        assert_eq!(resolve(None, 1), ("1+0".to_owned(), true));
+        assert_eq!(resolve(Some("2+1"), 3), ("2+1".to_owned(), false));
+        assert_eq!(resolve(Some("4+1"), 3), ("2+1".to_owned(), true));
+        assert_eq!(resolve(Some("none"), 4), ("1+0".to_owned(), false));
+        let rate = |rebuild_mb_per_s| NodeConfig { rebuild_mb_per_s, ..NodeConfig::default() };
+        assert_eq!(rate(0).validate(), Ok(()));
+        let over = crate::rebuild::REBUILD_MB_PER_S_MAX + 1;
+        assert_eq!(rate(over).validate(), Err(ConfigError::RebuildRate(over)));
     }
 
     #[test]

@@ -134,6 +134,17 @@ pub enum ControlError {
     InvalidCompression(String),
     #[error("the data path failed on volume {name}: {source}")]
     DataPlane { name: VolumeName, source: DataPlaneError },
+    /// The node has no such drive.
+    #[error("{0}")]
+    DriveNotFound(DataPlaneError),
+    /// A drive replacement the engine refuses now (no parity, another rebuild, too many failed).
+    #[error("{0}")]
+    ReplaceRefused(DataPlaneError),
+    /// The new drive given is unusable, or a path was given where none is taken.
+    #[error("{0}")]
+    InvalidDrive(DataPlaneError),
+    #[error("cannot replace drive {index}: {source}")]
+    ReplaceDrive { index: u16, source: DataPlaneError },
     #[error(transparent)]
     Meta(MetaError),
 }
@@ -725,6 +736,21 @@ impl VolumeService {
 
     pub fn capacity(&self) -> Capacity {
         self.data_plane.capacity()
+    }
+
+    /// Puts a new drive in place of drive `index` (a new drive file, or the block device or
+    /// file at `path` on a node with external drives) and starts rebuilding it.
+    pub fn replace_drive(
+        &self,
+        index: u16,
+        path: Option<std::path::PathBuf>,
+    ) -> Result<crate::DriveStatus, ControlError> {
+        self.data_plane.replace_drive(index, path).map_err(|error| match error {
+            DataPlaneError::DriveNotFound { .. } => ControlError::DriveNotFound(error),
+            DataPlaneError::ReplaceRefused { .. } => ControlError::ReplaceRefused(error),
+            DataPlaneError::InvalidDrive(_) => ControlError::InvalidDrive(error),
+            source => ControlError::ReplaceDrive { index, source },
+        })
     }
 
     /// A volume's provisioned, mapped and used space, if the data path serves it.

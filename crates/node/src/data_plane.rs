@@ -23,6 +23,7 @@
 
 use crate::metrics::Registry;
 use crate::scrub::ScrubPhase;
+use engine::erasure::ErasureScheme;
 use engine::log::ScrubFinding;
 use meta::{Chunk, SnapshotRecord, VolumeRecord};
 use nvmf::target::AnaState;
@@ -57,6 +58,93 @@ pub struct Capacity {
     pub counters: EngineCounters,
     /// The background scrub.
     pub scrub: ScrubReport,
+    /// Erasure coding, degraded reads and drive rebuilds.
+    pub erasure: ErasureReport,
+}
+
+/// The node's erasure coding as the data path reports it (`crate::rebuild`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ErasureReport {
+    pub scheme: ErasureScheme,
+    /// Reads rebuilt from the other drives (their drive failed or could not be read).
+    pub reconstructed_reads: u64,
+    /// Reads of a block that failed its checksum, rebuilt intact from parity.
+    pub repaired_reads: u64,
+    /// Reads that could not be served: their stripe lost more than the parity covers.
+    pub unrecoverable_reads: u64,
+    /// The rebuild pace, in MiB per second (0: no limit).
+    pub rebuild_mb_per_s: u64,
+    /// The rebuild in progress.
+    pub rebuild: Option<RebuildReport>,
+    /// How the last rebuild of this run ended.
+    pub last_rebuild: Option<RebuildEnd>,
+    /// Bytes every rebuild of this run wrote, together (a counter).
+    pub rebuild_bytes_written_total: u64,
+}
+
+impl Default for ErasureReport {
+    fn default() -> Self {
+        Self {
+            scheme: ErasureScheme::NONE,
+            reconstructed_reads: 0,
+            repaired_reads: 0,
+            unrecoverable_reads: 0,
+            rebuild_mb_per_s: 0,
+            rebuild: None,
+            last_rebuild: None,
+            rebuild_bytes_written_total: 0,
+        }
+    }
+}
+
+/// A drive rebuild in progress.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RebuildReport {
+    pub drive: u16,
+    pub segments_done: u32,
+    pub segments_total: u32,
+    pub bytes_written: u64,
+    pub elapsed_seconds: f64,
+    /// Why the last step failed (another drive could not be read), while it retries.
+    pub stalled: Option<String>,
+}
+
+impl RebuildReport {
+    /// Segments examined, in percent of all.
+    pub fn percent(&self) -> f64 {
+        if self.segments_total == 0 {
+            return 0.0;
+        }
+        f64::from(self.segments_done) * 100.0 / f64::from(self.segments_total)
+    }
+
+    /// The average write rate so far.
+    pub fn bytes_per_second(&self) -> u64 {
+        if self.elapsed_seconds <= 0.0 {
+            return 0;
+        }
+        (self.bytes_written as f64 / self.elapsed_seconds) as u64
+    }
+
+    /// Seconds left at the pace the segments were examined so far; `None` before the first.
+    pub fn eta_seconds(&self) -> Option<u64> {
+        if self.segments_done == 0 {
+            return None;
+        }
+        let left = f64::from(self.segments_total.saturating_sub(self.segments_done));
+        Some((self.elapsed_seconds * left / f64::from(self.segments_done)).ceil() as u64)
+    }
+}
+
+/// How a drive rebuild ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RebuildEnd {
+    pub drive: u16,
+    /// The drive is whole again; false: the rebuild failed with `error`.
+    pub finished: bool,
+    pub error: Option<String>,
+    pub bytes_written: u64,
+    pub seconds: f64,
 }
 
 /// Logical bytes per byte they take on the drives; 1.0 when nothing is stored.
@@ -107,9 +195,12 @@ pub struct DriveStatus {
     pub index: u16,
     /// The drive file, or the block device or file given with `--drive`.
     pub path: PathBuf,
-    /// Latched failed after a failed write, sync or punch (`engine::DriveLatches`): no I/O
-    /// reaches it until the node restarts.
+    /// Latched failed after a failed write, sync or punch, or found unusable at start
+    /// (`engine::DriveLatches`): no I/O reaches it until it is replaced.
     pub failed: bool,
+    /// A replacement whose contents are being rebuilt from the other drives; how far, in whole
+    /// percent.
+    pub rebuild_percent: Option<u8>,
 }
 
 /// One volume's space.
@@ -134,6 +225,15 @@ pub enum DataPlaneError {
     /// as `snapshot_limit`.
     #[error("{0}")]
     SnapshotLimit(String),
+    /// The node has no drive of this index: reported as `drive_not_found`.
+    #[error("this node has no drive {index}: its drives are 0 to {}", count.saturating_sub(1))]
+    DriveNotFound { index: u16, count: u16 },
+    /// A drive cannot be replaced now; the reason says why (`replace_refused`).
+    #[error("drive {index} cannot be replaced: {reason}")]
+    ReplaceRefused { index: u16, reason: String },
+    /// The new drive given for a replacement is unusable (`invalid_drive`).
+    #[error("{0}")]
+    InvalidDrive(String),
     /// Anything else; reported to the user as an internal error.
     #[error(transparent)]
     Failed(Box<dyn std::error::Error + Send + Sync>),
@@ -160,6 +260,9 @@ pub struct DriveSet {
     pub node_uuid: [u8; 16],
     pub count: u16,
     pub size_bytes: u64,
+    /// The erasure coding a first start formats the drives with (later starts keep what the
+    /// drives record).
+    pub erasure: ErasureScheme,
 }
 
 /// One NVMe/TCP path to a volume: a listener of this node and the volume's ANA state there.
@@ -186,6 +289,9 @@ pub struct DataPathContext {
     pub snapshots: Vec<SnapshotRecord>,
     /// Where to record per-volume I/O metrics; every volume in `volumes` is registered already.
     pub metrics: Arc<Registry>,
+    /// The memory drives of a memory-backed node (NOT DURABLE), so a replacement can make a new
+    /// one; `None` for drive files and external drives.
+    pub memory_drives: Option<Arc<io::MemoryDrives>>,
 }
 
 /// Brings up the data path of a node. Used once, by `Node::start_with`.
@@ -329,6 +435,21 @@ pub trait DataPlane: Send + Sync {
             "volume {}: this data path has no NVMe/TCP ports",
             volume.name
         )))
+    }
+
+    /// Puts a new drive in place of drive `index` and starts rebuilding it from the other
+    /// drives (erasure-coded nodes only): a new drive file (or memory drive) made by the data
+    /// path, or the block device or file at `path` on a node with external drives. Returns the
+    /// new drive's status. Blocks until the engine switched to the new drive.
+    fn replace_drive(
+        &self,
+        index: u16,
+        _path: Option<PathBuf>,
+    ) -> Result<DriveStatus, DataPlaneError> {
+        Err(DataPlaneError::ReplaceRefused {
+            index,
+            reason: "this data path cannot replace drives".to_owned(),
+        })
     }
 
     /// Stops serving and joins the data-path threads. Called once, when the node stops, after

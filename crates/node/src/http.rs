@@ -8,7 +8,7 @@
 
 use crate::config::DriveBackend;
 use crate::control::{ControlError, VolumeService};
-use crate::data_plane::{data_reduction, ScrubReport, VolumePath, VolumeSpace};
+use crate::data_plane::{data_reduction, ErasureReport, ScrubReport, VolumePath, VolumeSpace};
 use crate::metrics::{NodeGauges, Registry};
 use api::{ErrorBody, ErrorCode, VolumeInfo};
 use axum::body::Bytes;
@@ -72,6 +72,7 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::VOLUME_SNAPSHOT, get(show_snapshot).delete(delete_snapshot))
         .route(api::paths::VOLUME_ROLLBACK, post(rollback_volume))
         .route(api::paths::NODE, get(node_info))
+        .route(api::paths::DRIVE_REPLACE, post(replace_drive))
         .route(api::paths::METRICS, get(render_metrics))
         .route(api::paths::HEALTHZ, get(healthz))
         .fallback(not_found)
@@ -115,6 +116,13 @@ impl From<ControlError> for ApiError {
                 ErrorCode::InvalidRequest
             }
             ControlError::CloneTooSmall { .. } => ErrorCode::ShrinkRefused,
+            ControlError::DriveNotFound(_) => ErrorCode::DriveNotFound,
+            ControlError::ReplaceRefused(_) => ErrorCode::ReplaceRefused,
+            ControlError::InvalidDrive(_) => ErrorCode::InvalidDrive,
+            ControlError::ReplaceDrive { .. } => {
+                tracing::error!(%error, "drive replacement failed");
+                ErrorCode::Internal
+            }
             ControlError::DataPlane { .. } | ControlError::Meta(_) => {
                 tracing::error!(%error, "volume operation failed");
                 ErrorCode::Internal
@@ -566,6 +574,86 @@ async fn deny_host(
     Ok(Json(host_access(&record)))
 }
 
+/// `POST /v1/drives/{index}/replace`: a new drive in place of drive `{index}`, rebuilt in the
+/// background. The body (`api::ReplaceDrive`) may be empty.
+async fn replace_drive(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<api::DriveInfo>, ApiError> {
+    let index = path
+        .map(|Path(index)| index)
+        .map_err(|rejection| ApiError::new(ErrorCode::InvalidRequest, rejection.body_text()))?;
+    let index: u16 = index.parse().map_err(|_| {
+        ApiError::new(
+            ErrorCode::DriveNotFound,
+            format!(
+                "{index:?} is not a drive index (a number from 0; see GET {})",
+                api::paths::NODE
+            ),
+        )
+    })?;
+    let request: api::ReplaceDrive = match &body {
+        Ok(bytes) if bytes.iter().all(u8::is_ascii_whitespace) => api::ReplaceDrive::default(),
+        _ => parse_body(body)?,
+    };
+    let new_path = request.path.map(std::path::PathBuf::from);
+    let size_bytes = state.node.record.drive_size_bytes;
+    let status = call(&state, move |service| service.replace_drive(index, new_path)).await?;
+    Ok(Json(drive_info(&status, size_bytes)))
+}
+
+/// A drive as the API reports it.
+fn drive_info(drive: &crate::DriveStatus, size_bytes: u64) -> api::DriveInfo {
+    let state = if drive.failed {
+        api::DRIVE_STATE_FAILED
+    } else if drive.rebuild_percent.is_some() {
+        api::DRIVE_STATE_REBUILDING
+    } else {
+        api::DRIVE_STATE_OK
+    };
+    api::DriveInfo {
+        index: drive.index,
+        path: drive.path.display().to_string(),
+        size_bytes,
+        state: state.to_owned(),
+        rebuild_percent: drive.rebuild_percent,
+    }
+}
+
+/// The erasure coding as the API reports it.
+fn erasure_info(report: &ErasureReport) -> api::ErasureInfo {
+    let scheme = report.scheme;
+    api::ErasureInfo {
+        scheme: scheme.to_string(),
+        data_shards: scheme.data_shards(),
+        parity_shards: scheme.parity_shards(),
+        protection: scheme.protection(),
+        reconstructed_reads: report.reconstructed_reads,
+        repaired_reads: report.repaired_reads,
+        unrecoverable_reads: report.unrecoverable_reads,
+        rebuild_mb_per_s: report.rebuild_mb_per_s,
+        rebuild: report.rebuild.as_ref().map(|rebuild| api::RebuildInfo {
+            drive: rebuild.drive,
+            segments_done: rebuild.segments_done,
+            segments_total: rebuild.segments_total,
+            percent: rebuild.percent(),
+            bytes_written: rebuild.bytes_written,
+            elapsed_seconds: rebuild.elapsed_seconds,
+            bytes_per_second: rebuild.bytes_per_second(),
+            eta_seconds: rebuild.eta_seconds(),
+            stalled: rebuild.stalled.clone(),
+        }),
+        last_rebuild: report.last_rebuild.as_ref().map(|end| api::RebuildOutcome {
+            drive: end.drive,
+            finished: end.finished,
+            error: end.error.clone(),
+            bytes_written: end.bytes_written,
+            seconds: end.seconds,
+        }),
+    }
+}
+
 async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>, ApiError> {
     let (volumes, meta_revision, capacity) = call(&state, |service| {
         Ok((service.volumes()?, service.meta_revision()?, service.capacity()))
@@ -601,15 +689,10 @@ async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>,
         drives: capacity
             .drives
             .iter()
-            .map(|drive| api::DriveInfo {
-                index: drive.index,
-                path: drive.path.display().to_string(),
-                size_bytes: node.record.drive_size_bytes,
-                state: if drive.failed { api::DRIVE_STATE_FAILED } else { api::DRIVE_STATE_OK }
-                    .to_owned(),
-            })
+            .map(|drive| drive_info(drive, node.record.drive_size_bytes))
             .collect(),
         scrub: Some(scrub),
+        erasure: Some(erasure_info(&capacity.erasure)),
     }))
 }
 
@@ -686,6 +769,7 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
             scrub_blocks_verified: capacity.scrub.blocks_verified,
             scrub_errors: capacity.scrub.errors,
             scrub_passes: capacity.scrub.passes_completed,
+            erasure: capacity.erasure,
             volume_space,
         })
     })

@@ -9,7 +9,8 @@
 //!    [`DataPathBuilder`] seam, then write the node record. A crash before the record is written
 //!    makes the next start a first start again. Later starts: check the configuration against
 //!    the recorded drive geometry and kind (files in DATA-DIR/drives, or external drives given
-//!    with `--drive`, whose geometry comes from the devices: the smallest one's size).
+//!    with `--drive`, whose geometry comes from the devices: the smallest one's size), and the
+//!    requested erasure coding against the one the drives' log superblocks record.
 //! 3. Start the control plane's tokio runtime and bind the REST API socket.
 //! 4. Start the data path with every volume and snapshot record (it recovers the log engine,
 //!    drops engine data no record names, and serves the volumes), then drop the records of
@@ -32,13 +33,16 @@ pub mod http;
 pub mod metrics;
 mod nbd;
 pub mod nvme;
+pub mod rebuild;
 pub mod scrub;
 
 pub use config::{ConfigError, DriveBackend, NodeConfig};
 pub use data_plane::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet, DriveStatus,
-    VolumeSpace,
+    ErasureReport, RebuildEnd, RebuildReport, VolumeSpace,
 };
+/// The erasure coding schemes `NodeConfig::erasure_coding` takes.
+pub use engine::erasure::ErasureScheme;
 
 use control::VolumeService;
 use meta::{EmbeddedStore, MetaError, MetaStore, NodeRecord};
@@ -85,6 +89,13 @@ pub enum NodeError {
         data_dir.display()
     )]
     DrivesChanged { data_dir: PathBuf, recorded: String, requested: String },
+    #[error(
+        "the data dir {} holds a node whose drives are formatted with erasure coding {recorded}, \
+         but {requested} was asked for; erasure coding cannot change after the first start: \
+         drop --erasure-coding, or use another --data-dir",
+        data_dir.display()
+    )]
+    ErasureChanged { data_dir: PathBuf, recorded: ErasureScheme, requested: ErasureScheme },
     #[error("cannot format the drives in {}: {source}", dir.display())]
     FormatDrives { dir: PathBuf, source: DataPlaneError },
     #[error("cannot format the drives given with --drive: {0}")]
@@ -174,7 +185,8 @@ impl Node {
     pub fn start_on(config: NodeConfig, backend: DriveBackend) -> Result<Self, NodeError> {
         let data_path = nvme::NvmeDataPathBuilder::new(config.data_threads)
             .with_poll(std::time::Duration::from_micros(config.poll_us))
-            .with_scrub(config.scrub_mb_per_s);
+            .with_scrub(config.scrub_mb_per_s)
+            .with_rebuild(config.rebuild_mb_per_s);
         Self::start_with_backend(config, backend, Box::new(data_path))
     }
 
@@ -210,17 +222,18 @@ impl Node {
                 )
                 .map_err(NodeError::MemoryDrives)?;
                 tracing::warn!(scratch_dir = %scratch.path.display(), "{MEMORY_BACKEND_WARNING}");
-                Some(MemoryBacking { drives, scratch })
+                Some(MemoryBacking { drives: Arc::new(drives), scratch })
             }
         };
         std::fs::create_dir_all(&config.data_dir)
             .map_err(|source| NodeError::DataDir { path: config.data_dir.clone(), source })?;
         let meta = Arc::new(EmbeddedStore::open_in(&config.data_dir)?);
 
-        let (record, first_start) = match meta.node()? {
+        let (record, first_start, erasure) = match meta.node()? {
             Some(record) => {
                 check_drives(&config, &record)?;
-                (record, false)
+                let erasure = check_erasure(&config, &record)?;
+                (record, false, erasure)
             }
             None => {
                 let external_drives = !config.drives.is_empty();
@@ -239,7 +252,15 @@ impl Node {
                     created_unix_ms: control::now_unix_ms(),
                     external_drives,
                 };
-                let drives = drive_set(&config, &record);
+                let (erasure, note) = config::resolve_erasure(config.erasure_coding, drive_count);
+                if let Some(note) = note {
+                    if config.erasure_coding.is_some() {
+                        tracing::warn!("{note}");
+                    } else {
+                        tracing::info!("{note}");
+                    }
+                }
+                let drives = drive_set(&config, &record, erasure);
                 data_path.format_drives(&drives).map_err(|source| {
                     if external_drives {
                         NodeError::FormatExternalDrives(source)
@@ -253,9 +274,11 @@ impl Node {
                     drives = record.drive_count,
                     drive_size = %types::ByteSize(record.drive_size_bytes),
                     drive_backend = backend.as_str(),
+                    erasure_coding = %erasure,
+                    protection = %erasure.protection(),
                     "first start: created the node"
                 );
-                (record, true)
+                (record, true, erasure)
             }
         };
 
@@ -288,12 +311,13 @@ impl Node {
             metrics.register_volume(volume.id, &volume.name);
         }
         let context = DataPathContext {
-            drives: drive_set(&config, &record),
+            drives: drive_set(&config, &record, erasure),
             nvme_listen: config.nvme_listen.clone(),
             nbd_listen: config.nbd_listen,
             volumes,
             snapshots,
             metrics: Arc::clone(&metrics),
+            memory_drives: memory.as_ref().map(|memory| Arc::clone(&memory.drives)),
         };
         let data_plane = data_path.start(context).map_err(NodeError::StartDataPath)?;
         let nvme_serving = data_plane.nvme_addr().is_some();
@@ -380,6 +404,11 @@ impl Node {
 
     pub fn record(&self) -> &NodeRecord {
         &self.record
+    }
+
+    /// The erasure coding the node's drives are formatted with.
+    pub fn erasure(&self) -> ErasureScheme {
+        self.data_plane.capacity().erasure.scheme
     }
 
     /// Whether this start created the node (and its drives).
@@ -482,8 +511,9 @@ impl Drop for Node {
 
 /// What a memory-backed node holds for its life.
 struct MemoryBacking {
-    /// Declared first: the links go before the folder that holds them.
-    drives: io::MemoryDrives,
+    /// Declared first: the links go before the folder that holds them. Shared with the data
+    /// path, which replaces drives in it; the data path is shut down before this is dropped.
+    drives: Arc<io::MemoryDrives>,
     scratch: ScratchDir,
 }
 
@@ -550,13 +580,51 @@ fn parse_mem_available(meminfo: &str) -> Option<u64> {
     kibibytes.checked_mul(1024)
 }
 
-fn drive_set(config: &NodeConfig, record: &NodeRecord) -> DriveSet {
+fn drive_set(config: &NodeConfig, record: &NodeRecord, erasure: ErasureScheme) -> DriveSet {
     DriveSet {
         dir: config.drives_dir(),
         external: config.drives.clone(),
         node_uuid: record.uuid,
         count: record.drive_count,
         size_bytes: record.drive_size_bytes,
+        erasure,
+    }
+}
+
+/// The erasure coding the node's drives record in their log superblocks (the first drive that
+/// holds a readable one says), or `None` if none does (the data path then reports the drives).
+fn recorded_erasure(config: &NodeConfig, record: &NodeRecord) -> Option<ErasureScheme> {
+    let paths: Vec<PathBuf> = if record.external_drives {
+        config.drives.clone()
+    } else {
+        let dir = config.drives_dir();
+        (0..record.drive_count).map(|index| io::drive_path(&dir, index)).collect()
+    };
+    paths.iter().find_map(|path| match io::read_log_superblock(path) {
+        Ok(io::LogSuperblockFound::Valid(superblock)) => Some(superblock.geometry.scheme()),
+        _ => None,
+    })
+}
+
+/// On a later start: the erasure coding the node has, refusing a request for another one
+/// (resolved for the drive count as a first start would).
+fn check_erasure(config: &NodeConfig, record: &NodeRecord) -> Result<ErasureScheme, NodeError> {
+    let recorded = recorded_erasure(config, record);
+    let requested = config
+        .erasure_coding
+        .map(|requested| config::resolve_erasure(Some(requested), record.drive_count).0);
+    match (recorded, requested) {
+        (Some(recorded), Some(requested)) if recorded != requested => {
+            Err(NodeError::ErasureChanged {
+                data_dir: config.data_dir.clone(),
+                recorded,
+                requested,
+            })
+        }
+        (Some(recorded), _) => Ok(recorded),
+        (None, requested) => {
+            Ok(requested.unwrap_or_else(|| config::resolve_erasure(None, record.drive_count).0))
+        }
     }
 }
 

@@ -20,6 +20,16 @@
 //!   mapped blocks take, and mapped bytes per byte of it (above 1 when compression saves space)
 //! - `ferrite_scrub_blocks_verified_total`, `ferrite_scrub_errors_total`,
 //!   `ferrite_scrub_passes_total` (counters): the background scrub since the node started
+//! - `ferrite_erasure_data_shards`, `ferrite_erasure_parity_shards` (gauges): the node's
+//!   erasure coding `k+m` (1 and 0 without parity)
+//! - `ferrite_reads_reconstructed_total`, `ferrite_reads_repaired_total`,
+//!   `ferrite_reads_unrecoverable_total` (counters): reads rebuilt from the other drives (their
+//!   drive failed or could not be read), blocks that failed their checksum and were rebuilt
+//!   intact, and reads that lost more than the parity covers
+//! - `ferrite_rebuild_bytes_written_total` (counter): bytes drive rebuilds wrote;
+//!   `ferrite_rebuild_segments_done`, `ferrite_rebuild_segments_total` (gauges): the rebuild in
+//!   progress (both 0 when none runs); `ferrite_drive_rebuilding{drive,path}` (gauge): 1 for a
+//!   drive being rebuilt
 //! - `ferrite_volume_mapped_bytes{volume,volume_id}`,
 //!   `ferrite_volume_physical_used_bytes{volume,volume_id}` (gauges): each volume's written
 //!   bytes and the drive space they take
@@ -40,7 +50,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use types::VolumeName;
 
 use crate::config::DriveBackend;
-use crate::data_plane::{data_reduction, DriveStatus, EngineCounters, VolumeSpace};
+use crate::data_plane::{data_reduction, DriveStatus, EngineCounters, ErasureReport, VolumeSpace};
 
 /// Upper bounds of the latency histogram buckets, in microseconds; a last `+Inf` bucket follows.
 /// From local NVMe (tens of microseconds) to a stalled drive (a second).
@@ -204,6 +214,8 @@ pub struct NodeGauges {
     pub scrub_blocks_verified: u64,
     pub scrub_errors: u64,
     pub scrub_passes: u64,
+    /// Erasure coding, degraded reads and rebuilds.
+    pub erasure: ErasureReport,
     /// The space of each volume the data path knows, by volume id.
     pub volume_space: BTreeMap<u64, VolumeSpace>,
 }
@@ -284,6 +296,48 @@ impl Registry {
             let _ =
                 writeln!(out, "ferrite_drive_failed{{drive=\"{index}\",path=\"{path}\"}} {value}");
         }
+        family(
+            &mut out,
+            "ferrite_drive_rebuilding",
+            "gauge",
+            "1 if the drive is a replacement being rebuilt from the other drives, 0 otherwise.",
+        );
+        for drive in &node.drives {
+            let mut path = String::new();
+            escape_label_value(&mut path, &drive.path.display().to_string());
+            let value = u8::from(drive.rebuild_percent.is_some());
+            let index = drive.index;
+            let _ = writeln!(
+                out,
+                "ferrite_drive_rebuilding{{drive=\"{index}\",path=\"{path}\"}} {value}"
+            );
+        }
+        let erasure = &node.erasure;
+        render_gauge(
+            &mut out,
+            "ferrite_erasure_data_shards",
+            "Data blocks per stripe of the node's erasure coding (k of k+m).",
+            u64::from(erasure.scheme.data_shards()),
+        );
+        render_gauge(
+            &mut out,
+            "ferrite_erasure_parity_shards",
+            "Parity blocks per stripe (m of k+m): the drives the node may lose without losing data.",
+            u64::from(erasure.scheme.parity_shards()),
+        );
+        let rebuild = erasure.rebuild.as_ref();
+        render_gauge(
+            &mut out,
+            "ferrite_rebuild_segments_done",
+            "Log segments the drive rebuild in progress has examined (0 when none runs).",
+            rebuild.map_or(0, |rebuild| u64::from(rebuild.segments_done)),
+        );
+        render_gauge(
+            &mut out,
+            "ferrite_rebuild_segments_total",
+            "Log segments the drive rebuild in progress examines in all (0 when none runs).",
+            rebuild.map_or(0, |rebuild| u64::from(rebuild.segments_total)),
+        );
         render_gauge(&mut out, "ferrite_volumes", "Volumes on this node.", node.volumes);
         render_gauge(
             &mut out,
@@ -387,6 +441,27 @@ impl Registry {
                 "ferrite_scrub_passes_total",
                 "Full passes of the background scrub over the node's data.",
                 node.scrub_passes,
+            ),
+            (
+                "ferrite_reads_reconstructed_total",
+                "Reads rebuilt from the other drives because their drive failed or could not be \
+                 read.",
+                erasure.reconstructed_reads,
+            ),
+            (
+                "ferrite_reads_repaired_total",
+                "Reads of a block that failed its checksum, rebuilt intact from parity.",
+                erasure.repaired_reads,
+            ),
+            (
+                "ferrite_reads_unrecoverable_total",
+                "Reads that failed: their stripe lost more cells than the parity covers.",
+                erasure.unrecoverable_reads,
+            ),
+            (
+                "ferrite_rebuild_bytes_written_total",
+                "Bytes drive rebuilds wrote to replacement drives.",
+                erasure.rebuild_bytes_written_total,
             ),
         ] {
             family(&mut out, name, "counter", help);
@@ -646,9 +721,41 @@ mod tests {
                 ..EngineCounters::default()
             },
             drives: vec![
-                DriveStatus { index: 0, path: "/dev/loop7".into(), failed: false },
-                DriveStatus { index: 1, path: "/srv/d\"1".into(), failed: true },
+                DriveStatus {
+                    index: 0,
+                    path: "/dev/loop7".into(),
+                    failed: false,
+                    rebuild_percent: None,
+                },
+                DriveStatus {
+                    index: 1,
+                    path: "/srv/d\"1".into(),
+                    failed: true,
+                    rebuild_percent: None,
+                },
+                DriveStatus {
+                    index: 2,
+                    path: "/srv/d2".into(),
+                    failed: false,
+                    rebuild_percent: Some(40),
+                },
             ],
+            erasure: ErasureReport {
+                scheme: engine::erasure::ErasureScheme::new(2, 1).unwrap(),
+                reconstructed_reads: 11,
+                repaired_reads: 2,
+                unrecoverable_reads: 1,
+                rebuild: Some(crate::data_plane::RebuildReport {
+                    drive: 2,
+                    segments_done: 40,
+                    segments_total: 100,
+                    bytes_written: 1 << 20,
+                    elapsed_seconds: 1.0,
+                    stalled: None,
+                }),
+                rebuild_bytes_written_total: 3 << 20,
+                ..ErasureReport::default()
+            },
             ..NodeGauges::default()
         };
         let text = registry.render(&gauges);
@@ -680,6 +787,18 @@ mod tests {
         assert_eq!(value(&text, "ferrite_drive_failed{drive=\"0\",path=\"/dev/loop7\"}"), 0);
         assert_eq!(value(&text, "ferrite_drive_failed{drive=\"1\",path=\"/srv/d\\\"1\"}"), 1);
         assert_eq!(value(&text, "ferrite_node_drive_backend{backend=\"memory\"}"), 0);
+        assert_eq!(value(&text, "ferrite_drive_rebuilding{drive=\"2\",path=\"/srv/d2\"}"), 1);
+        assert_eq!(value(&text, "ferrite_drive_rebuilding{drive=\"1\",path=\"/srv/d\\\"1\"}"), 0);
+        assert_eq!(value(&text, "ferrite_erasure_data_shards"), 2);
+        assert_eq!(value(&text, "ferrite_erasure_parity_shards"), 1);
+        assert_eq!(value(&text, "ferrite_reads_reconstructed_total"), 11);
+        assert_eq!(value(&text, "ferrite_reads_repaired_total"), 2);
+        assert_eq!(value(&text, "ferrite_reads_unrecoverable_total"), 1);
+        assert_eq!(value(&text, "ferrite_rebuild_bytes_written_total"), 3 << 20);
+        assert_eq!(value(&text, "ferrite_rebuild_segments_done"), 40);
+        assert_eq!(value(&text, "ferrite_rebuild_segments_total"), 100);
+        assert_eq!(value(&empty, "ferrite_rebuild_segments_total"), 0, "none runs");
+        assert_eq!(value(&empty, "ferrite_erasure_parity_shards"), 0);
         let memory = NodeGauges { drive_backend: DriveBackend::Memory, ..gauges.clone() };
         let memory_text = registry.render(&memory);
         assert_eq!(value(&memory_text, "ferrite_node_drive_backend{backend=\"memory\"}"), 1);

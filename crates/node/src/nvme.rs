@@ -7,8 +7,15 @@
 //! for `crate::nbd`) and deals them out round robin over bounded channels; a connection then
 //! lives on its thread until it closes (run to completion, no work stealing). Thread 0 also runs
 //! the engine's background work: GC paced by free space, periodic checkpoints (bounding
-//! recovery), the paced scrub (`crate::scrub`), the control plane's engine operations (deleting volumes and snapshots, taking
-//! snapshots, cloning, rolling back), and a final checkpoint when the node stops cleanly.
+//! recovery), the paced scrub (`crate::scrub`), drive rebuilds (`crate::rebuild`), the control
+//! plane's engine operations (deleting volumes and snapshots, taking snapshots, cloning, rolling
+//! back, replacing a drive), and a final checkpoint when the node stops cleanly.
+//!
+//! Replacing a drive: the control plane makes the new drive (a new drive file renamed over the
+//! old one's name, a new memory drive, or a checked external device whose path then replaces
+//! the old one in the shared [`DrivePaths`]), then thread 0 opens it and calls
+//! `LogHandle::begin_replace`. Every other thread reopens its own handle of the drive, on its
+//! own ring, by the path in [`DrivePaths`] (each handle's `set_reopen`) before its next I/O there.
 //!
 //! Per connection, one task owns the socket and the `Queue`. It reads into a fixed buffer,
 //! feeds whole PDUs to the queue, starts a storage task for each request the queue hands out,
@@ -20,17 +27,20 @@
 //! blocks of a deleted volume. Rolling a volume back fences and drains it the same way, and
 //! serves it again once the engine's rollback is durable.
 
+use crate::data_plane::VolumeSpace;
 use crate::data_plane::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
 };
-use crate::data_plane::{DriveStatus, EngineCounters, ScrubReport, VolumePath, VolumeSpace};
+use crate::data_plane::{DriveStatus, EngineCounters, ErasureReport, ScrubReport, VolumePath};
 use crate::metrics::{Registry, VolumeMetrics};
+use crate::rebuild::{RebuildStatus, Rebuilder};
 use crate::scrub::{ScrubStatus, Scrubber};
 use engine::compress::Compression;
 use engine::log::index::LayerError;
 use engine::log::{GcOutcome, LogConfig, LogEngine, LogError, LogHandle};
 use engine::{
-    DriveLatches, NodeUuid, StoreError, VolumeId, VolumeLayout, VolumeMap, VolumeStore, Volumes,
+    DriveError, DriveLatches, DriveOperation, NodeUuid, StoreError, Superblock, VolumeId,
+    VolumeLayout, VolumeMap, VolumeStore, Volumes,
 };
 use io::{DriveFile, Ring};
 use meta::{Chunk, HostAccess, SnapshotRecord, VolumeRecord};
@@ -89,6 +99,8 @@ pub struct NvmeDataPathBuilder {
     poll: Duration,
     /// The background scrub's rate (0: off).
     scrub_mb_per_s: u64,
+    /// The drive rebuild's rate (0: no limit).
+    rebuild_mb_per_s: u64,
 }
 
 impl NvmeDataPathBuilder {
@@ -100,7 +112,16 @@ impl NvmeDataPathBuilder {
             data_threads: data_threads.clamp(1, DATA_THREADS_MAX),
             poll: Duration::ZERO,
             scrub_mb_per_s: crate::scrub::DEFAULT_SCRUB_MB_PER_S,
+            rebuild_mb_per_s: crate::rebuild::DEFAULT_REBUILD_MB_PER_S,
         }
+    }
+
+    /// Rebuilds a replaced drive writing at most `mb_per_s` MiB per second (see
+    /// `crate::rebuild`); 0 sets no limit.
+    pub fn with_rebuild(mut self, mb_per_s: u64) -> Self {
+        assert!(mb_per_s <= crate::rebuild::REBUILD_MB_PER_S_MAX, "rebuild rate over the maximum");
+        self.rebuild_mb_per_s = mb_per_s;
+        self
     }
 
     /// Scrubs at most `mb_per_s` MiB per second in the background (see `crate::scrub`); 0 runs
@@ -185,10 +206,43 @@ fn node_uuid(drives: &DriveSet) -> NodeUuid {
     NodeUuid(drives.node_uuid)
 }
 
-/// The engine configuration of a node's drives served by `data_threads` threads.
+/// The engine configuration of a node's drives served by `data_threads` threads (the erasure
+/// coding is what a first start formats with; an opened log keeps what its drives record).
 fn log_config(drives: &DriveSet, data_threads: usize) -> LogConfig {
     let handles_max = u16::try_from(data_threads).unwrap_or(u16::MAX);
-    LogConfig::for_drives(node_uuid(drives), drives.size_bytes, handles_max)
+    LogConfig {
+        erasure: drives.erasure,
+        ..LogConfig::for_drives(node_uuid(drives), drives.size_bytes, handles_max)
+    }
+}
+
+/// The path of each drive (index = drive index), shared by every thread: a thread reopening a
+/// replaced drive opens what this names. Written only by a replacement of an external drive;
+/// a reopen holds the read lock while it opens, so it never sees a path half switched.
+type DrivePaths = Arc<RwLock<Vec<PathBuf>>>;
+
+/// How a data-path thread reopens drive `index` on its own `ring` after a replacement: by its
+/// current path, as the thread opened it at start.
+fn reopen_drive(
+    paths: DrivePaths,
+    ring: Rc<Ring>,
+) -> Box<dyn Fn(u16) -> Result<DriveFile, DriveError>> {
+    Box::new(move |index| {
+        let paths = paths.read().unwrap_or_else(PoisonError::into_inner);
+        let Some(path) = paths.get(usize::from(index)) else {
+            return Err(reopen_error(format!("the node has no drive {index}")));
+        };
+        DriveFile::open(path, &ring).map_err(|error| reopen_error(error.to_string()))
+    })
+}
+
+fn reopen_error(message: String) -> DriveError {
+    DriveError::Io {
+        operation: DriveOperation::Read,
+        offset_bytes: 0,
+        length_bytes: 0,
+        source: std::io::Error::other(message),
+    }
 }
 
 /// Runs `work` on a throwaway current_thread runtime with its own ring, on this thread.
@@ -248,6 +302,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
         context: DataPathContext,
     ) -> Result<Arc<dyn DataPlane>, DataPlaneError> {
         let drives = &context.drives;
+        let replacements = crate::rebuild::prepare_drive_files(drives)?;
         let infos = if drives.external.is_empty() {
             io::open_drives(&drives.dir, node_uuid(drives))
         } else {
@@ -321,9 +376,13 @@ impl DataPathBuilder for NvmeDataPathBuilder {
         let shared = Arc::new(ThreadShared {
             target: Arc::clone(&target),
             catalog: Arc::clone(&catalog),
-            drive_paths,
+            drive_paths: Arc::new(RwLock::new(drive_paths)),
+            drives: context.drives.clone(),
+            memory_drives: context.memory_drives.clone(),
+            replacements,
             latches: Arc::new(DriveLatches::new(drive_count)),
             scrub: Arc::new(ScrubStatus::new(self.scrub_mb_per_s)),
+            rebuild: Arc::new(RebuildStatus::new(self.rebuild_mb_per_s)),
             log_config: log_config(&context.drives, self.data_threads),
             known_ids: context
                 .volumes
@@ -400,6 +459,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             stop: stop_sender,
             threads: Mutex::new(threads),
             metrics: context.metrics,
+            replacing: Mutex::new(()),
         }))
     }
 }
@@ -687,10 +747,19 @@ fn serial_number(uuid: &[u8; 16]) -> String {
 struct ThreadShared {
     target: Arc<Target>,
     catalog: Arc<NodeCatalog>,
-    drive_paths: Vec<PathBuf>,
+    drive_paths: DrivePaths,
+    /// Where the drives live and their geometry, for making replacements.
+    drives: DriveSet,
+    /// The memory drives of a memory-backed node, for making replacements.
+    memory_drives: Option<Arc<io::MemoryDrives>>,
+    /// Drives whose files were missing (or never rebuilt) at start: thread 0's rebuilder
+    /// replaces them first.
+    replacements: Vec<u16>,
     latches: Arc<DriveLatches>,
     /// The background scrub's state, written by thread 0's scrubber, read by the control plane.
     scrub: Arc<ScrubStatus>,
+    /// The drive rebuilds' state, written by thread 0's rebuilder, read by the control plane.
+    rebuild: Arc<RebuildStatus>,
     log_config: LogConfig,
     /// The volume and snapshot ids the metadata store held at start: the engine's data of any
     /// other id (deleted just before a crash) is dropped once recovery is done.
@@ -724,23 +793,53 @@ enum EngineOperation {
         volume: u64,
         snapshot: u64,
     },
+    /// Puts the new drive at drive `drive`'s path (made ready by the control plane) in its
+    /// place and starts its rebuild.
+    Replace {
+        drive: u16,
+    },
 }
 
 impl EngineOperation {
-    async fn run(self, store: &LogHandle<DriveFile>) -> Result<(), DataPlaneError> {
+    /// Runs the operation on thread 0's `store`, whose drives are opened on `ring`.
+    async fn run(
+        self,
+        store: &LogHandle<DriveFile>,
+        ring: &Rc<Ring>,
+        shared: &ThreadShared,
+    ) -> Result<(), DataPlaneError> {
         let result = match self {
             Self::Delete { id } => store.delete_volume(id).await,
             Self::Snapshot { volume, snapshot } => store.snapshot_volume(volume, snapshot).await,
             Self::Clone { volume, snapshot } => store.clone_volume(volume, snapshot).await,
             Self::Rollback { volume, snapshot } => store.rollback_volume(volume, snapshot).await,
+            Self::Replace { drive } => {
+                let path = drive_path_of(shared, drive)?;
+                let new = DriveFile::open(&path, ring).map_err(|error| {
+                    DataPlaneError::InvalidDrive(format!("cannot open the new drive: {error}"))
+                })?;
+                store.begin_replace(drive, new).await
+            }
         };
         result.map_err(|error| match error {
             LogError::Layer(refusal @ LayerError::TooDeep { .. }) => {
                 DataPlaneError::SnapshotLimit(refusal.to_string())
             }
+            LogError::ReplaceRefused { drive, reason } => {
+                DataPlaneError::ReplaceRefused { index: drive, reason }
+            }
             other => DataPlaneError::failed(other.to_string()),
         })
     }
+}
+
+/// The current path of drive `index`.
+fn drive_path_of(shared: &ThreadShared, index: u16) -> Result<PathBuf, DataPlaneError> {
+    let paths = shared.drive_paths.read().unwrap_or_else(PoisonError::into_inner);
+    paths.get(usize::from(index)).cloned().ok_or(DataPlaneError::DriveNotFound {
+        index,
+        count: u16::try_from(paths.len()).unwrap_or(u16::MAX),
+    })
 }
 
 struct DataThread {
@@ -800,7 +899,8 @@ impl DataThread {
             tokio::task::spawn_local(background(
                 Rc::clone(&store),
                 commands,
-                Arc::clone(&self.shared.scrub),
+                Arc::clone(&self.shared),
+                Rc::clone(&ring),
                 self.stop.clone(),
             ))
         });
@@ -884,9 +984,13 @@ impl DataThread {
     /// Thread 0 opens the engine (recovery); the others take a handle on it. Each over this
     /// thread's own drive files.
     async fn open_store(&self, ring: &Rc<Ring>) -> Result<LogHandle<DriveFile>, String> {
-        let drives = open_drive_files(&self.shared.drive_paths, ring)?;
+        let paths = self.shared.drive_paths.read().unwrap_or_else(PoisonError::into_inner).clone();
+        let drives = open_drive_files(&paths, ring)?;
+        let reopen = reopen_drive(Arc::clone(&self.shared.drive_paths), Rc::clone(ring));
         if let Some(engine) = &self.engine {
-            return Ok(engine.handle(drives));
+            let handle = engine.handle(drives);
+            handle.set_reopen(reopen);
+            return Ok(handle);
         }
         let started = Instant::now();
         let latches = Arc::clone(&self.shared.latches);
@@ -894,6 +998,16 @@ impl DataThread {
             LogEngine::open(drives, self.shared.log_config.clone(), latches)
                 .await
                 .map_err(|error| format!("cannot open the log: {error}"))?;
+        handle.set_reopen(reopen);
+        let geometry = handle.engine().geometry();
+        if report.drives_unusable > 0 {
+            tracing::warn!(
+                drives = ?handle.engine().latches().failed_drives(),
+                erasure_coding = %geometry.scheme(),
+                "opened the log without drives whose superblock could not be read: they are \
+                 latched failed and their data is rebuilt from parity on every read"
+            );
+        }
         tracing::info!(
             seconds = started.elapsed().as_secs_f64(),
             bytes_read = report.bytes_read,
@@ -902,6 +1016,7 @@ impl DataThread {
             segments_replayed = report.segments_replayed,
             batches_replayed = report.batches_replayed,
             batches_torn = report.batches_torn,
+            erasure_coding = %geometry.scheme(),
             "recovered the log"
         );
         for volume in handle.engine().volume_ids() {
@@ -921,29 +1036,39 @@ impl DataThread {
     }
 }
 
-/// The engine's background work, on thread 0: paced GC, periodic checkpoints, volume deletions,
-/// the paced scrub (`crate::scrub`), and a final checkpoint when the node stops.
+/// The engine's background work, on thread 0: paced GC, periodic checkpoints, volume deletions
+/// and the other engine operations, the paced scrub (`crate::scrub`), drive rebuilds
+/// (`crate::rebuild`), and a final checkpoint when the node stops.
 async fn background(
     store: Rc<LogHandle<DriveFile>>,
     mut commands: mpsc::Receiver<Command>,
-    scrub: Arc<ScrubStatus>,
+    shared: Arc<ThreadShared>,
+    ring: Rc<Ring>,
     mut stop: watch::Receiver<bool>,
 ) {
     let tick_period = Duration::from_millis(BACKGROUND_TICK_MS);
     let mut tick = tokio::time::interval(tick_period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let segments_total = store.engine().geometry().segment_count;
-    let mut scrubber = Scrubber::new(scrub, tick_period, segments_total);
+    let mut scrubber = Scrubber::new(Arc::clone(&shared.scrub), tick_period, segments_total);
+    let mut rebuilder =
+        Rebuilder::new(Arc::clone(&shared.rebuild), tick_period, shared.replacements.clone());
+    let open_drive = |index: u16| -> Result<DriveFile, String> {
+        let path = drive_path_of(&shared, index).map_err(|error| error.to_string())?;
+        DriveFile::open(&path, &ring).map_err(|error| error.to_string())
+    };
     let mut last_checkpoint = Instant::now();
     let mut written_at_checkpoint = store.engine().stats().host_bytes_written;
     let mut gc_failed_logged = false;
+    // Drives latched at open were reported by the open (their superblock was unreadable).
+    let mut failed_seen: Vec<u16> = store.engine().latches().failed_drives();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             command = commands.recv() => {
                 match command {
                     Some(Command { operation, done }) => {
-                        let _ = done.send(operation.run(&store).await);
+                        let _ = done.send(operation.run(&store, &ring, &shared).await);
                     }
                     None => break,
                 }
@@ -952,6 +1077,7 @@ async fn background(
             _ = stop.changed() => break,
         }
         let stats = store.engine().stats();
+        report_failed_drives(&stats, &mut failed_seen);
         let reserve = stats.segments_total / 20;
         let steps = if stats.segments_free < 2 * reserve.max(8) {
             GC_STEPS_PER_TICK_URGENT
@@ -983,12 +1109,54 @@ async fn background(
             }
         }
         scrubber.tick(&store, Instant::now()).await;
+        rebuilder.tick(&store, &open_drive, Instant::now()).await;
     }
-    // A clean stop: a checkpoint now makes the next start read little.
-    if store.engine().latches().failed_drives().is_empty() {
+    // A clean stop: a checkpoint now makes the next start read little. A coded log writes one
+    // with up to its parity count of drives failed.
+    let parity = usize::from(store.engine().geometry().parity_shards);
+    if store.engine().latches().failed_drives().len() <= parity {
         match store.checkpoint().await {
             Ok(()) => tracing::info!("took the final checkpoint"),
             Err(error) => tracing::warn!(%error, "the final checkpoint failed"),
+        }
+    }
+}
+
+/// Logs each drive that became latched failed since the last call (`seen` holds the failed
+/// drives already reported; a replaced drive leaves it).
+fn report_failed_drives(stats: &engine::log::LogStats, seen: &mut Vec<u16>) {
+    seen.retain(|drive| stats.failed_drives.contains(drive));
+    for &drive in &stats.failed_drives {
+        if seen.contains(&drive) {
+            continue;
+        }
+        seen.push(drive);
+        let scheme = stats.erasure;
+        let failed = stats.failed_drives.len();
+        let parity = usize::from(scheme.parity_shards());
+        if parity == 0 {
+            tracing::error!(
+                drive,
+                "drive {drive} is latched failed after an I/O error: no I/O reaches it; this node \
+                 has no parity, so writes fail and reads of its blocks fail"
+            );
+        } else if failed <= parity {
+            tracing::error!(
+                drive,
+                erasure_coding = %scheme,
+                "drive {drive} is latched failed after an I/O error: hosts see no difference \
+                 (its blocks are rebuilt from parity), but replace it (`ferrite drive replace \
+                 {drive}`) to restore the redundancy"
+            );
+        } else {
+            tracing::error!(
+                drive,
+                erasure_coding = %scheme,
+                failed_drives = ?stats.failed_drives,
+                "drive {drive} is latched failed after an I/O error: more drives failed than \
+                 erasure coding {scheme} covers; writes fail and reads of stripes that lost too \
+                 much fail"
+            );
         }
     }
 }
@@ -1340,9 +1508,105 @@ struct NvmeDataPlane {
     stop: watch::Sender<bool>,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     metrics: Arc<Registry>,
+    /// Serialises drive replacements: one at a time, from making the drive to the switch.
+    replacing: Mutex<()>,
 }
 
 impl NvmeDataPlane {
+    /// Refuses a replacement the engine would refuse, before any drive is touched.
+    fn check_replace(&self, index: u16) -> Result<(), DataPlaneError> {
+        let refuse = |reason: String| Err(DataPlaneError::ReplaceRefused { index, reason });
+        let geometry = self.engine.geometry();
+        if !geometry.is_coded() {
+            return refuse(
+                "this node's drives hold no parity (erasure coding none), so a lost drive's data \
+                 cannot be rebuilt; restore the node's volumes from a replica or a backup"
+                    .to_owned(),
+            );
+        }
+        let latches = self.engine.latches();
+        if let Some(rebuilding) = latches.rebuilding_drive() {
+            return refuse(format!(
+                "drive {rebuilding} is being rebuilt; replace one drive at a time, once its \
+                 rebuild finished (`ferrite node show`)"
+            ));
+        }
+        let others: Vec<u16> =
+            latches.failed_drives().into_iter().filter(|other| *other != index).collect();
+        if others.len() + 1 > usize::from(geometry.parity_shards) {
+            return refuse(format!(
+                "drives {others:?} are failed too, and erasure coding {} survives the loss of {} \
+                 drive(s): taking drive {index} out as well would lose data; replace the failed \
+                 drives first",
+                geometry.scheme(),
+                geometry.parity_shards
+            ));
+        }
+        Ok(())
+    }
+
+    /// Makes the new drive `index` ready (formatted with its drive superblock, at the path the
+    /// threads will reopen) and returns its path.
+    fn make_replacement(
+        &self,
+        index: u16,
+        path: Option<PathBuf>,
+    ) -> Result<PathBuf, DataPlaneError> {
+        let drives = &self.shared.drives;
+        let uuid = node_uuid(drives);
+        match (drives.external.is_empty(), path) {
+            (true, Some(path)) => Err(DataPlaneError::InvalidDrive(format!(
+                "this node's drives are files the node makes itself (in {}), so a replacement \
+                 takes no path: leave --path {} out",
+                drives.dir.display(),
+                path.display()
+            ))),
+            (true, None) => {
+                let info = match &self.shared.memory_drives {
+                    Some(memory) => {
+                        let superblock =
+                            Superblock::new(uuid, index, drives.count, drives.size_bytes)
+                                .map_err(DataPlaneError::failed)?;
+                        memory.replace(&superblock)
+                    }
+                    None => io::replace_drive_file(
+                        &drives.dir,
+                        uuid,
+                        index,
+                        drives.count,
+                        drives.size_bytes,
+                    ),
+                }
+                .map_err(DataPlaneError::failed)?;
+                Ok(info.path)
+            }
+            (false, None) => Err(DataPlaneError::InvalidDrive(
+                "this node's drives are block devices or files given with --drive: give the new \
+                 drive with --path PATH"
+                    .to_owned(),
+            )),
+            (false, Some(path)) => {
+                let current =
+                    self.shared.drive_paths.read().unwrap_or_else(PoisonError::into_inner).clone();
+                io::prepare_external_replacement(
+                    &path,
+                    uuid,
+                    index,
+                    drives.count,
+                    drives.size_bytes,
+                    &current,
+                )
+                .map_err(|error| {
+                    DataPlaneError::InvalidDrive(format!(
+                        "cannot use {} as the new drive {index}: {error}",
+                        path.display()
+                    ))
+                })?;
+                Ok(path)
+            }
+        }
+    }
+
     /// Runs an engine operation through thread 0 and waits until it is durable.
     fn run(&self, operation: EngineOperation) -> Result<(), DataPlaneError> {
         let (done, result) = std::sync::mpsc::sync_channel(1);
@@ -1562,8 +1826,57 @@ impl DataPlane for NvmeDataPlane {
         self.target.notify_subsystems_changed();
     }
 
+    fn replace_drive(
+        &self,
+        index: u16,
+        path: Option<PathBuf>,
+    ) -> Result<DriveStatus, DataPlaneError> {
+        let _serialised = self.replacing.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = self.shared.drives.count;
+        if index >= count {
+            return Err(DataPlaneError::DriveNotFound { index, count });
+        }
+        self.check_replace(index)?;
+        let new_path = self.make_replacement(index, path)?;
+        let old_path = {
+            let mut paths = self.shared.drive_paths.write().unwrap_or_else(PoisonError::into_inner);
+            std::mem::replace(&mut paths[usize::from(index)], new_path.clone())
+        };
+        if let Err(error) = self.run(EngineOperation::Replace { drive: index }) {
+            if old_path != new_path {
+                self.shared.drive_paths.write().unwrap_or_else(PoisonError::into_inner)
+                    [usize::from(index)] = old_path;
+            }
+            tracing::warn!(drive = index, %error, "drive replacement refused");
+            return Err(error);
+        }
+        tracing::info!(
+            drive = index,
+            path = %new_path.display(),
+            "replaced drive {index}: rebuilding it from the other drives"
+        );
+        Ok(DriveStatus { index, path: new_path, failed: false, rebuild_percent: Some(0) })
+    }
+
     fn capacity(&self) -> Capacity {
         let stats = self.engine.stats();
+        let progress = self.engine.rebuild_progress();
+        let rebuild_percent = progress.map_or(0, |progress| {
+            let total = u64::from(progress.segments_total.max(1));
+            u8::try_from(u64::from(progress.segments_done) * 100 / total).unwrap_or(100)
+        });
+        let rebuild = &self.shared.rebuild;
+        let erasure = ErasureReport {
+            scheme: stats.erasure,
+            reconstructed_reads: stats.reconstructed_reads,
+            repaired_reads: stats.repaired_reads,
+            unrecoverable_reads: stats.unrecoverable_reads,
+            rebuild_mb_per_s: rebuild.rate_mb_per_s(),
+            rebuild: rebuild.report(progress, Instant::now()),
+            last_rebuild: rebuild.last(),
+            rebuild_bytes_written_total: rebuild.bytes_written_total(),
+        };
+        let paths = self.shared.drive_paths.read().unwrap_or_else(PoisonError::into_inner).clone();
         Capacity {
             total_bytes: stats.capacity_bytes,
             free_bytes: stats.free_bytes,
@@ -1594,13 +1907,16 @@ impl DataPlane for NvmeDataPlane {
                 checkpoints: stats.checkpoints,
             },
             drives: (0u16..)
-                .zip(&self.shared.drive_paths)
+                .zip(paths)
                 .map(|(index, path)| DriveStatus {
                     index,
-                    path: path.clone(),
+                    path,
                     failed: stats.failed_drives.contains(&index),
+                    rebuild_percent: (stats.rebuilding_drive == Some(index))
+                        .then_some(rebuild_percent),
                 })
                 .collect(),
+            erasure,
         }
     }
 

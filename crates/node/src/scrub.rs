@@ -10,9 +10,10 @@
 //! starts at most every [`SCRUB_PASS_INTERVAL_MIN_MS`], so a node holding little data does not
 //! read it back over and over.
 //!
-//! While any drive is latched failed the scrub pauses until the node restarts: reads of the
-//! failed drive's blocks fail anyway (and are reported as the drive's failure), and every write
-//! fails too, so nothing scrub could report would be news.
+//! While any drive is latched failed the scrub pauses, until the drive is replaced (on a node
+//! with erasure coding) or the node restarts: reads of the failed drive's blocks are rebuilt
+//! from parity or fail anyway (and are reported as the drive's failure), so nothing scrub could
+//! report would be news, and its reads would only slow the degraded node down.
 //!
 //! The scrub's state is shared with the control plane through [`ScrubStatus`] (a few atomics);
 //! the counts and findings live in the engine (`LogStats::scrub_*`,
@@ -54,7 +55,7 @@ pub enum ScrubPhase {
     Running,
     /// A pass completed; the next starts when [`SCRUB_PASS_INTERVAL_MIN_MS`] is over.
     Waiting,
-    /// A drive is latched failed: the scrub waits for the node's restart.
+    /// A drive is latched failed: the scrub waits for its replacement or the node's restart.
     Paused,
 }
 
@@ -148,7 +149,7 @@ pub struct Scrubber {
     pass_started: Option<Instant>,
     /// Set after a completed pass: the next one starts then.
     next_pass_at: Option<Instant>,
-    /// Whether the pause for a failed drive was logged (once per node run).
+    /// Whether the pause for a failed drive was logged (once per pause).
     paused_logged: bool,
     /// The pass in which a read error was last logged (one line per pass at most).
     read_error_logged_pass: Option<u64>,
@@ -185,12 +186,16 @@ impl Scrubber {
                 self.paused_logged = true;
                 tracing::warn!(
                     drives = ?failed,
-                    "scrub paused while a drive is latched failed; it resumes when the node \
-                     restarts"
+                    "scrub paused while a drive is latched failed; it resumes once the drive is \
+                     replaced (`ferrite drive replace`) or the node restarts"
                 );
             }
             self.status.set_phase(ScrubPhase::Paused);
             return;
+        }
+        if self.paused_logged {
+            self.paused_logged = false;
+            tracing::info!("scrub resumed: no drive is latched failed");
         }
         if let Some(start_at) = self.next_pass_at {
             if now < start_at {

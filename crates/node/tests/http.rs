@@ -164,6 +164,8 @@ fn config(dir: &Path) -> NodeConfig {
         data_threads: 1,
         poll_us: 0,
         scrub_mb_per_s: 0,
+        erasure_coding: None,
+        rebuild_mb_per_s: 0,
     }
 }
 
