@@ -76,20 +76,20 @@ for scheme in $rebuild_schemes; do
     start_node "$scheme"
     "$ferrite" bench --target "$target" --fill --workloads 4k_randread --runtime 1 --ramp 0 \
         --quiet >/dev/null
-    begin=$(date +%s%N)
     "$ferrite" drive replace 2 >/dev/null
-    state=""
+    outcome=""
     for _ in $(seq 1 36000); do
-        state=$("$ferrite" node show --json | python3 -c '
+        outcome=$("$ferrite" node show --json | python3 -c '
 import json, sys
-node = json.load(sys.stdin)
-drive = [d for d in node["drives"] if d["index"] == 2][0]
-print(drive["state"], (node.get("rebuild") or {}).get("bytes_written", 0))')
-        case "$state" in rebuilding*) sleep 0.1 ;; *) break ;; esac
+last = (json.load(sys.stdin).get("erasure") or {}).get("last_rebuild")
+if last:
+    mib = last["bytes_written"] / 1048576
+    rate = mib / last["seconds"] if last["seconds"] > 0 else 0
+    state = "finished" if last["finished"] else "FAILED: %s" % last.get("error")
+    print("%s, %.0f MiB written in %.1f s: %.0f MiB/s" % (state, mib, last["seconds"], rate))')
+        [ -n "$outcome" ] && break
+        sleep 0.1
     done
-    end=$(date +%s%N)
-    elapsed_ms=$(((end - begin) / 1000000))
-    written=$(grep -o 'rebuilt drive 2: [0-9]* bytes' "$work/up.log" | tail -1 | grep -o '[0-9]* bytes' | grep -o '[0-9]*' || true)
-    say "erasure coding $scheme: drive 2 rebuilt in ${elapsed_ms} ms (state now: $state; bytes written per the log: ${written:-unknown})"
+    say "erasure coding $scheme, drive 2 of 6 replaced and rebuilt (volume of $size filled, rate limit ${rebuild_rate:-0} MiB/s): ${outcome:-did not finish}"
     stop_server
 done
