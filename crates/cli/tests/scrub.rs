@@ -8,6 +8,8 @@
 //!   the next start the scrub reports exactly that damage, naming the volume, the block and the
 //!   drive, and a host's read of that block fails with an error instead of returning the
 //!   damaged data; the block's neighbours read fine.
+//! - On a node with erasure coding 2+1 the same damage is rebuilt from its stripe and written
+//!   back in place: the finding says repaired, and the block reads intact.
 
 mod common;
 
@@ -235,4 +237,70 @@ fn scrub_verifies_intact_data_and_reports_a_damaged_block() {
     });
     let stderr = node.stop_cleanly();
     assert_no_error_lines(&stderr, &["scrub found damaged data"], "damaged scrub");
+}
+
+/// On a node with erasure coding 2+1, the same damage is repaired: the scrub rebuilds the block
+/// from its stripe, writes it back in place (the drive file holds the original bytes again) and
+/// reports the finding as repaired, and hosts read the block intact.
+#[test]
+fn on_a_coded_node_scrub_repairs_a_damaged_block_in_place() {
+    const CODED_ARGS: [&str; 8] = [
+        "--drives",
+        "3",
+        "--drive-size",
+        "1G",
+        "--scrub-mb-per-s",
+        "1024",
+        "--erasure-coding",
+        "2+1",
+    ];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data_dir = dir.path().join("data");
+    let nvme_port = free_port();
+    let rt = runtime();
+    let node = Node::start_with_drives(&data_dir, nvme_port, &CODED_ARGS);
+    let api = node.api_url.clone();
+    ferrite_ok(&api, &["volume", "create", "victim", "--size", "64M", "--compression", "off"]);
+    rt.block_on(async {
+        let (controller, mut queue) = connect(&node, "victim").await;
+        queue.write(0, pattern(0, BLOCKS, VICTIM_TAG)).await.expect("write the victim");
+        drop(queue);
+        controller.shutdown().await.expect("shut down");
+    });
+    let stderr = node.stop_cleanly();
+    assert_no_error_lines(&stderr, &[], "writing");
+
+    let mut expected = AlignedBuf::new(BLOCK_BYTES);
+    expected.copy_from_slice(&pattern(DAMAGED_LBA, 1, VICTIM_TAG));
+    let places = find_block(&data_dir.join("drives"), &expected);
+    assert_eq!(places.len(), 1, "the block is stored once, raw: {places:?}");
+    let (path, offset) = places[0].clone();
+    damage(&path, offset);
+    assert!(find_block(&data_dir.join("drives"), &expected).is_empty(), "the damage took");
+
+    let node = Node::start_with_drives(&data_dir, nvme_port, &CODED_ARGS);
+    let api = node.api_url.clone();
+    let scrub = wait_for_pass(&api);
+    let findings = scrub["findings"].as_array().expect("findings");
+    assert_eq!(findings.len(), 1, "{scrub}");
+    let finding = &findings[0];
+    assert_eq!(finding["kind"], "block", "{finding}");
+    assert_eq!(finding["volume"], "victim", "{finding}");
+    assert_eq!(finding["block"].as_u64(), Some(DAMAGED_LBA), "{finding}");
+    assert_eq!(finding["drive"].as_u64(), Some(drive_index(&path)), "{finding}");
+    assert_eq!(finding["repaired"], true, "{finding}");
+    rt.block_on(async {
+        let (controller, mut queue) = connect(&node, "victim").await;
+        let all = queue.read(0, AlignedBuf::new(BLOCKS * BLOCK_BYTES)).await.expect("read all");
+        assert_eq!(pattern_mismatch(&all, 0, VICTIM_TAG), None);
+        drop(queue);
+        controller.shutdown().await.expect("shut down");
+    });
+    let stderr = node.stop_cleanly();
+    assert_no_error_lines(&stderr, &["scrub found damaged data"], "repairing scrub");
+    assert_eq!(
+        find_block(&data_dir.join("drives"), &expected),
+        vec![(path, offset)],
+        "the block was rewritten in place"
+    );
 }
