@@ -140,6 +140,7 @@ mod primary;
 mod replica;
 pub mod store;
 mod volume;
+pub mod wire;
 
 pub use lease::{LeaseKeeper, LeaseStatus};
 pub use manager::Manager;

@@ -2,9 +2,9 @@
 //! is what fences a deposed primary: a node refuses anything older than the newest epoch it has
 //! seen and answers `Stale` with its own.
 //!
-//! This module defines them as values; encoding them for TCP belongs to the node's wiring
-//! (a later issue), which must keep each message whole (no partial delivery). Loss,
-//! duplication, delay and reordering are all tolerated.
+//! This module defines them as values; [`crate::wire`] encodes them as checksummed frames
+//! (docs/replication-wire.md), and the transport must deliver each message whole (no partial
+//! delivery). Loss, duplication, delay and reordering are all tolerated.
 
 use crate::{BlockData, StreamId};
 

@@ -1,0 +1,1091 @@
+//! The bytes of a replication [`Message`] between two nodes: one frame per message on a TCP
+//! connection, so the node's wiring can send what the state machines return (issue 6). The
+//! state machines never see bytes; only this module knows the layout. The full specification,
+//! with byte diagrams, is docs/replication-wire.md.
+//!
+//! A frame is a 20-byte header and a payload:
+//!
+//! ```text
+//! 0       4    5    6       8               12              16              20
+//! +-------+----+----+-------+---------------+---------------+---------------+---- ... ----+
+//! | magic | ver|type| flags | payload_bytes | checksum      | header_check  | payload     |
+//! +-------+----+----+-------+---------------+---------------+---------------+---- ... ----+
+//! ```
+//!
+//! Integers are little-endian. `checksum` is the CRC-32C of header bytes `0..12` followed by the
+//! payload; `header_check` the CRC-32C of header bytes `0..16`, so a damaged length is refused
+//! before the receiver waits for a payload that will never come.
+//!
+//! [`decode`] checks everything before it trusts a byte: magic, version, header checksum, type,
+//! flags, the payload length against the bounds of its type, the frame checksum, then every
+//! field (tags, counts against [`BLOCKS_PER_OP_MAX`] and [`DIVERGENCE_LBAS_MAX`], block sizes
+//! against [`BLOCK_BYTES_MAX`]) before it allocates for it. It never panics, and never reads or
+//! allocates more than [`MESSAGE_BYTES_MAX`] for one frame. The encoding is canonical: a decoded
+//! frame encodes back to the same bytes. [`FrameReader`] cuts a byte stream into messages with a
+//! buffer of one largest frame.
+
+use std::ops::RangeInclusive;
+use std::sync::Arc;
+
+use crate::message::{DivergenceReport, Entry, EntryKind, Message};
+use crate::{BlockData, StreamId, BLOCKS_PER_OP_MAX};
+
+/// The first bytes of every frame ("Ferrite replication protocol").
+pub const MAGIC: [u8; 4] = *b"FRRP";
+/// The version this code writes and the only one it reads.
+pub const VERSION: u8 = 1;
+/// Bytes of the fixed header before the payload.
+pub const HEADER_BYTES: usize = 20;
+/// The largest block an entry carries: the node's block size. The simulation uses smaller ones;
+/// every mapped block carries its own length.
+pub const BLOCK_BYTES_MAX: usize = 4096;
+/// The most LBAs a `ProbeReply` lists. A longer divergence is sent as `Unknown`, exactly what a
+/// replica reports past its own `divergence_lbas_max` (the new primary then copies everything).
+pub const DIVERGENCE_LBAS_MAX: usize = 1 << 15;
+
+/// Header byte offsets.
+mod offset {
+    pub const MAGIC: usize = 0;
+    pub const VERSION: usize = 4;
+    pub const TYPE: usize = 5;
+    pub const FLAGS: usize = 6;
+    pub const PAYLOAD_BYTES: usize = 8;
+    pub const CHECKSUM: usize = 12;
+    pub const HEADER_CHECK: usize = 16;
+}
+
+const U64_BYTES: usize = 8;
+/// Kind tag, op, LBA, block count.
+const ENTRY_FIXED_BYTES: usize = 1 + U64_BYTES + U64_BYTES + 4;
+/// Epoch, stream, incarnation, seq, commit op, then the entry.
+const APPEND_FIXED_BYTES: usize = 5 * U64_BYTES + ENTRY_FIXED_BYTES;
+/// An unmapped block is its tag alone.
+const BLOCK_UNMAPPED_BYTES: usize = 1;
+/// A mapped block: tag, length, then the bytes.
+const BLOCK_MAPPED_FIXED_BYTES: usize = 1 + 4;
+const APPEND_PAYLOAD_BYTES_MIN: usize = APPEND_FIXED_BYTES + BLOCK_UNMAPPED_BYTES;
+const APPEND_PAYLOAD_BYTES_MAX: usize =
+    APPEND_FIXED_BYTES + BLOCKS_PER_OP_MAX as usize * (BLOCK_MAPPED_FIXED_BYTES + BLOCK_BYTES_MAX);
+/// Epoch, incarnation, divergence tag.
+const PROBE_REPLY_FIXED_BYTES: usize = 2 * U64_BYTES + 1;
+const PROBE_REPLY_PAYLOAD_BYTES_MAX: usize =
+    PROBE_REPLY_FIXED_BYTES + 4 + DIVERGENCE_LBAS_MAX * U64_BYTES;
+
+/// The largest payload of any message.
+pub const PAYLOAD_BYTES_MAX: usize = if APPEND_PAYLOAD_BYTES_MAX > PROBE_REPLY_PAYLOAD_BYTES_MAX {
+    APPEND_PAYLOAD_BYTES_MAX
+} else {
+    PROBE_REPLY_PAYLOAD_BYTES_MAX
+};
+/// The largest frame: an `Append` of `BLOCKS_PER_OP_MAX` mapped blocks of `BLOCK_BYTES_MAX`.
+pub const MESSAGE_BYTES_MAX: usize = HEADER_BYTES + PAYLOAD_BYTES_MAX;
+
+const _: () = assert!(offset::HEADER_CHECK + 4 == HEADER_BYTES);
+const _: () = assert!(PAYLOAD_BYTES_MAX <= u32::MAX as usize);
+const _: () = assert!(BLOCK_BYTES_MAX <= u32::MAX as usize);
+const _: () = assert!(DIVERGENCE_LBAS_MAX <= u32::MAX as usize);
+const _: () = assert!(PROBE_REPLY_PAYLOAD_BYTES_MAX <= APPEND_PAYLOAD_BYTES_MAX);
+
+const ENTRY_WRITE: u8 = 1;
+const ENTRY_COPY: u8 = 2;
+const BLOCK_UNMAPPED: u8 = 0;
+const BLOCK_MAPPED: u8 = 1;
+const DIVERGENCE_UNKNOWN: u8 = 0;
+const DIVERGENCE_KNOWN: u8 = 1;
+
+/// The type byte of a frame: one per [`Message`] variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum MessageType {
+    Append = 1,
+    Heartbeat = 2,
+    Ack = 3,
+    Probe = 4,
+    ProbeReply = 5,
+    Hello = 6,
+    Stale = 7,
+    Resync = 8,
+    Failed = 9,
+}
+
+impl MessageType {
+    pub fn from_u8(value: u8) -> Option<Self> {
+        Some(match value {
+            1 => Self::Append,
+            2 => Self::Heartbeat,
+            3 => Self::Ack,
+            4 => Self::Probe,
+            5 => Self::ProbeReply,
+            6 => Self::Hello,
+            7 => Self::Stale,
+            8 => Self::Resync,
+            9 => Self::Failed,
+            _ => return None,
+        })
+    }
+
+    pub fn of(message: &Message) -> Self {
+        match message {
+            Message::Append { .. } => Self::Append,
+            Message::Heartbeat { .. } => Self::Heartbeat,
+            Message::Ack { .. } => Self::Ack,
+            Message::Probe { .. } => Self::Probe,
+            Message::ProbeReply { .. } => Self::ProbeReply,
+            Message::Hello { .. } => Self::Hello,
+            Message::Stale { .. } => Self::Stale,
+            Message::Resync { .. } => Self::Resync,
+            Message::Failed { .. } => Self::Failed,
+        }
+    }
+
+    /// The payload lengths a frame of this type may declare.
+    pub fn payload_bytes(self) -> RangeInclusive<usize> {
+        let fixed = |u64s: usize| u64s * U64_BYTES..=u64s * U64_BYTES;
+        match self {
+            Self::Append => APPEND_PAYLOAD_BYTES_MIN..=APPEND_PAYLOAD_BYTES_MAX,
+            Self::Heartbeat => fixed(4),
+            Self::Ack => fixed(3),
+            Self::Probe | Self::Stale => fixed(1),
+            Self::ProbeReply => PROBE_REPLY_FIXED_BYTES..=PROBE_REPLY_PAYLOAD_BYTES_MAX,
+            Self::Hello | Self::Resync | Self::Failed => fixed(2),
+        }
+    }
+}
+
+/// Why bytes are not a frame. Apart from `Incomplete`, the connection's framing can no longer be
+/// trusted: the receiver closes it (the protocol tolerates the messages lost with it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("frame incomplete: {needed_bytes} bytes are needed to go on")]
+    Incomplete { needed_bytes: usize },
+    #[error(
+        "byte {offset} of the frame magic is {found:#04x}, not {expected:#04x}: the peer is not \
+         a Ferrite replication endpoint, or the stream lost its framing"
+    )]
+    MagicWrong { offset: usize, found: u8, expected: u8 },
+    #[error("frame version {version} is not supported (this node reads version {VERSION})")]
+    VersionUnsupported { version: u8 },
+    #[error(
+        "frame header checksum mismatch: it carries {stored:#010x}, bytes hash to {computed:#010x}"
+    )]
+    HeaderChecksumMismatch { stored: u32, computed: u32 },
+    #[error("message type {message_type} is unknown")]
+    TypeUnknown { message_type: u8 },
+    #[error("frame flags {flags:#06x} are reserved and must be zero")]
+    FlagsReserved { flags: u16 },
+    #[error("a {message_type:?} frame declares {payload_bytes} payload bytes, outside {range:?}")]
+    LengthInvalid { message_type: MessageType, payload_bytes: u32, range: RangeInclusive<usize> },
+    #[error("frame checksum mismatch: it carries {stored:#010x}, bytes hash to {computed:#010x}")]
+    ChecksumMismatch { stored: u32, computed: u32 },
+    #[error("invalid field at byte {offset} of a {message_type:?} frame: {reason}")]
+    FieldInvalid { message_type: MessageType, offset: usize, reason: &'static str },
+}
+
+impl WireError {
+    /// True when the bytes are a valid beginning of a frame and more are needed.
+    pub fn is_incomplete(&self) -> bool {
+        matches!(self, WireError::Incomplete { .. })
+    }
+}
+
+/// A message the wire cannot carry: the sender built an entry outside the protocol's limits.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    #[error("an entry holds {count} blocks; the wire carries 1..={BLOCKS_PER_OP_MAX}")]
+    BlockCount { count: usize },
+    #[error("an entry of {count} blocks at LBA {lba} runs past the last LBA")]
+    LbaOverflow { lba: u64, count: usize },
+    #[error("block {index} of an entry holds {size_bytes} bytes; the wire carries 1..={BLOCK_BYTES_MAX}")]
+    BlockSize { index: usize, size_bytes: usize },
+}
+
+/// Appends the frame of `message` to `out` and returns its length. On error `out` is unchanged.
+pub fn encode(message: &Message, out: &mut Vec<u8>) -> Result<usize, EncodeError> {
+    if let Message::Append { entry, .. } = message {
+        check_entry(entry)?;
+    }
+    let message_type = MessageType::of(message);
+    let payload_bytes = payload_bytes(message);
+    assert!(message_type.payload_bytes().contains(&payload_bytes));
+    let start = out.len();
+    out.reserve(HEADER_BYTES + payload_bytes);
+    out.extend_from_slice(&MAGIC);
+    out.push(VERSION);
+    out.push(message_type as u8);
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&(payload_bytes as u32).to_le_bytes());
+    out.extend_from_slice(&[0; 8]);
+    encode_payload(message, out);
+    assert_eq!(out.len() - start, HEADER_BYTES + payload_bytes, "payload length computed wrong");
+    let frame = &mut out[start..];
+    let checksum = frame_checksum(&frame[..offset::CHECKSUM], &frame[HEADER_BYTES..]);
+    frame[offset::CHECKSUM..offset::HEADER_CHECK].copy_from_slice(&checksum.to_le_bytes());
+    let header_check = crc32c::crc32c(&frame[..offset::HEADER_CHECK]);
+    frame[offset::HEADER_CHECK..HEADER_BYTES].copy_from_slice(&header_check.to_le_bytes());
+    Ok(HEADER_BYTES + payload_bytes)
+}
+
+fn check_entry(entry: &Entry) -> Result<(), EncodeError> {
+    let count = entry.blocks.len();
+    if count == 0 || count > BLOCKS_PER_OP_MAX as usize {
+        return Err(EncodeError::BlockCount { count });
+    }
+    if entry.lba.checked_add(count as u64).is_none() {
+        return Err(EncodeError::LbaOverflow { lba: entry.lba, count });
+    }
+    for (index, block) in entry.blocks.iter().enumerate() {
+        if let Some(block) = block {
+            if block.is_empty() || block.len() > BLOCK_BYTES_MAX {
+                return Err(EncodeError::BlockSize { index, size_bytes: block.len() });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The divergence as the wire carries it: a list too long to send becomes `Unknown`.
+fn sendable_lbas(divergence: &DivergenceReport) -> Option<&[u64]> {
+    match divergence {
+        DivergenceReport::Known(lbas) if lbas.len() <= DIVERGENCE_LBAS_MAX => Some(lbas),
+        _ => None,
+    }
+}
+
+fn payload_bytes(message: &Message) -> usize {
+    match message {
+        Message::Append { entry, .. } => {
+            let blocks: usize = entry
+                .blocks
+                .iter()
+                .map(|block| match block {
+                    None => BLOCK_UNMAPPED_BYTES,
+                    Some(block) => BLOCK_MAPPED_FIXED_BYTES + block.len(),
+                })
+                .sum();
+            APPEND_FIXED_BYTES + blocks
+        }
+        Message::ProbeReply { divergence, .. } => match sendable_lbas(divergence) {
+            None => PROBE_REPLY_FIXED_BYTES,
+            Some(lbas) => PROBE_REPLY_FIXED_BYTES + 4 + lbas.len() * U64_BYTES,
+        },
+        _ => *MessageType::of(message).payload_bytes().start(),
+    }
+}
+
+fn encode_payload(message: &Message, out: &mut Vec<u8>) {
+    let mut put = |value: u64| out.extend_from_slice(&value.to_le_bytes());
+    match message {
+        Message::Append { epoch, stream, incarnation, seq, commit_op, entry } => {
+            for value in [*epoch, stream.0, *incarnation, *seq, *commit_op] {
+                put(value);
+            }
+            let (kind, op) = match entry.kind {
+                EntryKind::Write { op } => (ENTRY_WRITE, op),
+                EntryKind::Copy { covers_op } => (ENTRY_COPY, covers_op),
+            };
+            out.push(kind);
+            out.extend_from_slice(&op.to_le_bytes());
+            out.extend_from_slice(&entry.lba.to_le_bytes());
+            out.extend_from_slice(&(entry.blocks.len() as u32).to_le_bytes());
+            for block in &entry.blocks {
+                match block {
+                    None => out.push(BLOCK_UNMAPPED),
+                    Some(block) => {
+                        out.push(BLOCK_MAPPED);
+                        out.extend_from_slice(&(block.len() as u32).to_le_bytes());
+                        out.extend_from_slice(block);
+                    }
+                }
+            }
+        }
+        Message::Heartbeat { epoch, stream, incarnation, commit_op } => {
+            for value in [*epoch, stream.0, *incarnation, *commit_op] {
+                put(value);
+            }
+        }
+        Message::Ack { epoch, stream, durable_seq } => {
+            for value in [*epoch, stream.0, *durable_seq] {
+                put(value);
+            }
+        }
+        Message::Probe { epoch } | Message::Stale { epoch } => put(*epoch),
+        Message::ProbeReply { epoch, incarnation, divergence } => {
+            put(*epoch);
+            put(*incarnation);
+            match sendable_lbas(divergence) {
+                None => out.push(DIVERGENCE_UNKNOWN),
+                Some(lbas) => {
+                    out.push(DIVERGENCE_KNOWN);
+                    out.extend_from_slice(&(lbas.len() as u32).to_le_bytes());
+                    for lba in lbas {
+                        out.extend_from_slice(&lba.to_le_bytes());
+                    }
+                }
+            }
+        }
+        Message::Hello { epoch, incarnation }
+        | Message::Resync { epoch, incarnation }
+        | Message::Failed { epoch, incarnation } => {
+            put(*epoch);
+            put(*incarnation);
+        }
+    }
+}
+
+fn frame_checksum(header_start: &[u8], payload: &[u8]) -> u32 {
+    debug_assert_eq!(header_start.len(), offset::CHECKSUM);
+    crc32c::crc32c_append(crc32c::crc32c(header_start), payload)
+}
+
+fn le_u16(bytes: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([bytes[at], bytes[at + 1]])
+}
+
+fn le_u32(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+}
+
+/// Decodes the frame at the start of `bytes`: the message and the bytes it took. Bytes after the
+/// frame are left alone. A valid beginning of a frame gives [`WireError::Incomplete`].
+pub fn decode(bytes: &[u8]) -> Result<(Message, usize), WireError> {
+    let (message_type, frame_bytes) = decode_header(bytes)?;
+    let Some(frame) = bytes.get(..frame_bytes) else {
+        return Err(WireError::Incomplete { needed_bytes: frame_bytes });
+    };
+    let (header, payload) = frame.split_at(HEADER_BYTES);
+    let stored = le_u32(header, offset::CHECKSUM);
+    let computed = frame_checksum(&header[..offset::CHECKSUM], payload);
+    if stored != computed {
+        return Err(WireError::ChecksumMismatch { stored, computed });
+    }
+    let message = decode_payload(message_type, payload)?;
+    Ok((message, frame_bytes))
+}
+
+/// Checks the header; returns the type and the length of the whole frame.
+fn decode_header(bytes: &[u8]) -> Result<(MessageType, usize), WireError> {
+    // What has arrived of the magic and version is checked at once, so garbage fails on its
+    // first byte instead of after a header's worth.
+    for (at, (&found, &expected)) in bytes.iter().zip(MAGIC.iter()).enumerate() {
+        if found != expected {
+            return Err(WireError::MagicWrong { offset: offset::MAGIC + at, found, expected });
+        }
+    }
+    if let Some(&version) = bytes.get(offset::VERSION) {
+        if version != VERSION {
+            return Err(WireError::VersionUnsupported { version });
+        }
+    }
+    let Some(header) = bytes.get(..HEADER_BYTES) else {
+        return Err(WireError::Incomplete { needed_bytes: HEADER_BYTES });
+    };
+    let stored = le_u32(header, offset::HEADER_CHECK);
+    let computed = crc32c::crc32c(&header[..offset::HEADER_CHECK]);
+    if stored != computed {
+        return Err(WireError::HeaderChecksumMismatch { stored, computed });
+    }
+    let type_byte = header[offset::TYPE];
+    let message_type = MessageType::from_u8(type_byte)
+        .ok_or(WireError::TypeUnknown { message_type: type_byte })?;
+    let flags = le_u16(header, offset::FLAGS);
+    if flags != 0 {
+        return Err(WireError::FlagsReserved { flags });
+    }
+    let payload_bytes = le_u32(header, offset::PAYLOAD_BYTES);
+    let range = message_type.payload_bytes();
+    if !range.contains(&(payload_bytes as usize)) {
+        return Err(WireError::LengthInvalid { message_type, payload_bytes, range });
+    }
+    Ok((message_type, HEADER_BYTES + payload_bytes as usize))
+}
+
+/// Reads the fields of one payload, whose length the header already bounded.
+struct Fields<'a> {
+    message_type: MessageType,
+    payload: &'a [u8],
+    position: usize,
+}
+
+impl<'a> Fields<'a> {
+    fn invalid_at(&self, position: usize, reason: &'static str) -> WireError {
+        WireError::FieldInvalid {
+            message_type: self.message_type,
+            offset: HEADER_BYTES + position,
+            reason,
+        }
+    }
+
+    fn remaining_bytes(&self) -> usize {
+        self.payload.len() - self.position
+    }
+
+    fn take(&mut self, count: usize) -> Result<&'a [u8], WireError> {
+        if count > self.remaining_bytes() {
+            return Err(self.invalid_at(self.position, "payload ends inside a field"));
+        }
+        let bytes = &self.payload[self.position..self.position + count];
+        self.position += count;
+        Ok(bytes)
+    }
+
+    fn u8(&mut self) -> Result<u8, WireError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u32(&mut self) -> Result<u32, WireError> {
+        Ok(le_u32(self.take(4)?, 0))
+    }
+
+    fn u64(&mut self) -> Result<u64, WireError> {
+        let bytes = self.take(U64_BYTES)?;
+        let mut array = [0; U64_BYTES];
+        array.copy_from_slice(bytes);
+        Ok(u64::from_le_bytes(array))
+    }
+
+    fn finish(self) -> Result<(), WireError> {
+        if self.remaining_bytes() != 0 {
+            return Err(self.invalid_at(self.position, "payload continues after its last field"));
+        }
+        Ok(())
+    }
+
+    fn entry(&mut self) -> Result<Entry, WireError> {
+        let kind_at = self.position;
+        let kind_tag = self.u8()?;
+        let op = self.u64()?;
+        let kind = match kind_tag {
+            ENTRY_WRITE => EntryKind::Write { op },
+            ENTRY_COPY => EntryKind::Copy { covers_op: op },
+            _ => return Err(self.invalid_at(kind_at, "unknown entry kind")),
+        };
+        let lba = self.u64()?;
+        let count_at = self.position;
+        let count = self.u32()?;
+        if count == 0 || count > BLOCKS_PER_OP_MAX {
+            return Err(self.invalid_at(count_at, "block count outside 1..=BLOCKS_PER_OP_MAX"));
+        }
+        if lba.checked_add(u64::from(count)).is_none() {
+            return Err(self.invalid_at(count_at, "entry runs past the last LBA"));
+        }
+        if count as usize * BLOCK_UNMAPPED_BYTES > self.remaining_bytes() {
+            return Err(self.invalid_at(count_at, "block count exceeds the payload"));
+        }
+        let mut blocks: Vec<BlockData> = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let tag_at = self.position;
+            match self.u8()? {
+                BLOCK_UNMAPPED => blocks.push(None),
+                BLOCK_MAPPED => {
+                    let length_at = self.position;
+                    let length = self.u32()? as usize;
+                    if length == 0 || length > BLOCK_BYTES_MAX {
+                        return Err(
+                            self.invalid_at(length_at, "block length outside 1..=BLOCK_BYTES_MAX")
+                        );
+                    }
+                    blocks.push(Some(Arc::from(self.take(length)?)));
+                }
+                _ => return Err(self.invalid_at(tag_at, "unknown block tag")),
+            }
+        }
+        Ok(Entry { kind, lba, blocks })
+    }
+
+    fn divergence(&mut self) -> Result<DivergenceReport, WireError> {
+        let tag_at = self.position;
+        match self.u8()? {
+            DIVERGENCE_UNKNOWN => Ok(DivergenceReport::Unknown),
+            DIVERGENCE_KNOWN => {
+                let count_at = self.position;
+                let count = self.u32()? as usize;
+                if count > DIVERGENCE_LBAS_MAX {
+                    return Err(self.invalid_at(count_at, "LBA count above DIVERGENCE_LBAS_MAX"));
+                }
+                if count * U64_BYTES != self.remaining_bytes() {
+                    return Err(self.invalid_at(count_at, "LBA count does not match the payload"));
+                }
+                let mut lbas = Vec::with_capacity(count);
+                for _ in 0..count {
+                    lbas.push(self.u64()?);
+                }
+                Ok(DivergenceReport::Known(lbas))
+            }
+            _ => Err(self.invalid_at(tag_at, "unknown divergence tag")),
+        }
+    }
+}
+
+fn decode_payload(message_type: MessageType, payload: &[u8]) -> Result<Message, WireError> {
+    let mut fields = Fields { message_type, payload, position: 0 };
+    let message = match message_type {
+        MessageType::Append => Message::Append {
+            epoch: fields.u64()?,
+            stream: StreamId(fields.u64()?),
+            incarnation: fields.u64()?,
+            seq: fields.u64()?,
+            commit_op: fields.u64()?,
+            entry: fields.entry()?,
+        },
+        MessageType::Heartbeat => Message::Heartbeat {
+            epoch: fields.u64()?,
+            stream: StreamId(fields.u64()?),
+            incarnation: fields.u64()?,
+            commit_op: fields.u64()?,
+        },
+        MessageType::Ack => Message::Ack {
+            epoch: fields.u64()?,
+            stream: StreamId(fields.u64()?),
+            durable_seq: fields.u64()?,
+        },
+        MessageType::Probe => Message::Probe { epoch: fields.u64()? },
+        MessageType::ProbeReply => Message::ProbeReply {
+            epoch: fields.u64()?,
+            incarnation: fields.u64()?,
+            divergence: fields.divergence()?,
+        },
+        MessageType::Hello => Message::Hello { epoch: fields.u64()?, incarnation: fields.u64()? },
+        MessageType::Stale => Message::Stale { epoch: fields.u64()? },
+        MessageType::Resync => Message::Resync { epoch: fields.u64()?, incarnation: fields.u64()? },
+        MessageType::Failed => Message::Failed { epoch: fields.u64()?, incarnation: fields.u64()? },
+    };
+    fields.finish()?;
+    Ok(message)
+}
+
+/// Bytes a [`FrameReader`] buffers: one largest frame. Once the complete frames are taken out,
+/// what remains is part of one frame, so there is always room for more bytes.
+pub const FRAME_READER_BUFFER_BYTES: usize = MESSAGE_BYTES_MAX;
+
+/// Cuts the bytes of one connection, as they arrive in pieces of any size, into messages.
+/// After an error (other than needing more bytes) the stream's framing is lost: the reader
+/// returns that error from then on, and the caller closes the connection.
+pub struct FrameReader {
+    buffer: Box<[u8]>,
+    /// Buffered bytes not yet decoded: `buffer[start..end]`.
+    start: usize,
+    end: usize,
+    error: Option<WireError>,
+}
+
+impl std::fmt::Debug for FrameReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameReader")
+            .field("buffered_bytes", &self.buffered_bytes())
+            .field("error", &self.error)
+            .finish()
+    }
+}
+
+impl Default for FrameReader {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FrameReader {
+    pub fn new() -> Self {
+        Self {
+            buffer: vec![0; FRAME_READER_BUFFER_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            error: None,
+        }
+    }
+
+    /// Bytes received and not yet returned as messages.
+    pub fn buffered_bytes(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Where the next bytes of the stream go (read the socket into it, then call [`filled`]).
+    /// Empty only while a whole frame is buffered: take messages out with [`next_message`]
+    /// until it returns `None` first.
+    ///
+    /// [`filled`]: FrameReader::filled
+    /// [`next_message`]: FrameReader::next_message
+    pub fn unfilled(&mut self) -> &mut [u8] {
+        if self.start > 0 {
+            self.buffer.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        &mut self.buffer[self.end..]
+    }
+
+    /// Records that the first `count` bytes of [`FrameReader::unfilled`] now hold stream bytes.
+    pub fn filled(&mut self, count: usize) {
+        assert!(count <= self.buffer.len() - self.end, "filled more than unfilled() gave");
+        self.end += count;
+    }
+
+    /// Copies as much of `bytes` as fits and returns how many it took; the caller offers the
+    /// rest after taking messages out.
+    pub fn push(&mut self, bytes: &[u8]) -> usize {
+        let unfilled = self.unfilled();
+        let count = bytes.len().min(unfilled.len());
+        unfilled[..count].copy_from_slice(&bytes[..count]);
+        self.filled(count);
+        count
+    }
+
+    /// The next whole message, `None` if more bytes are needed first.
+    pub fn next_message(&mut self) -> Result<Option<Message>, WireError> {
+        if let Some(error) = &self.error {
+            return Err(error.clone());
+        }
+        match decode(&self.buffer[self.start..self.end]) {
+            Ok((message, frame_bytes)) => {
+                self.start += frame_bytes;
+                if self.start == self.end {
+                    self.start = 0;
+                    self.end = 0;
+                }
+                Ok(Some(message))
+            }
+            Err(WireError::Incomplete { needed_bytes }) => {
+                assert!(needed_bytes <= self.buffer.len());
+                Ok(None)
+            }
+            Err(error) => {
+                self.error = Some(error.clone());
+                Err(error)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    fn block(bytes: usize, seed: u8) -> BlockData {
+        Some((0..bytes).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect())
+    }
+
+    fn append(kind: EntryKind, lba: u64, blocks: Vec<BlockData>) -> Message {
+        Message::Append {
+            epoch: 7,
+            stream: StreamId(3),
+            incarnation: 0xDEAD_BEEF,
+            seq: 12,
+            commit_op: 9,
+            entry: Entry { kind, lba, blocks },
+        }
+    }
+
+    /// One or more messages of every variant, small enough to corrupt byte by byte.
+    fn samples() -> Vec<Message> {
+        vec![
+            append(EntryKind::Write { op: 10 }, 100, vec![block(8, 1), None, block(1, 2)]),
+            append(EntryKind::Copy { covers_op: 0 }, u64::MAX - 1, vec![None]),
+            append(EntryKind::Copy { covers_op: u64::MAX }, 0, vec![block(32, 3)]),
+            Message::Heartbeat {
+                epoch: u64::MAX,
+                stream: StreamId(0),
+                incarnation: 1,
+                commit_op: 2,
+            },
+            Message::Ack { epoch: 1, stream: StreamId(u64::MAX), durable_seq: 44 },
+            Message::Probe { epoch: 5 },
+            Message::ProbeReply { epoch: 5, incarnation: 6, divergence: DivergenceReport::Unknown },
+            Message::ProbeReply {
+                epoch: 5,
+                incarnation: 6,
+                divergence: DivergenceReport::Known(vec![]),
+            },
+            Message::ProbeReply {
+                epoch: 5,
+                incarnation: 6,
+                divergence: DivergenceReport::Known(vec![0, 3, u64::MAX]),
+            },
+            Message::Hello { epoch: 0, incarnation: 0 },
+            Message::Stale { epoch: 8 },
+            Message::Resync { epoch: 2, incarnation: 99 },
+            Message::Failed { epoch: 3, incarnation: 100 },
+        ]
+    }
+
+    fn random_message(rng: &mut StdRng) -> Message {
+        let epoch = rng.random_range(0..4u64);
+        let incarnation = rng.random();
+        let stream = StreamId(rng.random());
+        match rng.random_range(0..9) {
+            0 => {
+                let count = rng.random_range(1..=BLOCKS_PER_OP_MAX) as usize;
+                let size_bytes = rng.random_range(1..=BLOCK_BYTES_MAX);
+                let blocks = (0..count)
+                    .map(|_| {
+                        rng.random_bool(0.7).then(|| block(size_bytes, rng.random())).flatten()
+                    })
+                    .collect::<Vec<_>>();
+                let op = rng.random();
+                let kind = if rng.random() {
+                    EntryKind::Write { op }
+                } else {
+                    EntryKind::Copy { covers_op: op }
+                };
+                let lba = rng.random_range(0..=u64::MAX - count as u64);
+                Message::Append {
+                    epoch,
+                    stream,
+                    incarnation,
+                    seq: rng.random(),
+                    commit_op: rng.random(),
+                    entry: Entry { kind, lba, blocks },
+                }
+            }
+            1 => Message::Heartbeat { epoch, stream, incarnation, commit_op: rng.random() },
+            2 => Message::Ack { epoch, stream, durable_seq: rng.random() },
+            3 => Message::Probe { epoch },
+            4 => {
+                let divergence = if rng.random_bool(0.2) {
+                    DivergenceReport::Unknown
+                } else {
+                    let count = rng.random_range(0..200);
+                    DivergenceReport::Known((0..count).map(|_| rng.random()).collect())
+                };
+                Message::ProbeReply { epoch, incarnation, divergence }
+            }
+            5 => Message::Hello { epoch, incarnation },
+            6 => Message::Stale { epoch },
+            7 => Message::Resync { epoch, incarnation },
+            _ => Message::Failed { epoch, incarnation },
+        }
+    }
+
+    fn frame(message: &Message) -> Vec<u8> {
+        let mut out = Vec::new();
+        let bytes = encode(message, &mut out).unwrap();
+        assert_eq!(bytes, out.len());
+        out
+    }
+
+    fn check_round_trip(message: &Message) {
+        let bytes = frame(message);
+        assert!(bytes.len() <= MESSAGE_BYTES_MAX);
+        let (decoded, used) = decode(&bytes).unwrap();
+        assert_eq!(&decoded, message);
+        assert_eq!(used, bytes.len());
+        // Canonical: the decoded message encodes to the same bytes, and trailing bytes are
+        // left alone.
+        assert_eq!(frame(&decoded), bytes);
+        let mut longer = bytes.clone();
+        longer.extend_from_slice(&frame(&Message::Probe { epoch: 1 }));
+        assert_eq!(decode(&longer).unwrap(), (decoded, used));
+    }
+
+    #[test]
+    fn every_variant_round_trips() {
+        let samples = samples();
+        let mut types: Vec<MessageType> = samples.iter().map(MessageType::of).collect();
+        types.dedup();
+        assert_eq!(types.len(), 9, "a variant has no sample");
+        for message in &samples {
+            check_round_trip(message);
+        }
+    }
+
+    #[test]
+    fn random_messages_round_trip() {
+        let mut rng = StdRng::seed_from_u64(6);
+        for _ in 0..300 {
+            check_round_trip(&random_message(&mut rng));
+        }
+    }
+
+    #[test]
+    fn the_largest_messages_fit_the_limit() {
+        let full: Vec<BlockData> =
+            (0..BLOCKS_PER_OP_MAX).map(|i| block(BLOCK_BYTES_MAX, i as u8)).collect();
+        let largest = append(EntryKind::Write { op: 1 }, 0, full);
+        assert_eq!(frame(&largest).len(), MESSAGE_BYTES_MAX);
+        // The numbers of docs/replication-wire.md.
+        assert_eq!(MESSAGE_BYTES_MAX, 262_545);
+        assert_eq!(MessageType::Append.payload_bytes(), 62..=262_525);
+        assert_eq!(MessageType::ProbeReply.payload_bytes(), 17..=262_165);
+        check_round_trip(&largest);
+
+        let lbas: Vec<u64> = (0..DIVERGENCE_LBAS_MAX as u64).collect();
+        let known = Message::ProbeReply {
+            epoch: 1,
+            incarnation: 2,
+            divergence: DivergenceReport::Known(lbas.clone()),
+        };
+        check_round_trip(&known);
+
+        // One LBA more than the wire carries goes as Unknown, which makes the new primary copy
+        // every block: what the replica itself reports past its own limit.
+        let mut too_many = lbas;
+        too_many.push(u64::MAX);
+        let overflow = Message::ProbeReply {
+            epoch: 1,
+            incarnation: 2,
+            divergence: DivergenceReport::Known(too_many),
+        };
+        let (decoded, _) = decode(&frame(&overflow)).unwrap();
+        assert_eq!(
+            decoded,
+            Message::ProbeReply { epoch: 1, incarnation: 2, divergence: DivergenceReport::Unknown }
+        );
+    }
+
+    #[test]
+    fn every_single_byte_corruption_is_rejected() {
+        for message in samples() {
+            let bytes = frame(&message);
+            for at in 0..bytes.len() {
+                for flip in 1..=u8::MAX {
+                    let mut corrupt = bytes.clone();
+                    corrupt[at] ^= flip;
+                    match decode(&corrupt) {
+                        Err(error) if !error.is_incomplete() => {}
+                        other => panic!("{message:?}: byte {at} ^ {flip:#x} gave {other:?}"),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_truncation_asks_for_more() {
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut messages = samples();
+        messages.extend((0..20).map(|_| random_message(&mut rng)));
+        for message in messages {
+            let bytes = frame(&message);
+            for length in 0..bytes.len() {
+                match decode(&bytes[..length]) {
+                    Err(WireError::Incomplete { needed_bytes }) => {
+                        assert!(needed_bytes > length && needed_bytes <= bytes.len());
+                    }
+                    other => panic!("{message:?} cut to {length} bytes gave {other:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn encode_refuses_entries_the_wire_cannot_carry() {
+        let check = |blocks: Vec<BlockData>, lba: u64, expected: EncodeError| {
+            let mut out = vec![1, 2, 3];
+            let message = append(EntryKind::Write { op: 1 }, lba, blocks);
+            assert_eq!(encode(&message, &mut out), Err(expected));
+            assert_eq!(out, [1, 2, 3]);
+        };
+        check(vec![], 0, EncodeError::BlockCount { count: 0 });
+        check(vec![None; 65], 0, EncodeError::BlockCount { count: 65 });
+        check(
+            vec![None; 2],
+            u64::MAX - 1,
+            EncodeError::LbaOverflow { lba: u64::MAX - 1, count: 2 },
+        );
+        check(vec![None, block(0, 0)], 0, EncodeError::BlockSize { index: 1, size_bytes: 0 });
+        check(vec![block(4097, 0)], 0, EncodeError::BlockSize { index: 0, size_bytes: 4097 });
+    }
+
+    /// Rewrites both checksums, so a test can reach the checks behind them.
+    fn seal(frame: &mut [u8]) {
+        let (header, payload) = frame.split_at_mut(HEADER_BYTES);
+        let checksum = frame_checksum(&header[..offset::CHECKSUM], payload);
+        header[offset::CHECKSUM..offset::HEADER_CHECK].copy_from_slice(&checksum.to_le_bytes());
+        let header_check = crc32c::crc32c(&header[..offset::HEADER_CHECK]);
+        header[offset::HEADER_CHECK..].copy_from_slice(&header_check.to_le_bytes());
+    }
+
+    /// Builds a frame of `message`, lets `edit` change it, reseals it and expects `expected`.
+    fn check_refused(message: Message, edit: impl FnOnce(&mut Vec<u8>), expected: WireError) {
+        let mut bytes = frame(&message);
+        edit(&mut bytes);
+        let payload_bytes = (bytes.len() - HEADER_BYTES) as u32;
+        bytes[offset::PAYLOAD_BYTES..offset::CHECKSUM]
+            .copy_from_slice(&payload_bytes.to_le_bytes());
+        seal(&mut bytes);
+        assert_eq!(decode(&bytes).map(|(message, _)| message), Err(expected));
+    }
+
+    #[test]
+    fn decode_names_each_bad_field() {
+        let field =
+            |message_type, offset, reason| WireError::FieldInvalid { message_type, offset, reason };
+        let one_block = append(EntryKind::Write { op: 1 }, 5, vec![block(4, 0)]);
+        // Payload offsets of the entry fields.
+        let kind_at = HEADER_BYTES + 40;
+        let count_at = kind_at + 17;
+        let block_at = count_at + 4;
+        let set_u32 = |at: usize, value: u32| {
+            move |bytes: &mut Vec<u8>| bytes[at..at + 4].copy_from_slice(&value.to_le_bytes())
+        };
+        let append_type = MessageType::Append;
+
+        check_refused(
+            one_block.clone(),
+            |bytes| bytes[kind_at] = 3,
+            field(append_type, kind_at, "unknown entry kind"),
+        );
+        for count in [0, BLOCKS_PER_OP_MAX + 1] {
+            check_refused(
+                one_block.clone(),
+                set_u32(count_at, count),
+                field(append_type, count_at, "block count outside 1..=BLOCKS_PER_OP_MAX"),
+            );
+        }
+        check_refused(
+            one_block.clone(),
+            set_u32(count_at, 2),
+            field(append_type, block_at + 9, "payload ends inside a field"),
+        );
+        check_refused(
+            append(EntryKind::Write { op: 1 }, u64::MAX - 1, vec![None]),
+            set_u32(count_at, 2),
+            field(append_type, count_at, "entry runs past the last LBA"),
+        );
+        check_refused(
+            append(EntryKind::Write { op: 1 }, 0, vec![None]),
+            set_u32(count_at, 64),
+            field(append_type, count_at, "block count exceeds the payload"),
+        );
+        check_refused(
+            one_block.clone(),
+            |bytes| bytes[block_at] = 2,
+            field(append_type, block_at, "unknown block tag"),
+        );
+        for length in [0, BLOCK_BYTES_MAX as u32 + 1] {
+            check_refused(
+                one_block.clone(),
+                set_u32(block_at + 1, length),
+                field(append_type, block_at + 1, "block length outside 1..=BLOCK_BYTES_MAX"),
+            );
+        }
+        check_refused(
+            one_block.clone(),
+            |bytes| bytes.push(0),
+            field(append_type, block_at + 9, "payload continues after its last field"),
+        );
+
+        let reply = |divergence| Message::ProbeReply { epoch: 1, incarnation: 2, divergence };
+        let reply_type = MessageType::ProbeReply;
+        let tag_at = HEADER_BYTES + 16;
+        check_refused(
+            reply(DivergenceReport::Unknown),
+            |bytes| bytes[tag_at] = 2,
+            field(reply_type, tag_at, "unknown divergence tag"),
+        );
+        check_refused(
+            reply(DivergenceReport::Known(vec![1, 2])),
+            set_u32(tag_at + 1, 3),
+            field(reply_type, tag_at + 1, "LBA count does not match the payload"),
+        );
+        check_refused(
+            reply(DivergenceReport::Known(vec![1, 2])),
+            set_u32(tag_at + 1, DIVERGENCE_LBAS_MAX as u32 + 1),
+            field(reply_type, tag_at + 1, "LBA count above DIVERGENCE_LBAS_MAX"),
+        );
+        check_refused(
+            Message::Probe { epoch: 1 },
+            |bytes| bytes.push(0),
+            WireError::LengthInvalid {
+                message_type: MessageType::Probe,
+                payload_bytes: 9,
+                range: 8..=8,
+            },
+        );
+        check_refused(
+            Message::Probe { epoch: 1 },
+            |bytes| bytes[offset::TYPE] = 10,
+            WireError::TypeUnknown { message_type: 10 },
+        );
+        check_refused(
+            Message::Probe { epoch: 1 },
+            |bytes| bytes[offset::FLAGS] = 1,
+            WireError::FlagsReserved { flags: 1 },
+        );
+        check_refused(
+            Message::Probe { epoch: 1 },
+            |bytes| bytes[offset::VERSION] = 2,
+            WireError::VersionUnsupported { version: 2 },
+        );
+        let too_long = PAYLOAD_BYTES_MAX as u32 + 1;
+        let mut bytes = frame(&one_block);
+        bytes[offset::PAYLOAD_BYTES..offset::CHECKSUM].copy_from_slice(&too_long.to_le_bytes());
+        seal(&mut bytes);
+        assert_eq!(
+            decode(&bytes[..HEADER_BYTES]).map(|(message, _)| message),
+            Err(WireError::LengthInvalid {
+                message_type: append_type,
+                payload_bytes: too_long,
+                range: APPEND_PAYLOAD_BYTES_MIN..=APPEND_PAYLOAD_BYTES_MAX,
+            })
+        );
+        // Garbage fails on its first byte, without waiting for a header.
+        assert_eq!(
+            decode(b"G").map(|(message, _)| message),
+            Err(WireError::MagicWrong { offset: 0, found: b'G', expected: b'F' })
+        );
+    }
+
+    /// Feeds `bytes` to a reader in chunks of the sizes `chunk` draws, alternating `push` and
+    /// `unfilled`/`filled`, and returns the messages in order.
+    fn read_all(bytes: &[u8], mut chunk: impl FnMut() -> usize) -> Vec<Message> {
+        let mut reader = FrameReader::new();
+        let mut messages = Vec::new();
+        let mut position = 0;
+        let mut use_push = false;
+        while position < bytes.len() {
+            let wanted = chunk().min(bytes.len() - position);
+            let taken = if use_push {
+                reader.push(&bytes[position..position + wanted])
+            } else {
+                let unfilled = reader.unfilled();
+                let count = wanted.min(unfilled.len());
+                unfilled[..count].copy_from_slice(&bytes[position..position + count]);
+                reader.filled(count);
+                count
+            };
+            use_push = !use_push;
+            position += taken;
+            while let Some(message) = reader.next_message().unwrap() {
+                messages.push(message);
+            }
+            assert!(!reader.unfilled().is_empty(), "no room after taking every message out");
+        }
+        assert_eq!(reader.buffered_bytes(), 0);
+        messages
+    }
+
+    #[test]
+    fn frame_reader_splits_and_joins_frames_across_chunks() {
+        let mut rng = StdRng::seed_from_u64(8);
+        let mut messages = samples();
+        messages.extend((0..40).map(|_| random_message(&mut rng)));
+        let full: Vec<BlockData> =
+            (0..BLOCKS_PER_OP_MAX).map(|i| block(BLOCK_BYTES_MAX, i as u8)).collect();
+        messages.insert(5, append(EntryKind::Write { op: 1 }, 0, full.clone()));
+        messages.push(append(EntryKind::Copy { covers_op: 0 }, 0, full));
+        let mut stream = Vec::new();
+        for message in &messages {
+            encode(message, &mut stream).unwrap();
+        }
+        assert_eq!(read_all(&stream, || 1), messages);
+        assert_eq!(read_all(&stream, || stream.len()), messages);
+        for round in 0..8 {
+            let chunk_max = [3, 17, 64, 1500, 9000, 65536, 300_000, 1 << 20][round];
+            assert_eq!(read_all(&stream, || rng.random_range(1..=chunk_max)), messages);
+        }
+    }
+
+    #[test]
+    fn frame_reader_keeps_an_error() {
+        let mut reader = FrameReader::new();
+        let mut bytes = frame(&Message::Probe { epoch: 1 });
+        let good = bytes.clone();
+        bytes[HEADER_BYTES] ^= 1;
+        bytes.extend_from_slice(&good);
+        assert_eq!(reader.push(&bytes), bytes.len());
+        let error = reader.next_message().unwrap_err();
+        assert!(matches!(error, WireError::ChecksumMismatch { .. }), "{error:?}");
+        assert_eq!(reader.next_message(), Err(error));
+    }
+}

@@ -1,0 +1,102 @@
+//! Fuzzes `replication::wire`, the frames nodes exchange over TCP: `decode` must never panic,
+//! never claim more bytes than it was given nor ask for more than `MESSAGE_BYTES_MAX`, and a
+//! frame that decodes must encode back to exactly its bytes. A `FrameReader` fed the same bytes
+//! in chunks must yield the same messages and stop the same way.
+//!
+//! The first input byte picks the mode: with bit 0 set, the checksums of every frame in the
+//! input are rewritten first, so the fuzzer reaches the payload parser instead of spending its
+//! time on CRCs; the other bits pick the reader's chunk size.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use replication::wire::{self, FrameReader, WireError, HEADER_BYTES, MESSAGE_BYTES_MAX};
+use replication::Message;
+
+/// Frames decoded from one input at most: each takes at least a header, so this only bounds
+/// pathological inputs.
+const FRAMES_PER_INPUT_MAX: usize = 4096;
+
+/// Header offsets of docs/replication-wire.md.
+const PAYLOAD_BYTES_AT: usize = 8;
+const CHECKSUM_AT: usize = 12;
+const HEADER_CHECK_AT: usize = 16;
+
+fuzz_target!(|input: &[u8]| {
+    let Some((&mode, bytes)) = input.split_first() else { return };
+    let mut bytes = bytes.to_vec();
+    if mode & 1 != 0 {
+        seal_all(&mut bytes);
+    }
+    let (messages, end) = decode_all(&bytes);
+    let chunk_bytes = 1 + usize::from(mode >> 1) * 61;
+    let (read, read_error) = read_all(&bytes, chunk_bytes);
+    assert_eq!(read, messages);
+    assert_eq!(read_error, end.err());
+});
+
+/// Decodes frames one after the other: the messages, then how it stopped (`Ok` when the input
+/// ended on a frame boundary or inside a frame).
+fn decode_all(bytes: &[u8]) -> (Vec<Message>, Result<(), WireError>) {
+    let mut messages = Vec::new();
+    let mut offset = 0;
+    for _ in 0..FRAMES_PER_INPUT_MAX {
+        let rest = &bytes[offset..];
+        match wire::decode(rest) {
+            Ok((message, used)) => {
+                assert!(used >= HEADER_BYTES && used <= rest.len() && used <= MESSAGE_BYTES_MAX);
+                let mut out = Vec::new();
+                let encoded = wire::encode(&message, &mut out).expect("a decoded message encodes");
+                assert_eq!(encoded, used);
+                assert_eq!(out, &rest[..used], "the encoding is not canonical");
+                messages.push(message);
+                offset += used;
+            }
+            Err(WireError::Incomplete { needed_bytes }) => {
+                assert!(needed_bytes > rest.len() && needed_bytes <= MESSAGE_BYTES_MAX);
+                return (messages, Ok(()));
+            }
+            Err(error) => return (messages, Err(error)),
+        }
+    }
+    (messages, Ok(()))
+}
+
+/// Feeds the bytes to a `FrameReader` in chunks: its messages and its error, if any.
+fn read_all(bytes: &[u8], chunk_bytes: usize) -> (Vec<Message>, Option<WireError>) {
+    let mut reader = FrameReader::new();
+    let mut messages = Vec::new();
+    let mut offset = 0;
+    while offset < bytes.len() && messages.len() < FRAMES_PER_INPUT_MAX {
+        let end = bytes.len().min(offset + chunk_bytes);
+        offset += reader.push(&bytes[offset..end]);
+        loop {
+            match reader.next_message() {
+                Ok(Some(message)) => messages.push(message),
+                Ok(None) => break,
+                Err(error) => return (messages, Some(error)),
+            }
+        }
+    }
+    (messages, None)
+}
+
+/// Rewrites both checksums of every whole frame, walking the declared payload lengths.
+fn seal_all(bytes: &mut [u8]) {
+    let mut offset = 0;
+    while bytes.len() - offset >= HEADER_BYTES {
+        let frame = &mut bytes[offset..];
+        let mut length = [0; 4];
+        length.copy_from_slice(&frame[PAYLOAD_BYTES_AT..CHECKSUM_AT]);
+        let frame_bytes = HEADER_BYTES.saturating_add(u32::from_le_bytes(length) as usize);
+        if frame_bytes <= frame.len() {
+            let checksum = crc32c::crc32c_append(
+                crc32c::crc32c(&frame[..CHECKSUM_AT]),
+                &frame[HEADER_BYTES..frame_bytes],
+            );
+            frame[CHECKSUM_AT..HEADER_CHECK_AT].copy_from_slice(&checksum.to_le_bytes());
+        }
+        let header_check = crc32c::crc32c(&frame[..HEADER_CHECK_AT]);
+        frame[HEADER_CHECK_AT..HEADER_BYTES].copy_from_slice(&header_check.to_le_bytes());
+        offset += frame_bytes.min(frame.len());
+    }
+}
