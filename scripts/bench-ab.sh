@@ -25,19 +25,13 @@ drive_size=${DRIVE_SIZE:-4G}
 workloads=${WORKLOADS:-4k_randread,4k_randwrite,8k_randrw_80_20,16k_randrw_70_30,32k_randrw_50_50}
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/ferrite-ab.XXXXXX")
 server=""
-stop_server() {
-    if [ -n "$server" ] && kill -0 "$server" 2>/dev/null; then
-        kill -TERM "$server"
-        wait "$server" || true
-    fi
-    server=""
-}
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
 cleanup() {
     stop_server
     rm -rf "$work"
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # run SIDE BINARY EXTRA_ARGS: one node, one bench, JSON lines appended to $work/SIDE.jsonl.
 run() {
@@ -52,7 +46,7 @@ run() {
         --drive-size "$drive_size" --api-listen "127.0.0.1:$api_port" \
         --nvme-listen "127.0.0.1:$nvme_port" $extra >>"$work/up-$side.log" 2>&1 &
     server=$!
-    for _ in $(seq 1 1200); do "$binary" node show >/dev/null 2>&1 && break; sleep 0.05; done
+    wait_for_node "$binary"
     "$binary" volume create ab --size "$size" --compression off >/dev/null
     "$binary" bench --target "nvme+tcp://127.0.0.1:$nvme_port/nqn.2024-01.io.ferrite:vol:ab" \
         --fill --workloads "$workloads" --runtime "$runtime" --ramp "$ramp" --quiet \

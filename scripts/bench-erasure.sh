@@ -25,19 +25,13 @@ ferrite=./target/release/ferrite
 [ -x "$ferrite" ] || cargo build --release --locked --bin ferrite
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/ferrite-erasure.XXXXXX")
 server=""
-stop_server() {
-    if [ -n "$server" ] && kill -0 "$server" 2>/dev/null; then
-        kill -TERM "$server"
-        wait "$server" || true
-    fi
-    server=""
-}
+# shellcheck source=scripts/bench-lib.sh
+source scripts/bench-lib.sh
 cleanup() {
     stop_server
     rm -rf "$work"
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 say() { echo "$@" | tee -a "$out"; }
 
 # Starts a node with six drive files and erasure coding $1 in a fresh data dir; sets $target.
@@ -53,7 +47,7 @@ start_node() {
         --api-listen "127.0.0.1:$api_port" --nvme-listen "127.0.0.1:$nvme_port" \
         >>"$work/up.log" 2>&1 &
     server=$!
-    for _ in $(seq 1 1200); do "$ferrite" node show >/dev/null 2>&1 && break; sleep 0.05; done
+    wait_for_node "$ferrite"
     "$ferrite" volume create bench --size "$size" --compression off >/dev/null
     target="nvme+tcp://127.0.0.1:$nvme_port/nqn.2024-01.io.ferrite:vol:bench"
 }

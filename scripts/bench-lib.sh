@@ -1,0 +1,24 @@
+# Shell functions the benchmark scripts share; `source "$(dirname "$0")/bench-lib.sh"`.
+
+# A free TCP port on 127.0.0.1 (the kernel picks it).
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# Waits up to a minute until `BINARY node show` answers (FERRITE_API names the node).
+wait_for_node() {
+    local binary=$1
+    for _ in $(seq 1 1200); do
+        "$binary" node show >/dev/null 2>&1 && return 0
+        sleep 0.05
+    done
+    echo "the node did not answer within a minute" >&2
+    return 1
+}
+
+# Stops the node whose PID is in $server (SIGTERM, then waits), if it runs; clears $server.
+stop_server() {
+    if [ -n "${server:-}" ] && kill -0 "$server" 2>/dev/null; then
+        kill -TERM "$server"
+        wait "$server" || true
+    fi
+    server=""
+}
