@@ -9,6 +9,9 @@
 #   COMPRESSION=off scripts/bench-vs-fio.sh   # the volume's compression (default lz4, as
 #                                             # `volume create`); the data is random, so lz4
 #                                             # only costs CPU here
+#   ERASURE=3+1 scripts/bench-vs-fio.sh       # the node's erasure coding (default none: this
+#                                             # measures the log engine itself; the default
+#                                             # of `ferrite up` on 4 drives is 3+1)
 #
 # Note what the peer is: fio writes without fsync, so its random-write figure is the drive's
 # volatile-cache speed, while every Ferrite write is durable when acknowledged.
@@ -38,7 +41,7 @@ port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); 
 api_port=$(port); nvme_port=$(port)
 export FERRITE_API=http://127.0.0.1:$api_port
 "$ferrite" up --nbd-listen off --data-dir "$work/data" --api-listen "127.0.0.1:$api_port" \
-    --nvme-listen "127.0.0.1:$nvme_port" >"$work/up.log" 2>&1 &
+    --nvme-listen "127.0.0.1:$nvme_port" --erasure-coding "${ERASURE:-none}" >"$work/up.log" 2>&1 &
 server=$!
 for _ in $(seq 1 100); do "$ferrite" node show >/dev/null 2>&1 && break; sleep 0.1; done
 "$ferrite" volume create bench --size "$size" --compression "${COMPRESSION:-lz4}" >/dev/null
