@@ -521,23 +521,7 @@ pub fn format_external_drives(
                 min_bytes: size_bytes,
             });
         }
-        if let Ok(existing) = read_superblock_of(&file, path)? {
-            if existing.node_uuid != node_uuid {
-                return Err(DriveSetupError::AlreadyFormatted {
-                    path: path.clone(),
-                    found: existing.node_uuid,
-                    expected: node_uuid,
-                });
-            }
-        }
-        // One write of the whole header region: the superblock is its first block, so a torn
-        // write leaves no valid superblock (its checksum fails) and the drive reads as
-        // unformatted, as a half-formatted drive file does.
-        let mut header = vec![0u8; HEADER_REGION_BYTES as usize];
-        header[..SUPERBLOCK_SIZE_BYTES].copy_from_slice(&superblock.encode());
-        file.write_all_at(&header, 0).map_err(io_error("write the superblock of", path))?;
-        file.sync_all().map_err(io_error("fsync", path))?;
-        drives.push(DriveInfo { path: path.clone(), superblock });
+        drives.push(write_external_superblock(&file, path, node_uuid, superblock)?);
     }
     Ok(drives)
 }
@@ -642,20 +626,7 @@ pub fn prepare_external_replacement(
         }
     }
     let (file, _kind) = open_external(path, true)?;
-    if let Ok(existing) = read_superblock_of(&file, path)? {
-        if existing.node_uuid != node_uuid {
-            return Err(DriveSetupError::AlreadyFormatted {
-                path: path.to_owned(),
-                found: existing.node_uuid,
-                expected: node_uuid,
-            });
-        }
-    }
-    let mut header = vec![0u8; HEADER_REGION_BYTES as usize];
-    header[..SUPERBLOCK_SIZE_BYTES].copy_from_slice(&superblock.encode());
-    file.write_all_at(&header, 0).map_err(io_error("write the superblock of", path))?;
-    file.sync_all().map_err(io_error("fsync", path))?;
-    Ok(DriveInfo { path: path.to_owned(), superblock })
+    write_external_superblock(&file, path, node_uuid, superblock)
 }
 
 /// Where a process finds its own open descriptors by number; a memory drive's link points here.
@@ -796,6 +767,32 @@ pub(crate) fn is_in_memory(file: &File, path: &Path) -> Result<bool, DriveSetupE
         return Err(io_error("find the filesystem of", path)(io::Error::last_os_error()));
     }
     Ok(stat.f_type == libc::TMPFS_MAGIC)
+}
+
+/// Writes `superblock` to an external drive (refusing a drive another node formatted): one
+/// write of the whole header region, the superblock its first block, so a torn write leaves no
+/// valid superblock (its checksum fails) and the drive reads as unformatted, as a
+/// half-formatted drive file does.
+fn write_external_superblock(
+    file: &File,
+    path: &Path,
+    node_uuid: NodeUuid,
+    superblock: Superblock,
+) -> Result<DriveInfo, DriveSetupError> {
+    if let Ok(existing) = read_superblock_of(file, path)? {
+        if existing.node_uuid != node_uuid {
+            return Err(DriveSetupError::AlreadyFormatted {
+                path: path.to_owned(),
+                found: existing.node_uuid,
+                expected: node_uuid,
+            });
+        }
+    }
+    let mut header = vec![0u8; HEADER_REGION_BYTES as usize];
+    header[..SUPERBLOCK_SIZE_BYTES].copy_from_slice(&superblock.encode());
+    file.write_all_at(&header, 0).map_err(io_error("write the superblock of", path))?;
+    file.sync_all().map_err(io_error("fsync", path))?;
+    Ok(DriveInfo { path: path.to_owned(), superblock })
 }
 
 #[cfg(test)]
