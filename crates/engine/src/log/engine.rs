@@ -1449,14 +1449,28 @@ impl<D: Drive> LogHandle<D> {
             .counters
             .device_bytes_written
             .fetch_add(u64::from(count) * BLOCK_BYTES_U64, Ordering::Relaxed);
+        let (_, failure) = self.join_latching(writes).await;
+        failure.map_or(Ok(touched), Err)
+    }
+
+    /// Runs drive operations concurrently; each that fails latches its drive. Returns the drives
+    /// whose operation succeeded and the first failure.
+    pub(super) async fn join_latching(
+        &self,
+        operations: Vec<LocalFuture<'_, (u16, Result<(), DriveError>)>>,
+    ) -> (DriveSet, Option<Failure>) {
+        let mut succeeded = DriveSet::default();
         let mut failure = None;
-        for (drive, result) in join_all(writes).await {
-            if let Err(error) = result {
-                self.engine.latches.latch(drive);
-                failure.get_or_insert(Failure::from_drive(drive, &error));
+        for (drive, result) in join_all(operations).await {
+            match result {
+                Ok(()) => succeeded.insert(drive),
+                Err(error) => {
+                    self.engine.latches.latch(drive);
+                    failure.get_or_insert(Failure::from_drive(drive, &error));
+                }
             }
         }
-        failure.map_or(Ok(touched), Err)
+        (succeeded, failure)
     }
 
     /// Syncs the given drives concurrently; a failed sync latches its drive.
@@ -1474,13 +1488,7 @@ impl<D: Drive> LogHandle<D> {
             self.engine.counters.drive_syncs.fetch_add(1, Ordering::Relaxed);
             syncs.push(Box::pin(async move { (drive, target.sync().await) }));
         }
-        let mut failure = None;
-        for (drive, result) in join_all(syncs).await {
-            if let Err(error) = result {
-                self.engine.latches.latch(drive);
-                failure.get_or_insert(Failure::from_drive(drive, &error));
-            }
-        }
+        let (_, failure) = self.join_latching(syncs).await;
         if coded && self.failures_tolerable() {
             // The batch is whole on the drives that remain: parity covers the lost ones.
             return Ok(());

@@ -122,17 +122,7 @@ impl<D: Drive> LogHandle<D> {
             .device_bytes_written
             .fetch_add(cells_written * BLOCK_BYTES as u64, Ordering::Relaxed);
         let _skipping = (!skipped.is_empty()).then(|| SkippingWrite::new(&self.engine));
-        let mut failure = None;
-        let mut written = DriveSet::default();
-        for (drive, result) in join_all(writes).await {
-            match result {
-                Ok(()) => written.insert(drive),
-                Err(error) => {
-                    self.engine.latches.latch(drive);
-                    failure.get_or_insert(Failure::from_drive(drive, &error));
-                }
-            }
-        }
+        let (written, failure) = self.join_latching(writes).await;
         if !self.failures_tolerable() {
             let first_failed = self.engine.latches.failed_drives().first().copied().unwrap_or(0);
             return Err(failure.unwrap_or(Failure::DriveFailed(first_failed)));
