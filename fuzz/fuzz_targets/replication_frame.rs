@@ -1,7 +1,8 @@
 //! Fuzzes `replication::wire`, the frames nodes exchange over TCP: `decode` must never panic,
 //! never claim more bytes than it was given nor ask for more than `MESSAGE_BYTES_MAX`, and a
-//! frame that decodes must encode back to exactly its bytes. A `FrameReader` fed the same bytes
-//! in chunks must yield the same messages and stop the same way.
+//! frame that decodes must encode back to exactly its bytes (volume and sender included). A
+//! `FrameReader` fed the same bytes in chunks must yield the same envelopes and stop the same
+//! way.
 //!
 //! The first input byte picks the mode: with bit 0 set, the checksums of every frame in the
 //! input are rewritten first, so the fuzzer reaches the payload parser instead of spending its
@@ -9,17 +10,18 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use replication::wire::{self, FrameReader, WireError, HEADER_BYTES, MESSAGE_BYTES_MAX};
-use replication::Message;
+use replication::wire::{self, Envelope, FrameReader, WireError, HEADER_BYTES, MESSAGE_BYTES_MAX};
 
 /// Frames decoded from one input at most: each takes at least a header, so this only bounds
 /// pathological inputs.
 const FRAMES_PER_INPUT_MAX: usize = 4096;
 
-/// Header offsets of docs/replication-wire.md.
+/// Header offsets of docs/replication-wire.md (version 2).
 const PAYLOAD_BYTES_AT: usize = 8;
-const CHECKSUM_AT: usize = 12;
-const HEADER_CHECK_AT: usize = 16;
+const PAYLOAD_BYTES_END: usize = 12;
+const CHECKSUM_AT: usize = 24;
+const HEADER_CHECK_AT: usize = 28;
+const _: () = assert!(HEADER_CHECK_AT + 4 == HEADER_BYTES);
 
 fuzz_target!(|input: &[u8]| {
     let Some((&mode, bytes)) = input.split_first() else { return };
@@ -27,57 +29,58 @@ fuzz_target!(|input: &[u8]| {
     if mode & 1 != 0 {
         seal_all(&mut bytes);
     }
-    let (messages, end) = decode_all(&bytes);
+    let (envelopes, end) = decode_all(&bytes);
     let chunk_bytes = 1 + usize::from(mode >> 1) * 61;
     let (read, read_error) = read_all(&bytes, chunk_bytes);
-    assert_eq!(read, messages);
+    assert_eq!(read, envelopes);
     assert_eq!(read_error, end.err());
 });
 
-/// Decodes frames one after the other: the messages, then how it stopped (`Ok` when the input
+/// Decodes frames one after the other: the envelopes, then how it stopped (`Ok` when the input
 /// ended on a frame boundary or inside a frame).
-fn decode_all(bytes: &[u8]) -> (Vec<Message>, Result<(), WireError>) {
-    let mut messages = Vec::new();
+fn decode_all(bytes: &[u8]) -> (Vec<Envelope>, Result<(), WireError>) {
+    let mut envelopes = Vec::new();
     let mut offset = 0;
     for _ in 0..FRAMES_PER_INPUT_MAX {
         let rest = &bytes[offset..];
         match wire::decode(rest) {
-            Ok((message, used)) => {
+            Ok((envelope, used)) => {
                 assert!(used >= HEADER_BYTES && used <= rest.len() && used <= MESSAGE_BYTES_MAX);
                 let mut out = Vec::new();
-                let encoded = wire::encode(&message, &mut out).expect("a decoded message encodes");
+                let encoded =
+                    wire::encode(&envelope, &mut out).expect("a decoded envelope encodes");
                 assert_eq!(encoded, used);
                 assert_eq!(out, &rest[..used], "the encoding is not canonical");
-                messages.push(message);
+                envelopes.push(envelope);
                 offset += used;
             }
             Err(WireError::Incomplete { needed_bytes }) => {
                 assert!(needed_bytes > rest.len() && needed_bytes <= MESSAGE_BYTES_MAX);
-                return (messages, Ok(()));
+                return (envelopes, Ok(()));
             }
-            Err(error) => return (messages, Err(error)),
+            Err(error) => return (envelopes, Err(error)),
         }
     }
-    (messages, Ok(()))
+    (envelopes, Ok(()))
 }
 
-/// Feeds the bytes to a `FrameReader` in chunks: its messages and its error, if any.
-fn read_all(bytes: &[u8], chunk_bytes: usize) -> (Vec<Message>, Option<WireError>) {
+/// Feeds the bytes to a `FrameReader` in chunks: its envelopes and its error, if any.
+fn read_all(bytes: &[u8], chunk_bytes: usize) -> (Vec<Envelope>, Option<WireError>) {
     let mut reader = FrameReader::new();
-    let mut messages = Vec::new();
+    let mut envelopes = Vec::new();
     let mut offset = 0;
-    while offset < bytes.len() && messages.len() < FRAMES_PER_INPUT_MAX {
+    while offset < bytes.len() && envelopes.len() < FRAMES_PER_INPUT_MAX {
         let end = bytes.len().min(offset + chunk_bytes);
         offset += reader.push(&bytes[offset..end]);
         loop {
             match reader.next_message() {
-                Ok(Some(message)) => messages.push(message),
+                Ok(Some(envelope)) => envelopes.push(envelope),
                 Ok(None) => break,
-                Err(error) => return (messages, Some(error)),
+                Err(error) => return (envelopes, Some(error)),
             }
         }
     }
-    (messages, None)
+    (envelopes, None)
 }
 
 /// Rewrites both checksums of every whole frame, walking the declared payload lengths.
@@ -86,7 +89,7 @@ fn seal_all(bytes: &mut [u8]) {
     while bytes.len() - offset >= HEADER_BYTES {
         let frame = &mut bytes[offset..];
         let mut length = [0; 4];
-        length.copy_from_slice(&frame[PAYLOAD_BYTES_AT..CHECKSUM_AT]);
+        length.copy_from_slice(&frame[PAYLOAD_BYTES_AT..PAYLOAD_BYTES_END]);
         let frame_bytes = HEADER_BYTES.saturating_add(u32::from_le_bytes(length) as usize);
         if frame_bytes <= frame.len() {
             let checksum = crc32c::crc32c_append(

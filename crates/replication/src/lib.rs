@@ -54,6 +54,12 @@
 //! served from the primary's storage under the same conditions. Flush completes at once (every
 //! completed write is already durable everywhere it must be).
 //!
+//! A host deallocate (NVMe Deallocate or Write Zeroes, NBD trim) is a write of unmapped blocks
+//! (`None`: storage deallocates them and they read as zeros). It is numbered, streamed, ordered
+//! against overlapping writes and completed exactly like a write; it only may be longer
+//! ([`DEALLOCATE_BLOCKS_PER_OP_MAX`] blocks against [`BLOCKS_PER_OP_MAX`]), since it carries no
+//! data (one byte per block on the wire).
+//!
 //! # Fencing
 //!
 //! Every message carries the sender's epoch. A node keeps the highest epoch it has seen (from
@@ -119,7 +125,11 @@
 //! # What the wiring must provide
 //!
 //! - Storage: a write completes only when durable; the machine never has two writes to one block
-//!   in flight; after a crash each write in flight may or may not have reached the disk.
+//!   in flight; after a crash each write in flight may or may not have reached the disk. A write
+//!   holds at most `BLOCKS_PER_OP_MAX` blocks, or `DEALLOCATE_BLOCKS_PER_OP_MAX` when every
+//!   block is unmapped (a deallocate).
+//! - Messages travel between nodes in a [`wire`] frame that names the volume and the sender
+//!   ([`Envelope`]); the wiring hands the message to that volume's `VolumeNode` with the sender.
 //! - `PersistEpoch` durable with the node's state; `incarnation` different at every start.
 //! - Messages may be lost, duplicated, delayed and reordered, but not corrupted or cut.
 //! - The control store: linearizable single-key CAS and leases (etcd; [`MemStore`] in tests).
@@ -144,7 +154,7 @@ pub mod wire;
 
 pub use lease::{LeaseKeeper, LeaseStatus};
 pub use manager::Manager;
-pub use message::{DivergenceReport, Entry, EntryKind, Message};
+pub use message::{DivergenceReport, Entry, EntryKind, Envelope, Message};
 pub use store::{
     CasFailure, LeaseInfo, MemStore, StoreCall, StoreReply, StoreRequest, Versioned, VolumeState,
 };
@@ -200,6 +210,10 @@ pub const INFLIGHT_WRITES_MAX: usize = 64;
 pub const INFLIGHT_READS_MAX: usize = 64;
 /// Blocks in one host read or write.
 pub const BLOCKS_PER_OP_MAX: u32 = 64;
+/// Blocks in one host deallocate (8 MiB of 4 KiB blocks). A deallocate carries no data (one
+/// byte per block on the wire), so it may be much longer than a write; the caller splits
+/// longer ranges (a whole-device discard at mkfs time) into ops of at most this many blocks.
+pub const DEALLOCATE_BLOCKS_PER_OP_MAX: u32 = 2048;
 /// Copies (resync or reconciliation) read or unacknowledged on one stream at once.
 pub const COPY_WINDOW_MAX: usize = 32;
 /// Entries sent and not yet acknowledged on one stream. An in-sync replica holds at most
@@ -211,6 +225,7 @@ pub const RETRANSMITS_PER_TICK_MAX: usize = 16;
 /// LBAs examined per tick when a copy has to skip blocks with a local write in flight.
 pub const COPY_SCAN_MAX: usize = 64;
 
+const _: () = assert!(BLOCKS_PER_OP_MAX <= DEALLOCATE_BLOCKS_PER_OP_MAX);
 const _: () = assert!(COPY_WINDOW_MAX < STREAM_WINDOW_MAX);
 const _: () = assert!(INFLIGHT_WRITES_MAX < STREAM_WINDOW_MAX);
 

@@ -3,10 +3,11 @@
 //! seen and answers `Stale` with its own.
 //!
 //! This module defines them as values; [`crate::wire`] encodes them as checksummed frames
-//! (docs/replication-wire.md), and the transport must deliver each message whole (no partial
-//! delivery). Loss, duplication, delay and reordering are all tolerated.
+//! (docs/replication-wire.md), each in an [`Envelope`] that names the volume and the sender, and
+//! the transport must deliver each message whole (no partial delivery). Loss, duplication, delay
+//! and reordering are all tolerated.
 
-use crate::{BlockData, StreamId};
+use crate::{BlockData, NodeId, StreamId, BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX};
 
 /// What a stream entry does on the replica: both write `blocks` at `lba`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +39,19 @@ impl Entry {
     /// The LBAs the entry writes.
     pub fn lbas(&self) -> std::ops::Range<u64> {
         self.lba..self.lba + self.blocks.len() as u64
+    }
+
+    /// Whether the entry holds as many blocks as the protocol allows: 1 to `BLOCKS_PER_OP_MAX`,
+    /// or to `DEALLOCATE_BLOCKS_PER_OP_MAX` when every block is unmapped (a deallocate carries
+    /// no data).
+    pub fn length_valid(&self) -> bool {
+        let count = self.blocks.len();
+        let max = if self.blocks.iter().all(Option::is_none) {
+            DEALLOCATE_BLOCKS_PER_OP_MAX
+        } else {
+            BLOCKS_PER_OP_MAX
+        };
+        (1..=max as usize).contains(&count)
     }
 }
 
@@ -80,6 +94,18 @@ pub enum Message {
     Resync { epoch: u64, incarnation: u64 },
     /// Replica to primary: my storage failed; I acknowledge nothing more until restarted.
     Failed { epoch: u64, incarnation: u64 },
+}
+
+/// A message as it travels between two nodes. One connection carries the messages of many
+/// volumes, so each names its volume; the receiver hands `message` to that volume's
+/// `VolumeNode` as `Event::Message { from: sender, .. }`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    /// The volume the message is about, by the id the node and the control store give it.
+    pub volume: u64,
+    /// The node that sent it.
+    pub sender: NodeId,
+    pub message: Message,
 }
 
 impl Message {

@@ -32,8 +32,8 @@ use crate::store::StoreRequest;
 use crate::volume::{Action, HostError, HostOp, HostReply, Purpose, Shared, StorageResult};
 use crate::{
     BlockData, HostOpId, LeaseId, NodeId, StorageOpId, StreamId, BLOCKS_PER_OP_MAX,
-    COPY_WINDOW_MAX, INFLIGHT_READS_MAX, INFLIGHT_WRITES_MAX, RETRANSMITS_PER_TICK_MAX,
-    STREAM_WINDOW_MAX,
+    COPY_WINDOW_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX, INFLIGHT_READS_MAX, INFLIGHT_WRITES_MAX,
+    RETRANSMITS_PER_TICK_MAX, STREAM_WINDOW_MAX,
 };
 
 /// The op number of a term's reconciliation: every block it pushes is tagged with it, and it
@@ -59,6 +59,8 @@ enum Local {
 #[derive(Debug)]
 struct PendingWrite {
     host: HostOpId,
+    /// A host deallocate (its blocks are all unmapped) rather than a write.
+    deallocate: bool,
     lbas: Range<u64>,
     blocks: Vec<BlockData>,
     local: Local,
@@ -322,7 +324,7 @@ impl Term {
         match op {
             HostOp::Flush => Some(Ok(HostReply::Flushed)),
             HostOp::Read { lba, count } => {
-                if let Err(error) = check_range(shared, lba, u64::from(count)) {
+                if let Err(error) = check_range(shared, lba, u64::from(count), BLOCKS_PER_OP_MAX) {
                     return Some(Err(error));
                 }
                 if self.reads_in_flight >= INFLIGHT_READS_MAX {
@@ -334,7 +336,8 @@ impl Term {
                 None
             }
             HostOp::Write { lba, blocks } => {
-                if let Err(error) = check_range(shared, lba, blocks.len() as u64) {
+                let count = blocks.len() as u64;
+                if let Err(error) = check_range(shared, lba, count, BLOCKS_PER_OP_MAX) {
                     return Some(Err(error));
                 }
                 let expected_bytes = shared.config.block_size_bytes;
@@ -347,19 +350,29 @@ impl Term {
                 if self.pending.len() >= INFLIGHT_WRITES_MAX {
                     return Some(Err(HostError::Busy));
                 }
-                self.start_write(
-                    shared,
-                    now_ms,
-                    id,
-                    lba,
-                    blocks.into_iter().map(Some).collect(),
-                    out,
-                );
+                let blocks = blocks.into_iter().map(Some).collect();
+                self.start_write(shared, now_ms, id, lba, blocks, out);
+                None
+            }
+            HostOp::Deallocate { lba, count } => {
+                let max = DEALLOCATE_BLOCKS_PER_OP_MAX;
+                if let Err(error) = check_range(shared, lba, u64::from(count), max) {
+                    return Some(Err(error));
+                }
+                if self.pending.len() >= INFLIGHT_WRITES_MAX {
+                    return Some(Err(HostError::Busy));
+                }
+                // Exactly a write of unmapped blocks: numbered, streamed to every replica,
+                // ordered against overlapping writes here and there.
+                let blocks = vec![None; count as usize];
+                self.start_write(shared, now_ms, id, lba, blocks, out);
                 None
             }
         }
     }
 
+    /// Starts a host write, or a host deallocate: every block of a host write holds data, so
+    /// blocks that are all unmapped are a deallocate.
     fn start_write(
         &mut self,
         shared: &mut Shared,
@@ -370,10 +383,13 @@ impl Term {
         out: &mut Vec<Action>,
     ) {
         assert_eq!(self.phase, Phase::Serving);
+        let deallocate = blocks.iter().all(Option::is_none);
+        assert!(deallocate || blocks.iter().all(Option::is_some), "a write is data or unmapped");
         let op = self.next_op;
         self.next_op += 1;
         let lbas = lba..lba + blocks.len() as u64;
         let entry = Entry { kind: EntryKind::Write { op }, lba, blocks: blocks.clone() };
+        assert!(entry.length_valid(), "host commands are checked before they get here");
         let mut sent = Vec::new();
         let nodes: Vec<NodeId> = self.peers.keys().copied().collect();
         for node in nodes {
@@ -417,7 +433,7 @@ impl Term {
                 }
             }
         }
-        let write = PendingWrite { host, lbas, blocks, local: Local::Deferred, sent };
+        let write = PendingWrite { host, deallocate, lbas, blocks, local: Local::Deferred, sent };
         self.pending.insert(op, write);
         self.issue_deferred(shared, out);
     }
@@ -505,8 +521,14 @@ impl Term {
             .collect();
         for op in complete {
             let Some(write) = self.pending.remove(&op) else { continue };
-            shared.stats.writes_completed += 1;
-            let result = Ok(HostReply::Written);
+            let result = if write.deallocate {
+                shared.stats.deallocates_completed += 1;
+                shared.stats.blocks_deallocated += write.lbas.end - write.lbas.start;
+                Ok(HostReply::Deallocated)
+            } else {
+                shared.stats.writes_completed += 1;
+                Ok(HostReply::Written)
+            };
             out.push(Action::CompleteHost { id: write.host, epoch: self.epoch, result });
         }
         self.committed_op = self.pending.keys().next().map_or(self.next_op - 1, |first| first - 1);
@@ -964,9 +986,10 @@ impl Term {
     }
 }
 
-fn check_range(shared: &Shared, lba: u64, count: u64) -> Result<(), HostError> {
-    if count == 0 || count > u64::from(BLOCKS_PER_OP_MAX) {
-        return Err(HostError::BadLength { count, max: BLOCKS_PER_OP_MAX });
+/// Checks a host command of `count` blocks at `lba`, at most `max` blocks.
+fn check_range(shared: &Shared, lba: u64, count: u64, max: u32) -> Result<(), HostError> {
+    if count == 0 || count > u64::from(max) {
+        return Err(HostError::BadLength { count, max });
     }
     let volume_blocks = shared.config.volume_blocks;
     if lba.checked_add(count).is_none_or(|end| end > volume_blocks) {

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::message::{Entry, Message};
 use crate::volume::{Action, Purpose, Shared};
-use crate::{NodeId, StreamId, BLOCKS_PER_OP_MAX, STREAM_WINDOW_MAX};
+use crate::{NodeId, StreamId, STREAM_WINDOW_MAX};
 
 #[derive(Debug)]
 struct InStream {
@@ -128,8 +128,7 @@ impl Replica {
         };
         let count = entry.blocks.len() as u64;
         let valid = seq > 0
-            && count > 0
-            && count <= u64::from(BLOCKS_PER_OP_MAX)
+            && entry.length_valid()
             && entry.lba.checked_add(count).is_some_and(|end| end <= shared.config.volume_blocks);
         if !valid {
             return;

@@ -30,6 +30,13 @@ pub enum HostOp {
         lba: u64,
         blocks: Vec<Block>,
     },
+    /// Deallocate `count` blocks at `lba` (NVMe Deallocate or Write Zeroes, NBD trim): a write
+    /// of `count` unmapped blocks, which read as zeros once it completes. `count` is 1 to
+    /// `DEALLOCATE_BLOCKS_PER_OP_MAX`; the caller splits longer ranges.
+    Deallocate {
+        lba: u64,
+        count: u32,
+    },
     /// Every completed write is already durable on every in-sync replica, so a flush only
     /// needs a serving primary.
     Flush,
@@ -39,6 +46,7 @@ pub enum HostOp {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HostReply {
     Written,
+    Deallocated,
     Read(Vec<BlockData>),
     Flushed,
 }
@@ -110,7 +118,9 @@ pub enum Action {
         message: Message,
     },
     /// Write `blocks` at `lba`; reply `StorageResult::Written` once durable. The machine never
-    /// has two writes to one block in flight, so their order is its own.
+    /// has two writes to one block in flight, so their order is its own. `None` blocks are
+    /// deallocated (they read as zeros). At most `BLOCKS_PER_OP_MAX` blocks, or
+    /// `DEALLOCATE_BLOCKS_PER_OP_MAX` when every block is `None`.
     StorageWrite {
         id: StorageOpId,
         lba: u64,
@@ -148,7 +158,11 @@ pub struct Stats {
     pub terms_ended: u64,
     /// Host writes completed as primary.
     pub writes_completed: u64,
-    /// Host writes failed with a path error because the term ended under them.
+    /// Host deallocates completed as primary.
+    pub deallocates_completed: u64,
+    /// Blocks those deallocates covered.
+    pub blocks_deallocated: u64,
+    /// Host writes and deallocates failed with a path error because the term ended under them.
     pub writes_failed: u64,
     /// Replicas this primary removed from the in-sync set.
     pub replicas_removed: u64,
@@ -218,8 +232,10 @@ pub(crate) struct Shared {
     pub cas_uncertain: bool,
     next_store_request: u64,
     next_storage_op: u64,
-    /// Block -> the write in flight to it. At most one per block.
-    writes_in_flight: BTreeMap<u64, StorageOpId>,
+    /// The writes in flight, by first LBA: (end LBA, op). At most one per block, so the
+    /// ranges are disjoint and a lookup costs the same for a deallocate of thousands of blocks
+    /// as for a write of one.
+    writes_in_flight: BTreeMap<u64, (u64, StorageOpId)>,
     storage_ops: BTreeMap<StorageOpId, InFlight>,
     /// Set by a storage error, for the life of the process.
     pub latched: bool,
@@ -236,7 +252,12 @@ impl Shared {
     }
 
     pub fn write_in_flight(&self, lbas: Range<u64>) -> bool {
-        self.writes_in_flight.range(lbas).next().is_some()
+        // The ranges are disjoint, so the one starting last before `lbas.end` ends last too: if
+        // it ends at or before `lbas.start`, so does every other one starting earlier.
+        self.writes_in_flight
+            .range(..lbas.end)
+            .next_back()
+            .is_some_and(|(_, &(end, _))| end > lbas.start)
     }
 
     pub fn storage_write(
@@ -251,9 +272,7 @@ impl Shared {
         assert!(!self.write_in_flight(lbas.clone()), "two writes to one block in flight");
         let id = StorageOpId(self.next_storage_op);
         self.next_storage_op += 1;
-        for block in lbas.clone() {
-            self.writes_in_flight.insert(block, id);
-        }
+        self.writes_in_flight.insert(lbas.start, (lbas.end, id));
         self.storage_ops.insert(id, InFlight { purpose, write: Some(lbas) });
         out.push(Action::StorageWrite { id, lba, blocks });
         id
@@ -518,14 +537,12 @@ impl VolumeNode {
             return;
         };
         if let Some(lbas) = &in_flight.write {
-            for lba in lbas.clone() {
-                let removed = self.shared.writes_in_flight.remove(&lba);
-                assert_eq!(
-                    removed,
-                    Some(id),
-                    "the write in flight to a block is the one completing"
-                );
-            }
+            let removed = self.shared.writes_in_flight.remove(&lbas.start);
+            assert_eq!(
+                removed,
+                Some((lbas.end, id)),
+                "the write in flight to these blocks is the one completing"
+            );
         }
         let result = match (&in_flight.purpose, result) {
             (Purpose::HostRead { count, .. }, StorageResult::Read(blocks))
@@ -717,5 +734,40 @@ impl VolumeNode {
         };
         let id = shared.store_request(request, out);
         shared.cas_in_flight = Some((id, now_ms));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// The writes in flight, kept as disjoint ranges, answer overlap queries exactly like a
+    /// block-by-block model, for writes and deallocates of every length.
+    #[test]
+    fn writes_in_flight_find_every_overlap() {
+        let volume_blocks = 256;
+        let config = Config { volume_blocks, ..Config::default() };
+        let mut node = VolumeNode::new(config, NodeId(1), 1, 0);
+        let mut rng = StdRng::seed_from_u64(9);
+        let mut model: BTreeMap<u64, StorageOpId> = BTreeMap::new();
+        let mut out = Vec::new();
+        for _ in 0..5_000 {
+            let lba = rng.random_range(0..volume_blocks);
+            let count = rng.random_range(1..=(volume_blocks - lba).min(40));
+            let lbas = lba..lba + count;
+            let busy = lbas.clone().any(|block| model.contains_key(&block));
+            assert_eq!(node.shared.write_in_flight(lbas.clone()), busy, "{lbas:?}");
+            if !busy && rng.random_bool(0.6) {
+                let purpose = Purpose::LocalWrite { epoch: 1, op: 1 };
+                let id =
+                    node.shared.storage_write(lba, vec![None; count as usize], purpose, &mut out);
+                model.extend(lbas.map(|block| (block, id)));
+            } else if let Some(&id) = model.values().nth(rng.random_range(0..model.len().max(1))) {
+                node.handle(0, Event::Storage { id, result: StorageResult::Written }, &mut out);
+                model.retain(|_, other| *other != id);
+            }
+        }
     }
 }

@@ -1,41 +1,45 @@
 //! The bytes of a replication [`Message`] between two nodes: one frame per message on a TCP
-//! connection, so the node's wiring can send what the state machines return (issue 6). The
-//! state machines never see bytes; only this module knows the layout. The full specification,
-//! with byte diagrams, is docs/replication-wire.md.
+//! connection, so the node's wiring can send what the state machines return (issue 6). One
+//! connection between two nodes carries the messages of every volume they share, so each frame
+//! names its volume and its sender ([`Envelope`]). The state machines never see bytes; only this
+//! module knows the layout. The full specification, with byte diagrams, is
+//! docs/replication-wire.md.
 //!
-//! A frame is a 20-byte header and a payload:
+//! A frame (version 2) is a 32-byte header and a payload:
 //!
 //! ```text
-//! 0       4    5    6       8               12              16              20
-//! +-------+----+----+-------+---------------+---------------+---------------+---- ... ----+
-//! | magic | ver|type| flags | payload_bytes | checksum      | header_check  | payload     |
-//! +-------+----+----+-------+---------------+---------------+---------------+---- ... ----+
+//! 0       4    5    6       8               12       16       24         28             32
+//! +-------+----+----+-------+---------------+--------+--------+----------+--------------+-----+
+//! | magic | ver|type| flags | payload_bytes | sender | volume | checksum | header_check | ... |
+//! +-------+----+----+-------+---------------+--------+--------+----------+--------------+-----+
 //! ```
 //!
-//! Integers are little-endian. `checksum` is the CRC-32C of header bytes `0..12` followed by the
-//! payload; `header_check` the CRC-32C of header bytes `0..16`, so a damaged length is refused
-//! before the receiver waits for a payload that will never come.
+//! Integers are little-endian. `checksum` is the CRC-32C of header bytes `0..24` followed by the
+//! payload; `header_check` the CRC-32C of header bytes `0..28`, so a damaged length (or volume,
+//! or sender) is refused before the receiver waits for a payload that will never come.
 //!
 //! [`decode`] checks everything before it trusts a byte: magic, version, header checksum, type,
 //! flags, the payload length against the bounds of its type, the frame checksum, then every
-//! field (tags, counts against [`BLOCKS_PER_OP_MAX`] and [`DIVERGENCE_LBAS_MAX`], block sizes
-//! against [`BLOCK_BYTES_MAX`]) before it allocates for it. It never panics, and never reads or
-//! allocates more than [`MESSAGE_BYTES_MAX`] for one frame. The encoding is canonical: a decoded
-//! frame encodes back to the same bytes. [`FrameReader`] cuts a byte stream into messages with a
-//! buffer of one largest frame.
+//! field (tags, counts against [`BLOCKS_PER_OP_MAX`], [`DEALLOCATE_BLOCKS_PER_OP_MAX`] and
+//! [`DIVERGENCE_LBAS_MAX`], block sizes against [`BLOCK_BYTES_MAX`]) before it allocates for it.
+//! It never panics, and never reads or allocates more than [`MESSAGE_BYTES_MAX`] for one frame.
+//! The encoding is canonical: a decoded frame encodes back to the same bytes. [`FrameReader`]
+//! cuts a byte stream into messages with a buffer of one largest frame.
 
 use std::ops::RangeInclusive;
 use std::sync::Arc;
 
+pub use crate::message::Envelope;
 use crate::message::{DivergenceReport, Entry, EntryKind, Message};
-use crate::{BlockData, StreamId, BLOCKS_PER_OP_MAX};
+use crate::{BlockData, NodeId, StreamId, BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX};
 
 /// The first bytes of every frame ("Ferrite replication protocol").
 pub const MAGIC: [u8; 4] = *b"FRRP";
-/// The version this code writes and the only one it reads.
-pub const VERSION: u8 = 1;
+/// The version this code writes and the only one it reads. Version 1 (a 20-byte header without
+/// volume and sender) was never deployed and is refused like any other.
+pub const VERSION: u8 = 2;
 /// Bytes of the fixed header before the payload.
-pub const HEADER_BYTES: usize = 20;
+pub const HEADER_BYTES: usize = 32;
 /// The largest block an entry carries: the node's block size. The simulation uses smaller ones;
 /// every mapped block carries its own length.
 pub const BLOCK_BYTES_MAX: usize = 4096;
@@ -50,8 +54,10 @@ mod offset {
     pub const TYPE: usize = 5;
     pub const FLAGS: usize = 6;
     pub const PAYLOAD_BYTES: usize = 8;
-    pub const CHECKSUM: usize = 12;
-    pub const HEADER_CHECK: usize = 16;
+    pub const SENDER: usize = 12;
+    pub const VOLUME: usize = 16;
+    pub const CHECKSUM: usize = 24;
+    pub const HEADER_CHECK: usize = 28;
 }
 
 const U64_BYTES: usize = 8;
@@ -64,23 +70,44 @@ const BLOCK_UNMAPPED_BYTES: usize = 1;
 /// A mapped block: tag, length, then the bytes.
 const BLOCK_MAPPED_FIXED_BYTES: usize = 1 + 4;
 const APPEND_PAYLOAD_BYTES_MIN: usize = APPEND_FIXED_BYTES + BLOCK_UNMAPPED_BYTES;
-const APPEND_PAYLOAD_BYTES_MAX: usize =
+/// The largest entry with data: `BLOCKS_PER_OP_MAX` mapped blocks of `BLOCK_BYTES_MAX`.
+const APPEND_DATA_PAYLOAD_BYTES_MAX: usize =
     APPEND_FIXED_BYTES + BLOCKS_PER_OP_MAX as usize * (BLOCK_MAPPED_FIXED_BYTES + BLOCK_BYTES_MAX);
+/// The largest deallocate: `DEALLOCATE_BLOCKS_PER_OP_MAX` unmapped blocks.
+const APPEND_DEALLOCATE_PAYLOAD_BYTES_MAX: usize =
+    APPEND_FIXED_BYTES + DEALLOCATE_BLOCKS_PER_OP_MAX as usize * BLOCK_UNMAPPED_BYTES;
+const APPEND_PAYLOAD_BYTES_MAX: usize =
+    max(APPEND_DATA_PAYLOAD_BYTES_MAX, APPEND_DEALLOCATE_PAYLOAD_BYTES_MAX);
 /// Epoch, incarnation, divergence tag.
 const PROBE_REPLY_FIXED_BYTES: usize = 2 * U64_BYTES + 1;
 const PROBE_REPLY_PAYLOAD_BYTES_MAX: usize =
     PROBE_REPLY_FIXED_BYTES + 4 + DIVERGENCE_LBAS_MAX * U64_BYTES;
 
 /// The largest payload of any message.
-pub const PAYLOAD_BYTES_MAX: usize = if APPEND_PAYLOAD_BYTES_MAX > PROBE_REPLY_PAYLOAD_BYTES_MAX {
-    APPEND_PAYLOAD_BYTES_MAX
-} else {
-    PROBE_REPLY_PAYLOAD_BYTES_MAX
-};
+pub const PAYLOAD_BYTES_MAX: usize = max(APPEND_PAYLOAD_BYTES_MAX, PROBE_REPLY_PAYLOAD_BYTES_MAX);
 /// The largest frame: an `Append` of `BLOCKS_PER_OP_MAX` mapped blocks of `BLOCK_BYTES_MAX`.
 pub const MESSAGE_BYTES_MAX: usize = HEADER_BYTES + PAYLOAD_BYTES_MAX;
 
+const fn max(a: usize, b: usize) -> usize {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+// The header's fields follow each other without gaps, and `header_check` ends it.
+const _: () = assert!(offset::VERSION == offset::MAGIC + MAGIC.len());
+const _: () = assert!(offset::TYPE == offset::VERSION + 1);
+const _: () = assert!(offset::FLAGS == offset::TYPE + 1);
+const _: () = assert!(offset::PAYLOAD_BYTES == offset::FLAGS + 2);
+const _: () = assert!(offset::SENDER == offset::PAYLOAD_BYTES + 4);
+const _: () = assert!(offset::VOLUME == offset::SENDER + 4);
+const _: () = assert!(offset::CHECKSUM == offset::VOLUME + U64_BYTES);
+const _: () = assert!(offset::HEADER_CHECK == offset::CHECKSUM + 4);
 const _: () = assert!(offset::HEADER_CHECK + 4 == HEADER_BYTES);
+// A deallocate of the longest length fits in the frame a data entry needs anyway.
+const _: () = assert!(APPEND_DEALLOCATE_PAYLOAD_BYTES_MAX <= APPEND_DATA_PAYLOAD_BYTES_MAX);
 const _: () = assert!(PAYLOAD_BYTES_MAX <= u32::MAX as usize);
 const _: () = assert!(BLOCK_BYTES_MAX <= u32::MAX as usize);
 const _: () = assert!(DIVERGENCE_LBAS_MAX <= u32::MAX as usize);
@@ -163,7 +190,10 @@ pub enum WireError {
          a Ferrite replication endpoint, or the stream lost its framing"
     )]
     MagicWrong { offset: usize, found: u8, expected: u8 },
-    #[error("frame version {version} is not supported (this node reads version {VERSION})")]
+    #[error(
+        "frame version {version} is not supported: this node reads only version {VERSION}, and \
+         every node of a cluster must run the same replication wire version"
+    )]
     VersionUnsupported { version: u8 },
     #[error(
         "frame header checksum mismatch: it carries {stored:#010x}, bytes hash to {computed:#010x}"
@@ -191,7 +221,10 @@ impl WireError {
 /// A message the wire cannot carry: the sender built an entry outside the protocol's limits.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EncodeError {
-    #[error("an entry holds {count} blocks; the wire carries 1..={BLOCKS_PER_OP_MAX}")]
+    #[error(
+        "an entry holds {count} blocks; the wire carries 1..={BLOCKS_PER_OP_MAX}, or \
+         1..={DEALLOCATE_BLOCKS_PER_OP_MAX} when every block is unmapped"
+    )]
     BlockCount { count: usize },
     #[error("an entry of {count} blocks at LBA {lba} runs past the last LBA")]
     LbaOverflow { lba: u64, count: usize },
@@ -199,8 +232,9 @@ pub enum EncodeError {
     BlockSize { index: usize, size_bytes: usize },
 }
 
-/// Appends the frame of `message` to `out` and returns its length. On error `out` is unchanged.
-pub fn encode(message: &Message, out: &mut Vec<u8>) -> Result<usize, EncodeError> {
+/// Appends the frame of `envelope` to `out` and returns its length. On error `out` is unchanged.
+pub fn encode(envelope: &Envelope, out: &mut Vec<u8>) -> Result<usize, EncodeError> {
+    let Envelope { volume, sender, message } = envelope;
     if let Message::Append { entry, .. } = message {
         check_entry(entry)?;
     }
@@ -214,7 +248,11 @@ pub fn encode(message: &Message, out: &mut Vec<u8>) -> Result<usize, EncodeError
     out.push(message_type as u8);
     out.extend_from_slice(&0u16.to_le_bytes());
     out.extend_from_slice(&(payload_bytes as u32).to_le_bytes());
+    out.extend_from_slice(&sender.0.to_le_bytes());
+    out.extend_from_slice(&volume.to_le_bytes());
+    // The two checksums, filled in once the payload is there.
     out.extend_from_slice(&[0; 8]);
+    assert_eq!(out.len() - start, HEADER_BYTES);
     encode_payload(message, out);
     assert_eq!(out.len() - start, HEADER_BYTES + payload_bytes, "payload length computed wrong");
     let frame = &mut out[start..];
@@ -227,7 +265,7 @@ pub fn encode(message: &Message, out: &mut Vec<u8>) -> Result<usize, EncodeError
 
 fn check_entry(entry: &Entry) -> Result<(), EncodeError> {
     let count = entry.blocks.len();
-    if count == 0 || count > BLOCKS_PER_OP_MAX as usize {
+    if !entry.length_valid() {
         return Err(EncodeError::BlockCount { count });
     }
     if entry.lba.checked_add(count as u64).is_none() {
@@ -345,9 +383,15 @@ fn le_u32(bytes: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
 }
 
-/// Decodes the frame at the start of `bytes`: the message and the bytes it took. Bytes after the
-/// frame are left alone. A valid beginning of a frame gives [`WireError::Incomplete`].
-pub fn decode(bytes: &[u8]) -> Result<(Message, usize), WireError> {
+fn le_u64(bytes: &[u8], at: usize) -> u64 {
+    let mut array = [0; U64_BYTES];
+    array.copy_from_slice(&bytes[at..at + U64_BYTES]);
+    u64::from_le_bytes(array)
+}
+
+/// Decodes the frame at the start of `bytes`: the envelope and the bytes it took. Bytes after
+/// the frame are left alone. A valid beginning of a frame gives [`WireError::Incomplete`].
+pub fn decode(bytes: &[u8]) -> Result<(Envelope, usize), WireError> {
     let (message_type, frame_bytes) = decode_header(bytes)?;
     let Some(frame) = bytes.get(..frame_bytes) else {
         return Err(WireError::Incomplete { needed_bytes: frame_bytes });
@@ -359,7 +403,14 @@ pub fn decode(bytes: &[u8]) -> Result<(Message, usize), WireError> {
         return Err(WireError::ChecksumMismatch { stored, computed });
     }
     let message = decode_payload(message_type, payload)?;
-    Ok((message, frame_bytes))
+    // Any volume and sender are well-formed; whether this node holds that volume, and whether
+    // the sender is the peer of this connection, is the receiver's to check.
+    let envelope = Envelope {
+        volume: le_u64(header, offset::VOLUME),
+        sender: NodeId(le_u32(header, offset::SENDER)),
+        message,
+    };
+    Ok((envelope, frame_bytes))
 }
 
 /// Checks the header; returns the type and the length of the whole frame.
@@ -437,10 +488,7 @@ impl<'a> Fields<'a> {
     }
 
     fn u64(&mut self) -> Result<u64, WireError> {
-        let bytes = self.take(U64_BYTES)?;
-        let mut array = [0; U64_BYTES];
-        array.copy_from_slice(bytes);
-        Ok(u64::from_le_bytes(array))
+        Ok(le_u64(self.take(U64_BYTES)?, 0))
     }
 
     fn finish(self) -> Result<(), WireError> {
@@ -462,8 +510,10 @@ impl<'a> Fields<'a> {
         let lba = self.u64()?;
         let count_at = self.position;
         let count = self.u32()?;
-        if count == 0 || count > BLOCKS_PER_OP_MAX {
-            return Err(self.invalid_at(count_at, "block count outside 1..=BLOCKS_PER_OP_MAX"));
+        if count == 0 || count > DEALLOCATE_BLOCKS_PER_OP_MAX {
+            return Err(
+                self.invalid_at(count_at, "block count outside 1..=DEALLOCATE_BLOCKS_PER_OP_MAX")
+            );
         }
         if lba.checked_add(u64::from(count)).is_none() {
             return Err(self.invalid_at(count_at, "entry runs past the last LBA"));
@@ -476,6 +526,13 @@ impl<'a> Fields<'a> {
             let tag_at = self.position;
             match self.u8()? {
                 BLOCK_UNMAPPED => blocks.push(None),
+                BLOCK_MAPPED if count > BLOCKS_PER_OP_MAX => {
+                    // Only a deallocate (unmapped blocks only) may be that long.
+                    return Err(self.invalid_at(
+                        tag_at,
+                        "mapped block in an entry of more than BLOCKS_PER_OP_MAX blocks",
+                    ));
+                }
                 BLOCK_MAPPED => {
                     let length_at = self.position;
                     let length = self.u32()? as usize;
@@ -630,18 +687,18 @@ impl FrameReader {
     }
 
     /// The next whole message, `None` if more bytes are needed first.
-    pub fn next_message(&mut self) -> Result<Option<Message>, WireError> {
+    pub fn next_message(&mut self) -> Result<Option<Envelope>, WireError> {
         if let Some(error) = &self.error {
             return Err(error.clone());
         }
         match decode(&self.buffer[self.start..self.end]) {
-            Ok((message, frame_bytes)) => {
+            Ok((envelope, frame_bytes)) => {
                 self.start += frame_bytes;
                 if self.start == self.end {
                     self.start = 0;
                     self.end = 0;
                 }
-                Ok(Some(message))
+                Ok(Some(envelope))
             }
             Err(WireError::Incomplete { needed_bytes }) => {
                 assert!(needed_bytes <= self.buffer.len());
@@ -708,17 +765,37 @@ mod tests {
         ]
     }
 
+    /// A deallocate of `count` blocks, as the primary streams it.
+    fn deallocate(count: u32) -> Message {
+        append(EntryKind::Write { op: 11 }, 4096, vec![None; count as usize])
+    }
+
+    /// The message in an envelope whose every header byte differs.
+    fn envelope(message: Message) -> Envelope {
+        Envelope { volume: 0x1122_3344_5566_7788, sender: NodeId(0x99AA_BBCC), message }
+    }
+
+    fn random_envelope(rng: &mut StdRng) -> Envelope {
+        let message = random_message(rng);
+        Envelope { volume: rng.random(), sender: NodeId(rng.random()), message }
+    }
+
     fn random_message(rng: &mut StdRng) -> Message {
         let epoch = rng.random_range(0..4u64);
         let incarnation = rng.random();
         let stream = StreamId(rng.random());
         match rng.random_range(0..9) {
             0 => {
-                let count = rng.random_range(1..=BLOCKS_PER_OP_MAX) as usize;
+                // Some entries are deallocates: long, and every block unmapped.
+                let unmapped = rng.random_bool(0.2);
+                let count_max =
+                    if unmapped { DEALLOCATE_BLOCKS_PER_OP_MAX } else { BLOCKS_PER_OP_MAX };
+                let count = rng.random_range(1..=count_max) as usize;
                 let size_bytes = rng.random_range(1..=BLOCK_BYTES_MAX);
                 let blocks = (0..count)
                     .map(|_| {
-                        rng.random_bool(0.7).then(|| block(size_bytes, rng.random())).flatten()
+                        let mapped = !unmapped && rng.random_bool(0.7);
+                        mapped.then(|| block(size_bytes, rng.random())).flatten()
                     })
                     .collect::<Vec<_>>();
                 let op = rng.random();
@@ -757,21 +834,25 @@ mod tests {
     }
 
     fn frame(message: &Message) -> Vec<u8> {
+        frame_of(&envelope(message.clone()))
+    }
+
+    fn frame_of(envelope: &Envelope) -> Vec<u8> {
         let mut out = Vec::new();
-        let bytes = encode(message, &mut out).unwrap();
+        let bytes = encode(envelope, &mut out).unwrap();
         assert_eq!(bytes, out.len());
         out
     }
 
-    fn check_round_trip(message: &Message) {
-        let bytes = frame(message);
+    fn check_round_trip(envelope: &Envelope) {
+        let bytes = frame_of(envelope);
         assert!(bytes.len() <= MESSAGE_BYTES_MAX);
         let (decoded, used) = decode(&bytes).unwrap();
-        assert_eq!(&decoded, message);
+        assert_eq!(&decoded, envelope);
         assert_eq!(used, bytes.len());
-        // Canonical: the decoded message encodes to the same bytes, and trailing bytes are
+        // Canonical: the decoded envelope encodes to the same bytes, and trailing bytes are
         // left alone.
-        assert_eq!(frame(&decoded), bytes);
+        assert_eq!(frame_of(&decoded), bytes);
         let mut longer = bytes.clone();
         longer.extend_from_slice(&frame(&Message::Probe { epoch: 1 }));
         assert_eq!(decode(&longer).unwrap(), (decoded, used));
@@ -783,8 +864,8 @@ mod tests {
         let mut types: Vec<MessageType> = samples.iter().map(MessageType::of).collect();
         types.dedup();
         assert_eq!(types.len(), 9, "a variant has no sample");
-        for message in &samples {
-            check_round_trip(message);
+        for message in samples {
+            check_round_trip(&envelope(message));
         }
     }
 
@@ -792,8 +873,57 @@ mod tests {
     fn random_messages_round_trip() {
         let mut rng = StdRng::seed_from_u64(6);
         for _ in 0..300 {
-            check_round_trip(&random_message(&mut rng));
+            check_round_trip(&random_envelope(&mut rng));
         }
+        for (volume, sender) in [(0, 0), (u64::MAX, u32::MAX), (1, 2)] {
+            let message = Message::Stale { epoch: 3 };
+            check_round_trip(&Envelope { volume, sender: NodeId(sender), message });
+        }
+    }
+
+    #[test]
+    fn the_header_carries_volume_and_sender_where_the_spec_says() {
+        let bytes = frame(&Message::Ack { epoch: 1, stream: StreamId(2), durable_seq: 3 });
+        // The offsets of docs/replication-wire.md.
+        assert_eq!(HEADER_BYTES, 32);
+        assert_eq!(&bytes[0..4], b"FRRP");
+        assert_eq!(bytes[4], 2, "version");
+        assert_eq!(bytes[5], MessageType::Ack as u8);
+        assert_eq!(&bytes[6..8], &[0, 0], "flags");
+        assert_eq!(&bytes[8..12], &24u32.to_le_bytes(), "payload_bytes");
+        assert_eq!(&bytes[12..16], &0x99AA_BBCCu32.to_le_bytes(), "sender");
+        assert_eq!(&bytes[16..24], &0x1122_3344_5566_7788u64.to_le_bytes(), "volume");
+        let checksum = crc32c::crc32c_append(crc32c::crc32c(&bytes[..24]), &bytes[32..]);
+        assert_eq!(&bytes[24..28], &checksum.to_le_bytes(), "checksum");
+        assert_eq!(&bytes[28..32], &crc32c::crc32c(&bytes[..28]).to_le_bytes(), "header_check");
+        assert_eq!(bytes.len(), 32 + 24);
+    }
+
+    /// A frame of version 1 (20-byte header, no volume, no sender), built by hand: a node of
+    /// this version refuses it at once, on its version byte, rather than misreading it.
+    #[test]
+    fn a_version_1_frame_is_refused() {
+        let mut v1 = Vec::new();
+        v1.extend_from_slice(b"FRRP");
+        v1.push(1);
+        v1.push(MessageType::Probe as u8);
+        v1.extend_from_slice(&0u16.to_le_bytes());
+        v1.extend_from_slice(&8u32.to_le_bytes());
+        let checksum_at = v1.len();
+        v1.extend_from_slice(&[0; 8]);
+        v1.extend_from_slice(&5u64.to_le_bytes());
+        let checksum = crc32c::crc32c_append(crc32c::crc32c(&v1[..12]), &v1[20..]);
+        v1[checksum_at..checksum_at + 4].copy_from_slice(&checksum.to_le_bytes());
+        let header_check = crc32c::crc32c(&v1[..16]);
+        v1[checksum_at + 4..checksum_at + 8].copy_from_slice(&header_check.to_le_bytes());
+        let refused = WireError::VersionUnsupported { version: 1 };
+        for length in 5..=v1.len() {
+            assert_eq!(decode(&v1[..length]), Err(refused.clone()));
+        }
+        let mut reader = FrameReader::new();
+        reader.push(&v1);
+        assert_eq!(reader.next_message(), Err(refused.clone()));
+        assert!(refused.to_string().contains("reads only version 2"), "{refused}");
     }
 
     #[test]
@@ -803,10 +933,10 @@ mod tests {
         let largest = append(EntryKind::Write { op: 1 }, 0, full);
         assert_eq!(frame(&largest).len(), MESSAGE_BYTES_MAX);
         // The numbers of docs/replication-wire.md.
-        assert_eq!(MESSAGE_BYTES_MAX, 262_545);
+        assert_eq!(MESSAGE_BYTES_MAX, 262_557);
         assert_eq!(MessageType::Append.payload_bytes(), 62..=262_525);
         assert_eq!(MessageType::ProbeReply.payload_bytes(), 17..=262_165);
-        check_round_trip(&largest);
+        check_round_trip(&envelope(largest));
 
         let lbas: Vec<u64> = (0..DIVERGENCE_LBAS_MAX as u64).collect();
         let known = Message::ProbeReply {
@@ -814,7 +944,7 @@ mod tests {
             incarnation: 2,
             divergence: DivergenceReport::Known(lbas.clone()),
         };
-        check_round_trip(&known);
+        check_round_trip(&envelope(known));
 
         // One LBA more than the wire carries goes as Unknown, which makes the new primary copy
         // every block: what the replica itself reports past its own limit.
@@ -827,14 +957,29 @@ mod tests {
         };
         let (decoded, _) = decode(&frame(&overflow)).unwrap();
         assert_eq!(
-            decoded,
+            decoded.message,
             Message::ProbeReply { epoch: 1, incarnation: 2, divergence: DivergenceReport::Unknown }
         );
     }
 
     #[test]
+    fn a_deallocate_is_one_byte_per_block() {
+        let fixed_bytes = HEADER_BYTES + APPEND_FIXED_BYTES;
+        for count in [1, 2, BLOCKS_PER_OP_MAX, BLOCKS_PER_OP_MAX + 1, DEALLOCATE_BLOCKS_PER_OP_MAX]
+        {
+            let message = deallocate(count);
+            assert_eq!(frame(&message).len(), fixed_bytes + count as usize, "{count} blocks");
+            check_round_trip(&envelope(message));
+        }
+        // 8 MiB of 4 KiB blocks travel in 2 KiB (and the 93 bytes of header and entry).
+        assert_eq!(frame(&deallocate(2048)).len(), 2048 + 93);
+    }
+
+    #[test]
     fn every_single_byte_corruption_is_rejected() {
-        for message in samples() {
+        let mut messages = samples();
+        messages.push(deallocate(BLOCKS_PER_OP_MAX + 3));
+        for message in messages {
             let bytes = frame(&message);
             for at in 0..bytes.len() {
                 for flip in 1..=u8::MAX {
@@ -852,10 +997,11 @@ mod tests {
     #[test]
     fn every_truncation_asks_for_more() {
         let mut rng = StdRng::seed_from_u64(7);
-        let mut messages = samples();
-        messages.extend((0..20).map(|_| random_message(&mut rng)));
+        let mut messages: Vec<Envelope> = samples().into_iter().map(envelope).collect();
+        messages.extend((0..20).map(|_| random_envelope(&mut rng)));
+        messages.push(envelope(deallocate(DEALLOCATE_BLOCKS_PER_OP_MAX)));
         for message in messages {
-            let bytes = frame(&message);
+            let bytes = frame_of(&message);
             for length in 0..bytes.len() {
                 match decode(&bytes[..length]) {
                     Err(WireError::Incomplete { needed_bytes }) => {
@@ -871,12 +1017,15 @@ mod tests {
     fn encode_refuses_entries_the_wire_cannot_carry() {
         let check = |blocks: Vec<BlockData>, lba: u64, expected: EncodeError| {
             let mut out = vec![1, 2, 3];
-            let message = append(EntryKind::Write { op: 1 }, lba, blocks);
+            let message = envelope(append(EntryKind::Write { op: 1 }, lba, blocks));
             assert_eq!(encode(&message, &mut out), Err(expected));
             assert_eq!(out, [1, 2, 3]);
         };
         check(vec![], 0, EncodeError::BlockCount { count: 0 });
-        check(vec![None; 65], 0, EncodeError::BlockCount { count: 65 });
+        let mut long_with_data = vec![None; 65];
+        long_with_data[64] = block(8, 0);
+        check(long_with_data, 0, EncodeError::BlockCount { count: 65 });
+        check(vec![None; 2049], 0, EncodeError::BlockCount { count: 2049 });
         check(
             vec![None; 2],
             u64::MAX - 1,
@@ -900,10 +1049,9 @@ mod tests {
         let mut bytes = frame(&message);
         edit(&mut bytes);
         let payload_bytes = (bytes.len() - HEADER_BYTES) as u32;
-        bytes[offset::PAYLOAD_BYTES..offset::CHECKSUM]
-            .copy_from_slice(&payload_bytes.to_le_bytes());
+        bytes[offset::PAYLOAD_BYTES..offset::SENDER].copy_from_slice(&payload_bytes.to_le_bytes());
         seal(&mut bytes);
-        assert_eq!(decode(&bytes).map(|(message, _)| message), Err(expected));
+        assert_eq!(decode(&bytes).map(|(envelope, _)| envelope), Err(expected));
     }
 
     #[test]
@@ -925,13 +1073,30 @@ mod tests {
             |bytes| bytes[kind_at] = 3,
             field(append_type, kind_at, "unknown entry kind"),
         );
-        for count in [0, BLOCKS_PER_OP_MAX + 1] {
+        for count in [0, DEALLOCATE_BLOCKS_PER_OP_MAX + 1] {
             check_refused(
                 one_block.clone(),
                 set_u32(count_at, count),
-                field(append_type, count_at, "block count outside 1..=BLOCKS_PER_OP_MAX"),
+                field(
+                    append_type,
+                    count_at,
+                    "block count outside 1..=DEALLOCATE_BLOCKS_PER_OP_MAX",
+                ),
             );
         }
+        // Data in an entry longer than a write: the first block of a deallocate of 65 blocks
+        // becomes a mapped one.
+        check_refused(
+            append(EntryKind::Write { op: 1 }, 0, vec![None; BLOCKS_PER_OP_MAX as usize + 1]),
+            |bytes| {
+                bytes.splice(block_at..block_at + 1, [BLOCK_MAPPED, 4, 0, 0, 0, 9, 9, 9, 9]);
+            },
+            field(
+                append_type,
+                block_at,
+                "mapped block in an entry of more than BLOCKS_PER_OP_MAX blocks",
+            ),
+        );
         check_refused(
             one_block.clone(),
             set_u32(count_at, 2),
@@ -1002,17 +1167,19 @@ mod tests {
             |bytes| bytes[offset::FLAGS] = 1,
             WireError::FlagsReserved { flags: 1 },
         );
-        check_refused(
-            Message::Probe { epoch: 1 },
-            |bytes| bytes[offset::VERSION] = 2,
-            WireError::VersionUnsupported { version: 2 },
-        );
+        for version in [0, 1, 3, u8::MAX] {
+            check_refused(
+                Message::Probe { epoch: 1 },
+                |bytes| bytes[offset::VERSION] = version,
+                WireError::VersionUnsupported { version },
+            );
+        }
         let too_long = PAYLOAD_BYTES_MAX as u32 + 1;
         let mut bytes = frame(&one_block);
-        bytes[offset::PAYLOAD_BYTES..offset::CHECKSUM].copy_from_slice(&too_long.to_le_bytes());
+        bytes[offset::PAYLOAD_BYTES..offset::SENDER].copy_from_slice(&too_long.to_le_bytes());
         seal(&mut bytes);
         assert_eq!(
-            decode(&bytes[..HEADER_BYTES]).map(|(message, _)| message),
+            decode(&bytes[..HEADER_BYTES]).map(|(envelope, _)| envelope),
             Err(WireError::LengthInvalid {
                 message_type: append_type,
                 payload_bytes: too_long,
@@ -1021,14 +1188,14 @@ mod tests {
         );
         // Garbage fails on its first byte, without waiting for a header.
         assert_eq!(
-            decode(b"G").map(|(message, _)| message),
+            decode(b"G").map(|(envelope, _)| envelope),
             Err(WireError::MagicWrong { offset: 0, found: b'G', expected: b'F' })
         );
     }
 
     /// Feeds `bytes` to a reader in chunks of the sizes `chunk` draws, alternating `push` and
     /// `unfilled`/`filled`, and returns the messages in order.
-    fn read_all(bytes: &[u8], mut chunk: impl FnMut() -> usize) -> Vec<Message> {
+    fn read_all(bytes: &[u8], mut chunk: impl FnMut() -> usize) -> Vec<Envelope> {
         let mut reader = FrameReader::new();
         let mut messages = Vec::new();
         let mut position = 0;
@@ -1058,12 +1225,13 @@ mod tests {
     #[test]
     fn frame_reader_splits_and_joins_frames_across_chunks() {
         let mut rng = StdRng::seed_from_u64(8);
-        let mut messages = samples();
-        messages.extend((0..40).map(|_| random_message(&mut rng)));
+        let mut messages: Vec<Envelope> = samples().into_iter().map(envelope).collect();
+        messages.extend((0..40).map(|_| random_envelope(&mut rng)));
         let full: Vec<BlockData> =
             (0..BLOCKS_PER_OP_MAX).map(|i| block(BLOCK_BYTES_MAX, i as u8)).collect();
-        messages.insert(5, append(EntryKind::Write { op: 1 }, 0, full.clone()));
-        messages.push(append(EntryKind::Copy { covers_op: 0 }, 0, full));
+        messages.insert(5, envelope(append(EntryKind::Write { op: 1 }, 0, full.clone())));
+        messages.insert(9, envelope(deallocate(DEALLOCATE_BLOCKS_PER_OP_MAX)));
+        messages.push(envelope(append(EntryKind::Copy { covers_op: 0 }, 0, full)));
         let mut stream = Vec::new();
         for message in &messages {
             encode(message, &mut stream).unwrap();

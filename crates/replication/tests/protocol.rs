@@ -1,7 +1,8 @@
 //! Targeted protocol tests: small scripted clusters (instant storage and network, links cut by
 //! hand) that check one rule each: a stale epoch is refused; a write waits until a laggard is
 //! removed from the in-sync set; a deposed primary fails its pending writes; a resync copies
-//! only the blocks written while the replica was away.
+//! only the blocks written while the replica was away; a deallocate is replicated, ordered and
+//! resynced exactly like a write of unmapped blocks.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use std::sync::Arc;
 use replication::{
     Action, BlockData, Config, Entry, EntryKind, Event, HostError, HostOp, HostOpId, HostReply,
     LeaseKeeper, Manager, MemStore, Message, NodeId, StorageResult, StoreReply, StoreRequest,
-    StreamId, VolumeNode, VolumeState,
+    StreamId, VolumeNode, VolumeState, BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX,
 };
 
 const BLOCK_BYTES: usize = 16;
@@ -207,6 +208,23 @@ impl Cluster {
         id
     }
 
+    /// Submits several commands before anything completes (storage replies queue behind them).
+    fn host_batch(&mut self, node: usize, ops: Vec<HostOp>) -> Vec<HostOpId> {
+        let mut ids = Vec::new();
+        for op in ops {
+            let id = HostOpId(self.next_host_op);
+            self.next_host_op += 1;
+            self.queue.push_back(Input::Node(node, Event::Host { id, op }));
+            ids.push(id);
+        }
+        self.drain();
+        ids
+    }
+
+    fn result(&self, id: HostOpId) -> Result<HostReply, HostError> {
+        self.completion(id).expect("the command completed").3.clone()
+    }
+
     fn write(&mut self, node: usize, lba: u64, byte: u8) -> HostOpId {
         self.host(node, HostOp::Write { lba, blocks: vec![block(byte)] })
     }
@@ -393,4 +411,143 @@ fn failover_reconciles_a_write_only_some_replicas_got() {
     let read = cluster.host(primary, HostOp::Read { lba: 1, count: 1 });
     let (_, _, _, result) = cluster.completion(read).expect("read").clone();
     assert_eq!(result, Ok(HostReply::Read(vec![cluster.nodes[1].disk[1].clone()])));
+}
+
+fn deallocate(lba: u64, count: u32) -> HostOp {
+    HostOp::Deallocate { lba, count }
+}
+
+fn write_op(lba: u64, bytes: &[u8]) -> HostOp {
+    HostOp::Write { lba, blocks: bytes.iter().map(|&byte| block(byte)).collect() }
+}
+
+#[test]
+fn a_deallocate_unmaps_blocks_on_every_replica() {
+    let mut cluster = Cluster::started(config());
+    let written = cluster.host(0, write_op(0, &[1, 2, 3, 4]));
+    assert_eq!(cluster.result(written), Ok(HostReply::Written));
+    let deallocated = cluster.host(0, deallocate(1, 2));
+    let (_, _, epoch, result) = cluster.completion(deallocated).expect("completed").clone();
+    assert_eq!((epoch, result), (1, Ok(HostReply::Deallocated)));
+    let expected = [Some(block(1)), None, None, Some(block(4))];
+    for node in &cluster.nodes {
+        assert_eq!(node.disk[..4], expected, "every replica holds the deallocate");
+    }
+    let read = cluster.host(0, HostOp::Read { lba: 0, count: 4 });
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(expected.to_vec())));
+    let stats = cluster.nodes[0].volume.stats();
+    assert_eq!((stats.writes_completed, stats.deallocates_completed), (1, 1));
+    assert_eq!(stats.blocks_deallocated, 2);
+}
+
+#[test]
+fn a_deallocate_may_be_longer_than_a_write_and_no_longer_than_its_limit() {
+    let max = DEALLOCATE_BLOCKS_PER_OP_MAX;
+    let config = Config { volume_blocks: u64::from(max) + 8, ..config() };
+    let volume_blocks = config.volume_blocks;
+    let mut cluster = Cluster::started(config);
+    let written = cluster.host(0, write_op(0, &[7; BLOCKS_PER_OP_MAX as usize]));
+    assert_eq!(cluster.result(written), Ok(HostReply::Written));
+    let longest = cluster.host(0, deallocate(0, max));
+    assert_eq!(cluster.result(longest), Ok(HostReply::Deallocated));
+    for node in &cluster.nodes {
+        assert!(node.disk.iter().all(Option::is_none), "the whole range is unmapped everywhere");
+    }
+    let refused = [
+        (deallocate(0, 0), HostError::BadLength { count: 0, max }),
+        (deallocate(0, max + 1), HostError::BadLength { count: u64::from(max) + 1, max }),
+        (
+            deallocate(9, max),
+            HostError::OutOfRange { lba: 9, count: u64::from(max), volume_blocks },
+        ),
+        (deallocate(u64::MAX, 1), HostError::OutOfRange { lba: u64::MAX, count: 1, volume_blocks }),
+    ];
+    for (op, error) in refused {
+        let id = cluster.host(0, op);
+        assert_eq!(cluster.result(id), Err(error));
+    }
+    assert_eq!(cluster.nodes[0].volume.stats().deallocates_completed, 1);
+}
+
+#[test]
+fn a_deallocate_and_a_write_to_the_same_blocks_apply_in_order() {
+    let mut cluster = Cluster::started(config());
+    // The write goes first: the deallocate waits for it and wins.
+    let ids = cluster.host_batch(0, vec![write_op(4, &[5, 6]), deallocate(3, 4)]);
+    assert_eq!(cluster.result(ids[0]), Ok(HostReply::Written));
+    assert_eq!(cluster.result(ids[1]), Ok(HostReply::Deallocated));
+    // The deallocate goes first: the write waits for it and wins.
+    let ids = cluster.host_batch(0, vec![deallocate(10, 4), write_op(11, &[8])]);
+    assert_eq!(cluster.result(ids[0]), Ok(HostReply::Deallocated));
+    assert_eq!(cluster.result(ids[1]), Ok(HostReply::Written));
+    for node in &cluster.nodes {
+        assert_eq!(node.disk[3..7], [None, None, None, None]);
+        assert_eq!(node.disk[10..14], [None, Some(block(8)), None, None]);
+    }
+}
+
+#[test]
+fn a_resync_copies_the_blocks_deallocated_while_away() {
+    let mut cluster = Cluster::started(config());
+    cluster.host(0, write_op(0, &[1; 8]));
+    cluster.run(50);
+    cluster.cut_link(0, 2);
+    let deallocated = cluster.host(0, deallocate(2, 5));
+    cluster.run(300);
+    assert_eq!(cluster.result(deallocated), Ok(HostReply::Deallocated));
+    assert_eq!(cluster.state().in_sync, [NodeId(0), NodeId(1)].into_iter().collect());
+    assert_eq!(cluster.nodes[2].disk[2], Some(block(1)), "node 2 missed it");
+    cluster.heal();
+    cluster.run(500);
+    assert_eq!(cluster.state().in_sync.len(), 3, "node 2 is back in sync");
+    assert_eq!(cluster.nodes[2].disk, cluster.nodes[0].disk);
+    assert_eq!(
+        cluster.nodes[2].disk[1..8],
+        [Some(block(1)), None, None, None, None, None, Some(block(1))]
+    );
+    let stats = cluster.nodes[0].volume.stats();
+    assert_eq!((stats.resyncs_full, stats.blocks_resynced), (0, 5));
+}
+
+/// A replica takes entries of unmapped blocks up to the deallocate limit, entries with data
+/// only up to the write limit, and applies an entry only after an earlier write to its blocks.
+#[test]
+fn a_replica_applies_a_long_unmapped_entry_after_the_write_it_overlaps() {
+    let config = Config { volume_blocks: 4096, ..config() };
+    let mut node = VolumeNode::new(config, NodeId(1), 1, 5);
+    let append = |seq: u64, lba: u64, blocks: Vec<BlockData>| Message::Append {
+        epoch: 5,
+        stream: StreamId(1),
+        incarnation: 1,
+        seq,
+        commit_op: 0,
+        entry: Entry { kind: EntryKind::Write { op: seq + 1 }, lba, blocks },
+    };
+    let deliver = |node: &mut VolumeNode, message: Message| {
+        let mut actions = Vec::new();
+        node.handle(0, Event::Message { from: NodeId(0), message }, &mut actions);
+        actions
+    };
+    // Data in an entry longer than a write is refused (dropped, never applied nor acknowledged).
+    let mut long_with_data = vec![None; BLOCKS_PER_OP_MAX as usize + 1];
+    long_with_data[0] = Some(block(3));
+    assert_eq!(deliver(&mut node, append(1, 0, long_with_data)), vec![]);
+    let too_long = vec![None; DEALLOCATE_BLOCKS_PER_OP_MAX as usize + 1];
+    assert_eq!(deliver(&mut node, append(1, 0, too_long)), vec![]);
+
+    let actions = deliver(&mut node, append(1, 100, vec![Some(block(1))]));
+    let [Action::StorageWrite { id: first, lba: 100, .. }] = actions[..] else {
+        panic!("the write is applied at once: {actions:?}");
+    };
+    let longest = vec![None; DEALLOCATE_BLOCKS_PER_OP_MAX as usize];
+    let actions = deliver(&mut node, append(2, 0, longest.clone()));
+    assert!(actions.iter().all(|action| !matches!(action, Action::StorageWrite { .. })));
+    let mut actions = Vec::new();
+    node.handle(0, Event::Storage { id: first, result: StorageResult::Written }, &mut actions);
+    let writes: Vec<&Action> =
+        actions.iter().filter(|action| matches!(action, Action::StorageWrite { .. })).collect();
+    assert!(
+        matches!(writes[..], [Action::StorageWrite { lba: 0, blocks, .. }] if *blocks == longest),
+        "the deallocate goes once the write it overlaps is durable: {actions:?}"
+    );
 }

@@ -4,7 +4,9 @@
 //! 1. Reads (linearizability, lite): a read of a block returns the value of some write to it
 //!    that was issued before the read completed and had not been overwritten before the read
 //!    was issued (overwritten: a later-issued write to the block completed before the read
-//!    started). Never a value nobody wrote, never an older completed value.
+//!    started). Never a value nobody wrote, never an older completed value. A deallocate is a
+//!    write of zeros (an unmapped block), as is the volume's initial state; a read of zeros is
+//!    right if any of those zero writes fits.
 //! 2. Convergence: after healing and quiescing, every in-sync replica holds exactly the
 //!    primary's blocks, and those pass check 1 (every completed write is there).
 //! 3. No split brain: no node completes a host command under an epoch once the store holds a
@@ -20,9 +22,15 @@ pub const VALUE_BYTES: usize = 24;
 #[derive(Debug, Clone)]
 struct WriteRecord {
     write_id: u64,
+    /// A deallocate, or the initial state: the block reads as zeros (unmapped).
+    zeros: bool,
     issued_ms: u64,
     completed_ms: Option<u64>,
 }
+
+/// The volume before any write: every block unmapped.
+const INITIAL: WriteRecord =
+    WriteRecord { write_id: 0, zeros: true, issued_ms: 0, completed_ms: Some(0) };
 
 #[derive(Debug, Default)]
 pub struct Checker {
@@ -66,12 +74,17 @@ pub fn decode(lba: u64, block: &BlockData) -> Result<u64, String> {
 }
 
 impl Checker {
-    pub fn write_issued(&mut self, write_id: u64, lbas: std::ops::Range<u64>, now_ms: u64) {
+    /// A write (`zeros` false) or a deallocate (`zeros` true) was issued.
+    pub fn write_issued(
+        &mut self,
+        write_id: u64,
+        zeros: bool,
+        lbas: std::ops::Range<u64>,
+        now_ms: u64,
+    ) {
         for lba in lbas {
-            let records = self.writes.entry(lba).or_insert_with(|| {
-                vec![WriteRecord { write_id: 0, issued_ms: 0, completed_ms: Some(0) }]
-            });
-            records.push(WriteRecord { write_id, issued_ms: now_ms, completed_ms: None });
+            let records = self.writes.entry(lba).or_insert_with(|| vec![INITIAL]);
+            records.push(WriteRecord { write_id, zeros, issued_ms: now_ms, completed_ms: None });
         }
     }
 
@@ -95,31 +108,28 @@ impl Checker {
                 return;
             }
         };
-        let initial = [WriteRecord { write_id: 0, issued_ms: 0, completed_ms: Some(0) }];
+        let initial = [INITIAL];
         let records = self.writes.get(&lba).map_or(&initial[..], Vec::as_slice);
-        let Some(record) = records.iter().find(|record| record.write_id == write_id) else {
+        // The writes that would leave this value: the one write of these bytes, or for zeros
+        // the initial state and every deallocate.
+        let zeros = block.is_none();
+        let candidates: Vec<&WriteRecord> = records
+            .iter()
+            .filter(|record| if zeros { record.zeros } else { record.write_id == write_id })
+            .collect();
+        if candidates.is_empty() {
             self.violations.push(format!(
                 "read of block {lba} at {completed_ms} ms returned write {write_id}, never written there"
             ));
             return;
-        };
-        if record.issued_ms > completed_ms {
-            self.violations.push(format!(
-                "read of block {lba} at {completed_ms} ms returned write {write_id} issued later"
-            ));
         }
-        if let Some(done_ms) = record.completed_ms {
-            let newer = records.iter().find(|other| {
-                other.issued_ms > done_ms && other.completed_ms.is_some_and(|c| c < issued_ms)
-            });
-            if let Some(newer) = newer {
-                self.violations.push(format!(
-                    "stale read of block {lba} (issued {issued_ms} ms, completed {completed_ms} ms): \
-                     write {write_id} (completed {done_ms} ms) was overwritten by write {} \
-                     (issued {} ms, completed {:?} ms)",
-                    newer.write_id, newer.issued_ms, newer.completed_ms
-                ));
-            }
+        let problems: Vec<String> = candidates
+            .iter()
+            .filter_map(|record| read_problem(lba, records, record, issued_ms, completed_ms))
+            .collect();
+        if problems.len() == candidates.len() {
+            // None fits; the newest candidate's problem is the telling one.
+            self.violations.extend(problems.last().cloned());
         }
     }
 
@@ -138,4 +148,31 @@ impl Checker {
             ));
         }
     }
+}
+
+/// Why a read of `lba` (issued `issued_ms`, completed `completed_ms`) cannot have returned the
+/// value of `record`, if it cannot.
+fn read_problem(
+    lba: u64,
+    records: &[WriteRecord],
+    record: &WriteRecord,
+    issued_ms: u64,
+    completed_ms: u64,
+) -> Option<String> {
+    let write_id = record.write_id;
+    if record.issued_ms > completed_ms {
+        return Some(format!(
+            "read of block {lba} at {completed_ms} ms returned write {write_id} issued later"
+        ));
+    }
+    let done_ms = record.completed_ms?;
+    let newer = records.iter().find(|other| {
+        other.issued_ms > done_ms && other.completed_ms.is_some_and(|c| c < issued_ms)
+    })?;
+    Some(format!(
+        "stale read of block {lba} (issued {issued_ms} ms, completed {completed_ms} ms): \
+         write {write_id} (completed {done_ms} ms) was overwritten by write {} \
+         (issued {} ms, completed {:?} ms)",
+        newer.write_id, newer.issued_ms, newer.completed_ms
+    ))
 }

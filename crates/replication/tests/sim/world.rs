@@ -3,6 +3,10 @@
 //! driven by one event queue in simulated time and one seeded random generator, so a seed
 //! replays exactly.
 //!
+//! The host writes, deallocates (small ranges, and now and then most of the volume, as mkfs
+//! does), reads and flushes. Every message between nodes goes through the wire format (encoded
+//! in an envelope and decoded again), as it would over TCP.
+//!
 //! Faults injected: message loss, duplication, delay and reordering (delay spikes); partitions
 //! (one node from everyone, the primary from everyone but the host, the primary from the store
 //! only, the host from the primary, random splits); node crashes (in-flight messages and
@@ -15,10 +19,11 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use replication::wire::{self, Envelope};
 use replication::{
     Action, BlockData, Config, Event, HostError, HostOp, HostOpId, HostReply, LeaseKeeper, Manager,
     MemStore, Message, NodeId, Stats, StorageOpId, StorageResult, StoreReply, StoreRequest,
-    StoreRequestId, VolumeNode, VolumeState,
+    StoreRequestId, VolumeNode, VolumeState, DEALLOCATE_BLOCKS_PER_OP_MAX,
 };
 
 use super::checker::{encode, Checker, VALUE_BYTES};
@@ -34,6 +39,8 @@ const HOST_RETRY_MS: u64 = 15;
 const TRACE_LINES_MAX: usize = 400_000;
 /// Simulated time allowed, after the faults stop, for the cluster to heal and settle.
 const QUIESCE_MS_MAX: u64 = 40_000;
+/// The volume id every frame of the simulation carries.
+const VOLUME_ID: u64 = 0xF0_1D;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Endpoint {
@@ -119,6 +126,7 @@ struct SimNode {
 #[derive(Debug, Clone)]
 enum Command {
     Write { lba: u64, count: u64 },
+    Deallocate { lba: u64, count: u32 },
     Read { lba: u64, count: u32 },
     Flush,
 }
@@ -229,6 +237,8 @@ pub fn add_stats(total: &mut Stats, more: &Stats) {
     total.terms_started += more.terms_started;
     total.terms_ended += more.terms_ended;
     total.writes_completed += more.writes_completed;
+    total.deallocates_completed += more.deallocates_completed;
+    total.blocks_deallocated += more.blocks_deallocated;
     total.writes_failed += more.writes_failed;
     total.replicas_removed += more.replicas_removed;
     total.resyncs_started += more.resyncs_started;
@@ -670,6 +680,7 @@ impl World {
     fn node_action(&mut self, node: usize, action: Action) {
         match action {
             Action::Send { to, message } => {
+                let message = through_the_wire(NodeId(node as u32), message);
                 let payload = Payload::Message(message);
                 self.send(Endpoint::Node(node), Endpoint::Node(to.0 as usize), payload);
             }
@@ -950,12 +961,27 @@ impl World {
             let command = match self.rng.random_range(0..20) {
                 0 => Command::Flush,
                 1..=7 => Command::Read { lba, count: count as u32 },
+                8 => {
+                    // A discard of a long range, as mkfs does: from the start of the volume,
+                    // or from anywhere to (nearly) its end.
+                    let start = if self.rng.random_bool(0.5) { 0 } else { lba };
+                    let longest = (volume_blocks - start).min(DEALLOCATE_BLOCKS_PER_OP_MAX.into());
+                    let count = self.rng.random_range(1..=longest) as u32;
+                    Command::Deallocate { lba: start, count }
+                }
+                9 | 10 => Command::Deallocate { lba, count: count as u32 },
                 _ => Command::Write { lba, count },
             };
             let op = self.next_host_op;
             self.next_host_op += 1;
-            if let Command::Write { lba, count } = command {
-                self.checker.write_issued(op, lba..lba + count, now_ms);
+            match command {
+                Command::Write { lba, count } => {
+                    self.checker.write_issued(op, false, lba..lba + count, now_ms)
+                }
+                Command::Deallocate { lba, count } => {
+                    self.checker.write_issued(op, true, lba..lba + u64::from(count), now_ms)
+                }
+                Command::Read { .. } | Command::Flush => {}
             }
             let command = HostCommand {
                 command,
@@ -974,7 +1000,7 @@ impl World {
         let retry = !command.attempt_sent_ms.is_empty();
         if retry
             && self.host_issuing
-            && matches!(command.command, Command::Write { .. })
+            && matches!(command.command, Command::Write { .. } | Command::Deallocate { .. })
             && self.rng.random_bool(self.settings.abandon_probability)
         {
             // It stays a write that never completed: its value may show up at any time.
@@ -998,6 +1024,7 @@ impl World {
         let payload = match command.command {
             Command::Flush => HostOp::Flush,
             Command::Read { lba, count } => HostOp::Read { lba, count },
+            Command::Deallocate { lba, count } => HostOp::Deallocate { lba, count },
             Command::Write { lba, count } => HostOp::Write {
                 lba,
                 blocks: (lba..lba + count)
@@ -1021,6 +1048,9 @@ impl World {
                 match (command, reply) {
                     (Command::Write { lba, count }, HostReply::Written) => {
                         self.checker.write_completed(op, lba..lba + count, now_ms);
+                    }
+                    (Command::Deallocate { lba, count }, HostReply::Deallocated) => {
+                        self.checker.write_completed(op, lba..lba + u64::from(count), now_ms);
                     }
                     (Command::Read { lba, count }, HostReply::Read(blocks)) => {
                         if blocks.len() != count as usize {
@@ -1047,6 +1077,23 @@ impl World {
                 self.checker.violations.push(format!("host command {op} failed: {error}"))
             }
         }
+    }
+}
+
+/// Encodes a message as a node sends it and decodes it as the receiver does: every message the
+/// state machines produce must fit the wire format and come back the same.
+fn through_the_wire(sender: NodeId, message: Message) -> Message {
+    let envelope = Envelope { volume: VOLUME_ID, sender, message };
+    let mut frame = Vec::new();
+    let frame_bytes = match wire::encode(&envelope, &mut frame) {
+        Ok(bytes) => bytes,
+        Err(error) => {
+            panic!("{sender} sent a message the wire cannot carry: {error}: {envelope:?}")
+        }
+    };
+    match wire::decode(&frame) {
+        Ok((decoded, used)) if used == frame_bytes && decoded == envelope => decoded.message,
+        other => panic!("{envelope:?} did not come back from the wire: {other:?}"),
     }
 }
 
@@ -1095,6 +1142,7 @@ fn brief(result: &Result<HostReply, HostError>) -> String {
 fn brief_op(op: &HostOp) -> String {
     match op {
         HostOp::Write { lba, blocks } => format!("write {lba}+{}", blocks.len()),
+        HostOp::Deallocate { lba, count } => format!("deallocate {lba}+{count}"),
         other => format!("{other:?}"),
     }
 }
