@@ -66,7 +66,7 @@ pub const ENDPOINTS_MAX: usize = 16;
 
 /// The largest etcd response the store accepts (the volume list). The gRPC default of 4 MiB
 /// would cap the number of volumes at a few thousand; etcd holds 2 GiB by default.
-const RESPONSE_BYTES_MAX: usize = 256 << 20;
+pub(crate) const RESPONSE_BYTES_MAX: usize = 256 << 20;
 
 /// How long past its own timeout a caller waits for the runtime's answer before giving up. The
 /// runtime enforces the timeout itself; this only guards against the runtime being gone.
@@ -140,7 +140,7 @@ impl Keys {
 }
 
 /// An error inside a call: etcd's, mapped to a [`MetaError`] by [`EtcdStore::call`], or ours.
-enum CallError {
+pub(crate) enum CallError {
     Etcd(etcd_client::Error),
     Meta(MetaError),
 }
@@ -157,7 +157,7 @@ impl From<MetaError> for CallError {
     }
 }
 
-type CallResult<T> = Result<T, CallError>;
+pub(crate) type CallResult<T> = Result<T, CallError>;
 
 impl EtcdStore {
     /// Connects to the etcd cluster at `endpoints` (`http://host:port`, or `host:port`) and uses
@@ -171,26 +171,8 @@ impl EtcdStore {
         prefix: &str,
         timeout: Duration,
     ) -> Result<Self, MetaError> {
-        check_prefix(prefix)?;
-        if endpoints.is_empty() || endpoints.len() > ENDPOINTS_MAX {
-            return Err(MetaError::Config {
-                detail: format!(
-                    "{} etcd endpoints given; give from 1 to {ENDPOINTS_MAX}",
-                    endpoints.len()
-                ),
-            });
-        }
-        if timeout.is_zero() {
-            return Err(MetaError::Config { detail: "the etcd timeout is zero".to_owned() });
-        }
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("meta-etcd")
-            .enable_all()
-            .build()
-            .map_err(|error| MetaError::Backend {
-                detail: format!("cannot start the etcd client's runtime: {error}"),
-            })?;
+        check_settings(endpoints, prefix, timeout)?;
+        let runtime = start_runtime("meta-etcd")?;
         let keys = Keys { prefix: prefix.to_owned() };
         let endpoints_text = endpoints.join(",");
 
@@ -237,8 +219,41 @@ impl Drop for EtcdStore {
     }
 }
 
+/// Checks the settings every etcd-backed store is connected with.
+pub(crate) fn check_settings(
+    endpoints: &[String],
+    prefix: &str,
+    timeout: Duration,
+) -> Result<(), MetaError> {
+    check_prefix(prefix)?;
+    if endpoints.is_empty() || endpoints.len() > ENDPOINTS_MAX {
+        return Err(MetaError::Config {
+            detail: format!(
+                "{} etcd endpoints given; give from 1 to {ENDPOINTS_MAX}",
+                endpoints.len()
+            ),
+        });
+    }
+    if timeout.is_zero() {
+        return Err(MetaError::Config { detail: "the etcd timeout is zero".to_owned() });
+    }
+    Ok(())
+}
+
+/// The private runtime an etcd-backed store runs its client on (see the module comment).
+pub(crate) fn start_runtime(thread_name: &str) -> Result<Runtime, MetaError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(thread_name)
+        .enable_all()
+        .build()
+        .map_err(|error| MetaError::Backend {
+            detail: format!("cannot start the etcd client's runtime: {error}"),
+        })
+}
+
 /// Runs `future` on `runtime` and waits for its result on this thread, at most `timeout`.
-fn run<T: Send + 'static>(
+pub(crate) fn run<T: Send + 'static>(
     runtime: &Runtime,
     timeout: Duration,
     endpoints: &str,
@@ -282,7 +297,7 @@ fn from_etcd(error: etcd_client::Error, endpoints: &str) -> MetaError {
     }
 }
 
-fn check_prefix(prefix: &str) -> Result<(), MetaError> {
+pub(crate) fn check_prefix(prefix: &str) -> Result<(), MetaError> {
     let valid = prefix.len() > 1
         && prefix.len() <= PREFIX_LENGTH_MAX
         && prefix.starts_with('/')
@@ -303,7 +318,7 @@ fn check_prefix(prefix: &str) -> Result<(), MetaError> {
 }
 
 /// The one key-value pair a single-key read found, if any.
-async fn get_one(kv: &mut KvClient, key: &str) -> CallResult<Option<KeyValue>> {
+pub(crate) async fn get_one(kv: &mut KvClient, key: &str) -> CallResult<Option<KeyValue>> {
     let mut response = kv.get(key, None).await?;
     Ok(response.take_kvs().into_iter().next())
 }
@@ -377,14 +392,14 @@ async fn list_snapshots(
     Ok(records)
 }
 
-fn header_revision(response: &TxnResponse) -> Result<u64, MetaError> {
+pub(crate) fn header_revision(response: &TxnResponse) -> Result<u64, MetaError> {
     let revision = response.header().map(|header| header.revision());
     revision.and_then(|revision| u64::try_from(revision).ok()).ok_or_else(|| MetaError::Backend {
         detail: format!("etcd answered a transaction without a valid revision: {revision:?}"),
     })
 }
 
-fn contention(what: &str) -> CallError {
+pub(crate) fn contention(what: &str) -> CallError {
     CallError::Meta(MetaError::Backend {
         detail: format!(
             "{what} lost {CAS_ATTEMPTS_MAX} times in a row to concurrent writers; try again"

@@ -10,14 +10,19 @@
 //! completely and durably or not at all. Every write transaction advances the store's revision, a
 //! counter that lets a reader tell whether anything changed.
 //!
+//! A cluster also keeps its replication control state (the store `replication` asks), its
+//! members and its manager in etcd, under the same prefix: [`ClusterStore`].
+//!
 //! Records are serialised by this crate ([`record`]), each with a format version; a record with a
 //! version this build does not know is refused with an error, never guessed at.
 
+pub mod cluster;
 mod embedded;
 mod etcd;
 pub mod record;
 pub mod testing;
 
+pub use cluster::{member_name_valid, ClusterStore, MemberRecord};
 pub use embedded::{EmbeddedStore, META_FILE_NAME};
 pub use etcd::{
     EtcdStore, CAS_ATTEMPTS_MAX, ENDPOINTS_MAX, ETCD_TIMEOUT_DEFAULT, PREFIX_LENGTH_MAX,
@@ -211,6 +216,19 @@ pub enum MetaError {
     /// The store's settings are unusable (an etcd key prefix or endpoint list, say).
     #[error("invalid metadata store setting: {detail}")]
     Config { detail: String },
+    /// The cluster store holds no replication state for the volume (never created, or deleted).
+    #[error("volume {volume_id} has no replication state in the cluster store")]
+    ReplicationStateMissing { volume_id: u64 },
+    #[error("volume {volume_id} already has a replication state in the cluster store")]
+    ReplicationStateExists { volume_id: u64 },
+    #[error("no cluster member named {name:?} (with this id) is registered")]
+    MemberNotFound { name: String },
+    #[error("cluster member {name:?} is invalid: {detail}")]
+    MemberInvalid { name: String, detail: String },
+    /// A campaign for the manager's role with a lease the node does not hold (expired, never
+    /// granted, or another node's); the node must renew its lease first.
+    #[error("node {node} does not hold a live lease {lease}; renew its lease and try again")]
+    LeaseNotHeld { node: replication::NodeId, lease: u64 },
     #[error("metadata record {key:?} is corrupt: {detail}")]
     RecordCorrupt { key: String, detail: String },
     #[error(

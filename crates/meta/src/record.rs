@@ -57,13 +57,34 @@
 //!
 //! Node record, version 1 (read only): version 2 without `external_drives`; it decodes as drive
 //! files in the data directory, the only kind of drive before version 2.
+//!
+//! The cluster store's records ([`crate::cluster`]) follow the same rules.
+//!
+//! Replication state record, version 1 (written by this build), one volume's
+//! [`replication::VolumeState`]; node ids and lease ids as numbers, sets sorted:
+//! `{"version":1,"epoch":3,"primary":2,"primary_lease":7587869330866211,"in_sync":[1,2],
+//!   "members":[1,2,3]}` (`"primary":null` before the first promotion; `"primary_lease":0` is
+//! `LeaseId::NONE`).
+//!
+//! Member record, version 1 (written by this build), one node of the cluster:
+//! `{"version":1,"name":"node-a","id":1,"replication_addr":"10.0.0.1:4480",
+//!   "nvme_addrs":["10.0.0.1:4420"],"api_addr":"10.0.0.1:8080","nbd_addr":null,
+//!   "labels":{"zone":"a"},"drive_count":4,"capacity_bytes":68719476736,
+//!   "free_bytes":34359738368,"updated_unix_ms":1700000000000}`
+//!
+//! Lease grants record, version 1 (written by this build), the last grants of one node, oldest
+//! first, as `[nonce, lease id]` pairs; at most [`replication::store::GRANTS_REMEMBERED_MAX`]:
+//! `{"version":1,"grants":[[4294967297,7587869330866211]]}`
 
+use crate::cluster::MemberRecord;
 use crate::{
     Chunk, Compression, HostAccess, MetaError, NodeRecord, SnapshotRecord, VolumeOrigin,
     VolumeRecord, ALLOWED_HOSTS_MAX,
 };
+use replication::store::GRANTS_REMEMBERED_MAX;
+use replication::{LeaseId, NodeId, VolumeState};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use types::{Nqn, VolumeName};
 
 /// The volume record version this build writes; it reads every version from 1 up to this.
@@ -72,6 +93,12 @@ pub const VOLUME_RECORD_VERSION: u32 = 4;
 pub const NODE_RECORD_VERSION: u32 = 2;
 /// The snapshot record version this build writes; it reads every version from 1 up to this.
 pub const SNAPSHOT_RECORD_VERSION: u32 = 1;
+/// The replication state record version this build writes; it reads every version up to this.
+pub const REPLICATION_STATE_RECORD_VERSION: u32 = 1;
+/// The member record version this build writes; it reads every version up to this.
+pub const MEMBER_RECORD_VERSION: u32 = 1;
+/// The lease grants record version this build writes; it reads every version up to this.
+pub const LEASE_GRANTS_RECORD_VERSION: u32 = 1;
 
 #[derive(Deserialize)]
 struct Envelope {
@@ -405,6 +432,154 @@ pub fn decode_node(key: &str, bytes: &[u8]) -> Result<NodeRecord, MetaError> {
     Ok(record)
 }
 
+#[derive(Serialize, Deserialize)]
+struct ReplicationStateV1 {
+    version: u32,
+    epoch: u64,
+    #[serde(deserialize_with = "required_option")]
+    primary: Option<u32>,
+    primary_lease: u64,
+    in_sync: Vec<u32>,
+    members: Vec<u32>,
+}
+
+pub fn encode_replication_state(state: &VolumeState) -> Vec<u8> {
+    let stored = ReplicationStateV1 {
+        version: REPLICATION_STATE_RECORD_VERSION,
+        epoch: state.epoch,
+        primary: state.primary.map(|node| node.0),
+        primary_lease: state.primary_lease.0,
+        in_sync: state.in_sync.iter().map(|node| node.0).collect(),
+        members: state.members.iter().map(|node| node.0).collect(),
+    };
+    serde_json::to_vec(&stored).expect("a replication state record always serialises")
+}
+
+/// Decodes a replication state record read from the store under `key` (`replication/<id>`).
+pub fn decode_replication_state(key: &str, bytes: &[u8]) -> Result<VolumeState, MetaError> {
+    // Only one version so far; `check_version` refuses any other.
+    check_version(key, bytes, REPLICATION_STATE_RECORD_VERSION)?;
+    let stored: ReplicationStateV1 =
+        serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
+    let node_set = |what: &str, nodes: &[u32]| {
+        let mut set = BTreeSet::new();
+        for &node in nodes {
+            if !set.insert(NodeId(node)) {
+                return Err(corrupt(key, format!("it lists node {node} twice in {what}")));
+            }
+        }
+        Ok(set)
+    };
+    Ok(VolumeState {
+        epoch: stored.epoch,
+        primary: stored.primary.map(NodeId),
+        primary_lease: LeaseId(stored.primary_lease),
+        in_sync: node_set("in_sync", &stored.in_sync)?,
+        members: node_set("members", &stored.members)?,
+    })
+}
+
+#[derive(Serialize, Deserialize)]
+struct MemberV1 {
+    version: u32,
+    name: String,
+    id: u32,
+    replication_addr: String,
+    nvme_addrs: Vec<String>,
+    api_addr: String,
+    #[serde(deserialize_with = "required_option")]
+    nbd_addr: Option<String>,
+    labels: BTreeMap<String, String>,
+    drive_count: u16,
+    capacity_bytes: u64,
+    free_bytes: u64,
+    updated_unix_ms: u64,
+}
+
+/// Encodes a member record; the caller checked it ([`MemberRecord::check`]).
+pub fn encode_member(record: &MemberRecord) -> Vec<u8> {
+    assert!(record.check().is_ok(), "member {:?} is checked before it is stored", record.name);
+    let stored = MemberV1 {
+        version: MEMBER_RECORD_VERSION,
+        name: record.name.clone(),
+        id: record.id.0,
+        replication_addr: record.replication_addr.clone(),
+        nvme_addrs: record.nvme_addrs.clone(),
+        api_addr: record.api_addr.clone(),
+        nbd_addr: record.nbd_addr.clone(),
+        labels: record.labels.clone(),
+        drive_count: record.drive_count,
+        capacity_bytes: record.capacity_bytes,
+        free_bytes: record.free_bytes,
+        updated_unix_ms: record.updated_unix_ms,
+    };
+    serde_json::to_vec(&stored).expect("a member record always serialises")
+}
+
+/// Decodes a member record read from the store under the key of member `name` (unvalidated
+/// text from a key, checked against the record).
+pub fn decode_member(name: &str, bytes: &[u8]) -> Result<MemberRecord, MetaError> {
+    check_version(name, bytes, MEMBER_RECORD_VERSION)?;
+    let stored: MemberV1 = serde_json::from_slice(bytes).map_err(|error| corrupt(name, error))?;
+    let record = MemberRecord {
+        name: stored.name,
+        id: NodeId(stored.id),
+        replication_addr: stored.replication_addr,
+        nvme_addrs: stored.nvme_addrs,
+        api_addr: stored.api_addr,
+        nbd_addr: stored.nbd_addr,
+        labels: stored.labels,
+        drive_count: stored.drive_count,
+        capacity_bytes: stored.capacity_bytes,
+        free_bytes: stored.free_bytes,
+        updated_unix_ms: stored.updated_unix_ms,
+    };
+    record.check().map_err(|detail| corrupt(name, detail))?;
+    if record.name != name {
+        return Err(corrupt(name, format!("it names member {:?}", record.name)));
+    }
+    Ok(record)
+}
+
+#[derive(Serialize, Deserialize)]
+struct LeaseGrantsV1 {
+    version: u32,
+    grants: Vec<(u64, u64)>,
+}
+
+/// Encodes a node's last lease grants, `(nonce, lease)`, oldest first.
+pub fn encode_lease_grants(grants: &[(u64, LeaseId)]) -> Vec<u8> {
+    assert!(grants.len() <= GRANTS_REMEMBERED_MAX, "{} grants remembered", grants.len());
+    let stored = LeaseGrantsV1 {
+        version: LEASE_GRANTS_RECORD_VERSION,
+        grants: grants.iter().map(|&(nonce, lease)| (nonce, lease.0)).collect(),
+    };
+    serde_json::to_vec(&stored).expect("a lease grants record always serialises")
+}
+
+/// Decodes a node's lease grants read from the store under `key` (`lease_grants/<node id>`).
+pub fn decode_lease_grants(key: &str, bytes: &[u8]) -> Result<Vec<(u64, LeaseId)>, MetaError> {
+    check_version(key, bytes, LEASE_GRANTS_RECORD_VERSION)?;
+    let stored: LeaseGrantsV1 =
+        serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
+    if stored.grants.len() > GRANTS_REMEMBERED_MAX {
+        return Err(corrupt(
+            key,
+            format!("it holds {} grants, more than {GRANTS_REMEMBERED_MAX}", stored.grants.len()),
+        ));
+    }
+    // Every lease id came from etcd, which hands out ids from 1 to i64::MAX.
+    if let Some((_, lease)) = stored.grants.iter().find(|(_, lease)| !is_etcd_lease_id(*lease)) {
+        return Err(corrupt(key, format!("{lease} is not an etcd lease id")));
+    }
+    Ok(stored.grants.into_iter().map(|(nonce, lease)| (nonce, LeaseId(lease))).collect())
+}
+
+/// Whether `lease` can be the id of an etcd lease (a positive `i64`).
+pub(crate) fn is_etcd_lease_id(lease: u64) -> bool {
+    lease > 0 && i64::try_from(lease).is_ok()
+}
+
 /// Reads the record's version: one from 1 to `newest`, or an error.
 fn check_version(key: &str, bytes: &[u8], newest: u32) -> Result<u32, MetaError> {
     let envelope: Envelope = serde_json::from_slice(bytes).map_err(|error| corrupt(key, error))?;
@@ -730,5 +905,124 @@ mod tests {
             value["origin"] = origin;
             check("db-1", &serde_json::to_vec(&value).unwrap());
         }
+    }
+
+    fn replication_state() -> VolumeState {
+        VolumeState {
+            epoch: 3,
+            primary: Some(NodeId(2)),
+            primary_lease: LeaseId(7_587_869_330_866_211),
+            in_sync: [NodeId(1), NodeId(2)].into(),
+            members: [NodeId(1), NodeId(2), NodeId(3)].into(),
+        }
+    }
+
+    #[test]
+    fn replication_state_round_trip_and_layout() {
+        let state = replication_state();
+        let bytes = encode_replication_state(&state);
+        assert_eq!(decode_replication_state("replication/7", &bytes).unwrap(), state);
+        let exact = br#"{"version":1,"epoch":3,"primary":2,"primary_lease":7587869330866211,"in_sync":[1,2],"members":[1,2,3]}"#;
+        assert_eq!(bytes, exact);
+        let fresh = VolumeState {
+            epoch: 0,
+            primary: None,
+            primary_lease: LeaseId::NONE,
+            in_sync: BTreeSet::new(),
+            members: BTreeSet::new(),
+        };
+        let bytes = encode_replication_state(&fresh);
+        assert_eq!(decode_replication_state("replication/7", &bytes).unwrap(), fresh);
+
+        let check = |bytes: &[u8]| {
+            let error = decode_replication_state("replication/7", bytes).unwrap_err();
+            assert!(matches!(error, MetaError::RecordCorrupt { .. }), "{error}");
+        };
+        check(b"");
+        check(br#"{"version":1,"epoch":3}"#);
+        check(br#"{"version":1,"epoch":3,"primary_lease":0,"in_sync":[],"members":[]}"#);
+        check(br#"{"version":1,"epoch":3,"primary":null,"primary_lease":0,"in_sync":[1,1],"members":[]}"#);
+        check(br#"{"version":1,"epoch":-1,"primary":null,"primary_lease":0,"in_sync":[],"members":[]}"#);
+        assert!(matches!(
+            decode_replication_state("replication/7", br#"{"version":2}"#),
+            Err(MetaError::RecordVersionUnsupported { version: 2, supported: 1, .. })
+        ));
+    }
+
+    fn member() -> MemberRecord {
+        MemberRecord {
+            name: "node-a".to_owned(),
+            id: NodeId(1),
+            replication_addr: "10.0.0.1:4480".to_owned(),
+            nvme_addrs: vec!["10.0.0.1:4420".to_owned()],
+            api_addr: "10.0.0.1:8080".to_owned(),
+            nbd_addr: None,
+            labels: [("zone".to_owned(), "a".to_owned())].into(),
+            drive_count: 4,
+            capacity_bytes: 64 << 30,
+            free_bytes: 32 << 30,
+            updated_unix_ms: 1_700_000_000_000,
+        }
+    }
+
+    #[test]
+    fn member_round_trip_and_layout() {
+        let record = member();
+        let bytes = encode_member(&record);
+        assert_eq!(decode_member("node-a", &bytes).unwrap(), record);
+        let exact = br#"{"version":1,"name":"node-a","id":1,"replication_addr":"10.0.0.1:4480","nvme_addrs":["10.0.0.1:4420"],"api_addr":"10.0.0.1:8080","nbd_addr":null,"labels":{"zone":"a"},"drive_count":4,"capacity_bytes":68719476736,"free_bytes":34359738368,"updated_unix_ms":1700000000000}"#;
+        assert_eq!(bytes, exact);
+        let with_nbd = MemberRecord { nbd_addr: Some("10.0.0.1:10809".to_owned()), ..member() };
+        assert_eq!(decode_member("node-a", &encode_member(&with_nbd)).unwrap(), with_nbd);
+
+        let check = |name: &str, bytes: &[u8]| {
+            let error = decode_member(name, bytes).unwrap_err();
+            assert!(matches!(error, MetaError::RecordCorrupt { .. }), "{name}: {error}");
+        };
+        check("node-b", &bytes);
+        check("node-a", b"{}");
+        let mut value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        value.as_object_mut().unwrap().remove("nbd_addr");
+        check("node-a", &serde_json::to_vec(&value).unwrap());
+        value["nbd_addr"] = serde_json::Value::Null;
+        value["name"] = "bad name".into();
+        check("bad name", &serde_json::to_vec(&value).unwrap());
+        value["name"] = "node-a".into();
+        value["api_addr"] = "".into();
+        check("node-a", &serde_json::to_vec(&value).unwrap());
+        value["api_addr"] = "10.0.0.1:8080".into();
+        value["version"] = 2.into();
+        assert!(matches!(
+            decode_member("node-a", &serde_json::to_vec(&value).unwrap()),
+            Err(MetaError::RecordVersionUnsupported { version: 2, supported: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn lease_grants_round_trip_and_bounds() {
+        let grants: Vec<(u64, LeaseId)> = (0..GRANTS_REMEMBERED_MAX as u64)
+            .map(|index| ((1 << 32) | index, LeaseId(7_587_869_330_866_211 + index)))
+            .collect();
+        let bytes = encode_lease_grants(&grants);
+        assert_eq!(decode_lease_grants("lease_grants/1", &bytes).unwrap(), grants);
+        assert_eq!(
+            encode_lease_grants(&grants[..1]),
+            br#"{"version":1,"grants":[[4294967296,7587869330866211]]}"#
+        );
+
+        let check = |bytes: &[u8]| {
+            let error = decode_lease_grants("lease_grants/1", bytes).unwrap_err();
+            assert!(matches!(error, MetaError::RecordCorrupt { .. }), "{error}");
+        };
+        check(br#"{"version":1}"#);
+        check(br#"{"version":1,"grants":[[1,0]]}"#);
+        check(br#"{"version":1,"grants":[[1,9223372036854775808]]}"#);
+        let too_many: Vec<(u64, u64)> =
+            (0..=GRANTS_REMEMBERED_MAX as u64).map(|index| (index, index + 1)).collect();
+        check(&serde_json::to_vec(&serde_json::json!({"version": 1, "grants": too_many})).unwrap());
+        assert!(matches!(
+            decode_lease_grants("lease_grants/1", br#"{"version":3,"grants":[]}"#),
+            Err(MetaError::RecordVersionUnsupported { version: 3, .. })
+        ));
     }
 }
