@@ -534,6 +534,28 @@ fn queue_and_controller_limits() {
 }
 
 #[test]
+fn controller_ids_stay_within_the_configured_range() {
+    let size = Arc::new(AtomicU64::new(64));
+    let catalog =
+        super::tests::TestCatalog { namespaces: vec![(subnqn("db"), namespace(1, &size))] };
+    let config =
+        TargetConfig { controllers_max: 2, cntlids: 1025..=1026, ..TargetConfig::default() };
+    let target = Arc::new(Target::new(config, Arc::new(catalog)));
+    let mut first = Host::new(&target);
+    first.bring_up_admin(&subnqn("db"));
+    let mut second = Host::new(&target);
+    second.bring_up_admin(&subnqn("db"));
+    let mut ids = [first.queue.cntlid().unwrap(), second.queue.cntlid().unwrap()];
+    ids.sort_unstable();
+    assert_eq!(ids, [1025, 1026]);
+    // The range is full: a third host is refused, never given an ID outside it.
+    let mut third = Host::new(&target);
+    third.initialize(false, false, 0);
+    let cqe = third.connect(0, 31, CNTLID_DYNAMIC, &subnqn("db"), HOSTNQN);
+    assert_status(&cqe, Status::CONTROLLER_BUSY);
+}
+
+#[test]
 fn log_pages_an_io_controller_serves() {
     let fixture = fixture();
     let (mut admin, _io) = io_queue(&fixture);

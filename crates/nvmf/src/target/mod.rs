@@ -143,8 +143,12 @@ pub struct TargetConfig {
     pub io_queues_max: u16,
     /// Entries per submission queue, 2..=[`QUEUE_ENTRIES_MAX`].
     pub queue_entries_max: u16,
-    /// Live controllers on this target, at most 0xFFEF.
+    /// Live controllers on this target, at most the size of `cntlids`.
     pub controllers_max: usize,
+    /// The controller IDs this target hands out (within 1..=0xFFEF). Nodes of a cluster that
+    /// expose one subsystem each take a disjoint range, because a host refuses two controllers
+    /// of one subsystem with the same ID (Linux: "Duplicate cntlid").
+    pub cntlids: std::ops::RangeInclusive<u16>,
     /// Idle buffer bytes each queue keeps for reuse.
     pub buffer_retained_bytes_max: usize,
 }
@@ -163,6 +167,7 @@ impl Default for TargetConfig {
             io_queues_max: IO_QUEUES_MAX,
             queue_entries_max: QUEUE_ENTRIES_MAX,
             controllers_max: 4096,
+            cntlids: 1..=CNTLID_MAX,
             buffer_retained_bytes_max: BUFFER_RETAINED_BYTES_MAX,
         }
     }
@@ -375,7 +380,15 @@ impl Target {
             "queue_entries_max out of range"
         );
         assert!(
-            (1..=usize::from(CNTLID_MAX)).contains(&config.controllers_max),
+            *config.cntlids.start() >= 1
+                && config.cntlids.start() <= config.cntlids.end()
+                && *config.cntlids.end() <= CNTLID_MAX,
+            "cntlids out of range"
+        );
+        let cntlids_count = usize::from(config.cntlids.end() - config.cntlids.start()) + 1;
+        let first_cntlid = *config.cntlids.start();
+        assert!(
+            (1..=cntlids_count).contains(&config.controllers_max),
             "controllers_max out of range"
         );
         Self {
@@ -383,7 +396,7 @@ impl Target {
             catalog,
             registry: Mutex::new(Registry {
                 controllers: HashMap::new(),
-                next_cntlid: 1,
+                next_cntlid: first_cntlid,
                 ana: HashMap::new(),
             }),
             discovery_generation: AtomicU64::new(1),
@@ -531,16 +544,18 @@ impl Target {
         if registry.controllers.len() >= self.config.controllers_max {
             return Err(ConnectRefusal { status: Status::CONTROLLER_BUSY, result: 0 });
         }
-        // Fewer controllers than IDs exist, so a free ID is found within CNTLID_MAX steps.
+        // Fewer controllers than IDs exist, so a free ID is found within one turn of the range.
+        let (first, last) = (*self.config.cntlids.start(), *self.config.cntlids.end());
+        let following = |cntlid: u16| if cntlid >= last { first } else { cntlid + 1 };
         let mut cntlid = registry.next_cntlid;
-        for _ in 0..CNTLID_MAX {
+        for _ in first..=last {
             if !registry.controllers.contains_key(&cntlid) {
                 break;
             }
-            cntlid = if cntlid >= CNTLID_MAX { 1 } else { cntlid + 1 };
+            cntlid = following(cntlid);
         }
         assert!(!registry.controllers.contains_key(&cntlid), "no free controller ID");
-        registry.next_cntlid = if cntlid >= CNTLID_MAX { 1 } else { cntlid + 1 };
+        registry.next_cntlid = following(cntlid);
         let ana = registry.ana.get(&(data.subnqn.clone(), port_id)).copied().unwrap_or_default();
         let controller = Arc::new(Controller {
             cntlid,

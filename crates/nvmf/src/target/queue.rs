@@ -73,6 +73,9 @@ pub enum StorageStatus {
     NotReady,
     /// The volume is read-only.
     WriteProtected,
+    /// This path does not serve the volume now (a replica, or a primary that lost its term):
+    /// a path error, so the host's multipath retries on another path.
+    PathInaccessible,
 }
 
 impl StorageStatus {
@@ -85,6 +88,7 @@ impl StorageStatus {
             StorageStatus::LbaOutOfRange => Status::LBA_OUT_OF_RANGE.with_dnr(),
             StorageStatus::NotReady => Status::NAMESPACE_NOT_READY,
             StorageStatus::WriteProtected => Status::NAMESPACE_WRITE_PROTECTED.with_dnr(),
+            StorageStatus::PathInaccessible => Status::ANA_INACCESSIBLE,
         }
     }
 }
