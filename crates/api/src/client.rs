@@ -94,6 +94,11 @@ impl Client {
         self.call("GET", crate::paths::NODE, None)
     }
 
+    /// The cluster's nodes; fails with `not_supported` on a single node.
+    pub fn cluster(&self) -> Result<crate::ClusterInfo, ClientError> {
+        self.call("GET", crate::paths::CLUSTER, None)
+    }
+
     /// Every volume, sorted by name.
     pub fn list_volumes(&self) -> Result<Vec<VolumeInfo>, ClientError> {
         let list: VolumeList = self.call("GET", crate::paths::VOLUMES, None)?;

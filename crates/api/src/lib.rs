@@ -46,6 +46,8 @@ pub mod paths {
     /// of its snapshots; answers the volume's [`VolumeInfo`](crate::VolumeInfo).
     pub const VOLUME_ROLLBACK: &str = "/v1/volumes/{name}/rollback";
     pub const NODE: &str = "/v1/node";
+    /// The cluster's nodes (cluster nodes only).
+    pub const CLUSTER: &str = "/v1/cluster";
     /// `POST` with a [`ReplaceDrive`](crate::ReplaceDrive): puts a new drive in place of drive
     /// `{index}` (a failed one, usually) and starts rebuilding it from the other drives;
     /// answers the new drive's [`DriveInfo`](crate::DriveInfo). Nodes with erasure coding only.

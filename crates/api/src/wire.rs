@@ -28,6 +28,10 @@ pub struct CreateVolume {
     /// shrink are stored raw whatever the setting.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compression: Option<String>,
+    /// Copies of the volume on distinct nodes of a cluster, 1 to 3 (a single node takes only
+    /// 1). Absent: 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u8>,
 }
 
 /// [`CreateVolume::compression`] and [`VolumeInfo::compression`]: LZ4, fast; the default.
@@ -47,6 +51,7 @@ impl CreateVolume {
             size_bytes: Some(size_bytes),
             from_snapshot: None,
             compression: None,
+            replicas: None,
         }
     }
 
@@ -57,7 +62,14 @@ impl CreateVolume {
             size_bytes: None,
             from_snapshot: Some(snapshot_ref(volume, snapshot)),
             compression: None,
+            replicas: None,
         }
+    }
+
+    /// The same request with `replicas` copies on distinct cluster nodes.
+    pub fn with_replicas(mut self, replicas: u8) -> Self {
+        self.replicas = Some(replicas);
+        self
     }
 
     /// The same request with compression `compression` (one of [`COMPRESSIONS`]).
@@ -144,6 +156,81 @@ pub struct VolumeInfo {
     /// of create and delete). Absent from older nodes.
     #[serde(default = "no_reduction")]
     pub data_reduction: f64,
+    /// On a cluster: where the volume's replicas are and how they stand. Absent on a single
+    /// node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replication: Option<ReplicationInfo>,
+}
+
+/// A replicated volume's state ([`VolumeInfo::replication`]), from the cluster's store and
+/// the answering node's own view.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplicationInfo {
+    /// Raised by every failover.
+    pub epoch: u64,
+    /// The node serving the volume (its NVMe/TCP paths are the optimized ones); absent before
+    /// the first primary is chosen.
+    pub primary: Option<String>,
+    /// Every node holding a replica.
+    pub members: Vec<String>,
+    /// The replicas holding every completed write; the others are resyncing or away.
+    pub in_sync: Vec<String>,
+    /// What the answering node's replica does, if it holds one.
+    pub local: Option<LocalReplica>,
+}
+
+/// The answering node's replica of a volume ([`ReplicationInfo::local`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LocalReplica {
+    pub node: String,
+    /// The newest epoch this node knows.
+    pub epoch: u64,
+    /// This node serves the volume now.
+    pub serving: bool,
+    /// Storage failed under this replica; it acknowledges nothing until the node restarts.
+    pub failed: bool,
+    pub writes_completed: u64,
+    pub replicas_removed: u64,
+    pub resyncs_started: u64,
+    pub resyncs_completed: u64,
+    /// Blocks copied to returning or new replicas.
+    pub blocks_resynced: u64,
+    /// Blocks pushed to reconcile replicas after a failover.
+    pub blocks_pushed: u64,
+}
+
+/// `GET /v1/cluster`: the cluster's nodes as the answering node sees them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterInfo {
+    pub name: String,
+    /// The answering node.
+    pub node: String,
+    /// The node running the cluster manager (failovers, rebuilds).
+    pub manager: Option<String>,
+    pub nodes: Vec<ClusterNode>,
+    pub volumes: u64,
+    /// Volumes with a replica out of sync or a member away.
+    pub volumes_degraded: u64,
+}
+
+/// One node of [`ClusterInfo`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterNode {
+    pub name: String,
+    pub id: u32,
+    /// Holds a live lease: up and reaching etcd.
+    pub live: bool,
+    pub replication_addr: String,
+    pub nvme_addrs: Vec<String>,
+    pub api_addr: String,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub drive_count: u16,
+    pub capacity_bytes: u64,
+    pub free_bytes: u64,
+    /// Replicas of volumes on this node.
+    pub replicas: u64,
+    /// Volumes this node is the primary of.
+    pub primaries: u64,
 }
 
 /// [`VolumeInfo::compression`] of a node that does not report it.
@@ -606,10 +693,15 @@ pub enum ErrorCode {
     /// 400: the new drive given is unusable (missing, mounted or in use, too small, another
     /// node's or one of this node's drives), or a path was given where none is taken.
     InvalidDrive,
+    /// 503: the cluster cannot place the volume's replicas now (too few live nodes).
+    PlacementFailed,
+    /// 409: the operation is not available here (a cluster node does not do it, or a single
+    /// node cannot); the message says what instead.
+    NotSupported,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 22] = [
+    pub const ALL: [ErrorCode; 24] = [
         Self::VolumeExists,
         Self::VolumeNotFound,
         Self::InvalidSize,
@@ -632,6 +724,8 @@ impl ErrorCode {
         Self::DriveNotFound,
         Self::ReplaceRefused,
         Self::InvalidDrive,
+        Self::PlacementFailed,
+        Self::NotSupported,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -658,6 +752,8 @@ impl ErrorCode {
             Self::DriveNotFound => "drive_not_found",
             Self::ReplaceRefused => "replace_refused",
             Self::InvalidDrive => "invalid_drive",
+            Self::PlacementFailed => "placement_failed",
+            Self::NotSupported => "not_supported",
         }
     }
 
@@ -670,7 +766,8 @@ impl ErrorCode {
             | Self::SnapshotExists
             | Self::SnapshotLimit
             | Self::VolumeBusy
-            | Self::ReplaceRefused => 409,
+            | Self::ReplaceRefused
+            | Self::NotSupported => 409,
             Self::VolumeNotFound
             | Self::NotFound
             | Self::SnapshotNotFound
@@ -683,7 +780,7 @@ impl ErrorCode {
             Self::NoSpace => 507,
             Self::RequestTooLarge => 413,
             Self::MethodNotAllowed => 405,
-            Self::Busy => 503,
+            Self::Busy | Self::PlacementFailed => 503,
             Self::Internal => 500,
         }
     }
@@ -724,7 +821,9 @@ mod tests {
                 "volume_busy",
                 "drive_not_found",
                 "replace_refused",
-                "invalid_drive"
+                "invalid_drive",
+                "placement_failed",
+                "not_supported"
             ]
         );
         for code in ErrorCode::ALL {
@@ -752,6 +851,7 @@ mod tests {
             snapshot_count: 0,
             compression: COMPRESSION_ZSTD.to_owned(),
             data_reduction: 2.5,
+            replication: None,
         };
         assert_eq!(
             info.nvme_connect_command(),

@@ -184,7 +184,7 @@ enum Command {
     /// serving volumes over NVMe/TCP and the REST API that `ferrite volume` uses. With
     /// --drive-backend memory the drives are in RAM and NOT DURABLE.
     #[command(after_long_help = UP_EXAMPLES)]
-    Up(UpArgs),
+    Up(Box<UpArgs>),
     /// Create, list, show, resize, clone, roll back and delete volumes.
     ///
     /// Every command talks to a running node's REST API (see --api).
@@ -196,8 +196,11 @@ enum Command {
     /// Take, list, show and delete snapshots: instant, read-only point-in-time images.
     #[command(long_about = SNAPSHOT_ABOUT, after_long_help = SNAPSHOT_EXAMPLES)]
     Snapshot(SnapshotArgs),
-    /// Show this node: capacity, drives and what it serves.
+    /// Show this node (capacity, drives, what it serves), or list the cluster's nodes.
     Node(NodeArgs),
+    /// Show the cluster: its nodes, their health and the manager.
+    #[command(long_about = CLUSTER_ABOUT, after_long_help = CLUSTER_EXAMPLES)]
+    Cluster(ClusterArgs),
     /// Replace a failed drive; the node rebuilds it from the other drives.
     #[command(long_about = DRIVE_ABOUT, after_long_help = DRIVE_EXAMPLES)]
     Drive(DriveArgs),
@@ -222,6 +225,47 @@ enum NodeCommand {
     /// Show the node's identity, capacity and listen addresses.
     #[command(after_long_help = "Example:\n  ferrite node show")]
     Show,
+    /// List the nodes of the cluster this node belongs to: health, addresses, labels,
+    /// capacity and the replicas each holds.
+    #[command(after_long_help = "Example:\n  ferrite node list --api http://10.0.0.1:8080")]
+    List,
+}
+
+const CLUSTER_ABOUT: &str = "Show the cluster: its nodes, their health and the manager.
+
+A cluster is several `ferrite up` nodes that share one etcd (--cluster-etcd) and one
+--cluster-name. Volumes created with --replicas N are kept on N distinct nodes: the primary
+serves hosts and completes a write only once every in-sync replica has it durably; if the
+primary fails, another in-sync replica takes over within a few seconds (its NVMe/TCP path turns
+ANA optimized, and hosts' native multipath moves to it). Any node's REST API answers for the
+whole cluster.";
+
+const CLUSTER_EXAMPLES: &str = "Examples:
+  # three nodes on one machine, sharing a local etcd (etcd --data-dir /tmp/etcd)
+  ferrite up --data-dir /srv/n1 --cluster-etcd http://127.0.0.1:2379 --node-name n1 \\
+      --api-listen 127.0.0.1:8081 --nvme-listen 127.0.0.1:4431 --replication-listen 127.0.0.1:7431
+  (the same for n2 and n3 with their own ports)
+  ferrite cluster status --api http://127.0.0.1:8081
+  ferrite volume create db --size 10G --replicas 3 --api http://127.0.0.1:8081
+  ferrite volume show db --api http://127.0.0.1:8081";
+
+#[derive(Args)]
+struct ClusterArgs {
+    /// Any node's REST API.
+    #[arg(long, global = true, value_name = "URL", env = "FERRITE_API", default_value = api::DEFAULT_API_URL)]
+    api: String,
+    /// Print JSON instead of text, for scripts.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: ClusterCommand,
+}
+
+#[derive(Subcommand)]
+enum ClusterCommand {
+    /// The cluster's name, manager, nodes (live or not) and degraded volumes.
+    #[command(after_long_help = "Example:\n  ferrite cluster status")]
+    Status,
 }
 
 #[derive(Args)]
@@ -422,6 +466,73 @@ struct UpArgs {
     /// rebuild restores redundancy sooner, a slower one leaves hosts more of the drives.
     #[arg(long, value_name = "MB", default_value_t = node::rebuild::DEFAULT_REBUILD_MB_PER_S)]
     rebuild_mb_per_s: u64,
+    /// Join a cluster whose state is kept in this etcd (comma-separated endpoints such as
+    /// http://10.0.0.1:2379).
+    ///
+    /// Without it the node is a single node with its metadata in DATA-DIR/meta.redb. With it,
+    /// volumes live in etcd and are replicated across the cluster's nodes (`ferrite volume
+    /// create --replicas N`); the node needs --node-name. Snapshots, clones and growing
+    /// volumes are single-node features for now.
+    #[arg(long, value_name = "URLS", value_delimiter = ',', help_heading = "Cluster")]
+    cluster_etcd: Vec<String>,
+    /// The cluster's name; nodes with the same etcd and name form one cluster.
+    #[arg(long, value_name = "NAME", default_value = node::cluster::DEFAULT_CLUSTER_NAME, help_heading = "Cluster")]
+    cluster_name: String,
+    /// This node's name in the cluster, unique (1 to 64 of A-Z a-z 0-9 . _ -) [default: the
+    /// host name].
+    #[arg(long, value_name = "NAME", help_heading = "Cluster")]
+    node_name: Option<String>,
+    /// Where this node takes replication traffic from the other nodes.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7420", help_heading = "Cluster")]
+    replication_listen: SocketAddr,
+    /// A placement label KEY=VALUE (repeatable). Replicas go to nodes with distinct `zone`
+    /// labels while there are enough zones.
+    #[arg(long, value_name = "KEY=VALUE", help_heading = "Cluster")]
+    label: Vec<String>,
+    /// How long a silent node keeps its lease, in ms (whole seconds, at least 2000): a
+    /// crashed primary is replaced about this long after it stopped.
+    #[arg(long, value_name = "MS", default_value_t = node::cluster::DEFAULT_LEASE_MS, help_heading = "Cluster")]
+    lease_ms: u64,
+    /// How long a node may be away before its replicas are rebuilt on other nodes, in
+    /// seconds. A node back sooner only copies what changed while it was away.
+    #[arg(long, value_name = "S", default_value_t = node::cluster::DEFAULT_REBUILD_GRACE_S, help_heading = "Cluster")]
+    rebuild_grace_s: u64,
+    /// The most resync and rebuild copy to other nodes per second, in MiB.
+    #[arg(long, value_name = "MB", default_value_t = node::cluster::DEFAULT_RESYNC_MB_PER_S, help_heading = "Cluster")]
+    resync_mb_per_s: u64,
+}
+
+/// `--cluster-*` options as the node takes them; `None` without --cluster-etcd.
+fn cluster_config(args: &UpArgs) -> anyhow::Result<Option<node::cluster::ClusterConfig>> {
+    if args.cluster_etcd.is_empty() {
+        return Ok(None);
+    }
+    let node_name = match &args.node_name {
+        Some(name) => name.clone(),
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .context("read the host name for --node-name")?
+            .trim()
+            .to_owned(),
+    };
+    let mut labels = std::collections::BTreeMap::new();
+    for label in &args.label {
+        let Some((key, value)) = label.split_once('=') else {
+            anyhow::bail!("--label {label:?} is not KEY=VALUE (for example zone=a)");
+        };
+        labels.insert(key.to_owned(), value.to_owned());
+    }
+    let config = node::cluster::ClusterConfig {
+        etcd_endpoints: args.cluster_etcd.clone(),
+        name: args.cluster_name.clone(),
+        node_name,
+        replication_listen: args.replication_listen,
+        labels,
+        lease_ms: args.lease_ms,
+        rebuild_grace_s: args.rebuild_grace_s,
+        resync_mb_per_s: args.resync_mb_per_s,
+    };
+    config.validate().map_err(anyhow::Error::msg)?;
+    Ok(Some(config))
 }
 
 fn parse_erasure_coding(text: &str) -> Result<node::ErasureScheme, String> {
@@ -504,6 +615,13 @@ enum VolumeCommand {
         /// reduction achieved.
         #[arg(long, value_name = "lz4|zstd|off")]
         compression: Option<String>,
+        /// Copies of the volume on distinct nodes of the cluster, 1 to 3.
+        ///
+        /// Every write completes only once all in-sync copies have it durably; the volume
+        /// survives the loss of N-1 nodes, and a failed primary is replaced automatically.
+        /// Needs a cluster (`ferrite up --cluster-etcd`); a single node takes only 1.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=3))]
+        replicas: Option<u8>,
     },
     /// Change how a volume's new writes are stored: lz4, zstd or off.
     ///
@@ -582,11 +700,12 @@ fn parse_ana_state(text: &str) -> Result<api::AnaState, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Up(args) => up(args),
+        Command::Up(args) => up(*args),
         Command::Volume(args) => volume(args),
         Command::Host(args) => host_command(args),
         Command::Snapshot(args) => snapshot_command(args),
         Command::Node(args) => node_command(args),
+        Command::Cluster(args) => cluster_command(args),
         Command::Drive(args) => drive_command(args),
         Command::Bench(args) => bench_command(&args),
     };
@@ -619,6 +738,7 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
              stops; drop --data-dir, or use --drive-backend file to keep data"
         );
     }
+    let cluster = cluster_config(&args)?;
     let config = node::NodeConfig {
         data_dir: args.data_dir.unwrap_or_else(|| PathBuf::from(node::config::DEFAULT_DATA_DIR)),
         drive_count: args.drives,
@@ -637,6 +757,7 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         scrub_mb_per_s: args.scrub_mb_per_s,
         erasure_coding: args.erasure_coding,
         rebuild_mb_per_s: args.rebuild_mb_per_s,
+        cluster,
     };
     let node = node::Node::start_on(config, backend)?;
     print::started(&node);
@@ -651,7 +772,7 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
     let client = api::Client::new(&args.api)?;
     let json = args.json;
     match args.command {
-        VolumeCommand::Create { name, size, from_snapshot, compression } => {
+        VolumeCommand::Create { name, size, from_snapshot, compression, replicas } => {
             let request = match (from_snapshot, size) {
                 (Some(from), size) => {
                     let Some((volume, snapshot)) = api::parse_snapshot_ref(&from) else {
@@ -669,6 +790,10 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
             };
             let request = match compression {
                 Some(compression) => request.with_compression(compression),
+                None => request,
+            };
+            let request = match replicas {
+                Some(replicas) => request.with_replicas(replicas),
                 None => request,
             };
             let volume = client.create_volume(&request)?;
@@ -773,6 +898,14 @@ fn node_command(args: NodeArgs) -> anyhow::Result<()> {
     let client = api::Client::new(&args.api)?;
     match args.command {
         NodeCommand::Show => print::node(args.json, &client.node()?),
+        NodeCommand::List => print::node_list(args.json, &client.cluster()?),
+    }
+}
+
+fn cluster_command(args: ClusterArgs) -> anyhow::Result<()> {
+    let client = api::Client::new(&args.api)?;
+    match args.command {
+        ClusterCommand::Status => print::cluster(args.json, &client.cluster()?),
     }
 }
 

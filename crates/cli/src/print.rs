@@ -355,7 +355,99 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
     for (key, value) in rows {
         println!("{:<13}{value}", format!("{key}:"));
     }
+    if let Some(replication) = &volume.replication {
+        let list = |names: &[String]| {
+            if names.is_empty() {
+                "none".to_owned()
+            } else {
+                names.join(", ")
+            }
+        };
+        let away: Vec<String> = replication
+            .members
+            .iter()
+            .filter(|member| !replication.in_sync.contains(member))
+            .cloned()
+            .collect();
+        let mut rows = vec![
+            ("replicas", format!("{} ({})", replication.members.len(), list(&replication.members))),
+            ("primary", replication.primary.clone().unwrap_or_else(|| "none yet".to_owned())),
+            ("epoch", replication.epoch.to_string()),
+            ("in sync", list(&replication.in_sync)),
+            ("resyncing", if away.is_empty() { "none".to_owned() } else { away.join(", ") }),
+        ];
+        if let Some(local) = &replication.local {
+            rows.push((
+                "this node",
+                format!(
+                    "{}: {}{}, {} writes completed, {} resyncs done of {} started, {} blocks \
+                     resynced, {} blocks pushed after failovers",
+                    local.node,
+                    if local.serving { "serving (primary)" } else { "replica" },
+                    if local.failed { ", STORAGE FAILED" } else { "" },
+                    local.writes_completed,
+                    local.resyncs_completed,
+                    local.resyncs_started,
+                    local.blocks_resynced,
+                    local.blocks_pushed,
+                ),
+            ));
+        }
+        for (key, value) in rows {
+            println!("{:<13}{value}", format!("{key}:"));
+        }
+    }
     Ok(())
+}
+
+pub fn cluster(json: bool, cluster: &api::ClusterInfo) -> anyhow::Result<()> {
+    if json {
+        return print_json(cluster);
+    }
+    let live = cluster.nodes.iter().filter(|node| node.live).count();
+    println!("cluster:     {}", cluster.name);
+    println!("answered by: {}", cluster.node);
+    println!("manager:     {}", cluster.manager.clone().unwrap_or_else(|| "none".to_owned()));
+    println!("nodes:       {live} live of {}", cluster.nodes.len());
+    println!(
+        "volumes:     {} ({} degraded: a replica out of sync or its node away)",
+        cluster.volumes, cluster.volumes_degraded
+    );
+    println!();
+    node_table(&cluster.nodes);
+    Ok(())
+}
+
+pub fn node_list(json: bool, cluster: &api::ClusterInfo) -> anyhow::Result<()> {
+    if json {
+        return print_json(&cluster.nodes);
+    }
+    node_table(&cluster.nodes);
+    Ok(())
+}
+
+fn node_table(nodes: &[api::ClusterNode]) {
+    println!(
+        "{:<16} {:>4} {:<5} {:<22} {:<22} {:>10} {:>10} {:>8} {:>9}  LABELS",
+        "NAME", "ID", "STATE", "NVME", "API", "CAPACITY", "FREE", "REPLICAS", "PRIMARIES"
+    );
+    for node in nodes {
+        let labels: Vec<String> =
+            node.labels.iter().map(|(key, value)| format!("{key}={value}")).collect();
+        println!(
+            "{:<16} {:>4} {:<5} {:<22} {:<22} {:>10} {:>10} {:>8} {:>9}  {}",
+            node.name,
+            node.id,
+            if node.live { "up" } else { "DOWN" },
+            node.nvme_addrs.first().map_or("-", String::as_str),
+            if node.api_addr.is_empty() { "-" } else { node.api_addr.as_str() },
+            ByteSize(node.capacity_bytes).to_string(),
+            ByteSize(node.free_bytes).to_string(),
+            node.replicas,
+            node.primaries,
+            labels.join(","),
+        );
+    }
 }
 
 fn compression_summary(compression: &str) -> String {

@@ -51,6 +51,13 @@ pub enum StoreError {
     /// A write to a snapshot: snapshots are read-only (clone one to write).
     #[error("{volume} is a snapshot and read-only; clone it to get a writable volume")]
     ReadOnly { volume: VolumeId },
+    /// A replicated volume this node does not serve now: it holds a replica, or it was the
+    /// primary and its term ended. The host retries on the primary's path.
+    #[error(
+        "{volume} is not served by this node now (it holds a replica, or a failover is under \
+         way); use the path of the volume's primary"
+    )]
+    NotServing { volume: VolumeId },
 }
 
 /// Block storage for volumes, used by one data-path thread.

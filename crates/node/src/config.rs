@@ -121,6 +121,9 @@ pub struct NodeConfig {
     /// The most a drive rebuild writes, in MiB per second; 0 sets no limit (see
     /// `crate::rebuild`).
     pub rebuild_mb_per_s: u64,
+    /// Join a cluster (`--cluster-etcd`): volumes are replicated across its nodes. `None`: a
+    /// single node with its embedded metadata store.
+    pub cluster: Option<crate::cluster::ClusterConfig>,
 }
 
 impl Default for NodeConfig {
@@ -139,6 +142,7 @@ impl Default for NodeConfig {
             scrub_mb_per_s: crate::scrub::DEFAULT_SCRUB_MB_PER_S,
             erasure_coding: None,
             rebuild_mb_per_s: crate::rebuild::DEFAULT_REBUILD_MB_PER_S,
+            cluster: None,
         }
     }
 }

@@ -147,9 +147,19 @@ pub enum ControlError {
     ReplaceDrive { index: u16, source: DataPlaneError },
     #[error(transparent)]
     Meta(MetaError),
+    /// Replicas cannot be placed (too few live nodes, a bad count).
+    #[error("cannot place volume {name}: {reason}")]
+    Placement { name: VolumeName, reason: String },
+    /// Something a single node does that a cluster node does not (yet).
+    #[error("{0}")]
+    NotOnCluster(String),
 }
 
 impl ControlError {
+    pub(crate) fn from_meta_error(error: MetaError) -> Self {
+        Self::from_meta(error)
+    }
+
     fn from_meta(error: MetaError) -> Self {
         match error {
             MetaError::VolumeExists(name) => Self::VolumeExists(name),
@@ -185,6 +195,8 @@ pub struct VolumeService {
     metrics: Arc<Registry>,
     /// Serialises create, resize and delete (see the module comment).
     mutations: Mutex<()>,
+    /// On a cluster node, the cluster: volumes are replicated and placed on members.
+    cluster: Option<Arc<crate::cluster::Cluster>>,
 }
 
 impl VolumeService {
@@ -193,7 +205,29 @@ impl VolumeService {
         data_plane: Arc<dyn DataPlane>,
         metrics: Arc<Registry>,
     ) -> Self {
-        Self { meta, data_plane, metrics, mutations: Mutex::new(()) }
+        Self { meta, data_plane, metrics, mutations: Mutex::new(()), cluster: None }
+    }
+
+    /// The volume service of a cluster node: `meta` must be the cluster's store.
+    pub fn with_cluster(mut self, cluster: Arc<crate::cluster::Cluster>) -> Self {
+        self.cluster = Some(cluster);
+        self
+    }
+
+    /// The cluster this node belongs to, if any.
+    pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
+        self.cluster.as_ref()
+    }
+
+    /// Refuses what a cluster node does not do yet.
+    fn single_node_only(&self, what: &str) -> Result<(), ControlError> {
+        match self.cluster {
+            Some(_) => Err(ControlError::NotOnCluster(format!(
+                "{what} is not supported on a cluster node yet (replicated volumes); use a \
+                 single node for it"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Creates an empty volume of `size_bytes` whose writes are stored with `compression` (a
@@ -204,7 +238,26 @@ impl VolumeService {
         size_bytes: u64,
         compression: Option<&str>,
     ) -> Result<VolumeRecord, ControlError> {
+        self.create_replicated(name, size_bytes, compression, None)
+    }
+
+    /// Creates an empty volume with `replicas` copies on distinct nodes (cluster nodes; a
+    /// single node takes only 1). On a cluster every volume is replicated, with 1 replica when
+    /// `replicas` is `None`.
+    pub fn create_replicated(
+        &self,
+        name: &str,
+        size_bytes: u64,
+        compression: Option<&str>,
+        replicas: Option<u8>,
+    ) -> Result<VolumeRecord, ControlError> {
         let name = parse_name(name)?;
+        if self.cluster.is_none() && replicas.is_some_and(|count| count != 1) {
+            return Err(ControlError::NotOnCluster(format!(
+                "volume {name}: more than one replica needs a cluster; start the nodes with \
+                 --cluster-etcd (docs/ARCHITECTURE.md, \"Cluster\")"
+            )));
+        }
         let size_bytes =
             types::validate_volume_size(size_bytes).map_err(ControlError::InvalidSize)?;
         let compression = compression.map(parse_compression).transpose()?.unwrap_or_default();
@@ -215,6 +268,28 @@ impl VolumeService {
             return Err(ControlError::VolumeExists(name));
         }
         let id = self.meta.allocate_volume_id().map_err(ControlError::from_meta)?;
+        if let Some(cluster) = &self.cluster {
+            let record = VolumeRecord {
+                id,
+                name,
+                size_bytes,
+                uuid: new_uuid(),
+                created_unix_ms: now_unix_ms(),
+                chunks: Vec::new(),
+                host_access: HostAccess::Open,
+                origin: None,
+                compression,
+            };
+            let placed = cluster.create_volume(&record, replicas.unwrap_or(1))?;
+            tracing::info!(
+                volume = %record.name,
+                id,
+                size = %ByteSize(size_bytes),
+                replicas = ?placed,
+                "created replicated volume"
+            );
+            return Ok(record);
+        }
         let chunks = self
             .data_plane
             .reserve_create(id, size_bytes)
@@ -286,6 +361,7 @@ impl VolumeService {
 
     /// Grows a volume to `size_bytes`. Asking for its current size changes nothing.
     pub fn resize(&self, name: &str, size_bytes: u64) -> Result<VolumeRecord, ControlError> {
+        self.single_node_only("growing a volume")?;
         let name = parse_name(name)?;
         let size_bytes =
             types::validate_volume_size(size_bytes).map_err(ControlError::InvalidSize)?;
@@ -342,6 +418,12 @@ impl VolumeService {
             self.delete_snapshot_locked(&snapshot.volume, &snapshot.name)?;
         }
         let record = self.meta.delete_volume(&name).map_err(ControlError::from_meta)?;
+        if let Some(cluster) = &self.cluster {
+            // Every member's reconciler then drops its replica.
+            cluster.forget_volume(record.id);
+            tracing::info!(volume = %record.name, id = record.id, "deleted replicated volume");
+            return Ok(record);
+        }
         self.data_plane.remove(&record);
         self.metrics.remove_volume(record.id);
         tracing::info!(volume = %record.name, id = record.id, "deleted volume");
@@ -358,6 +440,7 @@ impl VolumeService {
         size_bytes: Option<u64>,
         compression: Option<&str>,
     ) -> Result<VolumeRecord, ControlError> {
+        self.single_node_only("cloning a snapshot")?;
         let name = parse_name(name)?;
         let compression = compression.map(parse_compression).transpose()?;
         let Some((volume, snapshot)) = api::parse_snapshot_ref(from) else {
@@ -445,6 +528,7 @@ impl VolumeService {
         volume: &str,
         snapshot: &str,
     ) -> Result<SnapshotRecord, ControlError> {
+        self.single_node_only("taking a snapshot")?;
         let volume = parse_name(volume)?;
         let snapshot = parse_name(snapshot)?;
         let _serialised = self.lock_mutations();
@@ -525,6 +609,7 @@ impl VolumeService {
     /// Rolls `volume` back to its snapshot `snapshot`: the writes since the snapshot are
     /// dropped. `snapshot` may also be written `VOLUME@SNAPSHOT`, naming this volume.
     pub fn rollback(&self, volume: &str, snapshot: &str) -> Result<VolumeRecord, ControlError> {
+        self.single_node_only("rolling back to a snapshot")?;
         let volume = parse_name(volume)?;
         let snapshot = match api::parse_snapshot_ref(snapshot) {
             Some((snapshot_volume, name)) => {
@@ -651,6 +736,13 @@ impl VolumeService {
         port_id: u16,
         state: AnaState,
     ) -> Result<Vec<VolumePath>, ControlError> {
+        if self.cluster.is_some() {
+            return Err(ControlError::NotOnCluster(
+                "on a cluster node the control plane sets the ANA states (optimized on the \
+                 volume's primary only); they cannot be set by hand"
+                    .to_owned(),
+            ));
+        }
         let record = self.volume(name)?;
         let _serialised = self.lock_mutations();
         self.data_plane

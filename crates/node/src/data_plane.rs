@@ -292,6 +292,9 @@ pub struct DataPathContext {
     /// The memory drives of a memory-backed node (NOT DURABLE), so a replacement can make a new
     /// one; `None` for drive files and external drives.
     pub memory_drives: Option<Arc<io::MemoryDrives>>,
+    /// On a cluster node, what the replication service needs: then every volume in `volumes`
+    /// is replicated. `None` on a single node.
+    pub replication: Option<crate::replicate::ReplicationSetup>,
 }
 
 /// Brings up the data path of a node. Used once, by `Node::start_with`.
@@ -343,6 +346,16 @@ pub trait DataPlane: Send + Sync {
     /// The volume's record is deleted: stop serving it and free its space (durably: its blocks
     /// never reappear, even after a crash).
     fn remove(&self, volume: &VolumeRecord);
+
+    /// Serves the reserved volume `volume` as a replica of a replicated volume (cluster
+    /// nodes): its I/O goes through the replication service, and its paths stay ANA
+    /// inaccessible until this node becomes its serving primary.
+    fn publish_replicated(&self, volume: &VolumeRecord) -> Result<(), DataPlaneError> {
+        Err(DataPlaneError::failed(format!(
+            "volume {}: this data path does not replicate",
+            volume.name
+        )))
+    }
 
     /// The volume's record with a changed `host_access` is durable: from now on only the hosts
     /// it allows may connect to the volume's subsystem or see it in the discovery log, and
@@ -410,6 +423,11 @@ pub trait DataPlane: Send + Sync {
     /// The address NVMe/TCP is served on (the first, if several), or `None` if this data path
     /// serves no I/O.
     fn nvme_addr(&self) -> Option<SocketAddr>;
+
+    /// Every address NVMe/TCP is served on, in port order.
+    fn paths_of_node(&self) -> Vec<SocketAddr> {
+        self.nvme_addr().into_iter().collect()
+    }
 
     /// The address NBD is served on, or `None` if this data path serves no NBD.
     fn nbd_addr(&self) -> Option<SocketAddr> {

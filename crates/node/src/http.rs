@@ -72,6 +72,7 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::VOLUME_SNAPSHOT, get(show_snapshot).delete(delete_snapshot))
         .route(api::paths::VOLUME_ROLLBACK, post(rollback_volume))
         .route(api::paths::NODE, get(node_info))
+        .route(api::paths::CLUSTER, get(cluster_info))
         .route(api::paths::DRIVE_REPLACE, post(replace_drive))
         .route(api::paths::METRICS, get(render_metrics))
         .route(api::paths::HEALTHZ, get(healthz))
@@ -123,6 +124,8 @@ impl From<ControlError> for ApiError {
                 tracing::error!(%error, "drive replacement failed");
                 ErrorCode::Internal
             }
+            ControlError::Placement { .. } => ErrorCode::PlacementFailed,
+            ControlError::NotOnCluster(_) => ErrorCode::NotSupported,
             ControlError::DataPlane { .. } | ControlError::Meta(_) => {
                 tracing::error!(%error, "volume operation failed");
                 ErrorCode::Internal
@@ -210,8 +213,10 @@ fn host_access(record: &VolumeRecord) -> api::HostAccess {
 }
 
 /// What the API reports of a volume besides its record.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct VolumeExtras {
+    /// On a cluster node, the volume's replication.
+    replication: Option<api::ReplicationInfo>,
     /// Reported by answers about one volume only (lists stay stable while data changes).
     space: Option<VolumeSpace>,
     snapshot_count: u32,
@@ -245,6 +250,7 @@ fn volume_info(record: &VolumeRecord, node: &NodeView, extras: VolumeExtras) -> 
         snapshot_count: extras.snapshot_count,
         compression: record.compression.name().to_owned(),
         data_reduction: extras.reduction.unwrap_or(1.0),
+        replication: extras.replication,
     }
 }
 
@@ -255,6 +261,7 @@ fn volume_extras(
 ) -> Result<VolumeExtras, ControlError> {
     let space = service.volume_space(record.id);
     Ok(VolumeExtras {
+        replication: service.cluster().and_then(|cluster| cluster.replication_info(record.id)),
         space,
         snapshot_count: service.snapshot_count(&record.name)?,
         reduction: space.as_ref().map(volume_reduction),
@@ -287,7 +294,7 @@ async fn list_volumes(State(state): State<ApiState>) -> Result<Json<api::VolumeL
         .zip(reductions)
         .map(|(record, reduction)| {
             let snapshot_count = counts.get(&record.name).copied().unwrap_or(0);
-            let extras = VolumeExtras { space: None, snapshot_count, reduction };
+            let extras = VolumeExtras { space: None, snapshot_count, reduction, replication: None };
             volume_info(record, &state.node, extras)
         })
         .collect();
@@ -301,7 +308,14 @@ async fn create_volume(
 ) -> Result<(StatusCode, Json<VolumeInfo>), ApiError> {
     let request: api::CreateVolume = parse_body(body)?;
     let compression = request.compression;
+    let replicas = request.replicas;
     let record = match (request.from_snapshot, request.size_bytes) {
+        (Some(_), _) if replicas.is_some() => {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "a clone takes no replicas: clones are single-node volumes",
+            ));
+        }
         (Some(from), size_bytes) => {
             call(&state, move |service| {
                 service.create_clone(&request.name, &from, size_bytes, compression.as_deref())
@@ -310,7 +324,12 @@ async fn create_volume(
         }
         (None, Some(size_bytes)) => {
             call(&state, move |service| {
-                service.create(&request.name, size_bytes, compression.as_deref())
+                service.create_replicated(
+                    &request.name,
+                    size_bytes,
+                    compression.as_deref(),
+                    replicas,
+                )
             })
             .await?
         }
@@ -652,6 +671,18 @@ fn erasure_info(report: &ErasureReport) -> api::ErasureInfo {
             seconds: end.seconds,
         }),
     }
+}
+
+async fn cluster_info(State(state): State<ApiState>) -> Result<Json<api::ClusterInfo>, ApiError> {
+    let info = call(&state, |service| match service.cluster() {
+        Some(cluster) => cluster.info().map_err(ControlError::Meta),
+        None => Err(ControlError::NotOnCluster(
+            "this node is not part of a cluster; start it with --cluster-etcd to join one"
+                .to_owned(),
+        )),
+    })
+    .await?;
+    Ok(Json(info))
 }
 
 async fn node_info(State(state): State<ApiState>) -> Result<Json<api::NodeInfo>, ApiError> {

@@ -26,6 +26,7 @@
 //! holds the metadata store and the drives' links and is removed when the node stops: the
 //! metadata never outlives the data it describes, so every start is a first start.
 
+pub mod cluster;
 pub mod config;
 pub mod control;
 pub mod data_plane;
@@ -34,6 +35,7 @@ pub mod metrics;
 mod nbd;
 pub mod nvme;
 pub mod rebuild;
+pub mod replicate;
 pub mod scrub;
 
 pub use config::{ConfigError, DriveBackend, NodeConfig};
@@ -140,6 +142,13 @@ pub enum NodeError {
     ApiServer(std::io::Error),
     #[error("the REST API did not finish its requests within {API_SHUTDOWN_TIMEOUT_MS} ms")]
     ApiShutdownTimeout,
+    #[error("cannot join the cluster: {0}")]
+    Cluster(#[from] cluster::ClusterError),
+    #[error(
+        "--cluster-etcd cannot be used with --drive-backend memory: a cluster member keeps \
+         replicas that must survive a restart"
+    )]
+    ClusterWithMemory,
 }
 
 /// Requests a node to stop; cheap to clone, usable from any thread.
@@ -169,6 +178,8 @@ pub struct Node {
     data_dir: PathBuf,
     /// The drives given with `--drive`, as given (empty for drive files).
     external_drives: Vec<PathBuf>,
+    /// The cluster reconciler's thread, on a cluster node; joined before the data path stops.
+    reconciler: Option<tokio::task::JoinHandle<()>>,
     /// Memory drives and their scratch directory; declared last so they outlive everything
     /// else of the node (dropped after the data path stopped).
     memory: Option<MemoryBacking>,
@@ -304,8 +315,28 @@ impl Node {
             runtime.spawn(signals.forward_to(stop.clone()));
         }
 
-        let volumes = meta.volumes()?;
-        let snapshots = meta.all_snapshots()?;
+        let joined = match &config.cluster {
+            Some(_) if backend == DriveBackend::Memory => return Err(NodeError::ClusterWithMemory),
+            Some(cluster_config) => Some(cluster::Cluster::join(
+                cluster_config.clone(),
+                &record,
+                &config.data_dir,
+                config.api_listen,
+                &config.nvme_listen,
+            )?),
+            None => None,
+        };
+        // A cluster node serves the cluster's volumes it holds a replica of; snapshots are
+        // single-node only.
+        let (volumes, snapshots) = match &joined {
+            Some((cluster, _)) => (cluster.local_volumes()?, Vec::new()),
+            None => (meta.volumes()?, meta.all_snapshots()?),
+        };
+        let (cluster, replication) = match joined {
+            Some((cluster, setup)) => (Some(cluster), Some(setup)),
+            None => (None, None),
+        };
+        let served = volumes.clone();
         let metrics = Arc::new(metrics::Registry::new());
         for volume in &volumes {
             metrics.register_volume(volume.id, &volume.name);
@@ -318,6 +349,7 @@ impl Node {
             snapshots,
             metrics: Arc::clone(&metrics),
             memory_drives: memory.as_ref().map(|memory| Arc::clone(&memory.drives)),
+            replication,
         };
         let data_plane = data_path.start(context).map_err(NodeError::StartDataPath)?;
         let nvme_serving = data_plane.nvme_addr().is_some();
@@ -326,14 +358,29 @@ impl Node {
         let nvme_advertised = advertised(data_plane.nvme_addr().unwrap_or(first_listen));
         let nbd_advertised = data_plane.nbd_addr().map(advertised);
 
-        let service = Arc::new(VolumeService::new(
-            meta as Arc<dyn MetaStore>,
-            Arc::clone(&data_plane),
-            Arc::clone(&metrics),
-        ));
-        if let Err(error) = service.drop_incomplete() {
-            data_plane.shutdown();
-            return Err(NodeError::Reconcile(error));
+        let service = match &cluster {
+            Some(cluster) => {
+                let store =
+                    cluster::ClusterMeta { local: meta, cluster: Arc::clone(&cluster.volumes) };
+                VolumeService::new(
+                    Arc::new(store) as Arc<dyn MetaStore>,
+                    Arc::clone(&data_plane),
+                    Arc::clone(&metrics),
+                )
+                .with_cluster(Arc::clone(cluster))
+            }
+            None => VolumeService::new(
+                meta as Arc<dyn MetaStore>,
+                Arc::clone(&data_plane),
+                Arc::clone(&metrics),
+            ),
+        };
+        let service = Arc::new(service);
+        if cluster.is_none() {
+            if let Err(error) = service.drop_incomplete() {
+                data_plane.shutdown();
+                return Err(NodeError::Reconcile(error));
+            }
         }
         let view = http::NodeView {
             record: record.clone(),
@@ -341,6 +388,16 @@ impl Node {
             nvme_serving,
             drive_backend: backend,
         };
+        let reconciler = cluster.as_ref().map(|cluster| {
+            let nvme: Vec<SocketAddr> =
+                data_plane.paths_of_node().into_iter().map(advertised).collect();
+            cluster.announce(advertised(api_addr), &nvme, nbd_advertised);
+            let cluster = Arc::clone(cluster);
+            let data_plane = Arc::clone(&data_plane);
+            let metrics = Arc::clone(&metrics);
+            let stop = stop_receiver.clone();
+            runtime.spawn_blocking(move || cluster.reconcile(data_plane, metrics, served, stop))
+        });
         let router = http::router(service, metrics, view);
         let server_stop = stop.clone();
         let server = runtime.spawn(async move {
@@ -372,6 +429,7 @@ impl Node {
             first_start,
             external_drives: config.drives.clone(),
             data_dir: config.data_dir,
+            reconciler,
             memory,
         })
     }
@@ -483,6 +541,10 @@ impl Node {
                 Ok(Err(join_error)) => Err(NodeError::ApiServer(std::io::Error::other(join_error))),
                 Err(_elapsed) => Err(NodeError::ApiShutdownTimeout),
             };
+        }
+        if let (Some(runtime), Some(reconciler)) = (&self.runtime, self.reconciler.take()) {
+            // It sees the stop within one round.
+            let _ = runtime.block_on(reconciler);
         }
         if self.data_plane_running {
             self.data_plane_running = false;

@@ -466,7 +466,10 @@ async fn run_admitted(
     completions: Rc<Completions>,
 ) {
     let started = Instant::now();
-    let (result, buf) = execute(&store, &handle.map, kind).await;
+    let (result, buf) = match &handle.route {
+        Some(route) => execute(route, &handle.map, kind).await,
+        None => execute(&*store, &handle.map, kind).await,
+    };
     let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
     record(&handle.metrics, &result, latency_us);
     handle.end();
@@ -506,7 +509,7 @@ enum Done {
 }
 
 async fn execute(
-    store: &LogHandle<DriveFile>,
+    store: &impl VolumeStore,
     map: &VolumeMap,
     kind: RequestKind,
 ) -> (Result<Done, StoreError>, Option<AlignedBuf>) {
@@ -553,6 +556,8 @@ fn errno(error: &StoreError) -> Errno {
         StoreError::VolumeRemoved { .. } => Errno::Shutdown,
         StoreError::CapacityExceeded { .. } => Errno::NoSpace,
         StoreError::ReadOnly { .. } => Errno::Perm,
+        // NBD has no second path: the client sees an I/O error until this node serves again.
+        StoreError::NotServing { .. } => Errno::Io,
         StoreError::ChecksumMismatch { .. }
         | StoreError::DriveFailed { .. }
         | StoreError::Io { .. } => Errno::Io,

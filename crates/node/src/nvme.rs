@@ -316,12 +316,26 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             .restore(context.volumes.iter().map(layout_of).collect())
             .map_err(DataPlaneError::failed)?;
 
+        let mut context = context;
+        let replication = context.replication.take().map(|setup| {
+            let (link, inbox) = crate::replicate::link();
+            (setup, link, inbox)
+        });
         let catalog = Arc::new(NodeCatalog::default());
+        // On a cluster node every volume is replicated: its I/O goes through the service.
+        let mut replicated = Vec::new();
         for record in &context.volumes {
             let map = volumes.mapping(VolumeId(record.id)).ok_or_else(|| {
                 DataPlaneError::failed(format!("volume {} missing after restore", record.name))
             })?;
-            catalog.insert(record, map, context.metrics.volume(record.id));
+            let route = replication
+                .as_ref()
+                .map(|(_, link, _)| crate::replicate::ReplicaRoute::new(record.id, link.clone()));
+            let handle =
+                catalog.insert_routed(record, map, context.metrics.volume(record.id), route);
+            if handle.route.is_some() {
+                replicated.push((handle, record.size_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES)));
+            }
         }
         for snapshot in &context.snapshots {
             if let Some(volume) = context.volumes.iter().find(|v| v.name == snapshot.volume) {
@@ -366,7 +380,24 @@ impl DataPathBuilder for NvmeDataPathBuilder {
                 .collect(),
             ..TargetConfig::default()
         };
+        let target_config = match &replication {
+            // Each node of a cluster hands out its own controller IDs: hosts connect to one
+            // subsystem through several nodes.
+            Some((setup, _, _)) => TargetConfig {
+                cntlids: crate::replicate::cntlids_of(setup.me),
+                controllers_max: crate::replicate::CLUSTER_CONTROLLERS_MAX,
+                ..target_config
+            },
+            None => target_config,
+        };
         let target = Arc::new(Target::new(target_config, Arc::clone(&catalog) as Arc<dyn Catalog>));
+        // A replica is never offered as an optimized path: the service sets a volume optimized
+        // only while this node serves it.
+        for (handle, _) in &replicated {
+            for port_id in (1u16..).take(nvme_addrs.len()) {
+                target.set_ana_state(&handle.name.subsystem_nqn(), port_id, AnaState::Inaccessible);
+            }
+        }
         let mut nbd_listener = context.nbd_listen.map(crate::nbd::bind).transpose()?;
         let nbd_addr = match &nbd_listener {
             Some(listener) => Some(listener.local_addr().map_err(DataPlaneError::failed)?),
@@ -390,6 +421,11 @@ impl DataPathBuilder for NvmeDataPathBuilder {
                 .map(|record| record.id)
                 .chain(context.snapshots.iter().map(|record| record.id))
                 .collect(),
+            replication: replication.as_ref().map(|(_, link, _)| link.clone()),
+        });
+        let state_dir = replication.as_ref().map(|(setup, _, _)| setup.state_dir.clone());
+        let mut replication = replication.map(|(setup, link, inbox)| {
+            crate::replicate::ServiceStart { setup, link, inbox, volumes: replicated }
         });
         let (stop_sender, stop_receiver) = watch::channel(false);
         let (command_sender, command_receiver) = mpsc::channel(COMMANDS_QUEUED_MAX);
@@ -416,6 +452,8 @@ impl DataPathBuilder for NvmeDataPathBuilder {
                 nbd_listener: nbd_listener.take(),
                 engine: engine.clone(),
                 commands: commands.take(),
+                replication: replication.take(),
+                ports: u16::try_from(nvme_addrs.len()).unwrap_or(u16::MAX),
                 poll: self.poll,
             };
             let ready = ready_sender.clone();
@@ -460,6 +498,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             threads: Mutex::new(threads),
             metrics: context.metrics,
             replacing: Mutex::new(()),
+            state_dir,
         }))
     }
 }
@@ -500,6 +539,9 @@ pub(crate) struct VolumeHandle {
     pub(crate) fenced: AtomicBool,
     /// Storage operations started and not finished.
     inflight: AtomicU64,
+    /// For a replicated volume (cluster mode), the way to its replication service: host I/O
+    /// goes through it instead of straight to the log.
+    pub(crate) route: Option<crate::replicate::ReplicaRoute>,
 }
 
 impl VolumeHandle {
@@ -572,7 +614,18 @@ impl NodeCatalog {
         record: &VolumeRecord,
         map: Arc<VolumeMap>,
         metrics: Arc<VolumeMetrics>,
-    ) {
+    ) -> Arc<VolumeHandle> {
+        self.insert_routed(record, map, metrics, None)
+    }
+
+    /// Serves `record`; with a `route`, as a replicated volume whose I/O goes through it.
+    pub(crate) fn insert_routed(
+        &self,
+        record: &VolumeRecord,
+        map: Arc<VolumeMap>,
+        metrics: Arc<VolumeMetrics>,
+        route: Option<crate::replicate::ReplicaRoute>,
+    ) -> Arc<VolumeHandle> {
         // Before the volume is served, so that its first write is stored as its record says.
         map.set_compression(engine_compression(record.compression));
         let handle = VolumeHandle {
@@ -586,10 +639,13 @@ impl NodeCatalog {
             uuid: record.uuid,
             fenced: AtomicBool::new(false),
             inflight: AtomicU64::new(0),
+            route,
         };
+        let handle = Arc::new(handle);
         // Host access first, so the volume is never served without it.
         self.host_access_write().insert(record.id, record.host_access.clone());
-        self.write().insert(record.id, Arc::new(handle));
+        self.write().insert(record.id, Arc::clone(&handle));
+        handle
     }
 
     /// Serves snapshot `record` read-only; its I/O is counted in its volume's `metrics`.
@@ -606,6 +662,7 @@ impl NodeCatalog {
             uuid: record.uuid,
             fenced: AtomicBool::new(false),
             inflight: AtomicU64::new(0),
+            route: None,
         };
         self.snapshots
             .write()
@@ -764,6 +821,8 @@ struct ThreadShared {
     /// The volume and snapshot ids the metadata store held at start: the engine's data of any
     /// other id (deleted just before a crash) is dropped once recovery is done.
     known_ids: std::collections::HashSet<u64>,
+    /// The replication service's inbox, on a cluster node.
+    replication: Option<crate::replicate::ServiceLink>,
 }
 
 /// Work the control plane hands to the background task on thread 0: one engine operation on
@@ -855,6 +914,10 @@ struct DataThread {
     engine: Option<Arc<LogEngine>>,
     /// Thread 0 runs the background work and the control plane's commands.
     commands: Option<mpsc::Receiver<Command>>,
+    /// Thread 0 of a cluster node runs the replication service.
+    replication: Option<crate::replicate::ServiceStart>,
+    /// NVMe ports of the node, whose ANA states the replication service sets.
+    ports: u16,
     /// The busy-poll window (zero: never poll).
     poll: Duration,
 }
@@ -904,6 +967,23 @@ impl DataThread {
                 self.stop.clone(),
             ))
         });
+        let replication = match self.replication.take() {
+            Some(start) => match crate::replicate::spawn(
+                start,
+                Rc::clone(&store),
+                Arc::clone(&self.shared.target),
+                self.ports,
+                self.stop.clone(),
+            ) {
+                Ok(task) => Some(task),
+                Err(error) => {
+                    let _ =
+                        ready.send(Err(format!("cannot start the replication service: {error}")));
+                    return;
+                }
+            },
+            None => None,
+        };
         if let Some((listeners, senders)) = self.acceptor.take() {
             // One accept loop per listener; they deal connections out from one shared turn.
             let next = Rc::new(std::cell::Cell::new(0usize));
@@ -971,6 +1051,11 @@ impl DataThread {
                     });
                 }
                 _ = self.stop.changed() => break,
+            }
+        }
+        if let Some(replication) = replication {
+            if let Err(error) = replication.await {
+                tracing::error!(%error, "the replication service failed");
             }
         }
         if let Some(background) = background {
@@ -1401,7 +1486,10 @@ fn start_request(
     tokio::task::spawn_local(async move {
         let started = Instant::now();
         let id = request.id;
-        let (result, buf) = execute(&store, &handle, request.operation).await;
+        let (result, buf) = match &handle.route {
+            Some(route) => execute(route, &handle, request.operation).await,
+            None => execute(&*store, &handle, request.operation).await,
+        };
         let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         record(&handle.metrics, &result, latency_us);
         handle.end();
@@ -1429,7 +1517,7 @@ enum Done {
 }
 
 async fn execute(
-    store: &LogHandle<DriveFile>,
+    store: &impl VolumeStore,
     handle: &VolumeHandle,
     operation: StorageOperation,
 ) -> (Result<Done, StoreError>, Option<AlignedBuf>) {
@@ -1489,6 +1577,7 @@ fn storage_status(error: &StoreError) -> StorageStatus {
         StoreError::CapacityExceeded { .. } => StorageStatus::CapacityExceeded,
         StoreError::ChecksumMismatch { .. } => StorageStatus::UnrecoveredReadError,
         StoreError::ReadOnly { .. } => StorageStatus::WriteProtected,
+        StoreError::NotServing { .. } => StorageStatus::PathInaccessible,
         StoreError::DriveFailed { .. } | StoreError::Io { .. } => StorageStatus::Internal,
     }
 }
@@ -1510,6 +1599,8 @@ struct NvmeDataPlane {
     metrics: Arc<Registry>,
     /// Serialises drive replacements: one at a time, from making the drive to the switch.
     replacing: Mutex<()>,
+    /// Where a cluster node keeps its volumes' epoch files; `None` off a cluster.
+    state_dir: Option<PathBuf>,
 }
 
 impl NvmeDataPlane {
@@ -1691,6 +1782,13 @@ impl DataPlane for NvmeDataPlane {
 
     fn remove(&self, volume: &VolumeRecord) {
         if let Some(handle) = self.catalog.get(volume.id) {
+            if handle.route.is_some() {
+                if let Some(link) = &self.shared.replication {
+                    link.command_blocking(crate::replicate::ServiceCommand::Remove {
+                        volume: volume.id,
+                    });
+                }
+            }
             handle.fenced.store(true, Ordering::SeqCst);
             self.target.disconnect_subsystem(&volume.name.subsystem_nqn());
             let deadline = Instant::now() + Duration::from_millis(REMOVE_DRAIN_TIMEOUT_MS);
@@ -1720,6 +1818,41 @@ impl DataPlane for NvmeDataPlane {
                 "could not delete the volume's data now; it is dropped at the next start"
             );
         }
+        if let Some(dir) = &self.state_dir {
+            crate::replicate::forget_epoch(dir, volume.id);
+        }
+    }
+
+    fn publish_replicated(&self, volume: &VolumeRecord) -> Result<(), DataPlaneError> {
+        let Some(link) = &self.shared.replication else {
+            return Err(DataPlaneError::failed("this node is not part of a cluster"));
+        };
+        if self.catalog.get(volume.id).is_some() {
+            return Ok(());
+        }
+        self.volumes.publish(layout_of(volume));
+        let Some(map) = self.volumes.mapping(VolumeId(volume.id)) else {
+            return Err(DataPlaneError::failed(format!(
+                "volume {} has no mapping after publishing",
+                volume.name
+            )));
+        };
+        for port_id in (1u16..).take(self.nvme_addrs.len()) {
+            self.target.set_ana_state(
+                &volume.name.subsystem_nqn(),
+                port_id,
+                AnaState::Inaccessible,
+            );
+        }
+        let route = crate::replicate::ReplicaRoute::new(volume.id, link.clone());
+        let handle =
+            self.catalog.insert_routed(volume, map, self.metrics.volume(volume.id), Some(route));
+        let size_blocks = volume.size_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES);
+        if !link.command_blocking(crate::replicate::ServiceCommand::Add { handle, size_blocks }) {
+            return Err(DataPlaneError::failed("the replication service has stopped"));
+        }
+        self.target.notify_subsystems_changed();
+        Ok(())
     }
 
     fn snapshot(
@@ -1941,6 +2074,10 @@ impl DataPlane for NvmeDataPlane {
 
     fn nvme_addr(&self) -> Option<SocketAddr> {
         self.nvme_addrs.first().copied()
+    }
+
+    fn paths_of_node(&self) -> Vec<SocketAddr> {
+        self.nvme_addrs.clone()
     }
 
     fn nbd_addr(&self) -> Option<SocketAddr> {

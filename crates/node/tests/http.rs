@@ -166,6 +166,7 @@ fn config(dir: &Path) -> NodeConfig {
         scrub_mb_per_s: 0,
         erasure_coding: None,
         rebuild_mb_per_s: 0,
+        cluster: None,
     }
 }
 

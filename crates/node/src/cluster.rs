@@ -1,0 +1,653 @@
+//! A node as a member of a cluster (issue 6): joining through etcd, placing replicated
+//! volumes, and keeping this node's data path in step with the cluster's volumes.
+//!
+//! A cluster keeps its state in etcd under `/ferrite/<cluster name>`: the volume records
+//! (`meta::EtcdStore`, the same records a single node keeps in its embedded store), and the
+//! replication state, members, leases and manager key (`meta::ClusterStore`). Each node keeps
+//! its own node record (drives, geometry) in its embedded store: [`ClusterMeta`] is the
+//! `MetaStore` the volume service uses on a cluster node, answering node calls from the
+//! embedded store and everything else from etcd.
+//!
+//! Joining: the node registers itself as a member (name, addresses, labels, capacity; etcd
+//! gives it a node id), and its replication service (`crate::replicate`) then keeps a lease
+//! alive, which is its liveness. Volumes: `volume create --replicas N` on any node places the
+//! replicas ([`place`]: live nodes first, distinct failure domains when nodes carry the label,
+//! most free space first) and writes the replication state, then the volume record. Every
+//! node's reconciler ([`Cluster::reconcile`], a few times a second) serves the volumes whose
+//! replication state names it a member and drops those that no longer do (deleted, or moved
+//! to another node by a rebuild), and keeps the peers' replication addresses current.
+
+use crate::control::ControlError;
+use crate::data_plane::DataPlane;
+use crate::metrics::Registry;
+use crate::replicate::{ReplicationSetup, ReplicationStatus};
+use meta::{
+    ClusterStore, EmbeddedStore, EtcdStore, MemberRecord, MetaError, MetaStore, NodeRecord,
+    SnapshotRecord, VolumeRecord,
+};
+use replication::{LeaseId, NodeId, VolumeState};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+use types::VolumeName;
+
+/// How often the reconciler compares the cluster's volumes with what this node serves.
+pub const RECONCILE_INTERVAL_MS: u64 = 250;
+/// How often this node refreshes its member record (free space).
+const MEMBER_REFRESH_MS: u64 = 5_000;
+/// How long one etcd call may take.
+const ETCD_TIMEOUT: Duration = Duration::from_secs(3);
+/// Replicas of one volume at most.
+pub const REPLICAS_MAX: u8 = 3;
+/// The label that names a node's failure domain; replicas go to distinct values when nodes
+/// carry it.
+pub const FAILURE_DOMAIN_LABEL: &str = "zone";
+/// The smallest lease; etcd refuses shorter TTLs with its default election timeout.
+pub const LEASE_MS_MIN: u64 = 2_000;
+pub const DEFAULT_LEASE_MS: u64 = 3_000;
+pub const DEFAULT_REBUILD_GRACE_S: u64 = 600;
+pub const DEFAULT_RESYNC_MB_PER_S: u64 = 256;
+pub const DEFAULT_CLUSTER_NAME: &str = "ferrite";
+
+/// How a node joins a cluster (`ferrite up --cluster-etcd ...`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// etcd endpoints, `http://host:port`.
+    pub etcd_endpoints: Vec<String>,
+    /// The cluster's name: its keys live under `/ferrite/<name>`.
+    pub name: String,
+    /// This node's name in the cluster, unique.
+    pub node_name: String,
+    /// Where this node takes replication traffic from its peers.
+    pub replication_listen: SocketAddr,
+    /// Placement labels (`zone=a`).
+    pub labels: BTreeMap<String, String>,
+    /// How long a node's lease lives without renewal: the failure detection time.
+    pub lease_ms: u64,
+    /// How long a member may be gone before its replicas are rebuilt on another node.
+    pub rebuild_grace_s: u64,
+    /// The most resync and rebuild copy, per node, in MiB per second.
+    pub resync_mb_per_s: u64,
+}
+
+impl ClusterConfig {
+    /// Checks the settings; the error says which to change.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.etcd_endpoints.is_empty() {
+            return Err("--cluster-etcd needs at least one etcd endpoint".to_owned());
+        }
+        if !meta::member_name_valid(&self.node_name) {
+            return Err(format!(
+                "--node-name {:?} is not a valid node name: 1 to 64 characters of A-Z a-z 0-9 . _ -",
+                self.node_name
+            ));
+        }
+        if !meta::member_name_valid(&self.name) {
+            return Err(format!(
+                "--cluster-name {:?} is not a valid cluster name: 1 to 64 characters of A-Z a-z \
+                 0-9 . _ -",
+                self.name
+            ));
+        }
+        if self.lease_ms < LEASE_MS_MIN || self.lease_ms % 1000 != 0 {
+            return Err(format!(
+                "--lease-ms {} must be whole seconds of at least {LEASE_MS_MIN} ms (etcd leases \
+                 count in seconds)",
+                self.lease_ms
+            ));
+        }
+        if self.resync_mb_per_s == 0 {
+            return Err("--resync-mb-per-s must be above zero".to_owned());
+        }
+        Ok(())
+    }
+
+    /// The etcd key prefix of the cluster.
+    pub fn prefix(&self) -> String {
+        format!("/ferrite/{}", self.name)
+    }
+
+    /// The replication protocol's timing for this cluster (every node of a cluster should
+    /// use the same lease).
+    pub fn protocol(&self) -> replication::Config {
+        let lease_ms = self.lease_ms;
+        let blocks_per_s = self.resync_mb_per_s.saturating_mul(1 << 20) / 4096;
+        // The service ticks every 5 ms: 200 ticks a second.
+        let copy_blocks_per_tick = u32::try_from((blocks_per_s / 200).max(1)).unwrap_or(u32::MAX);
+        replication::Config {
+            volume_blocks: 1,
+            block_size_bytes: 4096,
+            lease_ms,
+            keepalive_interval_ms: (lease_ms / 4).max(250),
+            store_poll_ms: 250,
+            store_timeout_ms: 1_000,
+            heartbeat_ms: 100,
+            retransmit_ms: 200,
+            ack_timeout_ms: (lease_ms / 2).max(1_000),
+            hello_interval_ms: 500,
+            copy_blocks_per_tick,
+            dirty_lbas_max: 1 << 20,
+            divergence_lbas_max: 1 << 14,
+            grace_ms: self.rebuild_grace_s.saturating_mul(1000),
+        }
+    }
+}
+
+/// Why joining the cluster failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("invalid cluster setting: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    #[error(
+        "cannot listen for replication on {addr}: {source}; pass another --replication-listen"
+    )]
+    Listen { addr: SocketAddr, source: std::io::Error },
+    #[error("cannot keep the replication state in {}: {source}", path.display())]
+    StateDir { path: PathBuf, source: std::io::Error },
+}
+
+/// A node's membership of a cluster, shared by the REST API and the reconciler.
+pub struct Cluster {
+    pub config: ClusterConfig,
+    pub store: Arc<ClusterStore>,
+    pub volumes: Arc<EtcdStore>,
+    pub me: NodeId,
+    pub peers: Arc<RwLock<HashMap<NodeId, SocketAddr>>>,
+    pub status: Arc<ReplicationStatus>,
+    member: Mutex<MemberRecord>,
+}
+
+impl Cluster {
+    /// Connects to etcd, binds the replication listener and registers this node. Returns the
+    /// cluster and what the data path's replication service needs.
+    pub fn join(
+        config: ClusterConfig,
+        node: &NodeRecord,
+        data_dir: &std::path::Path,
+        api_listen: SocketAddr,
+        nvme_listen: &[SocketAddr],
+    ) -> Result<(Arc<Cluster>, ReplicationSetup), ClusterError> {
+        config.validate().map_err(ClusterError::Config)?;
+        let prefix = config.prefix();
+        let lease = Duration::from_millis(config.lease_ms);
+        let store =
+            Arc::new(ClusterStore::connect(&config.etcd_endpoints, &prefix, ETCD_TIMEOUT, lease)?);
+        let volumes = Arc::new(EtcdStore::connect(&config.etcd_endpoints, &prefix, ETCD_TIMEOUT)?);
+        let listener = std::net::TcpListener::bind(config.replication_listen)
+            .map_err(|source| ClusterError::Listen { addr: config.replication_listen, source })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|source| ClusterError::Listen { addr: config.replication_listen, source })?;
+        let bound = listener
+            .local_addr()
+            .map_err(|source| ClusterError::Listen { addr: config.replication_listen, source })?;
+        let record = MemberRecord {
+            name: config.node_name.clone(),
+            id: NodeId(0),
+            replication_addr: crate::advertised(bound).to_string(),
+            // As configured; `announce` records the bound addresses once the node serves.
+            nvme_addrs: nvme_listen
+                .iter()
+                .map(|addr| crate::advertised(*addr).to_string())
+                .collect(),
+            api_addr: crate::advertised(api_listen).to_string(),
+            nbd_addr: None,
+            labels: config.labels.clone(),
+            drive_count: node.drive_count,
+            capacity_bytes: node.drive_size_bytes.saturating_mul(u64::from(node.drive_count)),
+            free_bytes: node.drive_size_bytes.saturating_mul(u64::from(node.drive_count)),
+            updated_unix_ms: crate::control::now_unix_ms(),
+        };
+        let me = store.register_member(record.clone())?;
+        let state_dir = data_dir.join("replication");
+        let incarnation = crate::replicate::next_incarnation(&state_dir)
+            .map_err(|source| ClusterError::StateDir { path: state_dir.clone(), source })?;
+        tracing::info!(
+            cluster = %config.name,
+            node = %config.node_name,
+            id = %me,
+            replication = %bound,
+            incarnation,
+            "joined the cluster"
+        );
+        let peers = Arc::new(RwLock::new(HashMap::new()));
+        let status = Arc::new(ReplicationStatus::default());
+        let setup = ReplicationSetup {
+            me,
+            incarnation,
+            store: Arc::clone(&store),
+            listener,
+            state_dir,
+            config: config.protocol(),
+            peers: Arc::clone(&peers),
+            status: Arc::clone(&status),
+        };
+        let cluster = Cluster {
+            config,
+            store,
+            volumes,
+            me,
+            peers,
+            status,
+            member: Mutex::new(MemberRecord { id: me, ..record }),
+        };
+        cluster.refresh_peers();
+        Ok((Arc::new(cluster), setup))
+    }
+
+    /// The volumes this node holds a replica of, for the data path's start.
+    pub fn local_volumes(&self) -> Result<Vec<VolumeRecord>, MetaError> {
+        let states: BTreeMap<u64, VolumeState> = self
+            .store
+            .replication_states()?
+            .into_iter()
+            .map(|(id, state)| (id, state.value))
+            .collect();
+        Ok(self
+            .volumes
+            .volumes()?
+            .into_iter()
+            .filter(|record| states.get(&record.id).is_some_and(|s| s.members.contains(&self.me)))
+            .collect())
+    }
+
+    /// Records the addresses the node serves on, once the data path and the API are up.
+    pub fn announce(&self, api: SocketAddr, nvme: &[SocketAddr], nbd: Option<SocketAddr>) {
+        let mut member = self.member.lock().unwrap_or_else(PoisonError::into_inner);
+        member.api_addr = api.to_string();
+        member.nvme_addrs = nvme.iter().map(ToString::to_string).collect();
+        member.nbd_addr = nbd.map(|addr| addr.to_string());
+        if let Err(error) = self.store.update_member(&member) {
+            tracing::warn!(%error, "cannot update this node's member record");
+        }
+    }
+
+    fn refresh_peers(&self) {
+        let Ok(members) = self.store.members() else { return };
+        let mut peers = self.peers.write().unwrap_or_else(PoisonError::into_inner);
+        for (member, _) in members {
+            if let Ok(address) = member.replication_addr.parse::<SocketAddr>() {
+                peers.insert(member.id, address);
+            }
+        }
+    }
+
+    /// Names of the nodes, by id.
+    pub fn names(&self) -> BTreeMap<NodeId, String> {
+        self.store
+            .members()
+            .map(|members| {
+                members.into_iter().map(|(member, _)| (member.id, member.name)).collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Creates a replicated volume: places its replicas, writes its replication state, then
+    /// its record. Every member's reconciler then serves it.
+    pub fn create_volume(
+        &self,
+        record: &VolumeRecord,
+        replicas: u8,
+    ) -> Result<Vec<NodeId>, ControlError> {
+        let members = self.store.members().map_err(ControlError::Meta)?;
+        let placed = place(&members, replicas, record.size_bytes)
+            .map_err(|reason| ControlError::Placement { name: record.name.clone(), reason })?;
+        let set: BTreeSet<NodeId> = placed.iter().copied().collect();
+        let state = VolumeState {
+            epoch: 0,
+            primary: None,
+            primary_lease: LeaseId::NONE,
+            in_sync: set.clone(),
+            members: set,
+        };
+        self.store.create_replication_state(record.id, &state).map_err(ControlError::Meta)?;
+        if let Err(error) = self.volumes.create_volume(record) {
+            let _ = self.store.delete_replication_state(record.id);
+            return Err(ControlError::from_meta_error(error));
+        }
+        Ok(placed)
+    }
+
+    /// Deletes a volume's replication state after its record (members then drop their
+    /// replicas).
+    pub fn forget_volume(&self, id: u64) {
+        if let Err(error) = self.store.delete_replication_state(id) {
+            tracing::warn!(volume = id, %error, "cannot delete the volume's replication state");
+        }
+    }
+
+    /// The volume's replication state, if it has one.
+    pub fn volume_state(&self, id: u64) -> Option<replication::Versioned<VolumeState>> {
+        self.store
+            .replication_states()
+            .ok()?
+            .into_iter()
+            .find_map(|(volume, state)| (volume == id).then_some(state))
+    }
+
+    /// Keeps the data path serving exactly the volumes this node is a member of, until `stop`.
+    /// Runs on a blocking thread.
+    pub fn reconcile(
+        self: Arc<Self>,
+        data_plane: Arc<dyn DataPlane>,
+        metrics: Arc<Registry>,
+        served: Vec<VolumeRecord>,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) {
+        let mut served: BTreeMap<u64, VolumeRecord> =
+            served.into_iter().map(|record| (record.id, record)).collect();
+        let mut last_error = String::new();
+        let mut last_member_refresh = std::time::Instant::now();
+        while !*stop.borrow() {
+            match self.reconcile_once(&*data_plane, &metrics, &mut served) {
+                Ok(()) => last_error.clear(),
+                Err(error) => {
+                    let text = error.to_string();
+                    if text != last_error {
+                        tracing::warn!(error = %text, "cannot reconcile with the cluster");
+                        last_error = text;
+                    }
+                }
+            }
+            if last_member_refresh.elapsed() >= Duration::from_millis(MEMBER_REFRESH_MS) {
+                last_member_refresh = std::time::Instant::now();
+                let capacity = data_plane.capacity();
+                let mut member = self.member.lock().unwrap_or_else(PoisonError::into_inner);
+                member.capacity_bytes = capacity.total_bytes;
+                member.free_bytes = capacity.free_bytes;
+                member.updated_unix_ms = crate::control::now_unix_ms();
+                if let Err(error) = self.store.update_member(&member) {
+                    tracing::debug!(%error, "cannot refresh this node's member record");
+                }
+            }
+            std::thread::sleep(Duration::from_millis(RECONCILE_INTERVAL_MS));
+        }
+    }
+
+    fn reconcile_once(
+        &self,
+        data_plane: &dyn DataPlane,
+        metrics: &Registry,
+        served: &mut BTreeMap<u64, VolumeRecord>,
+    ) -> Result<(), MetaError> {
+        self.refresh_peers();
+        let states: BTreeMap<u64, VolumeState> = self
+            .store
+            .replication_states()?
+            .into_iter()
+            .map(|(id, state)| (id, state.value))
+            .collect();
+        let records = self.volumes.volumes()?;
+        let wanted: BTreeMap<u64, VolumeRecord> = records
+            .into_iter()
+            .filter(|record| states.get(&record.id).is_some_and(|s| s.members.contains(&self.me)))
+            .map(|record| (record.id, record))
+            .collect();
+        let gone: Vec<u64> = served.keys().filter(|id| !wanted.contains_key(id)).copied().collect();
+        for id in gone {
+            if let Some(record) = served.remove(&id) {
+                tracing::info!(volume = %record.name, id, "no longer a member: dropping the replica");
+                data_plane.remove(&record);
+                metrics.remove_volume(id);
+            }
+        }
+        for (id, record) in wanted {
+            match served.get(&id) {
+                None => {
+                    if let Err(error) = data_plane.reserve_create(id, record.size_bytes) {
+                        tracing::warn!(volume = %record.name, %error, "cannot reserve the replica");
+                        continue;
+                    }
+                    metrics.register_volume(id, &record.name);
+                    if let Err(error) = data_plane.publish_replicated(&record) {
+                        tracing::warn!(volume = %record.name, %error, "cannot serve the replica");
+                        data_plane.cancel(&record);
+                        continue;
+                    }
+                    tracing::info!(volume = %record.name, id, "serving a replica");
+                    served.insert(id, record);
+                }
+                Some(current) => {
+                    if current.host_access != record.host_access {
+                        data_plane.set_host_access(&record);
+                    }
+                    if current.compression != record.compression {
+                        data_plane.set_compression(&record);
+                    }
+                    served.insert(id, record);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Cluster {
+    /// A volume's replication as the API reports it.
+    pub fn replication_info(&self, id: u64) -> Option<api::ReplicationInfo> {
+        let state = self.volume_state(id)?.value;
+        let names = self.names();
+        let name = |node: &NodeId| names.get(node).cloned().unwrap_or_else(|| node.to_string());
+        let local = self.status.volume(id).map(|local| api::LocalReplica {
+            node: self.config.node_name.clone(),
+            epoch: local.epoch,
+            serving: local.serving,
+            failed: local.latched,
+            writes_completed: local.stats.writes_completed,
+            replicas_removed: local.stats.replicas_removed,
+            resyncs_started: local.stats.resyncs_started,
+            resyncs_completed: local.stats.resyncs_completed,
+            blocks_resynced: local.stats.blocks_resynced,
+            blocks_pushed: local.stats.blocks_pushed,
+        });
+        Some(api::ReplicationInfo {
+            epoch: state.epoch,
+            primary: state.primary.as_ref().map(name),
+            members: state.members.iter().map(name).collect(),
+            in_sync: state.in_sync.iter().map(name).collect(),
+            local,
+        })
+    }
+
+    /// The cluster's nodes, for `GET /v1/cluster`.
+    pub fn info(&self) -> Result<api::ClusterInfo, MetaError> {
+        let members = self.store.members()?;
+        let states = self.store.replication_states()?;
+        let live: BTreeSet<NodeId> =
+            members.iter().filter(|(_, live)| *live).map(|(member, _)| member.id).collect();
+        let nodes = members
+            .iter()
+            .map(|(member, is_live)| api::ClusterNode {
+                name: member.name.clone(),
+                id: member.id.0,
+                live: *is_live,
+                replication_addr: member.replication_addr.clone(),
+                nvme_addrs: member.nvme_addrs.clone(),
+                api_addr: member.api_addr.clone(),
+                labels: member.labels.clone(),
+                drive_count: member.drive_count,
+                capacity_bytes: member.capacity_bytes,
+                free_bytes: member.free_bytes,
+                replicas: states
+                    .iter()
+                    .filter(|(_, state)| state.value.members.contains(&member.id))
+                    .count() as u64,
+                primaries: states
+                    .iter()
+                    .filter(|(_, state)| state.value.primary == Some(member.id))
+                    .count() as u64,
+            })
+            .collect();
+        let degraded = states
+            .iter()
+            .filter(|(_, state)| {
+                state.value.in_sync.len() < state.value.members.len()
+                    || state.value.members.iter().any(|member| !live.contains(member))
+            })
+            .count() as u64;
+        let manager = self.store.manager()?.map(|id| {
+            members
+                .iter()
+                .find(|(member, _)| member.id == id)
+                .map_or_else(|| id.to_string(), |(member, _)| member.name.clone())
+        });
+        Ok(api::ClusterInfo {
+            name: self.config.name.clone(),
+            node: self.config.node_name.clone(),
+            manager,
+            nodes,
+            volumes: states.len() as u64,
+            volumes_degraded: degraded,
+        })
+    }
+}
+
+/// Chooses `replicas` nodes for a volume: live members only, distinct failure domains (the
+/// `zone` label) while there are enough of them, most free space first, ties by id.
+pub fn place(
+    members: &[(MemberRecord, bool)],
+    replicas: u8,
+    size_bytes: u64,
+) -> Result<Vec<NodeId>, String> {
+    if replicas == 0 || replicas > REPLICAS_MAX {
+        return Err(format!("--replicas must be 1 to {REPLICAS_MAX}, not {replicas}"));
+    }
+    let mut live: Vec<&MemberRecord> =
+        members.iter().filter(|(_, live)| *live).map(|(member, _)| member).collect();
+    if live.len() < usize::from(replicas) {
+        return Err(format!(
+            "{replicas} replicas need {replicas} live nodes, and {} of {} are live; start more \
+             nodes (`ferrite node list` shows them) or ask for fewer replicas",
+            live.len(),
+            members.len()
+        ));
+    }
+    live.sort_by(|a, b| b.free_bytes.cmp(&a.free_bytes).then(a.id.cmp(&b.id)));
+    let _ = size_bytes; // thin: any node can hold any size; free space only orders them
+    let mut chosen: Vec<NodeId> = Vec::new();
+    let mut domains: BTreeSet<Option<&String>> = BTreeSet::new();
+    // First pass: one node per failure domain; second: fill up with the rest.
+    for member in &live {
+        let domain = member.labels.get(FAILURE_DOMAIN_LABEL);
+        if chosen.len() < usize::from(replicas) && (domain.is_none() || domains.insert(domain)) {
+            chosen.push(member.id);
+        }
+    }
+    for member in &live {
+        if chosen.len() < usize::from(replicas) && !chosen.contains(&member.id) {
+            chosen.push(member.id);
+        }
+    }
+    Ok(chosen)
+}
+
+/// The metadata store of a cluster node: this node's record in its embedded store, volumes
+/// and snapshots in etcd.
+pub struct ClusterMeta {
+    pub local: Arc<EmbeddedStore>,
+    pub cluster: Arc<EtcdStore>,
+}
+
+impl MetaStore for ClusterMeta {
+    fn revision(&self) -> Result<u64, MetaError> {
+        self.cluster.revision()
+    }
+    fn node(&self) -> Result<Option<NodeRecord>, MetaError> {
+        self.local.node()
+    }
+    fn put_node(&self, node: &NodeRecord) -> Result<u64, MetaError> {
+        self.local.put_node(node)
+    }
+    fn allocate_volume_id(&self) -> Result<u64, MetaError> {
+        self.cluster.allocate_volume_id()
+    }
+    fn volume(&self, name: &VolumeName) -> Result<Option<VolumeRecord>, MetaError> {
+        self.cluster.volume(name)
+    }
+    fn volumes(&self) -> Result<Vec<VolumeRecord>, MetaError> {
+        self.cluster.volumes()
+    }
+    fn create_volume(&self, record: &VolumeRecord) -> Result<u64, MetaError> {
+        self.cluster.create_volume(record)
+    }
+    fn update_volume(&self, record: &VolumeRecord) -> Result<u64, MetaError> {
+        self.cluster.update_volume(record)
+    }
+    fn delete_volume(&self, name: &VolumeName) -> Result<VolumeRecord, MetaError> {
+        self.cluster.delete_volume(name)
+    }
+    fn snapshots(&self, volume: &VolumeName) -> Result<Vec<SnapshotRecord>, MetaError> {
+        self.cluster.snapshots(volume)
+    }
+    fn all_snapshots(&self) -> Result<Vec<SnapshotRecord>, MetaError> {
+        self.cluster.all_snapshots()
+    }
+    fn snapshot(
+        &self,
+        volume: &VolumeName,
+        name: &VolumeName,
+    ) -> Result<Option<SnapshotRecord>, MetaError> {
+        self.cluster.snapshot(volume, name)
+    }
+    fn create_snapshot(&self, record: &SnapshotRecord) -> Result<u64, MetaError> {
+        self.cluster.create_snapshot(record)
+    }
+    fn delete_snapshot(
+        &self,
+        volume: &VolumeName,
+        name: &VolumeName,
+    ) -> Result<SnapshotRecord, MetaError> {
+        self.cluster.delete_snapshot(volume, name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(id: u32, free: u64, zone: Option<&str>) -> MemberRecord {
+        MemberRecord {
+            name: format!("n{id}"),
+            id: NodeId(id),
+            replication_addr: "127.0.0.1:1".to_owned(),
+            nvme_addrs: Vec::new(),
+            api_addr: String::new(),
+            nbd_addr: None,
+            labels: zone
+                .map(|zone| BTreeMap::from([(FAILURE_DOMAIN_LABEL.to_owned(), zone.to_owned())]))
+                .unwrap_or_default(),
+            drive_count: 1,
+            capacity_bytes: 100,
+            free_bytes: free,
+            updated_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn placement_prefers_free_space_live_nodes_and_distinct_zones() {
+        let members = vec![
+            (member(1, 10, None), true),
+            (member(2, 50, None), true),
+            (member(3, 90, None), false),
+            (member(4, 30, None), true),
+        ];
+        assert_eq!(place(&members, 2, 1).unwrap(), vec![NodeId(2), NodeId(4)]);
+        assert!(place(&members, 3, 1).is_ok());
+        let error = place(&members[..2], 3, 1).unwrap_err();
+        assert!(error.contains("3 replicas need 3 live nodes"), "{error}");
+        assert!(place(&members, 0, 1).is_err() && place(&members, 4, 1).is_err());
+
+        let zoned = vec![
+            (member(1, 90, Some("a")), true),
+            (member(2, 80, Some("a")), true),
+            (member(3, 10, Some("b")), true),
+        ];
+        // Zone b first despite its space: one replica per zone while zones last.
+        assert_eq!(place(&zoned, 2, 1).unwrap(), vec![NodeId(1), NodeId(3)]);
+        assert_eq!(place(&zoned, 3, 1).unwrap(), vec![NodeId(1), NodeId(3), NodeId(2)]);
+    }
+}

@@ -1,0 +1,1189 @@
+//! The node's side of synchronous replication (issue 6): the wiring of the sans-IO state
+//! machines of the `replication` crate to TCP, etcd and the log engine.
+//!
+//! One task on data-path thread 0, the *service*, owns every replicated volume's
+//! `replication::VolumeNode`, the node's `LeaseKeeper` and, while this node holds the manager
+//! key in etcd, one `Manager` per volume. Everything reaches it through one bounded inbox
+//! ([`Input`]): host commands from the data-path threads (through each volume's
+//! [`ReplicaRoute`], which implements `engine::VolumeStore` so the NVMe/TCP and NBD drivers use
+//! it like the log), messages from other nodes, control store replies, local storage
+//! completions, and the control plane's commands (serve or drop a volume). The service turns
+//! the state machines' actions into work:
+//!
+//! - `Send`: one frame (`replication::wire`, addressed with the volume id and this node's id)
+//!   on the peer's outbound link, a task that keeps one TCP connection to the peer's replication
+//!   address and drops frames while it cannot connect (the protocol tolerates loss);
+//! - `StorageWrite` / `StorageRead`: a task on thread 0's `LogHandle`, counted as I/O of the
+//!   volume's catalog handle so deleting the volume fences and drains it like host I/O;
+//! - `PersistEpoch`: the epoch file `DATA-DIR/replication/epoch-<volume id>`, replaced
+//!   atomically and synced, on a blocking thread;
+//! - `Store`: a job for the store thread, which runs `meta::ClusterStore` calls against etcd one
+//!   at a time and posts the replies back (a lost or failed call is retried by the state
+//!   machine's own timeout);
+//! - `CompleteHost`: the waiting host command's reply.
+//!
+//! ANA follows the protocol: after every input the service sets the volume's ANA state on all
+//! of this node's NVMe ports to optimized exactly while its `VolumeNode` serves (it is the
+//! primary of the current epoch and holds its lease), inaccessible otherwise, so hosts' native
+//! multipath moves to the new primary on failover. A host command that reaches a node that
+//! does not serve fails with ANA Inaccessible (`StoreError::NotServing`), a path error.
+
+use crate::nvme::VolumeHandle;
+use engine::log::LogHandle;
+use engine::{StoreError, VolumeMap, VolumeStore};
+use io::DriveFile;
+use meta::ClusterStore;
+use nvmf::target::{AnaState, Target};
+use replication::wire::{Envelope, FrameReader};
+use replication::{
+    Action, Block, BlockData, Event, HostError, HostOp, HostOpId, HostReply, LeaseKeeper,
+    LeaseStatus, Manager, NodeId, StorageOpId, StorageResult, StoreReply, StoreRequest,
+    StoreRequestId, VolumeNode,
+};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, watch};
+use types::{AlignedBuf, Nqn, LOGICAL_BLOCK_SIZE_BYTES};
+
+/// Inputs waiting for the service at most; senders wait when it is full.
+pub(crate) const INBOX_INPUTS_MAX: usize = 4096;
+/// Host commands of one volume waiting for a slot (the state machine takes at most
+/// `INFLIGHT_WRITES_MAX` writes and `INFLIGHT_READS_MAX` reads); more are refused as busy.
+const WAITING_HOST_COMMANDS_MAX: usize = 1024;
+/// Control store jobs queued for the store thread; beyond, a job is dropped (its state machine
+/// retries after its timeout).
+const STORE_JOBS_MAX: usize = 256;
+/// Frames queued on one peer's outbound link; beyond, frames are dropped (the protocol resends).
+const LINK_FRAMES_MAX: usize = 1024;
+/// Bytes one write to a peer's socket gathers from queued frames at most.
+const LINK_BATCH_BYTES_MAX: usize = 1 << 20;
+/// How long a link waits between connection attempts to an unreachable peer.
+const LINK_RECONNECT_MS: u64 = 200;
+/// How long one connection attempt to a peer may take.
+const LINK_CONNECT_TIMEOUT_MS: u64 = 1_000;
+/// How often the service ticks the state machines.
+const TICK_MS: u64 = 5;
+/// How often a node with a lease tries to become (or confirms it is) the cluster manager.
+const CAMPAIGN_INTERVAL_MS: u64 = 1_000;
+/// How often the published status ([`ReplicationStatus`]) is refreshed.
+const STATUS_INTERVAL_MS: u64 = 200;
+/// Inbound replication connections served at once.
+const INBOUND_CONNECTIONS_MAX: usize = 256;
+/// The largest epoch file read at start.
+const EPOCH_FILE_BYTES_MAX: u64 = 64;
+
+/// Everything the service needs, made by the node before the data path starts.
+pub struct ReplicationSetup {
+    pub me: NodeId,
+    /// Different at every start of this node (a durable counter, [`next_incarnation`]).
+    pub incarnation: u64,
+    pub store: Arc<ClusterStore>,
+    /// The bound replication listener (`ferrite up --replication-listen`).
+    pub listener: std::net::TcpListener,
+    /// Where epoch files live: DATA-DIR/replication.
+    pub state_dir: PathBuf,
+    /// Timing and limits shared by every volume (`volume_blocks` is set per volume).
+    pub config: replication::Config,
+    /// Peers' replication addresses, kept current by the control plane from etcd.
+    pub peers: Arc<RwLock<HashMap<NodeId, SocketAddr>>>,
+    /// What the service publishes for the REST API.
+    pub status: Arc<ReplicationStatus>,
+}
+
+/// One replicated volume's state as this node sees it, for `volume show` and the metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VolumeReplication {
+    /// The newest epoch this node knows.
+    pub epoch: u64,
+    /// This node serves the volume now (primary of `epoch`, with its lease).
+    pub serving: bool,
+    /// Storage failed here; the volume's replica on this node acknowledges nothing more.
+    pub latched: bool,
+    pub stats: replication::Stats,
+}
+
+/// The service's published state, read by the control plane.
+#[derive(Debug, Default)]
+pub struct ReplicationStatus {
+    volumes: Mutex<BTreeMap<u64, VolumeReplication>>,
+    lease: Mutex<Option<(replication::LeaseId, bool)>>,
+    manager: Mutex<Option<NodeId>>,
+    /// Frames dropped because a peer's link was full or down.
+    pub frames_dropped: AtomicU64,
+    pub frames_sent: AtomicU64,
+    pub frames_received: AtomicU64,
+}
+
+impl ReplicationStatus {
+    pub fn volume(&self, id: u64) -> Option<VolumeReplication> {
+        self.volumes.lock().unwrap_or_else(PoisonError::into_inner).get(&id).cloned()
+    }
+
+    pub fn volumes(&self) -> BTreeMap<u64, VolumeReplication> {
+        self.volumes.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// This node's lease, and whether it is valid by this node's clock.
+    pub fn lease(&self) -> Option<(replication::LeaseId, bool)> {
+        *self.lease.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The cluster manager as this node last saw it.
+    pub fn manager(&self) -> Option<NodeId> {
+        *self.manager.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Reads, bumps and durably stores this node's incarnation counter (DATA-DIR/replication/
+/// incarnation), so every start gets a number no earlier start had.
+pub fn next_incarnation(state_dir: &Path) -> std::io::Result<u64> {
+    std::fs::create_dir_all(state_dir)?;
+    let path = state_dir.join("incarnation");
+    let previous = read_counter(&path)?.unwrap_or(0);
+    let next = previous + 1;
+    if next >= 1 << 32 {
+        return Err(std::io::Error::other("the incarnation counter is exhausted"));
+    }
+    write_counter(state_dir, &path, next)?;
+    Ok(next)
+}
+
+/// The epoch file of a volume.
+fn epoch_path(state_dir: &Path, volume: u64) -> PathBuf {
+    state_dir.join(format!("epoch-{volume}"))
+}
+
+/// The epoch this node persisted for `volume`: 0 if it never persisted one.
+pub(crate) fn persisted_epoch(state_dir: &Path, volume: u64) -> std::io::Result<u64> {
+    Ok(read_counter(&epoch_path(state_dir, volume))?.unwrap_or(0))
+}
+
+/// Forgets a volume's epoch file (the volume's replica on this node was deleted).
+pub(crate) fn forget_epoch(state_dir: &Path, volume: u64) {
+    let _ = std::fs::remove_file(epoch_path(state_dir, volume));
+}
+
+fn read_counter(path: &Path) -> std::io::Result<Option<u64>> {
+    use std::io::Read as _;
+    let file = match std::fs::File::open(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(error),
+    };
+    let mut text = String::new();
+    file.take(EPOCH_FILE_BYTES_MAX).read_to_string(&mut text)?;
+    let value = text.trim().parse::<u64>().map_err(|_| {
+        std::io::Error::other(format!(
+            "{} does not hold a number; it is damaged (restore it, or remove this node's \
+             replica and let it be rebuilt)",
+            path.display()
+        ))
+    })?;
+    Ok(Some(value))
+}
+
+/// Replaces `path` with `value` atomically and durably: a temporary file, synced, renamed over
+/// it, and the directory synced.
+fn write_counter(dir: &Path, path: &Path, value: u64) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let temporary = path.with_extension("new");
+    {
+        let mut file = std::fs::File::create(&temporary)?;
+        writeln!(file, "{value}")?;
+        file.sync_all()?;
+    }
+    std::fs::rename(&temporary, path)?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// What a host command became, for the waiting caller.
+type HostResult = Result<HostReply, HostError>;
+
+/// A host command for a replicated volume, from a data-path thread.
+pub(crate) struct HostRequest {
+    volume: u64,
+    op: HostOp,
+    reply: oneshot::Sender<HostResult>,
+}
+
+/// The control plane's commands to the service.
+pub(crate) enum ServiceCommand {
+    /// Serve `handle` (a volume of `size_blocks` blocks) as a replicated volume.
+    Add { handle: Arc<VolumeHandle>, size_blocks: u64 },
+    /// Stop replicating the volume (it is being deleted here); its waiting host commands fail.
+    Remove { volume: u64 },
+}
+
+/// Who asked the control store something.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Origin {
+    Keeper,
+    Volume(u64),
+    Manager(u64),
+}
+
+enum StoreJob {
+    Request { origin: Origin, volume: u64, id: StoreRequestId, request: StoreRequest },
+    Campaign { node: NodeId, lease: replication::LeaseId },
+}
+
+/// Which slots of the state machine a host command takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Write,
+    Read,
+    /// A flush: completes at once, takes no slot.
+    Other,
+}
+
+impl Class {
+    fn of(op: &HostOp) -> Self {
+        match op {
+            HostOp::Write { .. } | HostOp::Deallocate { .. } => Class::Write,
+            HostOp::Read { .. } => Class::Read,
+            HostOp::Flush => Class::Other,
+        }
+    }
+}
+
+/// Everything the service reacts to.
+pub(crate) enum Input {
+    Host(HostRequest),
+    Message(Envelope),
+    Store { origin: Origin, id: StoreRequestId, reply: StoreReply },
+    Manager(NodeId),
+    Storage { volume: u64, id: StorageOpId, result: StorageResult },
+    EpochPersisted { volume: u64, epoch: u64 },
+    Command(ServiceCommand),
+}
+
+/// The way into the service, shared by every data-path thread and the control plane.
+#[derive(Clone)]
+pub(crate) struct ServiceLink {
+    inbox: mpsc::Sender<Input>,
+}
+
+impl ServiceLink {
+    pub(crate) fn command_blocking(&self, command: ServiceCommand) -> bool {
+        self.inbox.blocking_send(Input::Command(command)).is_ok()
+    }
+}
+
+/// A replicated volume as the data path stores to it: every command goes to the service, which
+/// runs it through the volume's `VolumeNode` (replicated writes, reads from the primary).
+pub(crate) struct ReplicaRoute {
+    pub(crate) volume: u64,
+    link: ServiceLink,
+}
+
+impl ReplicaRoute {
+    pub(crate) fn new(volume: u64, link: ServiceLink) -> Self {
+        Self { volume, link }
+    }
+
+    async fn run(&self, op: HostOp) -> HostResult {
+        let (reply, answer) = oneshot::channel();
+        let request = HostRequest { volume: self.volume, op, reply };
+        if self.link.inbox.send(Input::Host(request)).await.is_err() {
+            return Err(HostError::NotPrimary);
+        }
+        answer.await.unwrap_or(Err(HostError::NotPrimary))
+    }
+
+    fn error(&self, error: HostError, offset_bytes: u64, length_bytes: u64) -> StoreError {
+        let volume = engine::VolumeId(self.volume);
+        match error {
+            HostError::NotPrimary | HostError::Busy => StoreError::NotServing { volume },
+            HostError::OutOfRange { volume_blocks, .. } => StoreError::OutOfRange {
+                offset_bytes,
+                length_bytes,
+                size_bytes: volume_blocks * u64::from(LOGICAL_BLOCK_SIZE_BYTES),
+            },
+            HostError::BadLength { .. } | HostError::BlockSize { .. } => {
+                StoreError::Unaligned { offset_bytes, length_bytes }
+            }
+        }
+    }
+
+    /// Splits `[offset, offset + length)` into block ranges of at most `max_blocks`.
+    fn pieces(
+        offset_bytes: u64,
+        length_bytes: u64,
+        max_blocks: u32,
+    ) -> Result<impl Iterator<Item = (u64, u32)>, (u64, u64)> {
+        let block = u64::from(LOGICAL_BLOCK_SIZE_BYTES);
+        if offset_bytes % block != 0 || length_bytes % block != 0 || length_bytes == 0 {
+            return Err((offset_bytes, length_bytes));
+        }
+        let first = offset_bytes / block;
+        let end = first + length_bytes / block;
+        let step = u64::from(max_blocks);
+        Ok((first..end).step_by(max_blocks as usize).map(move |lba| {
+            let count = (end - lba).min(step);
+            (lba, u32::try_from(count).unwrap_or(max_blocks))
+        }))
+    }
+}
+
+impl VolumeStore for ReplicaRoute {
+    async fn read(
+        &self,
+        _volume: &VolumeMap,
+        offset_bytes: u64,
+        mut buf: AlignedBuf,
+    ) -> (Result<(), StoreError>, AlignedBuf) {
+        let length_bytes = buf.len() as u64;
+        let pieces = match Self::pieces(offset_bytes, length_bytes, replication::BLOCKS_PER_OP_MAX)
+        {
+            Ok(pieces) => pieces,
+            Err((offset_bytes, length_bytes)) => {
+                return (Err(StoreError::Unaligned { offset_bytes, length_bytes }), buf)
+            }
+        };
+        let block = LOGICAL_BLOCK_SIZE_BYTES as usize;
+        let first_lba = offset_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES);
+        for (lba, count) in pieces {
+            match self.run(HostOp::Read { lba, count }).await {
+                Ok(HostReply::Read(blocks)) if blocks.len() == count as usize => {
+                    let start = usize::try_from(lba - first_lba).unwrap_or(usize::MAX) * block;
+                    for (index, data) in blocks.iter().enumerate() {
+                        let target = &mut buf[start + index * block..start + (index + 1) * block];
+                        match data {
+                            Some(bytes) if bytes.len() == block => target.copy_from_slice(bytes),
+                            Some(_) => {
+                                let error = StoreError::NotServing {
+                                    volume: engine::VolumeId(self.volume),
+                                };
+                                return (Err(error), buf);
+                            }
+                            None => target.fill(0),
+                        }
+                    }
+                }
+                Ok(_) => {
+                    let error = StoreError::NotServing { volume: engine::VolumeId(self.volume) };
+                    return (Err(error), buf);
+                }
+                Err(error) => return (Err(self.error(error, offset_bytes, length_bytes)), buf),
+            }
+        }
+        (Ok(()), buf)
+    }
+
+    async fn write(
+        &self,
+        _volume: &VolumeMap,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+    ) -> (Result<(), StoreError>, AlignedBuf) {
+        let length_bytes = buf.len() as u64;
+        let pieces = match Self::pieces(offset_bytes, length_bytes, replication::BLOCKS_PER_OP_MAX)
+        {
+            Ok(pieces) => pieces,
+            Err((offset_bytes, length_bytes)) => {
+                return (Err(StoreError::Unaligned { offset_bytes, length_bytes }), buf)
+            }
+        };
+        let block = LOGICAL_BLOCK_SIZE_BYTES as usize;
+        let first_lba = offset_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES);
+        // The pieces of one command are independent writes; they run one after another so a
+        // command never holds more than one of the volume's write slots.
+        for (lba, count) in pieces {
+            let start = usize::try_from(lba - first_lba).unwrap_or(usize::MAX) * block;
+            let blocks: Vec<Block> = buf[start..start + count as usize * block]
+                .chunks_exact(block)
+                .map(Block::from)
+                .collect();
+            if let Err(error) = self.run(HostOp::Write { lba, blocks }).await {
+                return (Err(self.error(error, offset_bytes, length_bytes)), buf);
+            }
+        }
+        (Ok(()), buf)
+    }
+
+    async fn flush(&self, _volume: &VolumeMap) -> Result<(), StoreError> {
+        self.run(HostOp::Flush).await.map(|_| ()).map_err(|error| self.error(error, 0, 0))
+    }
+
+    async fn write_zeroes(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Result<(), StoreError> {
+        // A thin volume reads deallocated blocks as zeros.
+        self.deallocate(volume, offset_bytes, length_bytes).await
+    }
+
+    async fn deallocate(
+        &self,
+        _volume: &VolumeMap,
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Result<(), StoreError> {
+        let max = replication::DEALLOCATE_BLOCKS_PER_OP_MAX;
+        let pieces = Self::pieces(offset_bytes, length_bytes, max).map_err(
+            |(offset_bytes, length_bytes)| StoreError::Unaligned { offset_bytes, length_bytes },
+        )?;
+        for (lba, count) in pieces {
+            self.run(HostOp::Deallocate { lba, count })
+                .await
+                .map_err(|error| self.error(error, offset_bytes, length_bytes))?;
+        }
+        Ok(())
+    }
+}
+
+/// Makes the service's inbox; the receiver goes to [`spawn`].
+pub(crate) fn link() -> (ServiceLink, mpsc::Receiver<Input>) {
+    let (inbox, receiver) = mpsc::channel(INBOX_INPUTS_MAX);
+    (ServiceLink { inbox }, receiver)
+}
+
+/// Controllers one cluster node's target serves at once: its share of the controller IDs.
+pub(crate) const CLUSTER_CONTROLLERS_MAX: usize = 1024;
+/// Nodes whose controller ID ranges are disjoint; a larger cluster reuses ranges (a host that
+/// connects to two nodes with the same range may then see a duplicate ID and refuse one).
+pub(crate) const CNTLID_RANGES: u32 = 63;
+
+/// The controller IDs node `node` hands out: a range of its own, so a host connected to one
+/// volume through several nodes never sees one ID twice.
+pub(crate) fn cntlids_of(node: NodeId) -> std::ops::RangeInclusive<u16> {
+    let size = CLUSTER_CONTROLLERS_MAX as u32;
+    let slot = node.0.saturating_sub(1) % CNTLID_RANGES;
+    let first = u16::try_from(slot * size + 1).unwrap_or(1);
+    let last = u16::try_from(slot * size + size).unwrap_or(nvmf::command::CNTLID_MAX);
+    first..=last
+}
+
+/// What thread 0 needs to start the service.
+pub(crate) struct ServiceStart {
+    pub(crate) setup: ReplicationSetup,
+    pub(crate) link: ServiceLink,
+    pub(crate) inbox: mpsc::Receiver<Input>,
+    /// The replicated volumes served from the start, with their sizes in blocks.
+    pub(crate) volumes: Vec<(Arc<VolumeHandle>, u64)>,
+}
+
+/// Starts the service on this (data-path thread 0's) local task set.
+pub(crate) fn spawn(
+    start: ServiceStart,
+    store: Rc<LogHandle<DriveFile>>,
+    target: Arc<Target>,
+    ports: u16,
+    stop: watch::Receiver<bool>,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let ServiceStart { setup, link, inbox, volumes } = start;
+    let listener = TcpListener::from_std(setup.listener)?;
+    tokio::task::spawn_local(accept_loop(listener, link.clone(), stop.clone()));
+    let (jobs, job_receiver) = std::sync::mpsc::sync_channel(STORE_JOBS_MAX);
+    let cluster = Arc::clone(&setup.store);
+    let store_link = link.clone();
+    std::thread::Builder::new()
+        .name("ferrite-repl-store".to_owned())
+        .spawn(move || store_thread(cluster, job_receiver, store_link))?;
+    let service = Service {
+        me: setup.me,
+        incarnation: setup.incarnation,
+        clock: Instant::now(),
+        keeper: LeaseKeeper::new(setup.me, setup.incarnation, &setup.config),
+        config: setup.config,
+        lease: None,
+        volumes: BTreeMap::new(),
+        managers: BTreeMap::new(),
+        manager: None,
+        last_campaign_ms: None,
+        jobs,
+        links: HashMap::new(),
+        peers: setup.peers,
+        link,
+        store,
+        target,
+        ports,
+        state_dir: setup.state_dir,
+        status: setup.status,
+        actions: Vec::new(),
+        stop: stop.clone(),
+    };
+    let mut service = service;
+    for (handle, size_blocks) in volumes {
+        service.add(handle, size_blocks);
+    }
+    Ok(tokio::task::spawn_local(service.run(inbox, stop)))
+}
+
+/// Runs the control store calls, one at a time, off the data path.
+fn store_thread(
+    cluster: Arc<ClusterStore>,
+    jobs: std::sync::mpsc::Receiver<StoreJob>,
+    link: ServiceLink,
+) {
+    while let Ok(job) = jobs.recv() {
+        let input = match job {
+            StoreJob::Request { origin, volume, id, request } => {
+                match cluster.handle(volume, &request) {
+                    Ok(reply) => Input::Store { origin, id, reply },
+                    Err(error) => {
+                        tracing::debug!(volume, %error, "control store call failed");
+                        continue;
+                    }
+                }
+            }
+            StoreJob::Campaign { node, lease } => match cluster.campaign(node, lease) {
+                Ok(holder) => Input::Manager(holder),
+                Err(error) => {
+                    tracing::debug!(%error, "manager campaign failed");
+                    continue;
+                }
+            },
+        };
+        if link.inbox.blocking_send(input).is_err() {
+            return;
+        }
+    }
+}
+
+/// One replicated volume in the service.
+struct Replica {
+    node: VolumeNode,
+    handle: Arc<VolumeHandle>,
+    nqn: Nqn,
+    /// Host commands given to the state machine, by id: the slot each took, and its reply.
+    pending: HashMap<HostOpId, (Class, oneshot::Sender<HostResult>)>,
+    /// Host commands waiting for a slot.
+    waiting: VecDeque<HostRequest>,
+    writes: usize,
+    reads: usize,
+    next_host_id: u64,
+    /// The ANA state last set on this node's ports.
+    ana: Option<AnaState>,
+}
+
+struct Service {
+    me: NodeId,
+    incarnation: u64,
+    clock: Instant,
+    config: replication::Config,
+    keeper: LeaseKeeper,
+    lease: Option<LeaseStatus>,
+    volumes: BTreeMap<u64, Replica>,
+    managers: BTreeMap<u64, Manager>,
+    manager: Option<NodeId>,
+    last_campaign_ms: Option<u64>,
+    jobs: std::sync::mpsc::SyncSender<StoreJob>,
+    links: HashMap<NodeId, mpsc::Sender<Vec<u8>>>,
+    peers: Arc<RwLock<HashMap<NodeId, SocketAddr>>>,
+    link: ServiceLink,
+    store: Rc<LogHandle<DriveFile>>,
+    target: Arc<Target>,
+    ports: u16,
+    state_dir: PathBuf,
+    status: Arc<ReplicationStatus>,
+    actions: Vec<Action>,
+    stop: watch::Receiver<bool>,
+}
+
+impl Service {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.clock.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    async fn run(mut self, mut inbox: mpsc::Receiver<Input>, mut stop: watch::Receiver<bool>) {
+        let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_status_ms = 0u64;
+        loop {
+            tokio::select! {
+                input = inbox.recv() => {
+                    let Some(input) = input else { break };
+                    self.input(input);
+                    // Take what else is queued before the next tick, without waiting.
+                    for _ in 0..INBOX_INPUTS_MAX {
+                        match inbox.try_recv() {
+                            Ok(input) => self.input(input),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                _ = tick.tick() => {
+                    self.tick();
+                    let now = self.now_ms();
+                    if now >= last_status_ms + STATUS_INTERVAL_MS {
+                        last_status_ms = now;
+                        self.publish_status();
+                    }
+                }
+                _ = stop.changed() => break,
+            }
+        }
+        for (_, replica) in std::mem::take(&mut self.volumes) {
+            fail_all(replica);
+        }
+    }
+
+    fn input(&mut self, input: Input) {
+        let now = self.now_ms();
+        match input {
+            Input::Host(request) => self.host(request),
+            Input::Message(envelope) => {
+                self.status.frames_received.fetch_add(1, Ordering::Relaxed);
+                let Envelope { volume, sender, message } = envelope;
+                if let Some(replica) = self.volumes.get_mut(&volume) {
+                    replica.node.handle(
+                        now,
+                        Event::Message { from: sender, message },
+                        &mut self.actions,
+                    );
+                    self.run_actions(volume);
+                }
+            }
+            Input::Store { origin, id, reply } => match origin {
+                Origin::Keeper => {
+                    if let Some(status) = self.keeper.on_reply(id, &reply) {
+                        self.lease = Some(status);
+                        let volumes: Vec<u64> = self.volumes.keys().copied().collect();
+                        for volume in volumes {
+                            self.event(volume, Event::Lease(status));
+                        }
+                    }
+                }
+                Origin::Volume(volume) => self.event(volume, Event::Store { id, reply }),
+                Origin::Manager(volume) => {
+                    if let Some(manager) = self.managers.get_mut(&volume) {
+                        if let Some(call) = manager.on_reply(now, id, &reply) {
+                            self.job(StoreJob::Request {
+                                origin: Origin::Manager(volume),
+                                volume,
+                                id: call.id,
+                                request: call.request,
+                            });
+                        }
+                    }
+                }
+            },
+            Input::Manager(holder) => {
+                if self.manager != Some(holder) {
+                    tracing::info!(manager = %holder, me = %self.me, "cluster manager");
+                }
+                self.manager = Some(holder);
+                *self.status.manager.lock().unwrap_or_else(PoisonError::into_inner) = Some(holder);
+                if holder != self.me {
+                    self.managers.clear();
+                }
+            }
+            Input::Storage { volume, id, result } => {
+                self.event(volume, Event::Storage { id, result });
+            }
+            Input::EpochPersisted { volume, epoch } => {
+                self.event(volume, Event::EpochPersisted { epoch });
+            }
+            Input::Command(ServiceCommand::Add { handle, size_blocks }) => {
+                self.add(handle, size_blocks);
+            }
+            Input::Command(ServiceCommand::Remove { volume }) => {
+                if let Some(replica) = self.volumes.remove(&volume) {
+                    fail_all(replica);
+                }
+                self.managers.remove(&volume);
+                self.status.volumes.lock().unwrap_or_else(PoisonError::into_inner).remove(&volume);
+            }
+        }
+    }
+
+    fn add(&mut self, handle: Arc<VolumeHandle>, size_blocks: u64) {
+        let volume = handle.map.volume().0;
+        if self.volumes.contains_key(&volume) {
+            return;
+        }
+        let epoch = match persisted_epoch(&self.state_dir, volume) {
+            Ok(epoch) => epoch,
+            Err(error) => {
+                tracing::error!(
+                    volume = %handle.name,
+                    %error,
+                    "cannot read the volume's epoch; its replica here is not served"
+                );
+                return;
+            }
+        };
+        let config = replication::Config { volume_blocks: size_blocks, ..self.config.clone() };
+        let node = VolumeNode::new(config, self.me, self.incarnation, epoch);
+        let nqn = handle.name.subsystem_nqn();
+        tracing::info!(volume = %handle.name, id = volume, epoch, "replicating volume");
+        self.volumes.insert(
+            volume,
+            Replica {
+                node,
+                handle,
+                nqn,
+                pending: HashMap::new(),
+                waiting: VecDeque::new(),
+                writes: 0,
+                reads: 0,
+                next_host_id: 1,
+                ana: None,
+            },
+        );
+        self.set_ana(volume);
+        if let Some(status) = self.lease {
+            self.event(volume, Event::Lease(status));
+        }
+    }
+
+    fn event(&mut self, volume: u64, event: Event) {
+        let now = self.now_ms();
+        let Some(replica) = self.volumes.get_mut(&volume) else { return };
+        replica.node.handle(now, event, &mut self.actions);
+        self.run_actions(volume);
+    }
+
+    fn host(&mut self, request: HostRequest) {
+        let Some(replica) = self.volumes.get_mut(&request.volume) else {
+            let _ = request.reply.send(Err(HostError::NotPrimary));
+            return;
+        };
+        if replica.waiting.len() >= WAITING_HOST_COMMANDS_MAX {
+            let _ = request.reply.send(Err(HostError::Busy));
+            return;
+        }
+        replica.waiting.push_back(request);
+        let volume = replica.handle.map.volume().0;
+        self.admit(volume);
+    }
+
+    /// Gives waiting host commands to the state machine while it has slots.
+    fn admit(&mut self, volume: u64) {
+        let now = self.now_ms();
+        loop {
+            let Some(replica) = self.volumes.get_mut(&volume) else { return };
+            let Some(front) = replica.waiting.front() else { return };
+            let class = Class::of(&front.op);
+            let full = match class {
+                Class::Write => replica.writes >= replication::INFLIGHT_WRITES_MAX,
+                Class::Read => replica.reads >= replication::INFLIGHT_READS_MAX,
+                Class::Other => false,
+            };
+            if full {
+                return;
+            }
+            let Some(request) = replica.waiting.pop_front() else { return };
+            let id = HostOpId(replica.next_host_id);
+            replica.next_host_id += 1;
+            match class {
+                Class::Write => replica.writes += 1,
+                Class::Read => replica.reads += 1,
+                Class::Other => {}
+            }
+            replica.pending.insert(id, (class, request.reply));
+            replica.node.handle(now, Event::Host { id, op: request.op }, &mut self.actions);
+            self.run_actions(volume);
+        }
+    }
+
+    fn tick(&mut self) {
+        let now = self.now_ms();
+        if let Some(call) = self.keeper.tick(now) {
+            self.job(StoreJob::Request {
+                origin: Origin::Keeper,
+                volume: 0,
+                id: call.id,
+                request: call.request,
+            });
+        }
+        let volumes: Vec<u64> = self.volumes.keys().copied().collect();
+        for volume in &volumes {
+            self.event(*volume, Event::Tick);
+        }
+        // Campaign for the manager key while holding a valid lease.
+        let valid = self.lease.filter(|lease| lease.valid(now));
+        if let Some(lease) = valid {
+            if self.last_campaign_ms.is_none_or(|last| last + CAMPAIGN_INTERVAL_MS <= now) {
+                self.last_campaign_ms = Some(now);
+                self.job(StoreJob::Campaign { node: self.me, lease: lease.lease });
+            }
+        }
+        if self.manager == Some(self.me) && valid.is_some() {
+            for volume in volumes {
+                let manager =
+                    self.managers.entry(volume).or_insert_with(|| Manager::new(&self.config));
+                if let Some(call) = manager.tick(now) {
+                    self.job(StoreJob::Request {
+                        origin: Origin::Manager(volume),
+                        volume,
+                        id: call.id,
+                        request: call.request,
+                    });
+                }
+            }
+        }
+    }
+
+    fn job(&mut self, job: StoreJob) {
+        // A dropped job is retried by its state machine once its timeout passes.
+        let _ = self.jobs.try_send(job);
+    }
+
+    /// Carries out the actions the volume's state machine returned, then updates its ANA
+    /// state and admits waiting host commands into freed slots.
+    fn run_actions(&mut self, volume: u64) {
+        let mut freed = false;
+        let actions = std::mem::take(&mut self.actions);
+        for action in actions {
+            match action {
+                Action::Send { to, message } => self.send(volume, to, message),
+                Action::StorageWrite { id, lba, blocks } => {
+                    self.storage_write(volume, id, lba, blocks)
+                }
+                Action::StorageRead { id, lba, count } => self.storage_read(volume, id, lba, count),
+                Action::PersistEpoch { epoch } => self.persist_epoch(volume, epoch),
+                Action::Store { id, request } => {
+                    self.job(StoreJob::Request {
+                        origin: Origin::Volume(volume),
+                        volume,
+                        id,
+                        request,
+                    });
+                }
+                Action::CompleteHost { id, epoch: _, result } => {
+                    if let Some(replica) = self.volumes.get_mut(&volume) {
+                        if let Some((class, reply)) = replica.pending.remove(&id) {
+                            match class {
+                                Class::Write => replica.writes -= 1,
+                                Class::Read => replica.reads -= 1,
+                                Class::Other => {}
+                            }
+                            freed = true;
+                            let _ = reply.send(result);
+                        }
+                    }
+                }
+            }
+        }
+        self.set_ana(volume);
+        if freed {
+            self.admit(volume);
+        }
+    }
+
+    fn set_ana(&mut self, volume: u64) {
+        let now = self.now_ms();
+        let Some(replica) = self.volumes.get_mut(&volume) else { return };
+        let state = if replica.node.serving_epoch(now).is_some() {
+            AnaState::Optimized
+        } else {
+            AnaState::Inaccessible
+        };
+        if replica.ana == Some(state) {
+            return;
+        }
+        replica.ana = Some(state);
+        for port in 1..=self.ports {
+            self.target.set_ana_state(&replica.nqn, port, state);
+        }
+        tracing::info!(
+            volume = %replica.handle.name,
+            epoch = replica.node.epoch(),
+            state = ?state,
+            "replicated volume's ANA state on this node"
+        );
+    }
+
+    fn send(&mut self, volume: u64, to: NodeId, message: replication::Message) {
+        let envelope = Envelope { volume, sender: self.me, message };
+        let mut frame = Vec::new();
+        if let Err(error) = replication::wire::encode(&envelope, &mut frame) {
+            tracing::error!(%error, "cannot encode a replication message");
+            return;
+        }
+        let link = self.links.entry(to).or_insert_with(|| {
+            let (sender, receiver) = mpsc::channel(LINK_FRAMES_MAX);
+            tokio::task::spawn_local(peer_link(
+                to,
+                Arc::clone(&self.peers),
+                receiver,
+                Arc::clone(&self.status),
+                self.stop.clone(),
+            ));
+            sender
+        });
+        if link.try_send(frame).is_err() {
+            self.status.frames_dropped.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.status.frames_sent.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn storage_write(&mut self, volume: u64, id: StorageOpId, lba: u64, blocks: Vec<BlockData>) {
+        let Some(replica) = self.volumes.get(&volume) else { return };
+        let handle = Arc::clone(&replica.handle);
+        let store = Rc::clone(&self.store);
+        let inbox = self.link.inbox.clone();
+        tokio::task::spawn_local(async move {
+            let result = if handle.begin() {
+                let result = write_blocks(&store, &handle.map, lba, &blocks).await;
+                handle.end();
+                result
+            } else {
+                StorageResult::Failed
+            };
+            let _ = inbox.send(Input::Storage { volume, id, result }).await;
+        });
+    }
+
+    fn storage_read(&mut self, volume: u64, id: StorageOpId, lba: u64, count: u32) {
+        let Some(replica) = self.volumes.get(&volume) else { return };
+        let handle = Arc::clone(&replica.handle);
+        let store = Rc::clone(&self.store);
+        let inbox = self.link.inbox.clone();
+        tokio::task::spawn_local(async move {
+            let result = if handle.begin() {
+                let result = read_blocks(&store, &handle.map, lba, count).await;
+                handle.end();
+                result
+            } else {
+                StorageResult::Failed
+            };
+            let _ = inbox.send(Input::Storage { volume, id, result }).await;
+        });
+    }
+
+    fn persist_epoch(&mut self, volume: u64, epoch: u64) {
+        let dir = self.state_dir.clone();
+        let inbox = self.link.inbox.clone();
+        tokio::task::spawn_local(async move {
+            let written = tokio::task::spawn_blocking(move || {
+                write_counter(&dir, &epoch_path(&dir, volume), epoch)
+            })
+            .await;
+            match written {
+                Ok(Ok(())) => {
+                    let _ = inbox.send(Input::EpochPersisted { volume, epoch }).await;
+                }
+                Ok(Err(error)) => {
+                    // Never acknowledged: the node acts on nothing of this epoch.
+                    tracing::error!(volume, epoch, %error, "cannot persist the volume's epoch");
+                }
+                Err(error) => tracing::error!(volume, epoch, %error, "epoch writer failed"),
+            }
+        });
+    }
+
+    fn publish_status(&mut self) {
+        let now = self.now_ms();
+        let mut volumes = self.status.volumes.lock().unwrap_or_else(PoisonError::into_inner);
+        for (id, replica) in &self.volumes {
+            volumes.insert(
+                *id,
+                VolumeReplication {
+                    epoch: replica.node.epoch(),
+                    serving: replica.node.serving_epoch(now).is_some(),
+                    latched: replica.node.latched(),
+                    stats: replica.node.stats().clone(),
+                },
+            );
+        }
+        drop(volumes);
+        *self.status.lease.lock().unwrap_or_else(PoisonError::into_inner) =
+            self.lease.map(|lease| (lease.lease, lease.valid(now)));
+    }
+}
+
+/// Fails every host command of a volume that is no longer replicated here.
+fn fail_all(replica: Replica) {
+    for (_, (_, reply)) in replica.pending {
+        let _ = reply.send(Err(HostError::NotPrimary));
+    }
+    for request in replica.waiting {
+        let _ = request.reply.send(Err(HostError::NotPrimary));
+    }
+}
+
+/// Writes `blocks` at `lba`: runs of data are written, runs of `None` deallocated, in order.
+async fn write_blocks(
+    store: &LogHandle<DriveFile>,
+    map: &VolumeMap,
+    lba: u64,
+    blocks: &[BlockData],
+) -> StorageResult {
+    let block = LOGICAL_BLOCK_SIZE_BYTES as usize;
+    let mut index = 0usize;
+    while index < blocks.len() {
+        let data = blocks[index].is_some();
+        let run = blocks[index..].iter().take_while(|item| item.is_some() == data).count();
+        let offset = (lba + index as u64) * block as u64;
+        let ok = if data {
+            let mut buf = AlignedBuf::new(run * block);
+            buf.set_len(run * block);
+            for (slot, item) in buf.chunks_exact_mut(block).zip(&blocks[index..index + run]) {
+                match item {
+                    Some(bytes) if bytes.len() == block => slot.copy_from_slice(bytes),
+                    _ => return StorageResult::Failed,
+                }
+            }
+            store.write(map, offset, buf).await.0.is_ok()
+        } else {
+            store.deallocate(map, offset, (run * block) as u64).await.is_ok()
+        };
+        if !ok {
+            return StorageResult::Failed;
+        }
+        index += run;
+    }
+    StorageResult::Written
+}
+
+async fn read_blocks(
+    store: &LogHandle<DriveFile>,
+    map: &VolumeMap,
+    lba: u64,
+    count: u32,
+) -> StorageResult {
+    let block = LOGICAL_BLOCK_SIZE_BYTES as usize;
+    let length = count as usize * block;
+    let mut buf = AlignedBuf::new(length);
+    buf.set_len(length);
+    let (result, buf) = store.read(map, lba * block as u64, buf).await;
+    if result.is_err() {
+        return StorageResult::Failed;
+    }
+    // A block of zeros reads the same as an unmapped one: copied as unmapped, so a resync or
+    // a rebuild keeps the copy thin.
+    StorageResult::Read(
+        buf.chunks_exact(block)
+            .map(|bytes| (!bytes.iter().all(|byte| *byte == 0)).then(|| Block::from(bytes)))
+            .collect(),
+    )
+}
+
+/// Accepts peers' connections and reads their frames into the inbox.
+async fn accept_loop(listener: TcpListener, link: ServiceLink, mut stop: watch::Receiver<bool>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(INBOUND_CONNECTIONS_MAX));
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        tracing::warn!(%error, "replication accept failed");
+                        tokio::time::sleep(Duration::from_millis(LINK_RECONNECT_MS)).await;
+                        continue;
+                    }
+                };
+                let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                    tracing::warn!(%peer, "too many replication connections; refusing one");
+                    continue;
+                };
+                let link = link.clone();
+                let stop = stop.clone();
+                tokio::task::spawn_local(async move {
+                    read_frames(stream, peer, link, stop).await;
+                    drop(slot);
+                });
+            }
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+async fn read_frames(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    link: ServiceLink,
+    mut stop: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let mut reader = FrameReader::new();
+    loop {
+        let read = tokio::select! {
+            read = stream.read(reader.unfilled()) => read,
+            _ = stop.changed() => return,
+        };
+        match read {
+            Ok(0) => return,
+            Ok(count) => reader.filled(count),
+            Err(error) => {
+                tracing::debug!(%peer, %error, "replication connection closed");
+                return;
+            }
+        }
+        loop {
+            match reader.next_message() {
+                Ok(Some(envelope)) => {
+                    if link.inbox.send(Input::Message(envelope)).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => break,
+                Err(error) => {
+                    tracing::warn!(%peer, %error, "bad replication frame; closing the connection");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Keeps one connection to `peer` and writes the frames queued for it, gathered into large
+/// writes; drops what is queued while the peer cannot be reached.
+async fn peer_link(
+    peer: NodeId,
+    peers: Arc<RwLock<HashMap<NodeId, SocketAddr>>>,
+    mut frames: mpsc::Receiver<Vec<u8>>,
+    status: Arc<ReplicationStatus>,
+    stop: watch::Receiver<bool>,
+) {
+    let mut batch: Vec<u8> = Vec::with_capacity(LINK_BATCH_BYTES_MAX);
+    'connect: loop {
+        if *stop.borrow() {
+            return;
+        }
+        let address = peers.read().unwrap_or_else(PoisonError::into_inner).get(&peer).copied();
+        let connected = match address {
+            Some(address) => tokio::time::timeout(
+                Duration::from_millis(LINK_CONNECT_TIMEOUT_MS),
+                TcpStream::connect(address),
+            )
+            .await
+            .ok()
+            .and_then(Result::ok),
+            None => None,
+        };
+        let Some(mut stream) = connected else {
+            // Unreachable: what is queued would be stale by the time it arrives.
+            loop {
+                match frames.try_recv() {
+                    Ok(_) => {
+                        status.frames_dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(LINK_RECONNECT_MS)).await;
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        loop {
+            let Some(first) = frames.recv().await else { return };
+            batch.clear();
+            batch.extend_from_slice(&first);
+            while batch.len() < LINK_BATCH_BYTES_MAX {
+                match frames.try_recv() {
+                    Ok(frame) => batch.extend_from_slice(&frame),
+                    Err(_) => break,
+                }
+            }
+            if let Err(error) = stream.write_all(&batch).await {
+                tracing::debug!(%peer, %error, "replication link broke; reconnecting");
+                continue 'connect;
+            }
+        }
+    }
+}
