@@ -97,6 +97,11 @@ pub enum InitiatorError {
     )]
     NoUsablePath { subnqn: Nqn, states: String },
     #[error(
+        "connecting path {address} of {subnqn} took over {timeout_ms} ms: the target is hung, \
+         overloaded or unreachable"
+    )]
+    PathConnectTimeout { address: String, subnqn: Nqn, timeout_ms: u64 },
+    #[error(
         "the discovery log at {address} changed {attempts} times while it was read; try again \
          when the target's configuration settles"
     )]

@@ -78,6 +78,13 @@ impl IoQueue {
         self.queue.params().in_capsule_bytes_max
     }
 
+    /// Closes the queue's connection with a TCP reset, discarding commands not yet sent (see
+    /// `QueuePair::reset_on_drop`): for a queue whose commands timed out, so that none of them
+    /// is delivered later.
+    pub fn abort(self) {
+        self.queue.reset_on_drop();
+    }
+
     /// Requests submitted whose completion has not been handed back yet.
     pub fn outstanding(&self) -> usize {
         self.queue.outstanding()

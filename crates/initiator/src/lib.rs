@@ -4,7 +4,8 @@
 //! [`Controller::connect`] opens the admin queue and enables the controller; [`Controller::
 //! open_io_queue`] opens an [`IoQueue`] per TCP connection; [`discover`] reads a target's
 //! discovery log; [`MultipathNamespace`] reaches one namespace through every port of its
-//! subsystem and fails over between them as Linux's native multipath does. Each I/O controller
+//! subsystem and fails over between them as Linux's native multipath does, giving up a path
+//! whose command outlives the I/O timeout and riding through a time without any usable path. Each I/O controller
 //! keeps an Asynchronous Event Request outstanding and acts on ANA change and namespace
 //! attribute notices as Linux does ([`Controller::async_events`]), so path states and sizes
 //! change without an I/O error. Every wait is bounded by a named timeout, except the event
@@ -48,8 +49,9 @@ pub use events::{
 pub use host::{default_host, HostIdentity};
 pub use io_queue::{IoQueue, LbaRange, WRITE_ZEROES_BLOCKS_MAX};
 pub use multipath::{
-    MultipathNamespace, PathInfo, PathState, MULTIPATH_ATTEMPTS_MAX, MULTIPATH_PATHS_MAX,
-    MULTIPATH_RETRY_DELAY,
+    MultipathNamespace, PathInfo, PathState, MULTIPATH_ATTEMPTS_MAX,
+    MULTIPATH_FAILOVER_TIMEOUT_DEFAULT, MULTIPATH_IO_TIMEOUT_DEFAULT, MULTIPATH_PATHS_MAX,
+    MULTIPATH_RECONNECT_INTERVAL, MULTIPATH_RETRY_DELAY, MULTIPATH_TIMEOUT_MAX,
 };
 pub use nvmf::command::Status;
 pub use nvmf::structures::IdentifyController;

@@ -510,6 +510,17 @@ impl QueuePair {
         Some(completion)
     }
 
+    /// Makes closing the connection abortive: when the queue is dropped, the socket sends a TCP
+    /// reset and discards what it has not sent yet, instead of delivering it after a FIN. For a
+    /// queue given up on (a command timed out): commands still in the send buffer must never
+    /// reach a controller that wakes up later. Bytes the controller's host already received
+    /// cannot be recalled. Best effort: a socket that refuses the option closes normally.
+    pub fn reset_on_drop(&self) {
+        if let Err(error) = self.stream.set_zero_linger() {
+            tracing::debug!(address = %self.params.address, %error, "cannot set SO_LINGER 0");
+        }
+    }
+
     /// Whether the queue failed and every call now fails, and why.
     pub fn broken_reason(&self) -> Option<&str> {
         self.broken.as_deref()

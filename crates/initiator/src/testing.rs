@@ -6,10 +6,12 @@
 //!
 //! The hooks let a test break things on purpose: drop a connection in the middle of a Read
 //! ([`RamTarget::close_on_read`]), cut every connection of one port ([`RamTarget::set_port_cut`]),
+//! make one port stop answering as a stopped process does ([`RamTarget::set_port_stalled`]),
 //! change a port's ANA state ([`RamTarget::set_ana_state`], which raises ANA change notices),
 //! resize the namespace ([`RamTarget::resize_namespace`], which raises namespace attribute
 //! notices), reach the target itself ([`RamTarget::target`]), and count what was served
-//! ([`RamTarget::reads_on_port`], [`RamTarget::keep_alive_expired`]).
+//! ([`RamTarget::reads_on_port`], [`RamTarget::connections_on_port`],
+//! [`RamTarget::keep_alive_expired`]).
 
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -98,8 +100,13 @@ struct Shared {
     keep_alive_expired: AtomicBool,
     /// Per port (index `port_id - 1`): connections drop at their next tick while set.
     port_cut: Vec<AtomicBool>,
+    /// Per port (index `port_id - 1`): connections neither read, run nor answer anything while
+    /// set, as if the node were stopped (SIGSTOP); new connections are accepted and stall too.
+    port_stalled: Vec<AtomicBool>,
     /// Per port (index `port_id - 1`): Read commands served.
     reads: Vec<AtomicU64>,
+    /// Per port (index `port_id - 1`): TCP connections accepted.
+    accepted: Vec<AtomicU64>,
 }
 
 impl Shared {
@@ -211,7 +218,9 @@ impl RamTarget {
             close_on_read_lba: AtomicU64::new(NO_CLOSE_LBA),
             keep_alive_expired: AtomicBool::new(false),
             port_cut: (0..options.ports).map(|_| AtomicBool::new(false)).collect(),
+            port_stalled: (0..options.ports).map(|_| AtomicBool::new(false)).collect(),
             reads: (0..options.ports).map(|_| AtomicU64::new(0)).collect(),
+            accepted: (0..options.ports).map(|_| AtomicU64::new(0)).collect(),
         });
         let accept_tasks = listeners
             .into_iter()
@@ -265,6 +274,13 @@ impl RamTarget {
         self.shared.port_cut[Shared::port_index(port_id)].store(cut, Ordering::SeqCst);
     }
 
+    /// While `stalled`, every connection of port `port_id` stops reading, serving and answering
+    /// (its keep-alive clock stops too), as a stopped node's would; what the host sends meanwhile
+    /// waits in the socket and is served once the stall ends, unless the connection was reset.
+    pub fn set_port_stalled(&self, port_id: u16, stalled: bool) {
+        self.shared.port_stalled[Shared::port_index(port_id)].store(stalled, Ordering::SeqCst);
+    }
+
     /// Sets the ANA state of the subsystem through port `port_id`, as a node does: I/O through
     /// that port fails with the state's path status, and every controller on it gets an ANA
     /// change notice.
@@ -301,6 +317,12 @@ impl RamTarget {
         self.size_blocks.load(Ordering::SeqCst)
     }
 
+    /// TCP connections accepted on port `port_id` (each controller's admin queue and each I/O
+    /// queue is one).
+    pub fn connections_on_port(&self, port_id: u16) -> u64 {
+        self.shared.accepted[Shared::port_index(port_id)].load(Ordering::SeqCst)
+    }
+
     /// Read commands served through port `port_id`.
     pub fn reads_on_port(&self, port_id: u16) -> u64 {
         self.shared.reads[Shared::port_index(port_id)].load(Ordering::SeqCst)
@@ -314,6 +336,7 @@ async fn accept(listener: TcpListener, port_id: u16, target: Arc<Target>, shared
     loop {
         while connections.try_join_next().is_some() {}
         let Ok((stream, peer)) = listener.accept().await else { return };
+        shared.accepted[Shared::port_index(port_id)].fetch_add(1, Ordering::SeqCst);
         let queue =
             Queue::new_on_port(Arc::clone(&target), peer.to_string(), port_id, shared.now_ms());
         connections.spawn(serve(queue, port_id, stream, Arc::clone(&shared)));
@@ -333,6 +356,10 @@ async fn serve(mut queue: Queue, port_id: u16, mut stream: TcpStream, shared: Ar
     loop {
         if shared.port_cut[port_index].load(Ordering::SeqCst) {
             return;
+        }
+        if shared.port_stalled[port_index].load(Ordering::SeqCst) {
+            tokio::time::sleep(shared.tick).await;
+            continue;
         }
         while let Some(request) = queue.next_request() {
             let Some((result, buf)) = execute(&shared, port_index, request.operation) else {

@@ -2,10 +2,13 @@
 //! on drop, so a failing test leaves no node behind), its stderr kept for the ERROR-line check,
 //! the `ferrite` client commands, the initiator-side helpers (patterns, NQNs, addresses), and
 //! for the tests that put a real file system on a volume, the standard clients and the guards
-//! of an nbdfuse file, a loop device over it and a mount (each released on drop).
+//! of an nbdfuse file, a loop device over it and a mount (each released on drop); `failover`
+//! holds the verifying workload of the failover tests.
 //!
 //! Each test binary uses part of this module, so unused items are expected in some of them.
 #![allow(dead_code)]
+
+pub mod failover;
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
