@@ -22,8 +22,8 @@ What it does, in order:
      the five workloads. Then pgbench on ext4 on a loop device over an nbdfuse file of the
      volume (scripts/pgbench-ext4.sh). The node is stopped and its drives deleted.
   2. Ferrite, 3 replicas: NOT RUN today. Ferrite has no replication yet (issue 6); the row is
-     recorded as "not run" with that reason. ferrite_replicated() in this script is the one
-     place to fill in when `ferrite volume create --replicas` exists.
+     recorded as "not run" with that reason. For 3 replicas: a private etcd and 3 nodes in one
+     cluster (ferrite_replicated), fio and pgbench through the primary's NBD export.
   3. Ceph: ../shared/anchors/ceph/up.sh (1 mon, 1 mgr, 3 BlueStore OSDs on sparse files, on
      the same filesystem). A pool of size 1 (min_size 1) with an image of the same size is
      created beside the anchor's size-3 pool. For each: fio with ioengine=rbd, the same
@@ -451,23 +451,49 @@ ferrite_single() {
     log "ferrite stopped; its drives are deleted"
 }
 
-# The Ferrite row for more than one replica. Ferrite has no replication yet (issue 6), so today
-# this only records the row as not run. When `ferrite volume create --replicas N` exists, this is
-# the one function to fill in: start REPLICAS nodes with start_ferrite_node (each has its own
-# data dir and ports) joined into one cluster the way issue 6 defines, set server_pids to all
-# their PIDs (every node's CPU counts), create the volume with --replicas REPLICAS
-# --compression "$compression", call ferrite_measure REPLICAS "nbd://<primary's NBD>/$volume",
-# then stop_ferrite. The report picks the row up by its replica count.
+# The Ferrite row for more than one replica: a private etcd and REPLICAS nodes joined into one
+# cluster on this machine (each its own data dir, drives and ports, as start_ferrite_node makes
+# them), the volume created with --replicas REPLICAS, fio and pgbench through the primary's NBD
+# export. Every node's CPU counts as the server's.
 ferrite_replicated() {  # replicas
-    local replicas=$1
-    log "== Ferrite, $replicas replicas =="
-    local help
-    help=$("$ferrite" volume create --help 2>&1 || true)
-    if [[ "$help" != *--replicas* ]]; then
-        not_run ferrite "$replicas" "Ferrite has no replication yet (issue 6)"
-        return
-    fi
-    not_run ferrite "$replicas" "ferrite volume create has --replicas, but scripts/compare-ceph.sh does not start a ${replicas}-node cluster yet (fill in ferrite_replicated)"
+    local replicas=$1 etcd_dir=$out/etcd etcd_port peer_port etcd_pid i primary nbd
+    log "== Ferrite, $replicas replicas: $replicas nodes in one cluster =="
+    command -v etcd >/dev/null || die "etcd is not installed (scripts/deps.sh installs etcd-server)"
+    etcd_port=$(port); peer_port=$(port)
+    mkdir -p "$etcd_dir"
+    etcd --name compare --data-dir "$etcd_dir" \
+        --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+        --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
+        --initial-cluster "compare=http://127.0.0.1:$peer_port" >"$out/logs/etcd-r$replicas.log" 2>&1 &
+    etcd_pid=$!
+    ferrite_pids+=("$etcd_pid")
+    ferrite_data_dirs+=("$etcd_dir")
+    local apis=()
+    for i in $(seq 1 "$replicas"); do
+        FERRITE_UP_ARGS="${FERRITE_UP_ARGS:-} --cluster-etcd http://127.0.0.1:$etcd_port --cluster-name compare --node-name node$i --replication-listen 127.0.0.1:$(port)" \
+            start_ferrite_node "r$replicas-node$i"
+        apis+=("$node_api")
+    done
+    server_pids=("${ferrite_pids[@]}")
+    "$ferrite" volume create "$volume" --size "${size_gb}G" --compression "$compression" --replicas "$replicas" \
+        --api "${apis[0]}" >"$out/logs/ferrite-volume-r$replicas.log"
+    # The manager promotes a primary within a second or so; its NBD export then serves.
+    primary=""
+    for _ in $(seq 1 300); do
+        primary=$("$ferrite" volume show "$volume" --json --api "${apis[0]}" 2>/dev/null | jq -r '.replication.primary // empty')
+        [ -n "$primary" ] && [ "$("$ferrite" volume show "$volume" --json --api "${apis[0]}" | jq '.replication.in_sync | length')" = "$replicas" ] && break
+        sleep 0.1
+    done
+    [ -n "$primary" ] || die "no primary for $volume within 30 s (see $out/logs/ferrite-r$replicas-node*.log)"
+    nbd=$("$ferrite" node list --json --api "${apis[0]}" | jq -r --arg name "$primary" '.[] | select(.name == $name) | .nbd_addr // empty')
+    [ -n "$nbd" ] || die "cannot find the NBD address of the primary $primary"
+    log "primary of $volume: $primary (NBD $nbd)"
+    sleep 1
+    ferrite_measure "$replicas" "nbd://$nbd/$volume"
+    "$ferrite" cluster status --api "${apis[0]}" >"$out/logs/ferrite-cluster-r$replicas.txt" 2>&1 || true
+    "$ferrite" volume show "$volume" --api "${apis[0]}" >>"$out/logs/ferrite-cluster-r$replicas.txt" 2>&1 || true
+    stop_ferrite
+    log "ferrite cluster stopped; its drives are deleted"
 }
 
 # ---------------------------------------------------------------- Ceph

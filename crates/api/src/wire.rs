@@ -223,6 +223,9 @@ pub struct ClusterNode {
     pub replication_addr: String,
     pub nvme_addrs: Vec<String>,
     pub api_addr: String,
+    /// The node's NBD server, if it runs one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_addr: Option<String>,
     pub labels: std::collections::BTreeMap<String, String>,
     pub drive_count: u16,
     pub capacity_bytes: u64,

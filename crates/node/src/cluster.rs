@@ -468,6 +468,7 @@ impl Cluster {
                 replication_addr: member.replication_addr.clone(),
                 nvme_addrs: member.nvme_addrs.clone(),
                 api_addr: member.api_addr.clone(),
+                nbd_addr: member.nbd_addr.clone(),
                 labels: member.labels.clone(),
                 drive_count: member.drive_count,
                 capacity_bytes: member.capacity_bytes,
