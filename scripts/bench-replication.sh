@@ -15,6 +15,7 @@
 #   QUEUES      NVMe/TCP queues x IODEPTH requests        [4]
 #   IODEPTH                                               [32]
 #   DRIVE_SIZE  size of each node's two drive files       [8G]
+#   RESYNC_SIZE bytes written while a replica is away     [256M]
 #   OUT         directory for logs and JSON               [a new temporary directory]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,7 @@ RAMP=${RAMP:-2}
 QUEUES=${QUEUES:-4}
 IODEPTH=${IODEPTH:-32}
 DRIVE_SIZE=${DRIVE_SIZE:-8G}
+RESYNC_SIZE=${RESYNC_SIZE:-256M}
 OUT=${OUT:-$(mktemp -d /tmp/ferrite-bench-replication.XXXXXX)}
 mkdir -p "$OUT"
 
@@ -74,14 +76,17 @@ for name in node1 node2 node3; do start_node "$name"; done
 export FERRITE_API=${api[node1]}
 "$FERRITE" cluster status
 
-# Waits until VOLUME has a primary and every replica in sync; prints the primary's name.
+# Waits until VOLUME has every replica in sync and a primary that serves it (the store names a
+# primary a moment before that node has taken up its term); prints the primary's name.
 wait_in_sync() {  # volume replicas
     for _ in $(seq 1 600); do
-        local info
+        local info primary
         info=$("$FERRITE" volume show "$1" --json 2>/dev/null || true)
-        if [ -n "$info" ] && [ "$(jq -r '.replication.primary // empty' <<<"$info")" != "" ] &&
-            [ "$(jq '.replication.in_sync | length' <<<"$info")" = "$2" ]; then
-            jq -r '.replication.primary' <<<"$info"
+        primary=$(jq -r '.replication.primary // empty' <<<"${info:-{\}}")
+        if [ -n "$primary" ] && [ "$(jq '.replication.in_sync | length' <<<"$info")" = "$2" ] &&
+            [ "$("$FERRITE" volume show "$1" --json --api "${api[$primary]}" 2>/dev/null |
+                jq -r '.replication.local.serving')" = true ]; then
+            echo "$primary"
             return 0
         fi
         sleep 0.1
@@ -101,8 +106,8 @@ for replicas in $REPLICAS; do
     "$FERRITE" volume delete "$volume" >/dev/null
 done
 
-# Resync: stop one replica of a 3-replica volume, write the volume while it is away, start it
-# again and time how long it takes to be back in sync.
+# Resync: stop one replica of a 3-replica volume, write part of the volume while it is away,
+# start it again and time how long it takes to be back in sync (it copies only what changed).
 volume=bench-resync
 "$FERRITE" volume create "$volume" --size "$SIZE" --replicas 3 --compression off >/dev/null
 primary=$(wait_in_sync "$volume" 3)
@@ -116,9 +121,9 @@ for _ in $(seq 1 300); do
     [ "$("$FERRITE" volume show "$volume" --json | jq '.replication.in_sync | length')" = 2 ] && break
     sleep 0.1
 done
-echo "== resync: $away stopped; writing $SIZE of $volume sequentially through $primary =="
-"$FERRITE" bench --target "nvme+tcp://${nvme[$primary]}/$volume" --fill --workloads 4k_randread \
-    --runtime 1 --ramp 0 >/dev/null 2>"$OUT/bench-resync-fill.log"
+echo "== resync: $away stopped; writing the first $RESYNC_SIZE of $volume through $primary =="
+"$FERRITE" bench --target "nvme+tcp://${nvme[$primary]}/$volume" --fill --size "$RESYNC_SIZE" \
+    --workloads 4k_randread --runtime 1 --ramp 0 >/dev/null 2>"$OUT/bench-resync-fill.log"
 start_node "$away"
 started=$(date +%s.%N)
 wait_in_sync "$volume" 3 >/dev/null

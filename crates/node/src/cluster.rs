@@ -381,6 +381,7 @@ impl Cluster {
             .into_iter()
             .map(|(id, state)| (id, state.value))
             .collect();
+        data_plane.set_cluster_volumes(states.keys().copied().collect());
         let records = self.volumes.volumes()?;
         let wanted: BTreeMap<u64, VolumeRecord> = records
             .into_iter()

@@ -347,6 +347,10 @@ pub trait DataPlane: Send + Sync {
     /// never reappear, even after a crash).
     fn remove(&self, volume: &VolumeRecord);
 
+    /// Every replicated volume of the cluster (cluster nodes): the replication service's
+    /// manager looks after them while this node is the cluster manager.
+    fn set_cluster_volumes(&self, _volumes: Vec<u64>) {}
+
     /// Serves the reserved volume `volume` as a replica of a replicated volume (cluster
     /// nodes): its I/O goes through the replication service, and its paths stay ANA
     /// inaccessible until this node becomes its serving primary.

@@ -1823,6 +1823,12 @@ impl DataPlane for NvmeDataPlane {
         }
     }
 
+    fn set_cluster_volumes(&self, volumes: Vec<u64>) {
+        if let Some(link) = &self.shared.replication {
+            link.command_blocking(crate::replicate::ServiceCommand::ClusterVolumes { volumes });
+        }
+    }
+
     fn publish_replicated(&self, volume: &VolumeRecord) -> Result<(), DataPlaneError> {
         let Some(link) = &self.shared.replication else {
             return Err(DataPlaneError::failed("this node is not part of a cluster"));

@@ -219,6 +219,9 @@ pub(crate) enum ServiceCommand {
     Add { handle: Arc<VolumeHandle>, size_blocks: u64 },
     /// Stop replicating the volume (it is being deleted here); its waiting host commands fail.
     Remove { volume: u64 },
+    /// Every replicated volume of the cluster (this node's or not): the ones the manager looks
+    /// after while this node holds the manager key.
+    ClusterVolumes { volumes: Vec<u64> },
 }
 
 /// Who asked the control store something.
@@ -498,6 +501,7 @@ pub(crate) fn spawn(
         lease: None,
         volumes: BTreeMap::new(),
         managers: BTreeMap::new(),
+        cluster_volumes: Vec::new(),
         manager: None,
         last_campaign_ms: None,
         jobs,
@@ -575,6 +579,8 @@ struct Service {
     lease: Option<LeaseStatus>,
     volumes: BTreeMap<u64, Replica>,
     managers: BTreeMap<u64, Manager>,
+    /// Every replicated volume of the cluster, as the reconciler last saw them.
+    cluster_volumes: Vec<u64>,
     manager: Option<NodeId>,
     last_campaign_ms: Option<u64>,
     jobs: std::sync::mpsc::SyncSender<StoreJob>,
@@ -686,6 +692,10 @@ impl Service {
             }
             Input::Command(ServiceCommand::Add { handle, size_blocks }) => {
                 self.add(handle, size_blocks);
+            }
+            Input::Command(ServiceCommand::ClusterVolumes { volumes }) => {
+                self.managers.retain(|volume, _| volumes.contains(volume));
+                self.cluster_volumes = volumes;
             }
             Input::Command(ServiceCommand::Remove { volume }) => {
                 if let Some(replica) = self.volumes.remove(&volume) {
@@ -810,7 +820,7 @@ impl Service {
             }
         }
         if self.manager == Some(self.me) && valid.is_some() {
-            for volume in volumes {
+            for volume in self.cluster_volumes.clone() {
                 let manager =
                     self.managers.entry(volume).or_insert_with(|| Manager::new(&self.config));
                 if let Some(call) = manager.tick(now) {
