@@ -21,7 +21,8 @@
 //! - the manager *rebuilds*: it replaces a member that is not in sync and has had no live lease
 //!   for `grace_ms` by a live node holding no replica (which the primary then copies in full);
 //! - the primary of the current epoch, and nobody else, moves replicas in and out of `in_sync`;
-//! - a primary whose storage failed *resigns* (sets `primary_lease` to `LeaseId::NONE`).
+//! - a primary whose storage failed, or that steps down for a planned move, *resigns* (sets
+//!   `primary_lease` to `LeaseId::NONE`, which the manager treats as an expired lease).
 //!
 //! Leases ([`LeaseKeeper`]) expire on the store's clock and are never revived: a node whose
 //! lease expired gets a new lease id. A node measures its lease from when it *sent* the renewal,
@@ -122,6 +123,34 @@
 //! agree. Every change to the store is a CAS, so concurrent managers or primaries cannot both
 //! succeed on one version.
 //!
+//! # Planned moves
+//!
+//! A node that stops cleanly (SIGTERM, a rolling restart), or that an operator moves a volume
+//! away from, calls [`VolumeNode::step_down`]. As primary it ends its term at once (pending
+//! host writes and reads fail with `NotPrimary`; the blocks of the writes join its divergence
+//! list) and only then resigns, by a CAS under its view (sent again from each newer view while
+//! the store still names it primary with a lease). The manager promotes a primary whose lease
+//! is `NONE` at its next poll, choosing another in-sync member with a live lease if there is
+//! one, and that member learns it at its own next poll: hosts wait about two store polls
+//! instead of a lease. Until the node sees a newer epoch it starts no term, even if named;
+//! after, it is a replica like any other (out of `in_sync`, it resyncs from the new primary),
+//! so a volume can move back later. If no other in-sync member is live, the manager names the
+//! same node again in a new epoch, which ends the step-down: it serves again rather than
+//! leave the volume without a primary, since no other replica is known to hold every
+//! completed write.
+//!
+//! The arguments above still hold (for a latched node's resignation too). No split brain: the
+//! lease only makes the old primary stop before the store allows a promotion; a resigning
+//! node has stopped before it sends the CAS (it asserts that it holds no term), never starts
+//! another term in that epoch (a process serves an epoch once, and `step_down` forbids a term
+//! until the epoch moves), and a later process of it holds another lease, which does not match
+//! the store's. So when the store allows the promotion, no node serves the old epoch. Epoch fencing is untouched. No
+//! lost write: the resignation changes only `primary_lease` (not `in_sync`, not the epoch), the
+//! promotion still picks a member of `in_sync`, which holds every completed write, and the
+//! writes the old primary failed never completed. Every step is a CAS on the version, so a
+//! lost, duplicated or late resignation either applies to the view it was made for or fails and
+//! is made again from the store's answer; setting `NONE` twice changes nothing.
+//!
 //! # What the wiring must provide
 //!
 //! - Storage: a write completes only when durable; the machine never has two writes to one block
@@ -131,6 +160,9 @@
 //! - Messages travel between nodes in a [`wire`] frame that names the volume and the sender
 //!   ([`Envelope`]); the wiring hands the message to that volume's `VolumeNode` with the sender.
 //! - `PersistEpoch` durable with the node's state; `incarnation` different at every start.
+//! - One `VolumeNode` per volume for the life of the node's lease: a new one does not know
+//!   which epoch the old one served, stepped down from or resigned, so the wiring does not
+//!   re-create it (to reopen the volume) in a process whose lease the store may still name.
 //! - Messages may be lost, duplicated, delayed and reordered, but not corrupted or cut.
 //! - The control store: linearizable single-key CAS and leases (etcd; [`MemStore`] in tests).
 //! - Host connections: a host that gives up on a command resets the connection to that node

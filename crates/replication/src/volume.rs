@@ -176,6 +176,8 @@ pub struct Stats {
     pub blocks_pushed: u64,
     /// Reconciliations of one replica that had to push the whole volume.
     pub reconciled_full: u64,
+    /// Planned moves (`VolumeNode::step_down`) this node began as the primary.
+    pub step_downs: u64,
 }
 
 /// Why a local storage request was made; its completion goes back to whoever made it.
@@ -239,6 +241,9 @@ pub(crate) struct Shared {
     storage_ops: BTreeMap<StorageOpId, InFlight>,
     /// Set by a storage error, for the life of the process.
     pub latched: bool,
+    /// Set by `VolumeNode::step_down` and cleared when the epoch moves past the one it gave up:
+    /// meanwhile this node starts no term and resigns whenever the store names it primary.
+    stepping_down: bool,
     pub divergence: Divergence,
     pub stats: Stats,
     /// The newest epoch this process started a term in; it never starts one twice.
@@ -359,6 +364,7 @@ impl VolumeNode {
             writes_in_flight: BTreeMap::new(),
             storage_ops: BTreeMap::new(),
             latched: false,
+            stepping_down: false,
             divergence,
             stats: Stats::default(),
             term_started: 0,
@@ -386,6 +392,54 @@ impl VolumeNode {
     /// Whether storage failed in this process.
     pub fn latched(&self) -> bool {
         self.shared.latched
+    }
+
+    /// Gives up the primary role for a planned move: a node that stops cleanly (SIGTERM, a
+    /// rolling restart) or an operator moving the volume away from this node. Hosts then wait
+    /// about two store polls for the next primary instead of a lease.
+    ///
+    /// If this node is the primary (in any phase of its term), or the store names it primary
+    /// of its current epoch with a lease, it stops serving at once (pending host writes and
+    /// reads fail with `HostError::NotPrimary`, never complete) and then resigns: a CAS under
+    /// its view setting `primary_lease` to `LeaseId::NONE`, sent again from every newer view
+    /// while the store still names it primary with a lease. The manager promotes another
+    /// in-sync member with a live lease at once.
+    ///
+    /// The step-down lasts until this node sees a newer epoch ([`Self::stepping_down`] says
+    /// whether it still does): until then it starts no term, even if the store names it; from
+    /// then on it behaves as any node, so the volume may later move back. It cannot be
+    /// cancelled earlier: the term it ended never restarts (a node serves an epoch once), so
+    /// only a promotion moves the volume on. If no other in-sync member has a live lease, the
+    /// manager gives the role back to this node in a new epoch, which ends the step-down: a
+    /// volume never moves to a replica that may lack completed writes.
+    ///
+    /// On a node that is not primary this does nothing: such a node is promoted only if the
+    /// primary fails, and one that stops loses its lease, so the manager does not pick it.
+    /// Calling it again while stepping down does nothing more.
+    pub fn step_down(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let shared = &self.shared;
+        let named = shared.view.as_ref().is_some_and(|view| {
+            view.value.epoch == shared.epoch
+                && view.value.primary == Some(shared.me)
+                && view.value.primary_lease != LeaseId::NONE
+        });
+        let primary = matches!(self.role, Role::Primary(_));
+        if !primary && !named {
+            return;
+        }
+        if !self.shared.stepping_down {
+            self.shared.stepping_down = true;
+            self.shared.stats.step_downs += 1;
+        }
+        self.end_term(now_ms, out);
+        self.resign_if_needed(now_ms, out);
+    }
+
+    /// Whether a `step_down` is still in force: this node gave up the primary role of its
+    /// epoch and has not yet seen a newer one. The wiring of a clean stop waits for this to
+    /// turn false (the store named the next primary) before the process exits.
+    pub fn stepping_down(&self) -> bool {
+        self.shared.stepping_down
     }
 
     /// What this process has done so far (for metrics and tests).
@@ -458,7 +512,7 @@ impl VolumeNode {
             Role::Replica(replica) => replica.tick(&mut self.shared, now_ms, out),
             Role::Primary(term) => term.tick(&mut self.shared, now_ms, out),
         }
-        self.resign_if_latched(now_ms, out);
+        self.resign_if_needed(now_ms, out);
     }
 
     fn on_message(&mut self, now_ms: u64, from: NodeId, message: Message, out: &mut Vec<Action>) {
@@ -649,7 +703,7 @@ impl VolumeNode {
             }
         }
         self.maybe_start_term(now_ms, out);
-        self.resign_if_latched(now_ms, out);
+        self.resign_if_needed(now_ms, out);
     }
 
     fn raise_epoch(&mut self, epoch: u64, now_ms: u64, out: &mut Vec<Action>) {
@@ -658,6 +712,9 @@ impl VolumeNode {
         }
         self.shared.epoch = epoch;
         self.shared.persist_epoch_if_needed(out);
+        // A newer epoch was created by a promotion after the one given up: the move is done
+        // (or, if this node is the new primary, no other member could take the role).
+        self.shared.stepping_down = false;
         match &mut self.role {
             Role::Primary(term) => {
                 assert!(term.epoch < epoch);
@@ -692,7 +749,8 @@ impl VolumeNode {
             && state.epoch > shared.term_started
             && state.in_sync.contains(&shared.me)
             && state.in_sync.is_subset(&state.members)
-            && !shared.latched;
+            && !shared.latched
+            && !shared.stepping_down;
         if promoted {
             let term = Term::start(&mut self.shared, now_ms, out);
             self.role = Role::Primary(Box::new(term));
@@ -708,16 +766,22 @@ impl VolumeNode {
             Role::Primary(_) => self.end_term(now_ms, out),
             Role::Replica(replica) => replica.on_latched(&mut self.shared, out),
         }
-        self.resign_if_latched(now_ms, out);
+        self.resign_if_needed(now_ms, out);
     }
 
-    /// A latched node that the store names primary gives the role up at once (it cannot serve),
-    /// so the manager promotes another without waiting for the lease to expire.
-    fn resign_if_latched(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+    /// A node that the store names primary but that must not serve (its storage failed, or it
+    /// is stepping down) gives the role up at once, so the manager promotes another without
+    /// waiting for the lease to expire. Called again on every view and tick, so a CAS that
+    /// failed (the version moved) or was lost is sent again from the newer view, until the
+    /// store shows no lease or another epoch.
+    fn resign_if_needed(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         let shared = &mut self.shared;
-        if !shared.latched || shared.cas_in_flight.is_some() {
+        if !(shared.latched || shared.stepping_down) || shared.cas_in_flight.is_some() {
             return;
         }
+        // The resignation lets the manager promote another node before this node's lease
+        // ends, which is safe only because this node serves nothing any more.
+        assert!(matches!(self.role, Role::Replica(_)), "a node resigns only once its term ended");
         let Some(view) = &shared.view else {
             return;
         };

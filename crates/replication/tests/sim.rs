@@ -72,12 +72,13 @@ fn run_range(part: u64, parts: u64) {
             }
             Ok(outcome) => println!(
                 "seed {seed} passed: {} writes completed, {} block reads checked, {} faults, \
-                 final epoch {}, ended at {} ms\n{:#?}",
+                 final epoch {}, ended at {} ms\n{}\n{:#?}",
                 outcome.writes_completed,
                 outcome.reads_checked,
                 outcome.faults,
                 outcome.final_epoch,
                 outcome.end_ms,
+                describe_moves(outcome.move_ms.clone()),
                 outcome.stats
             ),
             Err(report) => panic!("{report}"),
@@ -89,21 +90,40 @@ fn run_range(part: u64, parts: u64) {
     let begun = Instant::now();
     let (mut writes, mut epochs, mut runs) = (0, 0, 0);
     let mut stats = Stats::default();
+    let mut move_ms = Vec::new();
     for seed in (start..start + count).filter(|seed| seed % parts == part) {
         match run_seed(seed, false) {
             Ok(outcome) => {
                 writes += outcome.writes_completed;
                 add_stats(&mut stats, &outcome.stats);
                 epochs += outcome.final_epoch;
+                move_ms.extend(outcome.move_ms);
                 runs += 1;
             }
             Err(report) => panic!("{report}"),
         }
     }
     println!(
-        "{runs} seeds passed in {:.1} s: {writes} writes completed, {epochs} epochs in all\n{stats:?}",
-        begun.elapsed().as_secs_f64()
+        "{runs} seeds passed in {:.1} s: {writes} writes completed, {epochs} epochs in all\n{}\n{stats:?}",
+        begun.elapsed().as_secs_f64(),
+        describe_moves(move_ms)
     );
+}
+
+/// How long planned moves took, from the step-down to the store's next epoch.
+fn describe_moves(mut move_ms: Vec<u64>) -> String {
+    move_ms.sort_unstable();
+    let Some(&max) = move_ms.last() else {
+        return "no planned moves of the primary".into();
+    };
+    let at = |fraction: f64| move_ms[((move_ms.len() - 1) as f64 * fraction) as usize];
+    format!(
+        "{} planned moves of the primary, next epoch after (ms): median {}, p90 {}, p99 {}, max {max}",
+        move_ms.len(),
+        at(0.5),
+        at(0.9),
+        at(0.99)
+    )
 }
 
 #[test]

@@ -11,7 +11,9 @@
 //! (one node from everyone, the primary from everyone but the host, the primary from the store
 //! only, the host from the primary, random splits); node crashes (in-flight messages and
 //! storage requests are lost; a random part of the in-flight writes reaches the disk; the disk
-//! and the persisted epoch survive) and restarts; manager crashes; disk write and read errors.
+//! and the persisted epoch survive) and restarts; manager crashes; disk write and read errors;
+//! planned moves (the primary steps down, and now and then stops once the store named the next
+//! primary, as in a rolling restart).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -30,7 +32,7 @@ use super::checker::{encode, Checker, VALUE_BYTES};
 
 const NODE_TICK_MS: u64 = 10;
 /// Kinds of fault `World::inject_fault` knows.
-const FAULT_KINDS: u16 = 10;
+const FAULT_KINDS: u16 = 11;
 const FAULT_KINDS_ALL: u16 = (1 << FAULT_KINDS) - 1;
 const HOST_TICK_MS: u64 = 5;
 const MANAGER_TICK_MS: u64 = 20;
@@ -94,11 +96,30 @@ enum SimEvent {
     NodeTick(usize),
     HostTick,
     ManagerTick(usize),
-    Deliver { from: Endpoint, to: Endpoint, payload: Payload },
-    StorageDone { node: usize, incarnation: u64, id: StorageOpId },
-    PersistDone { node: usize, incarnation: u64, epoch: u64 },
+    Deliver {
+        from: Endpoint,
+        to: Endpoint,
+        payload: Payload,
+    },
+    StorageDone {
+        node: usize,
+        incarnation: u64,
+        id: StorageOpId,
+    },
+    PersistDone {
+        node: usize,
+        incarnation: u64,
+        epoch: u64,
+    },
     Fault,
     Restart(usize),
+    /// A node that stepped down stops (and restarts later) once the step-down is over or at
+    /// `deadline_ms`, as a node does on SIGTERM.
+    StopWhenMoved {
+        node: usize,
+        incarnation: u64,
+        deadline_ms: u64,
+    },
     ManagerRestart(usize),
     Heal(u64),
 }
@@ -229,6 +250,9 @@ pub struct Outcome {
     pub end_ms: u64,
     pub faults: u64,
     pub stats: Stats,
+    /// For each step-down of the store's primary: how long until the store held a newer epoch
+    /// (faults injected meanwhile may delay it; one still waiting at the end is left out).
+    pub move_ms: Vec<u64>,
     pub trace_tail: Vec<String>,
 }
 
@@ -247,6 +271,7 @@ pub fn add_stats(total: &mut Stats, more: &Stats) {
     total.blocks_resynced += more.blocks_resynced;
     total.blocks_pushed += more.blocks_pushed;
     total.reconciled_full += more.reconciled_full;
+    total.step_downs += more.step_downs;
 }
 
 pub struct World {
@@ -270,6 +295,9 @@ pub struct World {
     faults: u64,
     /// Counters of node processes that have ended.
     stats: Stats,
+    /// A step-down of the store's primary waiting for a promotion: (its epoch, when).
+    moving: Option<(u64, u64)>,
+    move_ms: Vec<u64>,
     checker: Checker,
     trace: Option<Vec<String>>,
     trace_all: bool,
@@ -323,6 +351,8 @@ impl World {
             faults_on: true,
             faults: 0,
             stats: Stats::default(),
+            moving: None,
+            move_ms: Vec::new(),
             checker: Checker::default(),
             trace: trace.then(Vec::new),
             trace_all: std::env::var_os("FERRITE_SIM_TRACE_ALL").is_some(),
@@ -402,6 +432,7 @@ impl World {
         }
         Outcome {
             stats: self.stats,
+            move_ms: self.move_ms,
             violations: self.checker.violations,
             writes_completed: self.checker.writes_completed,
             reads_checked: self.checker.reads_checked,
@@ -527,6 +558,18 @@ impl World {
                 }
             }
             SimEvent::Restart(node) => self.restart(node),
+            SimEvent::StopWhenMoved { node, incarnation, deadline_ms } => {
+                let sim = &self.nodes[node];
+                if sim.up && sim.incarnation == incarnation {
+                    if sim.volume.stepping_down() && self.now_ms < deadline_ms {
+                        let event = SimEvent::StopWhenMoved { node, incarnation, deadline_ms };
+                        self.schedule(NODE_TICK_MS, event);
+                    } else {
+                        self.log(|| format!("n{node} stops for a restart"));
+                        self.crash(node);
+                    }
+                }
+            }
             SimEvent::ManagerRestart(manager) => {
                 if self.managers[manager].is_none() {
                     self.log(|| format!("manager {manager} restarts"));
@@ -581,6 +624,12 @@ impl World {
                 let reply = self.store.handle(self.now_ms, &request);
                 let after = self.store.volume().value.epoch;
                 if after != before {
+                    if let Some((epoch, since_ms)) = self.moving {
+                        if after > epoch {
+                            self.move_ms.push(self.now_ms - since_ms);
+                            self.moving = None;
+                        }
+                    }
                     let primary = self.store.volume().value.primary;
                     self.log(|| format!("store: epoch {before} -> {after}, primary {primary:?}"));
                     if self.trace.is_some() {
@@ -907,11 +956,38 @@ impl World {
                 let blocked = [(me.min(Endpoint::Host), me.max(Endpoint::Host))].into();
                 self.partition(blocked, format!("the host from n{target}"));
             }
-            _ => {
+            9 => {
                 let until_ms = self.now_ms + self.rng.random_range(20..300);
                 self.nodes[target].disk_fault_until_ms = until_ms;
                 self.log(|| format!("n{target} (primary): disk faults until {until_ms}"));
             }
+            _ => self.step_down(target),
+        }
+    }
+
+    /// A planned move of the primary (`target` is the node the store names, or any node when
+    /// it names none): the node steps down, and half the time it then stops once the store
+    /// named the next primary (or after a lease), as on SIGTERM in a rolling restart.
+    fn step_down(&mut self, node: usize) {
+        if !self.nodes[node].up {
+            return;
+        }
+        let now_ms = self.now_ms;
+        let mut actions = Vec::new();
+        self.nodes[node].volume.step_down(now_ms, &mut actions);
+        let stepping_down = self.nodes[node].volume.stepping_down();
+        self.log(|| format!("n{node} steps down (stepping down: {stepping_down})"));
+        for action in actions {
+            self.node_action(node, action);
+        }
+        let state = &self.store.volume().value;
+        if stepping_down && state.primary == Some(NodeId(node as u32)) && self.moving.is_none() {
+            self.moving = Some((state.epoch, now_ms));
+        }
+        if self.rng.random_bool(0.5) {
+            let incarnation = self.nodes[node].incarnation;
+            let deadline_ms = now_ms + self.settings.config.lease_ms;
+            self.schedule(NODE_TICK_MS, SimEvent::StopWhenMoved { node, incarnation, deadline_ms });
         }
     }
 
