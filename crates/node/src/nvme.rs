@@ -75,6 +75,8 @@ const REMOVE_DRAIN_TIMEOUT_MS: u64 = 30_000;
 const CLOSE_DRAIN_TIMEOUT_MS: u64 = 500;
 /// How much a closing connection reads and discards at most.
 const CLOSE_DRAIN_BYTES_MAX: usize = 4 << 20;
+/// How long a cluster node that stops cleanly waits for its volumes to step down.
+const STEP_DOWN_TIMEOUT_MS: u64 = 5_000;
 /// Data-path threads at most.
 pub const DATA_THREADS_MAX: usize = 64;
 /// How often the background task looks at free space and the checkpoint clock.
@@ -2129,6 +2131,20 @@ impl DataPlane for NvmeDataPlane {
     }
 
     fn shutdown(&self) {
+        if let Some(link) = &self.shared.replication {
+            // A clean stop is a planned move: the volumes this node serves go to another
+            // replica now rather than when this node's lease runs out.
+            let (done, stepped_down) = std::sync::mpsc::sync_channel(1);
+            if link.command_blocking(crate::replicate::ServiceCommand::StepDownAll { done }) {
+                let wait = Duration::from_millis(STEP_DOWN_TIMEOUT_MS);
+                if stepped_down.recv_timeout(wait).is_err() {
+                    tracing::warn!(
+                        "the volumes this node serves did not all step down within \
+                         {STEP_DOWN_TIMEOUT_MS} ms; the others take over when its lease expires"
+                    );
+                }
+            }
+        }
         let _ = self.stop.send(true);
         let threads =
             std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));

@@ -222,6 +222,10 @@ pub(crate) enum ServiceCommand {
     /// Every replicated volume of the cluster (this node's or not): the ones the manager looks
     /// after while this node holds the manager key.
     ClusterVolumes { volumes: Vec<u64> },
+    /// The node is stopping cleanly: every volume it serves steps down (resigns through the
+    /// store, so another replica takes over at once instead of after the lease), and `done`
+    /// is answered once none is stepping down any more.
+    StepDownAll { done: std::sync::mpsc::SyncSender<()> },
 }
 
 /// Who asked the control store something.
@@ -502,6 +506,7 @@ pub(crate) fn spawn(
         volumes: BTreeMap::new(),
         managers: BTreeMap::new(),
         cluster_volumes: Vec::new(),
+        stepping_down: None,
         manager: None,
         last_campaign_ms: None,
         jobs,
@@ -583,6 +588,8 @@ struct Service {
     cluster_volumes: Vec<u64>,
     manager: Option<NodeId>,
     last_campaign_ms: Option<u64>,
+    /// Answered once no volume is stepping down any more (a clean stop).
+    stepping_down: Option<std::sync::mpsc::SyncSender<()>>,
     jobs: std::sync::mpsc::SyncSender<StoreJob>,
     links: HashMap<NodeId, mpsc::Sender<Vec<u8>>>,
     peers: Arc<RwLock<HashMap<NodeId, SocketAddr>>>,
@@ -620,6 +627,7 @@ impl Service {
                 }
                 _ = tick.tick() => {
                     self.tick();
+                    self.check_stepped_down();
                     let now = self.now_ms();
                     if now >= last_status_ms + STATUS_INTERVAL_MS {
                         last_status_ms = now;
@@ -693,6 +701,23 @@ impl Service {
             Input::Command(ServiceCommand::Add { handle, size_blocks }) => {
                 self.add(handle, size_blocks);
             }
+            Input::Command(ServiceCommand::StepDownAll { done }) => {
+                let volumes: Vec<u64> = self.volumes.keys().copied().collect();
+                for volume in volumes {
+                    if let Some(replica) = self.volumes.get_mut(&volume) {
+                        if replica.node.serving_epoch(now).is_some() {
+                            tracing::info!(
+                                volume = %replica.handle.name,
+                                "stopping: the primary steps down"
+                            );
+                        }
+                        replica.node.step_down(now, &mut self.actions);
+                        self.run_actions(volume);
+                    }
+                }
+                self.stepping_down = Some(done);
+                self.check_stepped_down();
+            }
             Input::Command(ServiceCommand::ClusterVolumes { volumes }) => {
                 self.managers.retain(|volume, _| volumes.contains(volume));
                 self.cluster_volumes = volumes;
@@ -704,6 +729,19 @@ impl Service {
                 self.managers.remove(&volume);
                 self.status.volumes.lock().unwrap_or_else(PoisonError::into_inner).remove(&volume);
             }
+        }
+    }
+
+    /// Answers a clean stop once no volume is stepping down any more.
+    fn check_stepped_down(&mut self) {
+        if self.stepping_down.is_none() {
+            return;
+        }
+        if self.volumes.values().any(|replica| replica.node.stepping_down()) {
+            return;
+        }
+        if let Some(done) = self.stepping_down.take() {
+            let _ = done.try_send(());
         }
     }
 
