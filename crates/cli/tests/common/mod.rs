@@ -3,11 +3,13 @@
 //! the `ferrite` client commands, the initiator-side helpers (patterns, NQNs, addresses), and
 //! for the tests that put a real file system on a volume, the standard clients and the guards
 //! of an nbdfuse file, a loop device over it and a mount (each released on drop); `failover`
-//! holds the verifying workload of the failover tests.
+//! holds the verifying workload of the failover tests, and `cluster` a private etcd with several
+//! cluster nodes (and, for partitions, their network namespaces).
 //!
 //! Each test binary uses part of this module, so unused items are expected in some of them.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod failover;
 
 use std::io::{BufRead, BufReader, Read};

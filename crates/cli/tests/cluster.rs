@@ -1,0 +1,471 @@
+//! Failover, resync and rebuild of replicated volumes on a real cluster: three or four
+//! `ferrite up --cluster-etcd` processes on this machine (`common::cluster`), with the verifying
+//! multipath workload (`common::failover`) writing through every node's NVMe/TCP path while the
+//! test kills the primary (SIGKILL), freezes it (SIGSTOP), cuts it off the network (network
+//! namespaces), or kills a replica and lets the manager rebuild it on a spare node. After each,
+//! I/O must resume on a new primary (in a higher epoch), no acknowledged block may be lost or
+//! overwritten by a stale write, and the node that came back must be in sync again. Each test
+//! ends by killing every node but the one whose data is in question, so that node alone serves
+//! the final check of every block: a replica must really hold the data, not only the primary.
+//!
+//! The pauses the hosts see are printed ("failover pause after kill -9: N ms") and held to a
+//! generous bound; the goal is 5 s with the 2 s lease these clusters use. The partition test
+//! needs root (network namespaces) and fails, like the file system tests, when it is missing:
+//! nothing is skipped. `FERRITE_FAILOVER_SEED=N` replays a workload's random choices.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::cluster::{require_root_and_netns, Cluster, ClusterOptions};
+use common::failover::Workload;
+use common::{ferrite, ferrite_ok, volume_nqn};
+
+const VOLUME: &str = "replicated";
+const VOLUME_SIZE: &str = "64M";
+/// The workload's blocks: 16 MiB of the volume.
+const BLOCKS: std::ops::Range<u64> = 0..4096;
+const WORKERS: usize = 4;
+/// The hosts' I/O timeout: a path whose command takes longer is given up (a frozen or cut-off
+/// primary), well under the lease so the hosts are looking elsewhere when the new primary
+/// serves.
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// Writes acknowledged between two steps of a test, so that each step happens under load.
+const WRITES_PER_STEP: u64 = 200;
+/// The workload must reach the next step's writes within this.
+const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the test waits for I/O to resume at all after a failure before it fails with the
+/// workload's report.
+const RESUME_TIMEOUT: Duration = Duration::from_secs(60);
+/// The bound a failover pause is held to: generous for a shared machine (the goal is 5 s).
+const PAUSE_MAX: Duration = Duration::from_secs(20);
+/// How long a node that was frozen or cut off may keep claiming its paths after it is back,
+/// before it has looked at its clock and lease.
+const STEP_DOWN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long it is then watched to stay down.
+const STAYS_DOWN_WATCH: Duration = Duration::from_secs(2);
+/// The grace period of the rebuild test: a member away longer is replaced.
+const REBUILD_GRACE_S: u64 = 3;
+
+/// Creates the test volume with `replicas` replicas through the CLI and waits until its primary
+/// serves with every replica in sync.
+fn create_volume(cluster: &Cluster, name: &str, replicas: usize) -> api::ReplicationInfo {
+    ferrite_ok(
+        &cluster.api_url(),
+        &["volume", "create", name, "--size", VOLUME_SIZE, "--replicas", &replicas.to_string()],
+    );
+    let state = cluster.wait_serving(name, replicas, &[]);
+    assert_eq!(state.members.len(), replicas, "{state:?}");
+    state
+}
+
+fn start_workload(cluster: &Cluster) -> Workload {
+    Workload::start(cluster.nvme_paths(), volume_nqn(VOLUME), BLOCKS, WORKERS, IO_TIMEOUT)
+}
+
+/// Waits for [`WRITES_PER_STEP`] more acknowledged writes.
+#[track_caller]
+fn step(workload: &Workload, what: &str) {
+    let target = workload.report().writes_acked + WRITES_PER_STEP;
+    assert!(
+        workload.wait_for_writes(target, STEP_TIMEOUT),
+        "{what}: the workload did not reach {target} writes in {STEP_TIMEOUT:?}: {:?}",
+        workload.report()
+    );
+}
+
+/// Does `action` (a failure) under the workload and returns how long writes stopped: from just
+/// before the action until, counted from the end of the action, more writes completed than the
+/// workers had in flight (one each), so at least one write completed after it. (A write may
+/// complete while the action runs, say while `ip` starts: those are not counted.)
+#[track_caller]
+fn pause_across(workload: &Workload, what: &str, action: impl FnOnce()) -> Duration {
+    let started = Instant::now();
+    action();
+    let acked = workload.report().writes_acked;
+    assert!(
+        workload.wait_for_writes(acked + WORKERS as u64 + 1, RESUME_TIMEOUT),
+        "writes did not resume within {RESUME_TIMEOUT:?} after {what}: {:?}",
+        workload.report()
+    );
+    let pause = started.elapsed();
+    println!("failover pause after {what}: {} ms", pause.as_millis());
+    pause
+}
+
+/// The name of the volume's primary.
+#[track_caller]
+fn primary(state: &api::ReplicationInfo) -> String {
+    state.primary.clone().unwrap_or_else(|| panic!("no primary: {state:?}"))
+}
+
+/// Stops the workload and requires that no read, during the run or in the final check of the
+/// whole range, returned a block no acknowledged or uncertain write could have left.
+#[track_caller]
+fn stop_and_check(mut workload: Workload) {
+    let report = workload.stop();
+    assert_eq!(report.wrong_blocks, Vec::<String>::new(), "{report:?}");
+    assert!(report.reads_checked > 0, "{report:?}");
+    let check = workload.check_all();
+    assert_eq!(check.wrong_blocks, Vec::<String>::new(), "{check:?}");
+    assert!(check.blocks_written > 100, "{check:?}");
+    println!(
+        "workload: {} writes acknowledged, {} blocks read back while running, longest pause {} \
+         ms; {} blocks checked at the end",
+        report.writes_acked,
+        report.reads_checked,
+        report.longest_pause.as_millis(),
+        check.blocks_checked
+    );
+}
+
+/// Kills every node but `survivor` (all at once, under the workload) and waits until the
+/// survivor alone serves the volume: whatever the final check reads then comes from its copy.
+fn leave_only(cluster: &mut Cluster, workload: &Workload, survivor: usize, before: u64) {
+    let survivor_name = cluster.node(survivor).name.clone();
+    let others: Vec<usize> = (0..cluster.node_count())
+        .filter(|index| *index != survivor && cluster.node(*index).reachable())
+        .collect();
+    let names: Vec<String> = others.iter().map(|index| cluster.node(*index).name.clone()).collect();
+    let what = format!("kill -9 of {names:?}, leaving {survivor_name} alone");
+    let pause = pause_across(workload, &what, || {
+        for index in &others {
+            cluster.kill9(*index);
+        }
+    });
+    let not: Vec<&str> = names.iter().map(String::as_str).collect();
+    let last = cluster.wait_serving(VOLUME, 1, &not);
+    assert_eq!(primary(&last), survivor_name, "{last:?}");
+    assert!(last.epoch > before, "a promotion raises the epoch: {last:?}");
+    assert!(pause < PAUSE_MAX, "{what}: writes paused {pause:?}");
+    step(workload, "on the survivor alone");
+}
+
+#[test]
+fn a_killed_primary_is_replaced_resyncs_on_return_and_every_replica_holds_the_data() {
+    let mut cluster = Cluster::start(&ClusterOptions::nodes(3));
+    let first = create_volume(&cluster, VOLUME, 3);
+    let workload = start_workload(&cluster);
+    step(&workload, "before the kill");
+
+    let first_primary = primary(&first);
+    let first_index = cluster.index(&first_primary);
+    let pause = pause_across(&workload, "kill -9", || {
+        cluster.kill9(first_index);
+    });
+    let second = cluster.wait_serving(VOLUME, 2, &[&first_primary]);
+    assert!(second.epoch > first.epoch, "{first:?} then {second:?}");
+    assert!(!second.in_sync.contains(&first_primary), "{second:?}");
+    assert!(pause < PAUSE_MAX, "writes paused {pause:?} after kill -9 of the primary");
+    step(&workload, "after the failover");
+
+    // The killed node returns on its data dir and catches up under load.
+    cluster.restart(first_index);
+    let second_primary = primary(&second);
+    let resynced = cluster.wait_replication(VOLUME, "the restarted node in sync again", |state| {
+        state.in_sync.len() == 3 && state.primary.as_ref() == Some(&second_primary)
+    });
+    assert_eq!(resynced.epoch, second.epoch, "no failover meanwhile: {resynced:?}");
+    let second_index = cluster.index(&second_primary);
+    let local = cluster.wait_local(second_index, VOLUME, "a resync completed", |local| {
+        local.resyncs_completed >= 1
+    });
+    assert!(
+        local.blocks_resynced > 0,
+        "the primary copied blocks to the returning node: {local:?}"
+    );
+    println!("resync of the returning node: {} blocks copied", local.blocks_resynced);
+    step(&workload, "after the resync");
+
+    // Now the second primary dies too: the remaining nodes, among them the one that was
+    // resynced, hold every acknowledged block.
+    let pause = pause_across(&workload, "kill -9 of the second primary", || {
+        cluster.kill9(second_index);
+    });
+    let third = cluster.wait_serving(VOLUME, 2, &[&second_primary]);
+    assert!(third.epoch > second.epoch, "{second:?} then {third:?}");
+    assert!(pause < PAUSE_MAX, "writes paused {pause:?} after kill -9 of the second primary");
+    step(&workload, "after the second failover");
+
+    // The resynced node alone must hold it all.
+    let third_primary = primary(&third);
+    if third_primary != first_primary {
+        leave_only(&mut cluster, &workload, first_index, third.epoch);
+    }
+    stop_and_check(workload);
+    cluster.assert_no_error_lines(&[]);
+}
+
+/// How the primary is taken away in [`isolate_the_primary_and_bring_it_back`].
+#[derive(Debug, Clone, Copy)]
+enum Isolation {
+    /// SIGSTOP, later SIGCONT: frozen with its sockets open, it wakes up with a stale view.
+    Freeze,
+    /// Its network link down, later up: cut off from etcd, its peers and the hosts.
+    Cut,
+}
+
+/// The primary is frozen or cut off mid-workload: I/O moves to a new primary. When it is back
+/// it must not serve (its paths go ANA inaccessible, nothing it held back overwrites an
+/// acknowledged block), it must return to in sync, and finally, alone, it must serve every
+/// block right.
+fn isolate_the_primary_and_bring_it_back(isolation: Isolation) {
+    let options = ClusterOptions {
+        namespaces: matches!(isolation, Isolation::Cut),
+        ..ClusterOptions::nodes(3)
+    };
+    let mut cluster = Cluster::start(&options);
+    let first = create_volume(&cluster, VOLUME, 3);
+    let workload = start_workload(&cluster);
+    step(&workload, "before the isolation");
+
+    let old = primary(&first);
+    let old_index = cluster.index(&old);
+    let what = match isolation {
+        Isolation::Freeze => "SIGSTOP of the primary",
+        Isolation::Cut => "cutting the primary off the network",
+    };
+    let pause = pause_across(&workload, what, || match isolation {
+        Isolation::Freeze => cluster.pause(old_index),
+        Isolation::Cut => cluster.set_link(old_index, false),
+    });
+    let second = cluster.wait_serving(VOLUME, 2, &[&old]);
+    assert!(second.epoch > first.epoch, "{first:?} then {second:?}");
+    assert!(pause < PAUSE_MAX, "writes paused {pause:?} after {what}");
+    // Blocks the old primary may hold stale writes for are overwritten meanwhile.
+    step(&workload, "while the old primary is away");
+    step(&workload, "while the old primary is away");
+
+    match isolation {
+        Isolation::Freeze => cluster.resume(old_index),
+        Isolation::Cut => cluster.set_link(old_index, true),
+    }
+    let back = Instant::now();
+    // It steps down: its own view says it does not serve and all its paths are inaccessible.
+    let not_serving = |cluster: &Cluster| {
+        let local = cluster.replication_at(old_index, VOLUME).and_then(|state| state.local);
+        let paths = cluster.node(old_index).client().volume_paths(VOLUME).ok();
+        let down = paths.as_ref().is_some_and(|paths| {
+            !paths.paths.is_empty()
+                && paths.paths.iter().all(|path| path.ana_state == api::AnaState::Inaccessible)
+        });
+        (local.is_some_and(|local| !local.serving) && down, paths)
+    };
+    loop {
+        let (stepped_down, paths) = not_serving(&cluster);
+        if stepped_down {
+            break;
+        }
+        assert!(
+            back.elapsed() < STEP_DOWN_TIMEOUT,
+            "{old} still claims the volume {STEP_DOWN_TIMEOUT:?} after it came back: {paths:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!("{old} stepped down {} ms after it came back", back.elapsed().as_millis());
+    let watch_until = Instant::now() + STAYS_DOWN_WATCH;
+    while Instant::now() < watch_until {
+        let (stepped_down, paths) = not_serving(&cluster);
+        let state = cluster.replication(VOLUME);
+        let in_sync_now = state.as_ref().is_some_and(|state| state.in_sync.contains(&old));
+        // Once in sync again it may be a replica, never the primary, of this epoch.
+        assert!(
+            stepped_down || in_sync_now,
+            "{old} claims the volume again after stepping down: {paths:?} {state:?}"
+        );
+        assert_eq!(state.as_ref().and_then(|state| state.primary.clone()), second.primary);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let second_primary = primary(&second);
+    let resynced = cluster.wait_replication(VOLUME, "the old primary in sync again", |state| {
+        state.in_sync.len() == 3 && state.primary.as_ref() == Some(&second_primary)
+    });
+    assert_eq!(resynced.epoch, second.epoch, "no failover meanwhile: {resynced:?}");
+    step(&workload, "after the old primary's return");
+
+    leave_only(&mut cluster, &workload, old_index, second.epoch);
+    stop_and_check(workload);
+    cluster.assert_no_error_lines(&[]);
+}
+
+#[test]
+fn a_frozen_primary_is_replaced_and_after_sigcont_serves_nothing_stale() {
+    isolate_the_primary_and_bring_it_back(Isolation::Freeze);
+}
+
+#[test]
+fn a_primary_cut_off_the_network_is_replaced_and_rejoins_when_reconnected() {
+    require_root_and_netns();
+    isolate_the_primary_and_bring_it_back(Isolation::Cut);
+}
+
+#[test]
+fn a_replica_gone_past_the_grace_period_is_rebuilt_in_full_on_a_spare_node() {
+    let options =
+        ClusterOptions { rebuild_grace_s: Some(REBUILD_GRACE_S), ..ClusterOptions::nodes(4) };
+    let mut cluster = Cluster::start(&options);
+    let first = create_volume(&cluster, VOLUME, 3);
+    let first_primary = primary(&first);
+    let names: Vec<String> = (0..4).map(|index| cluster.node(index).name.clone()).collect();
+    let spare = names.iter().find(|name| !first.members.contains(name)).expect("a spare").clone();
+    let lost =
+        first.members.iter().find(|name| **name != first_primary).expect("a replica").clone();
+    let lost_index = cluster.index(&lost);
+    // The spare's path is down until it holds a replica; the hosts connect it in the background.
+    let workload = start_workload(&cluster);
+    step(&workload, "before the kill");
+
+    let killed_at = Instant::now();
+    let pause = pause_across(&workload, "kill -9 of a replica", || {
+        cluster.kill9(lost_index);
+    });
+    assert!(pause < PAUSE_MAX, "writes paused {pause:?} after kill -9 of a replica");
+    let degraded = cluster.wait_serving(VOLUME, 2, &[]);
+    assert_eq!(primary(&degraded), first_primary, "a replica's loss moves no primary");
+    step(&workload, "with the replica gone");
+
+    let rebuilt =
+        cluster.wait_replication(VOLUME, "the spare in sync in the lost one's place", |state| {
+            state.members.len() == 3
+                && !state.members.contains(&lost)
+                && state.in_sync.len() == 3
+                && state.in_sync.contains(&spare)
+        });
+    let rebuilt_after = killed_at.elapsed();
+    println!("replica rebuilt on {spare} {} ms after kill -9 of {lost}", rebuilt_after.as_millis());
+    assert!(
+        rebuilt_after >= Duration::from_secs(REBUILD_GRACE_S),
+        "the lost replica was replaced before the grace period ended: {rebuilt:?}"
+    );
+    assert_eq!(primary(&rebuilt), first_primary, "{rebuilt:?}");
+    let primary_index = cluster.index(&first_primary);
+    let local = cluster.wait_local(primary_index, VOLUME, "a rebuild completed", |local| {
+        local.resyncs_completed >= 1
+    });
+    assert!(local.blocks_resynced > 0, "the primary copied the volume to the spare: {local:?}");
+    println!("rebuild on the spare: {} blocks copied", local.blocks_resynced);
+    step(&workload, "after the rebuild");
+
+    // The spare alone must hold every block: it was copied in full.
+    let spare_index = cluster.index(&spare);
+    leave_only(&mut cluster, &workload, spare_index, rebuilt.epoch);
+    stop_and_check(workload);
+    cluster.assert_no_error_lines(&[]);
+}
+
+/// The command must fail; returns its stderr.
+#[track_caller]
+fn ferrite_fails(api_url: &str, args: &[&str]) -> String {
+    let output = ferrite(api_url, args);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!output.status.success(), "ferrite {args:?} succeeded on a cluster node");
+    stderr
+}
+
+#[track_caller]
+fn assert_code<T: std::fmt::Debug>(result: Result<T, api::ClientError>, code: api::ErrorCode) {
+    match result {
+        Err(error) => assert_eq!(error.code(), Some(code), "{error}"),
+        Ok(value) => panic!("expected {code:?}, got {value:?}"),
+    }
+}
+
+#[test]
+fn a_cluster_refuses_what_it_cannot_do_and_shows_its_nodes() {
+    let mut cluster = Cluster::start(&ClusterOptions::nodes(3));
+    let api_url = cluster.node(0).api_url().to_owned();
+    let client = cluster.node(0).client();
+
+    // A volume without --replicas has one replica on a cluster.
+    ferrite_ok(&api_url, &["volume", "create", "single", "--size", "16M"]);
+    let single = cluster.wait_serving("single", 1, &[]);
+    assert_eq!(single.members.len(), 1, "{single:?}");
+
+    // Single-node features are refused with not_supported, and the CLI says why.
+    let stderr = ferrite_fails(&api_url, &["snapshot", "create", "single", "snap"]);
+    assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
+    assert_code(client.create_snapshot("single", "snap"), api::ErrorCode::NotSupported);
+    let stderr = ferrite_fails(&api_url, &["volume", "resize", "single", "32M"]);
+    assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
+    assert_code(client.resize_volume("single", 32 << 20), api::ErrorCode::NotSupported);
+    let stderr = ferrite_fails(
+        &api_url,
+        &["volume", "set-path", "single", "--port", "1", "--state", "optimized"],
+    );
+    assert!(stderr.contains("cannot be set by hand"), "{stderr}");
+    assert_code(
+        client.set_path_state("single", 1, api::AnaState::Inaccessible),
+        api::ErrorCode::NotSupported,
+    );
+    let stderr =
+        ferrite_fails(&api_url, &["volume", "create", "four", "--size", "16M", "--replicas", "4"]);
+    assert!(stderr.contains("--replicas"), "{stderr}");
+    assert_code(
+        client
+            .create_volume(&api::CreateVolume::empty("four".to_owned(), 16 << 20).with_replicas(4)),
+        api::ErrorCode::PlacementFailed,
+    );
+
+    // The views: every node live, with the addresses it serves on.
+    let status: serde_json::Value =
+        serde_json::from_str(&ferrite_ok(&api_url, &["cluster", "status", "--json"])).unwrap();
+    assert_eq!(status["node"], "node1", "{status}");
+    assert!(status["manager"].is_string(), "a manager is elected: {status}");
+    assert_eq!(status["volumes"], 1, "{status}");
+    let nodes: serde_json::Value =
+        serde_json::from_str(&ferrite_ok(&api_url, &["node", "list", "--json"])).unwrap();
+    let listed = nodes.as_array().expect("node list --json is an array");
+    assert_eq!(listed.len(), 3, "{nodes}");
+    for index in 0..3 {
+        let node = cluster.node(index);
+        let entry = listed
+            .iter()
+            .find(|entry| entry["name"] == node.name.as_str())
+            .unwrap_or_else(|| panic!("{} is not listed: {nodes}", node.name));
+        assert_eq!(entry["live"], true, "{entry}");
+        assert_eq!(entry["nvme_addrs"], serde_json::json!([node.nvme_address()]), "{entry}");
+        assert_eq!(
+            format!("http://{}", entry["api_addr"].as_str().unwrap_or_default()),
+            node.api_url(),
+            "{entry}"
+        );
+    }
+
+    // A killed node shows as not live once its lease expires, in both views.
+    let killed = cluster.node(2).name.clone();
+    cluster.kill9(2);
+    cluster.wait_cluster("the killed node not live", |info| {
+        info.nodes.iter().any(|node| node.name == killed && !node.live)
+    });
+    let nodes: serde_json::Value =
+        serde_json::from_str(&ferrite_ok(&api_url, &["node", "list", "--json"])).unwrap();
+    let live: Vec<(String, bool)> = nodes
+        .as_array()
+        .expect("an array")
+        .iter()
+        .map(|entry| (entry["name"].as_str().unwrap_or_default().to_owned(), entry["live"] == true))
+        .collect();
+    assert_eq!(
+        live,
+        vec![("node1".to_owned(), true), ("node2".to_owned(), true), (killed.clone(), false)],
+        "{nodes}"
+    );
+    let status = ferrite_ok(&api_url, &["cluster", "status"]);
+    assert!(status.contains("2 live of 3"), "{status}");
+
+    // Three replicas need three live nodes; two fit.
+    let stderr =
+        ferrite_fails(&api_url, &["volume", "create", "three", "--size", "16M", "--replicas", "3"]);
+    assert!(stderr.contains("3 replicas need 3 live nodes, and 2 of 3 are live"), "{stderr}");
+    assert_code(
+        client.create_volume(
+            &api::CreateVolume::empty("three".to_owned(), 16 << 20).with_replicas(3),
+        ),
+        api::ErrorCode::PlacementFailed,
+    );
+    assert_code(client.volume("three"), api::ErrorCode::VolumeNotFound);
+    ferrite_ok(&api_url, &["volume", "create", "two", "--size", "16M", "--replicas", "2"]);
+    let two = cluster.wait_serving("two", 2, &[]);
+    assert!(!two.members.contains(&killed), "placed on live nodes only: {two:?}");
+    cluster.assert_no_error_lines(&[]);
+}
