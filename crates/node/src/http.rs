@@ -9,7 +9,7 @@
 use crate::config::DriveBackend;
 use crate::control::{ControlError, VolumeService};
 use crate::data_plane::{data_reduction, ErasureReport, ScrubReport, VolumePath, VolumeSpace};
-use crate::metrics::{NodeGauges, Registry};
+use crate::metrics::{NodeGauges, Registry, ReplicationGauges};
 use api::{ErrorBody, ErrorCode, VolumeInfo};
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, PathRejection};
@@ -22,6 +22,7 @@ use meta::{HostAccess, NodeRecord, SnapshotRecord, VolumeRecord};
 use nvmf::target::AnaState;
 use serde::de::DeserializeOwned;
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::Semaphore;
 
@@ -802,6 +803,19 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
             scrub_passes: capacity.scrub.passes_completed,
             erasure: capacity.erasure,
             volume_space,
+            replication: service.cluster().map(|cluster| {
+                let status = &cluster.status;
+                ReplicationGauges {
+                    frames_sent: status.frames_sent.load(Ordering::Relaxed),
+                    frames_received: status.frames_received.load(Ordering::Relaxed),
+                    frames_dropped: status.frames_dropped.load(Ordering::Relaxed),
+                    volumes: status
+                        .volumes()
+                        .into_iter()
+                        .map(|(id, volume)| (id, volume.epoch, volume.serving))
+                        .collect(),
+                }
+            }),
         })
     })
     .await?;

@@ -30,6 +30,12 @@
 //!   `ferrite_rebuild_segments_done`, `ferrite_rebuild_segments_total` (gauges): the rebuild in
 //!   progress (both 0 when none runs); `ferrite_drive_rebuilding{drive,path}` (gauge): 1 for a
 //!   drive being rebuilt
+//! - `ferrite_replication_frames_sent_total`, `ferrite_replication_frames_received_total`,
+//!   `ferrite_replication_frames_dropped_total` (counters, cluster nodes): replication messages
+//!   to and from other nodes, and those dropped because a peer's link was full or down (the
+//!   protocol sends them again); `ferrite_volume_replication_epoch{volume_id}` and
+//!   `ferrite_volume_serving{volume_id}` (gauges): each replicated volume's epoch as this node
+//!   knows it, and 1 while this node serves it
 //! - `ferrite_volume_mapped_bytes{volume,volume_id}`,
 //!   `ferrite_volume_physical_used_bytes{volume,volume_id}` (gauges): each volume's written
 //!   bytes and the drive space they take
@@ -218,6 +224,18 @@ pub struct NodeGauges {
     pub erasure: ErasureReport,
     /// The space of each volume the data path knows, by volume id.
     pub volume_space: BTreeMap<u64, VolumeSpace>,
+    /// On a cluster node, its replication traffic and volumes.
+    pub replication: Option<ReplicationGauges>,
+}
+
+/// A cluster node's replication, read at scrape time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReplicationGauges {
+    pub frames_sent: u64,
+    pub frames_received: u64,
+    pub frames_dropped: u64,
+    /// Each replicated volume this node holds: (volume id, epoch, serving).
+    pub volumes: Vec<(u64, u64, bool)>,
 }
 
 struct Entry {
@@ -468,6 +486,50 @@ impl Registry {
             let _ = writeln!(out, "{name} {value}");
         }
 
+        if let Some(replication) = &node.replication {
+            for (name, help, value) in [
+                (
+                    "ferrite_replication_frames_sent_total",
+                    "Replication messages queued to other nodes.",
+                    replication.frames_sent,
+                ),
+                (
+                    "ferrite_replication_frames_received_total",
+                    "Replication messages received from other nodes.",
+                    replication.frames_received,
+                ),
+                (
+                    "ferrite_replication_frames_dropped_total",
+                    "Replication messages dropped because a peer's link was full or down (the \
+                     protocol sends them again).",
+                    replication.frames_dropped,
+                ),
+            ] {
+                family(&mut out, name, "counter", help);
+                let _ = writeln!(out, "{name} {value}");
+            }
+            family(
+                &mut out,
+                "ferrite_volume_replication_epoch",
+                "gauge",
+                "The newest epoch of the replicated volume this node knows.",
+            );
+            for (id, epoch, _) in &replication.volumes {
+                let _ =
+                    writeln!(out, "ferrite_volume_replication_epoch{{volume_id=\"{id}\"}} {epoch}");
+            }
+            family(
+                &mut out,
+                "ferrite_volume_serving",
+                "gauge",
+                "1 while this node serves the replicated volume (its primary, ANA optimized).",
+            );
+            for (id, _, serving) in &replication.volumes {
+                let value = u8::from(*serving);
+                let _ = writeln!(out, "ferrite_volume_serving{{volume_id=\"{id}\"}} {value}");
+            }
+        }
+
         family(&mut out, "ferrite_volume_operations_total", "counter", "I/O commands completed.");
         for (id, name, metrics) in &volumes {
             for operation in Operation::ALL {
@@ -706,6 +768,12 @@ mod tests {
             scrub_blocks_verified: 77,
             scrub_errors: 1,
             scrub_passes: 2,
+            replication: Some(ReplicationGauges {
+                frames_sent: 10,
+                frames_received: 9,
+                frames_dropped: 1,
+                volumes: vec![(1, 4, true)],
+            }),
             volume_space: [(
                 1,
                 VolumeSpace {
@@ -771,6 +839,9 @@ mod tests {
         assert_eq!(value(&text, "ferrite_scrub_blocks_verified_total"), 77);
         assert_eq!(value(&text, "ferrite_scrub_errors_total"), 1);
         assert_eq!(value(&text, "ferrite_scrub_passes_total"), 2);
+        assert_eq!(value(&text, "ferrite_replication_frames_dropped_total"), 1);
+        assert!(text.contains("ferrite_volume_serving{volume_id=\"1\"} 1\n"), "{text}");
+        assert!(text.contains("ferrite_volume_replication_epoch{volume_id=\"1\"} 4\n"));
         assert_eq!(value(&text, "ferrite_volume_mapped_bytes{volume=\"a\",volume_id=\"1\"}"), 8192);
         assert_eq!(
             value(&text, "ferrite_volume_physical_used_bytes{volume=\"a\",volume_id=\"1\"}"),
