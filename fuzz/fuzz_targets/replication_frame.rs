@@ -16,7 +16,7 @@ use replication::wire::{self, Envelope, FrameReader, WireError, HEADER_BYTES, ME
 /// pathological inputs.
 const FRAMES_PER_INPUT_MAX: usize = 4096;
 
-/// Header offsets of docs/replication-wire.md (version 2).
+/// Header offsets of docs/replication-wire.md (version 3).
 const PAYLOAD_BYTES_AT: usize = 8;
 const PAYLOAD_BYTES_END: usize = 12;
 const CHECKSUM_AT: usize = 24;

@@ -43,6 +43,16 @@ impl DirtySet {
         self.cursor == Some(0)
     }
 
+    pub fn volume_blocks(&self) -> u64 {
+        self.volume_blocks
+    }
+
+    /// Makes every block dirty (a full copy).
+    pub fn fill(&mut self) {
+        self.lbas.clear();
+        self.cursor = Some(0);
+    }
+
     pub fn insert_range(&mut self, range: Range<u64>) {
         assert!(range.end <= self.volume_blocks, "LBAs are checked before they get here");
         for lba in range {

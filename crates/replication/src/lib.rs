@@ -82,21 +82,57 @@
 //! blocks if either is unknown), tagged as uncommitted op 1 of the new epoch. Once every in-sync
 //! replica holds them (or was removed through the store), op 1 commits and the term serves.
 //! A replica drops divergence entries when a commit point covers them, and all entries of older
-//! epochs when it learns a newer epoch committed op 1. A primary that steps down adds the
-//! blocks of its pending writes to its own list. Any value is acceptable for a block whose write
-//! never completed; what matters is that every in-sync replica ends with the primary's.
+//! epochs when it learns a newer epoch committed op 1. A primary whose term ends (deposed, lease
+//! lost, step-down) adds the blocks of its pending writes to its own list, and takes no host
+//! write after. Any value is acceptable for a block whose write never completed; what matters
+//! is that every in-sync replica ends with the primary's.
 //!
 //! # Resync
 //!
-//! For each member out of sync the primary keeps a *dirty set*: the blocks that member's stream
-//! had not acknowledged when it was removed, plus every block written since (past
-//! `dirty_lbas_max`, or for a member the term found out of sync, the whole volume). When the
-//! member asks to come back (`Hello`), the primary opens a new stream, sends it live writes from
-//! then on, and copies the dirty blocks (at most `copy_blocks_per_tick` per tick). A copy reads
-//! a block only when no local write to it is in flight or waiting, and is dropped if a host
-//! write to the block is issued before the read returns (the member gets that write live, after
-//! in its stream); a copy reflecting a pending write is tagged with it, so it counts as
-//! uncommitted. When nothing is left to copy, every copy and every completed write has been
+//! For each member out of sync the primary keeps a *dirty set*, the blocks on which that
+//! member's replica may differ from its own, and copies exactly those when the member comes
+//! back. The new primary's blocks change only through its own host writes of the term
+//! (reconciliation writes only to replicas), each of which joins every dirty set. A member:
+//!
+//! - removed during the term (it stopped acknowledging, restarted or failed) owes the blocks its
+//!   stream had not acknowledged, the pushes of its reconciliation not yet made if it was
+//!   being reconciled, and every block written since. What it acknowledged is durable there and
+//!   was the primary's value, even if its process restarts meanwhile.
+//! - out of the in-sync set when the term started (the previous primary, which the promotion
+//!   took out, or a member removed in an earlier term), or in it but never probed (no
+//!   `ProbeReply` within `ack_timeout_ms`) owes the blocks of the new primary's divergence at
+//!   the term's start, every block written in the term, and, from its first `Hello` of the
+//!   term, the blocks of the divergence that `Hello` carries. A `Hello` also carries the newest
+//!   epoch in which the sender's process started a term; the divergence is used for a member out
+//!   of sync at the start only if that epoch is the one just before the term's.
+//!
+//! Why that is enough: such a member was in sync until the promotion. A member of the in-sync
+//! set the term started with plainly was; so was the primary of the epoch just before (the store
+//! names one primary per epoch, only from `in_sync`, and a primary never leaves `in_sync` in its
+//! own epoch). Then the reconciliation argument holds for it as for a probed replica: the blocks
+//! of older epochs on which it and the new primary differ are those of writes that never
+//! completed, each in one of their two divergence lists (the old primary's pending writes went
+//! into its own list when its term ended). The divergence in the `Hello` is final: the member
+//! applies nothing of older epochs once it adopted the new one, and its list changes in the new
+//! epoch only through the new primary's stream, which opens only for a `Hello`; the primary takes
+//! the first one it serves and then keeps what is left in the dirty set (a later `Hello`, or a
+//! restart, changes nothing: what the member acknowledged stays durable).
+//!
+//! The member is copied the whole volume instead when the new primary cannot know what it
+//! missed: it was out of sync since an earlier epoch (dirty sets are not handed over between
+//! primaries), its divergence is `Unknown` (its process restarted since: the list lives in
+//! memory and nothing more is persisted; or the list passed `divergence_lbas_max`), the new
+//! primary's own divergence was unknown, or the dirty set passed `dirty_lbas_max`. A member the
+//! manager adds in a rebuild holds nothing and is copied in full too. [`Stats`] counts the
+//! returns of members out of sync since the term started that were incremental and full.
+//!
+//! When the member asks to come back (`Hello`), the primary opens a new stream, sends it live
+//! writes from then on, and copies the dirty blocks (at most `copy_blocks_per_tick` per tick).
+//! A copy reads a block only when no local write to it is in flight or waiting, and is dropped
+//! if a host write to the block is issued before the read returns (the member gets that write
+//! live, after in its stream); a copy reflecting a pending write is tagged with it, so it
+//! counts as uncommitted. On the member, a copy waits for its own write still in flight to the
+//! block (an old primary's last writes), so the copy lands last. When nothing is left to copy, every copy and every completed write has been
 //! acknowledged and every pending write went to it live, the peer is `Adding`: writes now wait
 //! for it too, and the primary CASes it into `in_sync`. A CAS whose reply was lost is settled
 //! only by a later CAS reply, never by a read, since the lost one could still be applied.
@@ -133,8 +169,9 @@
 //! is `NONE` at its next poll, choosing another in-sync member with a live lease if there is
 //! one, and that member learns it at its own next poll: hosts wait about two store polls
 //! instead of a lease. Until the node sees a newer epoch it starts no term, even if named;
-//! after, it is a replica like any other (out of `in_sync`, it resyncs from the new primary),
-//! so a volume can move back later. If no other in-sync member is live, the manager names the
+//! after, it is a replica like any other (out of `in_sync`, it resyncs from the new primary,
+//! which copies it only what changed as long as its process lives), so a volume can move back
+//! later. If no other in-sync member is live, the manager names the
 //! same node again in a new epoch, which ends the step-down: it serves again rather than
 //! leave the volume without a primary, since no other replica is known to hold every
 //! completed write.
@@ -288,8 +325,9 @@ pub struct Config {
     pub hello_interval_ms: u64,
     /// Resync and reconciliation copy at most this many blocks per tick, over all replicas.
     pub copy_blocks_per_tick: u32,
-    /// A primary remembers at most this many changed LBAs per out-of-sync replica; beyond, that
-    /// replica gets a full copy.
+    /// A primary remembers at most this many changed LBAs per out-of-sync replica (the blocks
+    /// written while it is away, and those of divergence lists); beyond, that replica gets a
+    /// full copy.
     pub dirty_lbas_max: usize,
     /// A replica remembers at most this many uncommitted LBAs; beyond, its divergence is
     /// unknown and a reconciliation copies the whole volume to it.

@@ -85,8 +85,11 @@ pub enum Message {
     Probe { epoch: u64 },
     /// Reply to `Probe`, sent once `epoch` is durable on the replica.
     ProbeReply { epoch: u64, incarnation: u64, divergence: DivergenceReport },
-    /// Replica to primary: I have no live stream from you; take me back.
-    Hello { epoch: u64, incarnation: u64 },
+    /// Replica to primary: I have no live stream from you; take me back. `last_term_epoch` is
+    /// the newest epoch in which this process started a term as primary (0: none), and
+    /// `divergence` its divergence list now: with them the primary can copy only what differs
+    /// to a member that was in sync until the promotion (crate docs, "Resync").
+    Hello { epoch: u64, incarnation: u64, last_term_epoch: u64, divergence: DivergenceReport },
     /// Either way: I have seen `epoch`, newer than yours. The receiver adopts it; a primary
     /// that receives it is deposed.
     Stale { epoch: u64 },

@@ -22,6 +22,10 @@
 //! in `in_sync` (a peer leaves Removing, or enters InSync, only when the store's answer shows
 //! it: a CAS reply, or a read while no CAS of this primary is unsettled), so the set a write
 //! waits for always contains the store's in-sync set.
+//!
+//! A peer out of sync at term start, or removed while Probing, has a dirty set that still lacks
+//! the blocks of its own divergence from before the term ([`Before`]); its first `Hello` of
+//! the term adds them, or makes the set full when they cannot be trusted (crate docs, "Resync").
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
@@ -149,9 +153,28 @@ enum PeerState {
     Adding,
 }
 
+/// What an out-of-sync peer's dirty set does not cover yet: the blocks on which its replica
+/// may have differed from this node's when the term started. The dirty set of such a peer holds
+/// this node's own divergence at the start and every block written since; the peer's part
+/// comes with its first `Hello` of the term (crate docs, "Resync").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Before {
+    /// Nothing: the dirty set is complete (or full).
+    Covered,
+    /// In the store's in-sync set when the term started, but never probed: the blocks it may
+    /// differ on are those of its divergence, which its `Hello` carries.
+    InSyncAtStart,
+    /// Out of the store's in-sync set when the term started. If it was the primary of the
+    /// epoch just before (its `Hello` says so), it held every completed write until the
+    /// promotion and its divergence lists the rest; else nothing is known: full copy.
+    OutOfSyncAtStart,
+}
+
 #[derive(Debug)]
 struct Peer {
     state: PeerState,
+    /// Anything the dirty set of `OutOfSync` or `Removing` still lacks.
+    before: Before,
     stream: Option<OutStream>,
     last_heard_ms: u64,
     last_heartbeat_ms: u64,
@@ -239,15 +262,21 @@ impl Term {
             unreachable!("a term starts from a view of the store");
         };
         let volume = &view.value;
-        let (limit, blocks) = (shared.config.dirty_lbas_max, shared.config.volume_blocks);
         for &member in volume.members.iter().filter(|&&member| member != shared.me) {
-            let state = if volume.in_sync.contains(&member) {
-                PeerState::Probing { since_ms: now_ms, last_sent_ms: now_ms }
+            let (state, before) = if volume.in_sync.contains(&member) {
+                (PeerState::Probing { since_ms: now_ms, last_sent_ms: now_ms }, Before::Covered)
             } else {
-                PeerState::OutOfSync(DirtySet::full(limit, blocks))
+                // It may be the previous primary, which then lacks only the blocks this term
+                // writes and those of its own divergence and of this node's.
+                (PeerState::OutOfSync(self.own_divergence_dirty()), Before::OutOfSyncAtStart)
             };
-            let peer =
-                Peer { state, stream: None, last_heard_ms: now_ms, last_heartbeat_ms: now_ms };
+            let peer = Peer {
+                state,
+                before,
+                stream: None,
+                last_heard_ms: now_ms,
+                last_heartbeat_ms: now_ms,
+            };
             self.peers.insert(member, peer);
         }
         let probing: Vec<NodeId> = self
@@ -557,8 +586,9 @@ impl Term {
             Message::ProbeReply { incarnation, divergence, .. } => {
                 self.on_probe_reply(shared, now_ms, from, incarnation, divergence)
             }
-            Message::Hello { incarnation, .. } => {
-                self.on_hello(shared, now_ms, from, incarnation, out)
+            Message::Hello { incarnation, last_term_epoch, divergence, .. } => {
+                let said = Hello { incarnation, last_term_epoch, divergence };
+                self.on_hello(shared, now_ms, from, said, out)
             }
             Message::Resync { incarnation, .. } => {
                 let stale = self
@@ -620,21 +650,8 @@ impl Term {
             return;
         }
         // The blocks where the two may differ: those either applied beyond a commit point.
-        let mut dirty = self.empty_dirty();
-        for report in [&self.own_divergence, &divergence] {
-            match report {
-                DivergenceReport::Known(lbas) => {
-                    for &lba in lbas {
-                        if lba < self.volume_blocks {
-                            dirty.insert_range(lba..lba + 1);
-                        } else {
-                            dirty = self.full_dirty();
-                        }
-                    }
-                }
-                DivergenceReport::Unknown => dirty = self.full_dirty(),
-            }
-        }
+        let mut dirty = self.own_divergence_dirty();
+        add_divergence(&mut dirty, &divergence);
         if dirty.is_full() {
             shared.stats.reconciled_full += 1;
         }
@@ -653,10 +670,15 @@ impl Term {
         shared: &mut Shared,
         now_ms: u64,
         from: NodeId,
-        incarnation: u64,
+        said: Hello,
         out: &mut Vec<Action>,
     ) {
+        let Hello { incarnation, last_term_epoch, divergence } = said;
         let serving = self.phase == Phase::Serving;
+        // The peer was the primary of the epoch just before this one, so in sync until the
+        // promotion that took it out of the in-sync set.
+        let primary_before = last_term_epoch > 0 && last_term_epoch + 1 == self.epoch;
+        let full = self.full_dirty();
         let Some(peer) = self.peers.get_mut(&from) else { return };
         if peer.stream.as_ref().is_some_and(|stream| stream.incarnation != incarnation) {
             // The replica restarted: what its stream state was is gone.
@@ -669,11 +691,29 @@ impl Term {
                 shared.send(from, Message::Probe { epoch: self.epoch }, out);
             }
             PeerState::OutOfSync(dirty) if serving => {
-                let dirty =
+                let mut dirty =
                     std::mem::replace(dirty, DirtySet::empty(self.dirty_limit, self.volume_blocks));
+                let before = std::mem::replace(&mut peer.before, Before::Covered);
+                match before {
+                    Before::Covered => {}
+                    Before::InSyncAtStart => add_divergence(&mut dirty, &divergence),
+                    Before::OutOfSyncAtStart if primary_before => {
+                        add_divergence(&mut dirty, &divergence)
+                    }
+                    // Out of sync since an earlier epoch (or restarted since its term): what
+                    // the earlier terms wrote while it was away is not known here.
+                    Before::OutOfSyncAtStart => dirty = full,
+                }
                 shared.stats.resyncs_started += 1;
                 if dirty.is_full() {
                     shared.stats.resyncs_full += 1;
+                }
+                if before != Before::Covered {
+                    if dirty.is_full() {
+                        shared.stats.returns_full += 1;
+                    } else {
+                        shared.stats.returns_incremental += 1;
+                    }
                 }
                 peer.stream = Some(new_stream(&mut self.next_stream, incarnation));
                 peer.last_heard_ms = now_ms;
@@ -693,7 +733,7 @@ impl Term {
     /// The peer stopped answering, restarted, or failed: it no longer counts as in sync, and
     /// it owes every block its stream had not acknowledged.
     fn abort_peer(&mut self, node: NodeId) {
-        let (mut empty, full) = (self.empty_dirty(), self.full_dirty());
+        let (mut empty, own) = (self.empty_dirty(), self.own_divergence_dirty());
         let Some(peer) = self.peers.get_mut(&node) else { return };
         let stream = peer.stream.take();
         let old = std::mem::replace(&mut peer.state, PeerState::InSync);
@@ -704,7 +744,20 @@ impl Term {
                 }
                 PeerState::Removing(empty)
             }
-            PeerState::Probing { .. } | PeerState::Pushing(_) => PeerState::Removing(full),
+            PeerState::Probing { .. } => {
+                // Its divergence never arrived; its Hello brings it.
+                peer.before = Before::InSyncAtStart;
+                PeerState::Removing(own)
+            }
+            PeerState::Pushing(job) => {
+                // The job held both divergences; the term has written nothing yet (it serves
+                // only once every push is done), so what the peer acknowledged is current.
+                let mut dirty = job.into_dirty();
+                if let Some(stream) = &stream {
+                    stream.unacked_lbas(&mut dirty);
+                }
+                PeerState::Removing(dirty)
+            }
             PeerState::CatchingUp { job, .. } => {
                 let mut dirty = job.into_dirty();
                 if let Some(stream) = &stream {
@@ -722,6 +775,14 @@ impl Term {
 
     fn full_dirty(&self) -> DirtySet {
         DirtySet::full(self.dirty_limit, self.volume_blocks)
+    }
+
+    /// The blocks this node may hold differently from a member that was in sync when the
+    /// term started (or was the primary just before): its own divergence then.
+    fn own_divergence_dirty(&self) -> DirtySet {
+        let mut dirty = self.empty_dirty();
+        add_divergence(&mut dirty, &self.own_divergence);
+        dirty
     }
 
     /// Moves a peer on when its copy job is done.
@@ -853,8 +914,10 @@ impl Term {
             let volume = &view.value;
             let (limit, blocks) = (shared.config.dirty_lbas_max, shared.config.volume_blocks);
             for &member in volume.members.iter().filter(|&&member| member != shared.me) {
+                // A member added by the manager holds nothing of the volume.
                 self.peers.entry(member).or_insert_with(|| Peer {
                     state: PeerState::OutOfSync(DirtySet::full(limit, blocks)),
+                    before: Before::Covered,
                     stream: None,
                     last_heard_ms: now_ms,
                     last_heartbeat_ms: now_ms,
@@ -996,6 +1059,32 @@ fn check_range(shared: &Shared, lba: u64, count: u64, max: u32) -> Result<(), Ho
         return Err(HostError::OutOfRange { lba, count, volume_blocks });
     }
     Ok(())
+}
+
+/// What a `Hello` says about the peer process that sent it.
+#[derive(Debug)]
+struct Hello {
+    incarnation: u64,
+    last_term_epoch: u64,
+    divergence: DivergenceReport,
+}
+
+/// Adds the blocks of a divergence report to `dirty`: all of them if it is unknown (or names a
+/// block outside the volume, which no correct replica does).
+fn add_divergence(dirty: &mut DirtySet, report: &DivergenceReport) {
+    let volume_blocks = dirty.volume_blocks();
+    match report {
+        DivergenceReport::Known(lbas) => {
+            for &lba in lbas {
+                if lba >= volume_blocks {
+                    dirty.fill();
+                    return;
+                }
+                dirty.insert_range(lba..lba + 1);
+            }
+        }
+        DivergenceReport::Unknown => dirty.fill(),
+    }
 }
 
 fn new_stream(next_stream: &mut u64, incarnation: u64) -> OutStream {

@@ -148,11 +148,17 @@ impl Replica {
         self.pump(shared, out);
     }
 
-    /// Issues ready entries, in order, as long as none of their blocks has a write in flight.
+    /// Issues ready entries, in order, as long as none of their blocks has a write in flight,
+    /// and only once the stream's epoch is durable here: a process that restarts then knows it
+    /// may hold uncommitted entries (its divergence is unknown), while one that never persisted
+    /// an epoch has applied nothing (its divergence is known to be empty).
     pub fn pump(&mut self, shared: &mut Shared, out: &mut Vec<Action>) {
         let Some(stream) = self.stream.as_mut() else {
             return;
         };
+        if shared.persisted_epoch < stream.epoch {
+            return;
+        }
         while let Some((_, entry)) = stream.ready.front() {
             if shared.write_in_flight(entry.lbas()) {
                 break;
@@ -194,6 +200,7 @@ impl Replica {
         if let Some(stream) = &self.stream {
             send_ack(shared, stream, out);
         }
+        self.pump(shared, out);
         self.try_probe_reply(shared, out);
     }
 
@@ -264,7 +271,15 @@ impl Replica {
         let hello_due = self.last_hello_ms.is_none_or(|last| last + interval <= now_ms);
         if !streaming && hello_due {
             self.last_hello_ms = Some(now_ms);
-            let message = Message::Hello { epoch: shared.epoch, incarnation: shared.incarnation };
+            // The divergence is final for older epochs (this node applies nothing more of
+            // them), and changes in this epoch only through a stream of its primary, which
+            // takes a Hello first: what it says here is what the primary needs.
+            let message = Message::Hello {
+                epoch: shared.epoch,
+                incarnation: shared.incarnation,
+                last_term_epoch: shared.term_started,
+                divergence: shared.divergence.report(),
+            };
             shared.send(primary, message, out);
         }
     }

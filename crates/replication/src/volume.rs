@@ -169,6 +169,13 @@ pub struct Stats {
     pub resyncs_started: u64,
     /// Resyncs that copied the whole volume (nothing or too much known about what changed).
     pub resyncs_full: u64,
+    /// Resyncs of a member out of sync since the term started (the previous primary, or a
+    /// replica the new primary could not probe) that copied only the blocks that may differ:
+    /// those written in the term, and those of its divergence and of this node's.
+    pub returns_incremental: u64,
+    /// Resyncs of such a member that copied the whole volume: it was out of sync since an
+    /// earlier epoch, or it restarted (its divergence unknown), or too much changed.
+    pub returns_full: u64,
     /// Resynced replicas added back to the in-sync set.
     pub resyncs_completed: u64,
     pub blocks_resynced: u64,

@@ -5,7 +5,7 @@
 //! module knows the layout. The full specification, with byte diagrams, is
 //! docs/replication-wire.md.
 //!
-//! A frame (version 2) is a 32-byte header and a payload:
+//! A frame (version 3) is a 32-byte header and a payload:
 //!
 //! ```text
 //! 0       4    5    6       8               12       16       24         28             32
@@ -36,15 +36,17 @@ use crate::{BlockData, NodeId, StreamId, BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PE
 /// The first bytes of every frame ("Ferrite replication protocol").
 pub const MAGIC: [u8; 4] = *b"FRRP";
 /// The version this code writes and the only one it reads. Version 1 (a 20-byte header without
-/// volume and sender) was never deployed and is refused like any other.
-pub const VERSION: u8 = 2;
+/// volume and sender) was never deployed; version 2 (a `Hello` of epoch and incarnation only)
+/// is refused like any other.
+pub const VERSION: u8 = 3;
 /// Bytes of the fixed header before the payload.
 pub const HEADER_BYTES: usize = 32;
 /// The largest block an entry carries: the node's block size. The simulation uses smaller ones;
 /// every mapped block carries its own length.
 pub const BLOCK_BYTES_MAX: usize = 4096;
-/// The most LBAs a `ProbeReply` lists. A longer divergence is sent as `Unknown`, exactly what a
-/// replica reports past its own `divergence_lbas_max` (the new primary then copies everything).
+/// The most LBAs a `ProbeReply` or a `Hello` lists. A longer divergence is sent as `Unknown`,
+/// exactly what a replica reports past its own `divergence_lbas_max` (the primary then copies
+/// everything).
 pub const DIVERGENCE_LBAS_MAX: usize = 1 << 15;
 
 /// Header byte offsets.
@@ -78,13 +80,18 @@ const APPEND_DEALLOCATE_PAYLOAD_BYTES_MAX: usize =
     APPEND_FIXED_BYTES + DEALLOCATE_BLOCKS_PER_OP_MAX as usize * BLOCK_UNMAPPED_BYTES;
 const APPEND_PAYLOAD_BYTES_MAX: usize =
     max(APPEND_DATA_PAYLOAD_BYTES_MAX, APPEND_DEALLOCATE_PAYLOAD_BYTES_MAX);
+/// A known divergence: its tag, its LBA count, then at most `DIVERGENCE_LBAS_MAX` LBAs.
+const DIVERGENCE_BYTES_MAX: usize = 1 + 4 + DIVERGENCE_LBAS_MAX * U64_BYTES;
 /// Epoch, incarnation, divergence tag.
 const PROBE_REPLY_FIXED_BYTES: usize = 2 * U64_BYTES + 1;
-const PROBE_REPLY_PAYLOAD_BYTES_MAX: usize =
-    PROBE_REPLY_FIXED_BYTES + 4 + DIVERGENCE_LBAS_MAX * U64_BYTES;
+const PROBE_REPLY_PAYLOAD_BYTES_MAX: usize = PROBE_REPLY_FIXED_BYTES - 1 + DIVERGENCE_BYTES_MAX;
+/// Epoch, incarnation, last term epoch, divergence tag.
+const HELLO_FIXED_BYTES: usize = 3 * U64_BYTES + 1;
+const HELLO_PAYLOAD_BYTES_MAX: usize = HELLO_FIXED_BYTES - 1 + DIVERGENCE_BYTES_MAX;
 
 /// The largest payload of any message.
-pub const PAYLOAD_BYTES_MAX: usize = max(APPEND_PAYLOAD_BYTES_MAX, PROBE_REPLY_PAYLOAD_BYTES_MAX);
+pub const PAYLOAD_BYTES_MAX: usize =
+    max(APPEND_PAYLOAD_BYTES_MAX, max(PROBE_REPLY_PAYLOAD_BYTES_MAX, HELLO_PAYLOAD_BYTES_MAX));
 /// The largest frame: an `Append` of `BLOCKS_PER_OP_MAX` mapped blocks of `BLOCK_BYTES_MAX`.
 pub const MESSAGE_BYTES_MAX: usize = HEADER_BYTES + PAYLOAD_BYTES_MAX;
 
@@ -112,6 +119,7 @@ const _: () = assert!(PAYLOAD_BYTES_MAX <= u32::MAX as usize);
 const _: () = assert!(BLOCK_BYTES_MAX <= u32::MAX as usize);
 const _: () = assert!(DIVERGENCE_LBAS_MAX <= u32::MAX as usize);
 const _: () = assert!(PROBE_REPLY_PAYLOAD_BYTES_MAX <= APPEND_PAYLOAD_BYTES_MAX);
+const _: () = assert!(HELLO_PAYLOAD_BYTES_MAX <= APPEND_PAYLOAD_BYTES_MAX);
 
 const ENTRY_WRITE: u8 = 1;
 const ENTRY_COPY: u8 = 2;
@@ -174,7 +182,8 @@ impl MessageType {
             Self::Ack => fixed(3),
             Self::Probe | Self::Stale => fixed(1),
             Self::ProbeReply => PROBE_REPLY_FIXED_BYTES..=PROBE_REPLY_PAYLOAD_BYTES_MAX,
-            Self::Hello | Self::Resync | Self::Failed => fixed(2),
+            Self::Hello => HELLO_FIXED_BYTES..=HELLO_PAYLOAD_BYTES_MAX,
+            Self::Resync | Self::Failed => fixed(2),
         }
     }
 }
@@ -302,11 +311,32 @@ fn payload_bytes(message: &Message) -> usize {
                 .sum();
             APPEND_FIXED_BYTES + blocks
         }
-        Message::ProbeReply { divergence, .. } => match sendable_lbas(divergence) {
-            None => PROBE_REPLY_FIXED_BYTES,
-            Some(lbas) => PROBE_REPLY_FIXED_BYTES + 4 + lbas.len() * U64_BYTES,
-        },
+        Message::ProbeReply { divergence, .. } => {
+            PROBE_REPLY_FIXED_BYTES - 1 + divergence_bytes(divergence)
+        }
+        Message::Hello { divergence, .. } => HELLO_FIXED_BYTES - 1 + divergence_bytes(divergence),
         _ => *MessageType::of(message).payload_bytes().start(),
+    }
+}
+
+/// Bytes of a divergence on the wire: its tag, then for a known one its count and LBAs.
+fn divergence_bytes(divergence: &DivergenceReport) -> usize {
+    match sendable_lbas(divergence) {
+        None => 1,
+        Some(lbas) => 1 + 4 + lbas.len() * U64_BYTES,
+    }
+}
+
+fn encode_divergence(divergence: &DivergenceReport, out: &mut Vec<u8>) {
+    match sendable_lbas(divergence) {
+        None => out.push(DIVERGENCE_UNKNOWN),
+        Some(lbas) => {
+            out.push(DIVERGENCE_KNOWN);
+            out.extend_from_slice(&(lbas.len() as u32).to_le_bytes());
+            for lba in lbas {
+                out.extend_from_slice(&lba.to_le_bytes());
+            }
+        }
     }
 }
 
@@ -350,20 +380,15 @@ fn encode_payload(message: &Message, out: &mut Vec<u8>) {
         Message::ProbeReply { epoch, incarnation, divergence } => {
             put(*epoch);
             put(*incarnation);
-            match sendable_lbas(divergence) {
-                None => out.push(DIVERGENCE_UNKNOWN),
-                Some(lbas) => {
-                    out.push(DIVERGENCE_KNOWN);
-                    out.extend_from_slice(&(lbas.len() as u32).to_le_bytes());
-                    for lba in lbas {
-                        out.extend_from_slice(&lba.to_le_bytes());
-                    }
-                }
-            }
+            encode_divergence(divergence, out);
         }
-        Message::Hello { epoch, incarnation }
-        | Message::Resync { epoch, incarnation }
-        | Message::Failed { epoch, incarnation } => {
+        Message::Hello { epoch, incarnation, last_term_epoch, divergence } => {
+            for value in [*epoch, *incarnation, *last_term_epoch] {
+                put(value);
+            }
+            encode_divergence(divergence, out);
+        }
+        Message::Resync { epoch, incarnation } | Message::Failed { epoch, incarnation } => {
             put(*epoch);
             put(*incarnation);
         }
@@ -601,7 +626,12 @@ fn decode_payload(message_type: MessageType, payload: &[u8]) -> Result<Message, 
             incarnation: fields.u64()?,
             divergence: fields.divergence()?,
         },
-        MessageType::Hello => Message::Hello { epoch: fields.u64()?, incarnation: fields.u64()? },
+        MessageType::Hello => Message::Hello {
+            epoch: fields.u64()?,
+            incarnation: fields.u64()?,
+            last_term_epoch: fields.u64()?,
+            divergence: fields.divergence()?,
+        },
         MessageType::Stale => Message::Stale { epoch: fields.u64()? },
         MessageType::Resync => Message::Resync { epoch: fields.u64()?, incarnation: fields.u64()? },
         MessageType::Failed => Message::Failed { epoch: fields.u64()?, incarnation: fields.u64()? },
@@ -758,7 +788,18 @@ mod tests {
                 incarnation: 6,
                 divergence: DivergenceReport::Known(vec![0, 3, u64::MAX]),
             },
-            Message::Hello { epoch: 0, incarnation: 0 },
+            Message::Hello {
+                epoch: 0,
+                incarnation: 0,
+                last_term_epoch: 0,
+                divergence: DivergenceReport::Unknown,
+            },
+            Message::Hello {
+                epoch: 9,
+                incarnation: 10,
+                last_term_epoch: 8,
+                divergence: DivergenceReport::Known(vec![4, 1]),
+            },
             Message::Stale { epoch: 8 },
             Message::Resync { epoch: 2, incarnation: 99 },
             Message::Failed { epoch: 3, incarnation: 100 },
@@ -817,19 +858,25 @@ mod tests {
             1 => Message::Heartbeat { epoch, stream, incarnation, commit_op: rng.random() },
             2 => Message::Ack { epoch, stream, durable_seq: rng.random() },
             3 => Message::Probe { epoch },
-            4 => {
-                let divergence = if rng.random_bool(0.2) {
-                    DivergenceReport::Unknown
-                } else {
-                    let count = rng.random_range(0..200);
-                    DivergenceReport::Known((0..count).map(|_| rng.random()).collect())
-                };
-                Message::ProbeReply { epoch, incarnation, divergence }
-            }
-            5 => Message::Hello { epoch, incarnation },
+            4 => Message::ProbeReply { epoch, incarnation, divergence: random_divergence(rng) },
+            5 => Message::Hello {
+                epoch,
+                incarnation,
+                last_term_epoch: rng.random_range(0..4u64),
+                divergence: random_divergence(rng),
+            },
             6 => Message::Stale { epoch },
             7 => Message::Resync { epoch, incarnation },
             _ => Message::Failed { epoch, incarnation },
+        }
+    }
+
+    fn random_divergence(rng: &mut StdRng) -> DivergenceReport {
+        if rng.random_bool(0.2) {
+            DivergenceReport::Unknown
+        } else {
+            let count = rng.random_range(0..200);
+            DivergenceReport::Known((0..count).map(|_| rng.random()).collect())
         }
     }
 
@@ -887,7 +934,7 @@ mod tests {
         // The offsets of docs/replication-wire.md.
         assert_eq!(HEADER_BYTES, 32);
         assert_eq!(&bytes[0..4], b"FRRP");
-        assert_eq!(bytes[4], 2, "version");
+        assert_eq!(bytes[4], 3, "version");
         assert_eq!(bytes[5], MessageType::Ack as u8);
         assert_eq!(&bytes[6..8], &[0, 0], "flags");
         assert_eq!(&bytes[8..12], &24u32.to_le_bytes(), "payload_bytes");
@@ -923,7 +970,7 @@ mod tests {
         let mut reader = FrameReader::new();
         reader.push(&v1);
         assert_eq!(reader.next_message(), Err(refused.clone()));
-        assert!(refused.to_string().contains("reads only version 2"), "{refused}");
+        assert!(refused.to_string().contains("reads only version 3"), "{refused}");
     }
 
     #[test]
@@ -936,6 +983,7 @@ mod tests {
         assert_eq!(MESSAGE_BYTES_MAX, 262_557);
         assert_eq!(MessageType::Append.payload_bytes(), 62..=262_525);
         assert_eq!(MessageType::ProbeReply.payload_bytes(), 17..=262_165);
+        assert_eq!(MessageType::Hello.payload_bytes(), 25..=262_173);
         check_round_trip(&envelope(largest));
 
         let lbas: Vec<u64> = (0..DIVERGENCE_LBAS_MAX as u64).collect();
@@ -945,6 +993,19 @@ mod tests {
             divergence: DivergenceReport::Known(lbas.clone()),
         };
         check_round_trip(&envelope(known));
+        let hello = |divergence| Message::Hello {
+            epoch: 1,
+            incarnation: 2,
+            last_term_epoch: 3,
+            divergence,
+        };
+        let longest_hello = hello(DivergenceReport::Known(lbas.clone()));
+        assert_eq!(frame(&longest_hello).len(), HEADER_BYTES + 262_173);
+        check_round_trip(&envelope(longest_hello));
+        let mut too_many = lbas.clone();
+        too_many.push(0);
+        let (decoded, _) = decode(&frame(&hello(DivergenceReport::Known(too_many)))).unwrap();
+        assert_eq!(decoded.message, hello(DivergenceReport::Unknown));
 
         // One LBA more than the wire carries goes as Unknown, which makes the new primary copy
         // every block: what the replica itself reports past its own limit.
@@ -1130,23 +1191,44 @@ mod tests {
             field(append_type, block_at + 9, "payload continues after its last field"),
         );
 
-        let reply = |divergence| Message::ProbeReply { epoch: 1, incarnation: 2, divergence };
-        let reply_type = MessageType::ProbeReply;
-        let tag_at = HEADER_BYTES + 16;
+        // The divergence of a ProbeReply (after 16 bytes) and of a Hello (after 24).
+        let hello = |divergence| Message::Hello {
+            epoch: 1,
+            incarnation: 2,
+            last_term_epoch: 3,
+            divergence,
+        };
+        let carriers =
+            [(MessageType::ProbeReply, HEADER_BYTES + 16), (MessageType::Hello, HEADER_BYTES + 24)];
+        for (message_type, tag_at) in carriers {
+            let message = |divergence| match message_type {
+                MessageType::Hello => hello(divergence),
+                _ => Message::ProbeReply { epoch: 1, incarnation: 2, divergence },
+            };
+            check_refused(
+                message(DivergenceReport::Unknown),
+                |bytes| bytes[tag_at] = 2,
+                field(message_type, tag_at, "unknown divergence tag"),
+            );
+            check_refused(
+                message(DivergenceReport::Known(vec![1, 2])),
+                set_u32(tag_at + 1, 3),
+                field(message_type, tag_at + 1, "LBA count does not match the payload"),
+            );
+            check_refused(
+                message(DivergenceReport::Known(vec![1, 2])),
+                set_u32(tag_at + 1, DIVERGENCE_LBAS_MAX as u32 + 1),
+                field(message_type, tag_at + 1, "LBA count above DIVERGENCE_LBAS_MAX"),
+            );
+        }
         check_refused(
-            reply(DivergenceReport::Unknown),
-            |bytes| bytes[tag_at] = 2,
-            field(reply_type, tag_at, "unknown divergence tag"),
-        );
-        check_refused(
-            reply(DivergenceReport::Known(vec![1, 2])),
-            set_u32(tag_at + 1, 3),
-            field(reply_type, tag_at + 1, "LBA count does not match the payload"),
-        );
-        check_refused(
-            reply(DivergenceReport::Known(vec![1, 2])),
-            set_u32(tag_at + 1, DIVERGENCE_LBAS_MAX as u32 + 1),
-            field(reply_type, tag_at + 1, "LBA count above DIVERGENCE_LBAS_MAX"),
+            hello(DivergenceReport::Unknown),
+            |bytes| bytes.truncate(bytes.len() - 9),
+            WireError::LengthInvalid {
+                message_type: MessageType::Hello,
+                payload_bytes: 16,
+                range: 25..=262_173,
+            },
         );
         check_refused(
             Message::Probe { epoch: 1 },
@@ -1167,7 +1249,7 @@ mod tests {
             |bytes| bytes[offset::FLAGS] = 1,
             WireError::FlagsReserved { flags: 1 },
         );
-        for version in [0, 1, 3, u8::MAX] {
+        for version in [0, 1, 2, 4, u8::MAX] {
             check_refused(
                 Message::Probe { epoch: 1 },
                 |bytes| bytes[offset::VERSION] = version,

@@ -3,15 +3,18 @@
 //! removed from the in-sync set; a deposed primary fails its pending writes; a resync copies
 //! only the blocks written while the replica was away; a deallocate is replicated, ordered and
 //! resynced exactly like a write of unmapped blocks; a primary that steps down fails its pending
-//! commands, resigns, and another member serves within a few store polls.
+//! commands, resigns, and another member serves within a few store polls; an old primary (or an
+//! unprobed replica) that comes back after a failover with its process alive is copied only the
+//! blocks changed while it was away and those of its uncommitted writes, and one that
+//! restarted is copied in full.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use replication::{
     Action, BlockData, Config, Entry, EntryKind, Event, HostError, HostOp, HostOpId, HostReply,
-    LeaseId, LeaseKeeper, Manager, MemStore, Message, NodeId, StorageResult, StoreReply,
-    StoreRequest, StreamId, VolumeNode, VolumeState, BLOCKS_PER_OP_MAX,
+    LeaseId, LeaseKeeper, Manager, MemStore, Message, NodeId, StorageOpId, StorageResult,
+    StoreReply, StoreRequest, StreamId, VolumeNode, VolumeState, BLOCKS_PER_OP_MAX,
     DEALLOCATE_BLOCKS_PER_OP_MAX,
 };
 
@@ -51,11 +54,14 @@ struct Node {
     volume: VolumeNode,
     lease: LeaseKeeper,
     disk: Vec<BlockData>,
+    incarnation: u64,
+    persisted_epoch: u64,
 }
 
 /// Three nodes, a store and a manager; storage and messages are instant. `cut` links drop
 /// messages in both directions; `store_cut` nodes cannot reach the store.
 struct Cluster {
+    config: Config,
     now_ms: u64,
     store: MemStore,
     manager: Manager,
@@ -82,9 +88,12 @@ impl Cluster {
                 volume: VolumeNode::new(config.clone(), NodeId(index), 1, 0),
                 lease: LeaseKeeper::new(NodeId(index), 1, &config),
                 disk: vec![None; config.volume_blocks as usize],
+                incarnation: 1,
+                persisted_epoch: 0,
             })
             .collect();
         Cluster {
+            config: config.clone(),
             now_ms: 0,
             store: MemStore::new(initial, config.lease_ms),
             manager: Manager::new(&config),
@@ -99,6 +108,25 @@ impl Cluster {
 
     fn state(&self) -> VolumeState {
         self.store.volume().value.clone()
+    }
+
+    /// The process of `node` restarts: its disk and persisted epoch survive, nothing else.
+    fn restart(&mut self, node: usize) {
+        let id = NodeId(node as u32);
+        let sim = &mut self.nodes[node];
+        sim.incarnation += 1;
+        sim.volume = VolumeNode::new(self.config.clone(), id, sim.incarnation, sim.persisted_epoch);
+        sim.lease = LeaseKeeper::new(id, sim.incarnation, &self.config);
+    }
+
+    /// Cuts `node` off from the other nodes and from the store.
+    fn isolate(&mut self, node: usize) {
+        for other in 0..self.nodes.len() {
+            if other != node {
+                self.cut_link(node, other);
+            }
+        }
+        self.store_cut.insert(node);
     }
 
     fn cut_link(&mut self, a: usize, b: usize) {
@@ -211,6 +239,8 @@ impl Cluster {
                     self.queue.push_back(Input::Node(node, event));
                 }
                 Action::PersistEpoch { epoch } => {
+                    let persisted = &mut self.nodes[node].persisted_epoch;
+                    *persisted = (*persisted).max(epoch);
                     self.queue.push_back(Input::Node(node, Event::EpochPersisted { epoch }));
                 }
                 Action::Store { id, request } => {
@@ -312,6 +342,40 @@ fn a_stale_epoch_is_refused() {
     };
     node.handle(0, Event::Message { from: NodeId(0), message: append }, &mut actions);
     assert!(matches!(actions.as_slice(), [Action::StorageWrite { lba: 0, .. }]), "{actions:?}");
+}
+
+/// A replica applies nothing of an epoch before the epoch is durable: a process that never
+/// persisted an epoch restarts believing it applied nothing (its divergence known and empty).
+#[test]
+fn a_replica_applies_nothing_of_an_epoch_before_it_is_durable() {
+    let mut node = VolumeNode::new(config(), NodeId(1), 1, 0);
+    let append = Message::Append {
+        epoch: 1,
+        stream: StreamId(1),
+        incarnation: 1,
+        seq: 1,
+        commit_op: 0,
+        entry: Entry { kind: EntryKind::Write { op: 2 }, lba: 0, blocks: vec![Some(block(1))] },
+    };
+    let mut actions = Vec::new();
+    node.handle(0, Event::Message { from: NodeId(0), message: append }, &mut actions);
+    assert_eq!(actions, vec![Action::PersistEpoch { epoch: 1 }], "no write before the epoch");
+    let mut actions = Vec::new();
+    node.handle(0, Event::EpochPersisted { epoch: 1 }, &mut actions);
+    let writes: Vec<StorageOpId> = actions
+        .iter()
+        .filter_map(|action| match action {
+            Action::StorageWrite { id, lba: 0, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    let [id] = writes[..] else {
+        panic!("the entry is applied once the epoch is durable: {actions:?}");
+    };
+    let mut actions = Vec::new();
+    node.handle(0, Event::Storage { id, result: StorageResult::Written }, &mut actions);
+    let ack = Message::Ack { epoch: 1, stream: StreamId(1), durable_seq: 1 };
+    assert_eq!(actions, vec![Action::Send { to: NodeId(0), message: ack }]);
 }
 
 #[test]
@@ -674,6 +738,12 @@ fn step_down_moves_the_primary(config: Config) -> u64 {
     assert_eq!(old.stats().terms_started, 1);
     assert_eq!(cluster.state().in_sync.len(), 3, "node 0 is back in sync");
     assert_eq!(cluster.nodes[0].disk, cluster.nodes[new].disk);
+    // Its process lived through the move: it was copied block 4 (its failed write), block 6
+    // (written since) and block 3 (in the new primary's own divergence: it took over before a
+    // heartbeat told it that write 3 committed), not the volume.
+    let stats = cluster.nodes[new].volume.stats();
+    assert_eq!((stats.resyncs_full, stats.returns_incremental), (0, 1));
+    assert_eq!((stats.blocks_pushed, stats.blocks_resynced), (2, 3), "{stats:?}");
     let refused = cluster.write(0, 5, 1);
     assert_eq!(cluster.result(refused), Err(HostError::NotPrimary));
     assert_eq!(cluster.serving(2), Some(new));
@@ -793,4 +863,143 @@ fn a_node_named_primary_steps_down_before_its_term_starts() {
     assert!(actions.contains(&Action::PersistEpoch { epoch: 2 }), "{actions:?}");
     persist(&mut node, 2);
     assert_eq!(node.serving_epoch(400), Some(2));
+}
+
+/// Runs until node 1 serves epoch 2 (node 0's lease expired while it was cut off).
+fn fail_over_to_node_1(cluster: &mut Cluster) {
+    let deadline_ms = cluster.now_ms + 4 * cluster.config.lease_ms;
+    while cluster.serving(2) != Some(1) {
+        assert!(cluster.now_ms < deadline_ms, "no failover: {:?}", cluster.state());
+        cluster.run(5);
+    }
+    let state = cluster.state();
+    assert_eq!((state.epoch, state.primary), (2, Some(NodeId(1))));
+    assert!(!state.in_sync.contains(&NodeId(0)), "the promotion took node 0 out");
+}
+
+/// Node 0 (primary of epoch 1) is cut off with a write to block 20 pending that only its own
+/// disk holds; node 1 takes over and writes `written`, then everything heals. Returns the
+/// pending write.
+fn old_primary_away_while(cluster: &mut Cluster, written: &[u64], restart: bool) -> HostOpId {
+    for lba in 0..8 {
+        cluster.write(0, lba, 1);
+    }
+    cluster.run(50);
+    cluster.isolate(0);
+    let pending = cluster.write(0, 20, 9);
+    assert!(cluster.completion(pending).is_none());
+    assert_eq!(cluster.nodes[0].disk[20], Some(block(9)), "the write reached node 0 only");
+    fail_over_to_node_1(cluster);
+    for &lba in written {
+        let id = cluster.write(1, lba, 7);
+        assert_eq!(cluster.result(id), Ok(HostReply::Written));
+    }
+    if restart {
+        cluster.restart(0);
+    }
+    cluster.heal();
+    cluster.run(500);
+    assert_eq!(cluster.state().in_sync.len(), 3, "node 0 is back in sync");
+    for node in [0, 2] {
+        assert_eq!(cluster.nodes[node].disk, cluster.nodes[1].disk, "node {node} converged");
+    }
+    pending
+}
+
+/// (a) An old primary cut off by a partition (its process survives) comes back after the
+/// failover and is sent exactly the blocks written while it was away, plus the block of its
+/// write that never completed; nothing else of the volume crosses the network.
+#[test]
+fn a_partitioned_old_primary_gets_only_the_blocks_changed_while_away() {
+    let mut cluster = Cluster::started(config());
+    let written = [3, 5, 6, 30];
+    let pending = old_primary_away_while(&mut cluster, &written, false);
+    assert_eq!(cluster.result(pending), Err(HostError::NotPrimary));
+    let stats = cluster.nodes[1].volume.stats();
+    assert_eq!((stats.resyncs_started, stats.resyncs_full, stats.resyncs_completed), (1, 0, 1));
+    assert_eq!((stats.returns_incremental, stats.returns_full), (1, 0));
+    assert_eq!(stats.blocks_resynced, written.len() as u64 + 1, "the writes and block 20");
+    assert_eq!(stats.blocks_pushed, 0, "the in-sync replicas did not diverge");
+    assert_eq!(cluster.nodes[0].disk[3], Some(block(7)));
+}
+
+/// (b) The old primary's last write never completed: when it comes back, the new primary's
+/// version of that block (the older, completed write) replaces it, on node 0 as on the replica
+/// that also got it; reads see the completed value.
+#[test]
+fn a_returning_old_primary_loses_its_write_that_never_completed() {
+    let mut cluster = Cluster::started(config());
+    let done = cluster.write(0, 20, 1);
+    assert_eq!(cluster.result(done), Ok(HostReply::Written));
+    cluster.run(50);
+    // The write reaches node 0 and node 2, never node 1; then node 0 is cut off entirely.
+    cluster.cut_link(0, 1);
+    cluster.store_cut.insert(0);
+    let pending = cluster.write(0, 20, 9);
+    cluster.isolate(0);
+    assert_eq!(cluster.nodes[2].disk[20], Some(block(9)));
+    assert_eq!(cluster.nodes[1].disk[20], Some(block(1)));
+    fail_over_to_node_1(&mut cluster);
+    assert_eq!(cluster.nodes[2].disk[20], Some(block(1)), "reconciled to node 1's version");
+    assert_eq!(cluster.nodes[0].disk[20], Some(block(9)), "node 0 still holds its own");
+    cluster.heal();
+    cluster.run(500);
+    assert_eq!(cluster.result(pending), Err(HostError::NotPrimary));
+    assert_eq!(cluster.state().in_sync.len(), 3);
+    for node in &cluster.nodes {
+        assert_eq!(node.disk[20], Some(block(1)), "the completed write, everywhere");
+        assert_eq!(node.disk, cluster.nodes[1].disk);
+    }
+    let read = cluster.host(1, HostOp::Read { lba: 20, count: 1 });
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![Some(block(1))])));
+    let stats = cluster.nodes[1].volume.stats();
+    assert_eq!((stats.blocks_pushed, stats.blocks_resynced), (1, 1), "block 20 to each");
+    assert_eq!((stats.returns_incremental, stats.resyncs_full), (1, 0));
+}
+
+/// (c) An old primary whose process restarted while away has lost its divergence list (it
+/// lives in memory): what it may hold is unknown, so it is copied in full.
+#[test]
+fn a_restarted_old_primary_gets_a_full_copy() {
+    let config = config();
+    let volume_blocks = config.volume_blocks;
+    let mut cluster = Cluster::started(config);
+    old_primary_away_while(&mut cluster, &[3, 5], true);
+    let stats = cluster.nodes[1].volume.stats();
+    assert_eq!((stats.resyncs_started, stats.resyncs_full), (1, 1));
+    assert_eq!((stats.returns_incremental, stats.returns_full), (0, 1));
+    assert_eq!(stats.blocks_resynced, volume_blocks);
+    assert_eq!(cluster.nodes[0].disk[20], None, "its lost write is gone");
+}
+
+/// A replica in sync when the new term started, which the new primary could not probe (cut
+/// off), is removed and later copied only what the term wrote and what its divergence lists
+/// (here the block of the old primary's write that reached it and never completed).
+#[test]
+fn an_unprobed_replica_gets_only_the_blocks_changed_and_its_divergence() {
+    let mut cluster = Cluster::started(config());
+    cluster.cut_link(0, 1);
+    cluster.store_cut.insert(0);
+    let pending = cluster.write(0, 20, 9);
+    cluster.isolate(0);
+    cluster.cut_link(1, 2);
+    assert_eq!(cluster.nodes[2].disk[20], Some(block(9)));
+    fail_over_to_node_1(&mut cluster);
+    assert_eq!(cluster.state().in_sync, [NodeId(1)].into_iter().collect(), "node 2 removed");
+    for lba in [3, 5] {
+        let done = cluster.write(1, lba, 7);
+        assert_eq!(cluster.result(done), Ok(HostReply::Written));
+    }
+    cluster.heal();
+    cluster.run(500);
+    assert_eq!(cluster.result(pending), Err(HostError::NotPrimary));
+    assert_eq!(cluster.state().in_sync.len(), 3);
+    for node in &cluster.nodes {
+        assert_eq!(node.disk, cluster.nodes[1].disk);
+    }
+    assert_eq!(cluster.nodes[2].disk[20], None);
+    let stats = cluster.nodes[1].volume.stats();
+    assert_eq!((stats.resyncs_started, stats.resyncs_full), (2, 0));
+    assert_eq!((stats.returns_incremental, stats.returns_full), (2, 0));
+    assert_eq!(stats.blocks_resynced, 3 + 3, "blocks 3, 5 and 20 to each of nodes 0 and 2");
 }

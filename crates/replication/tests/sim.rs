@@ -1,6 +1,10 @@
 //! Deterministic, seeded simulation of the replication protocol with network, node, disk and
 //! control-plane faults; every run is checked (see `sim/checker.rs`).
 //!
+//! Each run reports how many resyncs copied the whole volume and how many only what changed
+//! (and, of members out of sync since a term started, how many came back incrementally); over
+//! `INCREMENTAL_RETURNS_SEEDS_MIN` seeds or more, some must have.
+//!
 //! `cargo test -p replication --test sim` runs `SEEDS_DEFAULT` seeds. Environment:
 //! - `FERRITE_SIM_SEED=N`: run only seed N, print its settings and a trace of the run.
 //! - `FERRITE_SIM_SEEDS=K`: run K seeds instead (from `FERRITE_SIM_SEED_START`, default 0).
@@ -72,13 +76,14 @@ fn run_range(part: u64, parts: u64) {
             }
             Ok(outcome) => println!(
                 "seed {seed} passed: {} writes completed, {} block reads checked, {} faults, \
-                 final epoch {}, ended at {} ms\n{}\n{:#?}",
+                 final epoch {}, ended at {} ms\n{}\n{}\n{:#?}",
                 outcome.writes_completed,
                 outcome.reads_checked,
                 outcome.faults,
                 outcome.final_epoch,
                 outcome.end_ms,
                 describe_moves(outcome.move_ms.clone()),
+                describe_resyncs(&outcome.stats),
                 outcome.stats
             ),
             Err(report) => panic!("{report}"),
@@ -104,10 +109,34 @@ fn run_range(part: u64, parts: u64) {
         }
     }
     println!(
-        "{runs} seeds passed in {:.1} s: {writes} writes completed, {epochs} epochs in all\n{}\n{stats:?}",
+        "{runs} seeds passed in {:.1} s: {writes} writes completed, {epochs} epochs in all\n{}\n{}\n{stats:?}",
         begun.elapsed().as_secs_f64(),
-        describe_moves(move_ms)
+        describe_moves(move_ms),
+        describe_resyncs(&stats)
     );
+    // Members come back after a failover with their process alive (a partition, a step-down
+    // without a stop) in nearly every run: they must not all have been copied in full.
+    if runs >= INCREMENTAL_RETURNS_SEEDS_MIN {
+        assert!(stats.returns_incremental > 0, "no incremental return: {stats:?}");
+    }
+}
+
+/// Seeds after which at least one member that was out of sync since a term started (the old
+/// primary, mostly) must have come back with an incremental resync.
+const INCREMENTAL_RETURNS_SEEDS_MIN: u64 = 100;
+
+/// How many resyncs copied the whole volume and how many only what changed.
+fn describe_resyncs(stats: &Stats) -> String {
+    format!(
+        "resyncs: {} started, {} full, {} incremental; of them members out of sync since a term \
+         started (the old primary, an unprobed replica): {} incremental, {} full; {} blocks copied",
+        stats.resyncs_started,
+        stats.resyncs_full,
+        stats.resyncs_started - stats.resyncs_full,
+        stats.returns_incremental,
+        stats.returns_full,
+        stats.blocks_resynced
+    )
 }
 
 /// How long planned moves took, from the step-down to the store's next epoch.

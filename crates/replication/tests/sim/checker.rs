@@ -8,7 +8,10 @@
 //!    write of zeros (an unmapped block), as is the volume's initial state; a read of zeros is
 //!    right if any of those zero writes fits.
 //! 2. Convergence: after healing and quiescing, every in-sync replica holds exactly the
-//!    primary's blocks, and those pass check 1 (every completed write is there).
+//!    primary's blocks, and those pass check 1 (every completed write is there). And at every
+//!    instant a replica joins the in-sync set (after a resync, full or incremental), it holds
+//!    the primary's value of every block whose writes have all completed: only a write still
+//!    pending (or failed) may leave the two apart.
 //! 3. No split brain: no node completes a host command under an epoch once the store holds a
 //!    newer one, and no two nodes complete commands under one epoch.
 
@@ -130,6 +133,34 @@ impl Checker {
         if problems.len() == candidates.len() {
             // None fits; the newest candidate's problem is the telling one.
             self.violations.extend(problems.last().cloned());
+        }
+    }
+
+    /// Check 2 at the instant `member` joins the in-sync set of `primary`: their blocks may
+    /// differ only where some write was issued that has not completed (it may be pending, or
+    /// it failed and was reconciled either way).
+    pub fn joined_in_sync(
+        &mut self,
+        now_ms: u64,
+        member: usize,
+        member_disk: &[BlockData],
+        primary: usize,
+        primary_disk: &[BlockData],
+    ) {
+        let differing: Vec<usize> = (0..member_disk.len())
+            .filter(|&lba| member_disk[lba] != primary_disk[lba])
+            .filter(|&lba| {
+                self.writes.get(&(lba as u64)).is_none_or(|records| {
+                    records.iter().all(|record| record.completed_ms.is_some())
+                })
+            })
+            .take(8)
+            .collect();
+        if !differing.is_empty() {
+            self.violations.push(format!(
+                "n{member} joined the in-sync set at {now_ms} ms holding other values than \
+                 primary n{primary} at blocks {differing:?}, whose writes all completed"
+            ));
         }
     }
 

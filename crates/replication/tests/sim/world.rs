@@ -267,6 +267,8 @@ pub fn add_stats(total: &mut Stats, more: &Stats) {
     total.replicas_removed += more.replicas_removed;
     total.resyncs_started += more.resyncs_started;
     total.resyncs_full += more.resyncs_full;
+    total.returns_incremental += more.returns_incremental;
+    total.returns_full += more.returns_full;
     total.resyncs_completed += more.resyncs_completed;
     total.blocks_resynced += more.blocks_resynced;
     total.blocks_pushed += more.blocks_pushed;
@@ -621,8 +623,10 @@ impl World {
         match (to, payload) {
             (Endpoint::Store, Payload::StoreRequest { origin, id, request }) => {
                 let before = self.store.volume().value.epoch;
+                let in_sync_before = self.store.volume().value.in_sync.clone();
                 let reply = self.store.handle(self.now_ms, &request);
                 let after = self.store.volume().value.epoch;
+                self.check_joined(after == before, &in_sync_before);
                 if after != before {
                     if let Some((epoch, since_ms)) = self.moving {
                         if after > epoch {
@@ -715,6 +719,23 @@ impl World {
                 }
             }
             _ => {}
+        }
+    }
+
+    /// Check 2 for every member the last store change added to the in-sync set (within an
+    /// epoch: a promotion adds none).
+    fn check_joined(&mut self, same_epoch: bool, in_sync_before: &BTreeSet<NodeId>) {
+        let state = &self.store.volume().value;
+        let Some(primary) = state.primary.map(|node| node.0 as usize) else { return };
+        if !same_epoch {
+            return;
+        }
+        let joined: Vec<usize> =
+            state.in_sync.difference(in_sync_before).map(|node| node.0 as usize).collect();
+        for member in joined {
+            self.log(|| format!("store: n{member} joins the in-sync set"));
+            let (member_disk, primary_disk) = (&self.nodes[member].disk, &self.nodes[primary].disk);
+            self.checker.joined_in_sync(self.now_ms, member, member_disk, primary, primary_disk);
         }
     }
 
