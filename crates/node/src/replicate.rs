@@ -52,6 +52,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
 use types::{AlignedBuf, Nqn, LOGICAL_BLOCK_SIZE_BYTES};
 
+/// Pieces one host command is split into at most (an NVMe/TCP or NBD command carries at most
+/// a few MiB; a piece is up to `BLOCKS_PER_OP_MAX` blocks), for the capacity of the answer list.
+const PIECES_PER_COMMAND_MAX: usize = 16;
 /// Inputs waiting for the service at most; senders wait when it is full.
 pub(crate) const INBOX_INPUTS_MAX: usize = 4096;
 /// Host commands of one volume waiting for a slot (the state machine takes at most
@@ -296,12 +299,21 @@ impl ReplicaRoute {
     }
 
     async fn run(&self, op: HostOp) -> HostResult {
+        match self.submit(op).await {
+            Ok(answer) => answer.await.unwrap_or(Err(HostError::NotPrimary)),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Hands one command to the service; its answer comes on the returned receiver. The pieces
+    /// of one host command are all submitted before any is awaited, so they run in parallel.
+    async fn submit(&self, op: HostOp) -> Result<oneshot::Receiver<HostResult>, HostError> {
         let (reply, answer) = oneshot::channel();
         let request = HostRequest { volume: self.volume, op, reply };
-        if self.link.inbox.send(Input::Host(request)).await.is_err() {
-            return Err(HostError::NotPrimary);
+        match self.link.inbox.send(Input::Host(request)).await {
+            Ok(()) => Ok(answer),
+            Err(_) => Err(HostError::NotPrimary),
         }
-        answer.await.unwrap_or(Err(HostError::NotPrimary))
     }
 
     fn error(&self, error: HostError, offset_bytes: u64, length_bytes: u64) -> StoreError {
@@ -400,19 +412,34 @@ impl VolumeStore for ReplicaRoute {
         };
         let block = LOGICAL_BLOCK_SIZE_BYTES as usize;
         let first_lba = offset_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES);
-        // The pieces of one command are independent writes; they run one after another so a
-        // command never holds more than one of the volume's write slots.
+        // The pieces of one command are independent writes (they do not overlap): all are
+        // submitted, then awaited, so a large write costs about one replicated round trip.
+        let mut answers = Vec::with_capacity(PIECES_PER_COMMAND_MAX);
+        let mut outcome = Ok(());
         for (lba, count) in pieces {
             let start = usize::try_from(lba - first_lba).unwrap_or(usize::MAX) * block;
             let blocks: Vec<Block> = buf[start..start + count as usize * block]
                 .chunks_exact(block)
                 .map(Block::from)
                 .collect();
-            if let Err(error) = self.run(HostOp::Write { lba, blocks }).await {
-                return (Err(self.error(error, offset_bytes, length_bytes)), buf);
+            match self.submit(HostOp::Write { lba, blocks }).await {
+                Ok(answer) => answers.push(answer),
+                Err(error) => {
+                    outcome = Err(error);
+                    break;
+                }
             }
         }
-        (Ok(()), buf)
+        for answer in answers {
+            let result = answer.await.unwrap_or(Err(HostError::NotPrimary));
+            if let (Ok(()), Err(error)) = (&outcome, result) {
+                outcome = Err(error);
+            }
+        }
+        match outcome {
+            Ok(()) => (Ok(()), buf),
+            Err(error) => (Err(self.error(error, offset_bytes, length_bytes)), buf),
+        }
     }
 
     async fn flush(&self, _volume: &VolumeMap) -> Result<(), StoreError> {
