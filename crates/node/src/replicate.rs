@@ -63,10 +63,9 @@ const WAITING_HOST_COMMANDS_MAX: usize = 1024;
 /// Control store jobs queued for the store thread; beyond, a job is dropped (its state machine
 /// retries after its timeout).
 const STORE_JOBS_MAX: usize = 256;
-/// Frames queued on one peer's outbound link; beyond, frames are dropped (the protocol resends).
-const LINK_FRAMES_MAX: usize = 1024;
-/// Bytes one write to a peer's socket gathers from queued frames at most.
-const LINK_BATCH_BYTES_MAX: usize = 1 << 20;
+/// Bytes of frames queued for one peer at most; beyond, frames are dropped (the protocol
+/// sends them again). Holds a full stream window of 256 KiB entries.
+const LINK_QUEUED_BYTES_MAX: usize = 8 << 20;
 /// How long a link waits between connection attempts to an unreachable peer.
 const LINK_RECONNECT_MS: u64 = 200;
 /// How long one connection attempt to a peer may take.
@@ -618,7 +617,7 @@ struct Service {
     /// Answered once no volume is stepping down any more (a clean stop).
     stepping_down: Option<std::sync::mpsc::SyncSender<()>>,
     jobs: std::sync::mpsc::SyncSender<StoreJob>,
-    links: HashMap<NodeId, mpsc::Sender<Vec<u8>>>,
+    links: HashMap<NodeId, Rc<PeerLink>>,
     peers: Arc<RwLock<HashMap<NodeId, SocketAddr>>>,
     link: ServiceLink,
     store: Rc<LogHandle<DriveFile>>,
@@ -972,27 +971,32 @@ impl Service {
 
     fn send(&mut self, volume: u64, to: NodeId, message: replication::Message) {
         let envelope = Envelope { volume, sender: self.me, message };
-        let mut frame = Vec::new();
-        if let Err(error) = replication::wire::encode(&envelope, &mut frame) {
-            tracing::error!(%error, "cannot encode a replication message");
-            return;
-        }
         let link = self.links.entry(to).or_insert_with(|| {
-            let (sender, receiver) = mpsc::channel(LINK_FRAMES_MAX);
+            let link = Rc::new(PeerLink::default());
             tokio::task::spawn_local(peer_link(
                 to,
                 Arc::clone(&self.peers),
-                receiver,
+                Rc::clone(&link),
                 Arc::clone(&self.status),
                 self.stop.clone(),
             ));
-            sender
+            link
         });
-        if link.try_send(frame).is_err() {
+        // Encoded straight into the link's queue: one copy of the data per peer.
+        let mut queued = link.queued.borrow_mut();
+        if link.down.get() || queued.len() >= LINK_QUEUED_BYTES_MAX {
             self.status.frames_dropped.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.status.frames_sent.fetch_add(1, Ordering::Relaxed);
+            return;
         }
+        let before = queued.len();
+        if let Err(error) = replication::wire::encode(&envelope, &mut queued) {
+            queued.truncate(before);
+            tracing::error!(%error, "cannot encode a replication message");
+            return;
+        }
+        drop(queued);
+        self.status.frames_sent.fetch_add(1, Ordering::Relaxed);
+        link.ready.notify_one();
     }
 
     fn storage_write(&mut self, volume: u64, id: StorageOpId, lba: u64, blocks: Vec<BlockData>) {
@@ -1205,17 +1209,27 @@ async fn read_frames(
     }
 }
 
+/// The frames queued for one peer, shared by the service (which encodes into `queued`) and
+/// the peer's link task (which swaps the queue out and writes it), both on thread 0.
+#[derive(Default)]
+struct PeerLink {
+    queued: std::cell::RefCell<Vec<u8>>,
+    ready: tokio::sync::Notify,
+    /// Set while the peer cannot be reached: frames are dropped instead of queued.
+    down: std::cell::Cell<bool>,
+}
+
 /// Keeps one connection to `peer` and writes the frames queued for it, gathered into large
-/// writes; drops what is queued while the peer cannot be reached.
+/// writes; drops what is queued while the peer cannot be reached (the protocol sends again).
 async fn peer_link(
     peer: NodeId,
     peers: Arc<RwLock<HashMap<NodeId, SocketAddr>>>,
-    mut frames: mpsc::Receiver<Vec<u8>>,
+    link: Rc<PeerLink>,
     status: Arc<ReplicationStatus>,
-    stop: watch::Receiver<bool>,
+    mut stop: watch::Receiver<bool>,
 ) {
-    let mut batch: Vec<u8> = Vec::with_capacity(LINK_BATCH_BYTES_MAX);
-    'connect: loop {
+    let mut writing: Vec<u8> = Vec::with_capacity(LINK_QUEUED_BYTES_MAX);
+    loop {
         if *stop.borrow() {
             return;
         }
@@ -1232,32 +1246,30 @@ async fn peer_link(
         };
         let Some(mut stream) = connected else {
             // Unreachable: what is queued would be stale by the time it arrives.
-            loop {
-                match frames.try_recv() {
-                    Ok(_) => {
-                        status.frames_dropped.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => return,
-                }
+            link.down.set(true);
+            link.queued.borrow_mut().clear();
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(LINK_RECONNECT_MS)) => {}
+                _ = stop.changed() => return,
             }
-            tokio::time::sleep(Duration::from_millis(LINK_RECONNECT_MS)).await;
             continue;
         };
+        link.down.set(false);
         let _ = stream.set_nodelay(true);
         loop {
-            let Some(first) = frames.recv().await else { return };
-            batch.clear();
-            batch.extend_from_slice(&first);
-            while batch.len() < LINK_BATCH_BYTES_MAX {
-                match frames.try_recv() {
-                    Ok(frame) => batch.extend_from_slice(&frame),
-                    Err(_) => break,
+            if link.queued.borrow().is_empty() {
+                tokio::select! {
+                    _ = link.ready.notified() => {}
+                    _ = stop.changed() => return,
                 }
+                continue;
             }
-            if let Err(error) = stream.write_all(&batch).await {
+            writing.clear();
+            std::mem::swap(&mut writing, &mut *link.queued.borrow_mut());
+            if let Err(error) = stream.write_all(&writing).await {
                 tracing::debug!(%peer, %error, "replication link broke; reconnecting");
-                continue 'connect;
+                status.frames_dropped.fetch_add(1, Ordering::Relaxed);
+                break;
             }
         }
     }
