@@ -14,7 +14,7 @@
 #   RAMP        ramp seconds per workload                 [2]
 #   QUEUES      NVMe/TCP queues x IODEPTH requests        [4]
 #   IODEPTH                                               [32]
-#   DRIVE_SIZE  size of each node's two drive files       [8G]
+#   DRIVE_SIZE  size of each node's two drive files       [3G]
 #   RESYNC_SIZE bytes written while a replica is away     [256M]
 #   OUT         directory for logs and JSON               [a new temporary directory]
 set -euo pipefail
@@ -28,7 +28,7 @@ RUNTIME=${RUNTIME:-10}
 RAMP=${RAMP:-2}
 QUEUES=${QUEUES:-4}
 IODEPTH=${IODEPTH:-32}
-DRIVE_SIZE=${DRIVE_SIZE:-8G}
+DRIVE_SIZE=${DRIVE_SIZE:-3G}
 RESYNC_SIZE=${RESYNC_SIZE:-256M}
 OUT=${OUT:-$(mktemp -d /tmp/ferrite-bench-replication.XXXXXX)}
 mkdir -p "$OUT"
@@ -37,6 +37,14 @@ if [ "$FERRITE" = target/release/ferrite ]; then
     cargo build --release --locked --bin ferrite >&2
 fi
 command -v etcd >/dev/null || { echo "etcd is not installed (scripts/deps.sh installs etcd-server)" >&2; exit 1; }
+# The drive files are sparse, but a log-structured node writes its whole drives over time: six
+# drive files must fit, with room to spare, or the machine's disk fills up.
+need_gib=$(python3 -c "import sys; s=sys.argv[1].upper(); u={'K':2**10,'M':2**20,'G':2**30,'T':2**40}; b=float(s[:-1])*u[s[-1]] if s[-1] in u else float(s); print(int(6*b/2**30)+4)" "$DRIVE_SIZE")
+free_gib=$(df -BG --output=avail "$OUT" | tail -1 | tr -dc 0-9)
+if [ "$free_gib" -lt "$need_gib" ]; then
+    echo "$OUT has $free_gib GiB free; three nodes of two $DRIVE_SIZE drives need $need_gib GiB: free space or lower DRIVE_SIZE" >&2
+    exit 1
+fi
 
 pids=()
 cleanup() {
