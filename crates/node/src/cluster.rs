@@ -239,20 +239,33 @@ impl Cluster {
         Ok((Arc::new(cluster), setup))
     }
 
-    /// The volumes this node holds a replica of, for the data path's start.
-    pub fn local_volumes(&self) -> Result<Vec<VolumeRecord>, MetaError> {
-        let states: BTreeMap<u64, VolumeState> = self
+    /// Every replicated volume's state, by volume id.
+    fn states(&self) -> Result<BTreeMap<u64, VolumeState>, MetaError> {
+        Ok(self
             .store
             .replication_states()?
             .into_iter()
             .map(|(id, state)| (id, state.value))
-            .collect();
+            .collect())
+    }
+
+    /// The records of the volumes whose state names this node a member, by id.
+    fn member_volumes(
+        &self,
+        states: &BTreeMap<u64, VolumeState>,
+    ) -> Result<BTreeMap<u64, VolumeRecord>, MetaError> {
         Ok(self
             .volumes
             .volumes()?
             .into_iter()
             .filter(|record| states.get(&record.id).is_some_and(|s| s.members.contains(&self.me)))
+            .map(|record| (record.id, record))
             .collect())
+    }
+
+    /// The volumes this node holds a replica of, for the data path's start.
+    pub fn local_volumes(&self) -> Result<Vec<VolumeRecord>, MetaError> {
+        Ok(self.member_volumes(&self.states()?)?.into_values().collect())
     }
 
     /// Records the addresses the node serves on, once the data path and the API are up.
@@ -375,19 +388,9 @@ impl Cluster {
         served: &mut BTreeMap<u64, VolumeRecord>,
     ) -> Result<(), MetaError> {
         self.refresh_peers();
-        let states: BTreeMap<u64, VolumeState> = self
-            .store
-            .replication_states()?
-            .into_iter()
-            .map(|(id, state)| (id, state.value))
-            .collect();
+        let states = self.states()?;
         data_plane.set_cluster_volumes(states.keys().copied().collect());
-        let records = self.volumes.volumes()?;
-        let wanted: BTreeMap<u64, VolumeRecord> = records
-            .into_iter()
-            .filter(|record| states.get(&record.id).is_some_and(|s| s.members.contains(&self.me)))
-            .map(|record| (record.id, record))
-            .collect();
+        let wanted = self.member_volumes(&states)?;
         let gone: Vec<u64> = served.keys().filter(|id| !wanted.contains_key(id)).copied().collect();
         for id in gone {
             if let Some(record) = served.remove(&id) {

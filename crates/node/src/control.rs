@@ -268,18 +268,18 @@ impl VolumeService {
             return Err(ControlError::VolumeExists(name));
         }
         let id = self.meta.allocate_volume_id().map_err(ControlError::from_meta)?;
+        let mut record = VolumeRecord {
+            id,
+            name,
+            size_bytes,
+            uuid: new_uuid(),
+            created_unix_ms: now_unix_ms(),
+            chunks: Vec::new(),
+            host_access: HostAccess::Open,
+            origin: None,
+            compression,
+        };
         if let Some(cluster) = &self.cluster {
-            let record = VolumeRecord {
-                id,
-                name,
-                size_bytes,
-                uuid: new_uuid(),
-                created_unix_ms: now_unix_ms(),
-                chunks: Vec::new(),
-                host_access: HostAccess::Open,
-                origin: None,
-                compression,
-            };
             let placed = cluster.create_volume(&record, replicas.unwrap_or(1))?;
             tracing::info!(
                 volume = %record.name,
@@ -290,21 +290,10 @@ impl VolumeService {
             );
             return Ok(record);
         }
-        let chunks = self
+        record.chunks = self
             .data_plane
             .reserve_create(id, size_bytes)
-            .map_err(|error| ControlError::from_data_plane(&name, error))?;
-        let record = VolumeRecord {
-            id,
-            name,
-            size_bytes,
-            uuid: new_uuid(),
-            created_unix_ms: now_unix_ms(),
-            chunks,
-            host_access: HostAccess::Open,
-            origin: None,
-            compression,
-        };
+            .map_err(|error| ControlError::from_data_plane(&record.name, error))?;
         if let Err(error) = self.meta.create_volume(&record) {
             self.data_plane.cancel(&record);
             return Err(ControlError::from_meta(error));

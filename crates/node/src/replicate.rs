@@ -330,6 +330,17 @@ impl ReplicaRoute {
         }
     }
 
+    /// The first LBA of a read or write and its pieces of at most `BLOCKS_PER_OP_MAX` blocks;
+    /// `None` if the range is not whole blocks.
+    fn data_pieces(
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Option<(u64, impl Iterator<Item = (u64, u32)>)> {
+        let pieces =
+            Self::pieces(offset_bytes, length_bytes, replication::BLOCKS_PER_OP_MAX).ok()?;
+        Some((offset_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES), pieces))
+    }
+
     /// Splits `[offset, offset + length)` into block ranges of at most `max_blocks`.
     fn pieces(
         offset_bytes: u64,
@@ -358,15 +369,10 @@ impl VolumeStore for ReplicaRoute {
         mut buf: AlignedBuf,
     ) -> (Result<(), StoreError>, AlignedBuf) {
         let length_bytes = buf.len() as u64;
-        let pieces = match Self::pieces(offset_bytes, length_bytes, replication::BLOCKS_PER_OP_MAX)
-        {
-            Ok(pieces) => pieces,
-            Err((offset_bytes, length_bytes)) => {
-                return (Err(StoreError::Unaligned { offset_bytes, length_bytes }), buf)
-            }
+        let Some((first_lba, pieces)) = Self::data_pieces(offset_bytes, length_bytes) else {
+            return (Err(StoreError::Unaligned { offset_bytes, length_bytes }), buf);
         };
         let block = LOGICAL_BLOCK_SIZE_BYTES as usize;
-        let first_lba = offset_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES);
         for (lba, count) in pieces {
             match self.run(HostOp::Read { lba, count }).await {
                 Ok(HostReply::Read(blocks)) if blocks.len() == count as usize => {
@@ -402,15 +408,10 @@ impl VolumeStore for ReplicaRoute {
         buf: AlignedBuf,
     ) -> (Result<(), StoreError>, AlignedBuf) {
         let length_bytes = buf.len() as u64;
-        let pieces = match Self::pieces(offset_bytes, length_bytes, replication::BLOCKS_PER_OP_MAX)
-        {
-            Ok(pieces) => pieces,
-            Err((offset_bytes, length_bytes)) => {
-                return (Err(StoreError::Unaligned { offset_bytes, length_bytes }), buf)
-            }
+        let Some((first_lba, pieces)) = Self::data_pieces(offset_bytes, length_bytes) else {
+            return (Err(StoreError::Unaligned { offset_bytes, length_bytes }), buf);
         };
         let block = LOGICAL_BLOCK_SIZE_BYTES as usize;
-        let first_lba = offset_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES);
         // The pieces of one command are independent writes (they do not overlap): all are
         // submitted, then awaited, so a large write costs about one replicated round trip.
         let mut answers = Vec::with_capacity(PIECES_PER_COMMAND_MAX);
