@@ -914,9 +914,11 @@ impl Service {
             match action {
                 Action::Send { to, message } => self.send(volume, to, message),
                 Action::StorageWrite { id, lba, blocks } => {
-                    self.storage_write(volume, id, lba, blocks)
+                    self.storage(volume, id, StorageWork::Write { lba, blocks });
                 }
-                Action::StorageRead { id, lba, count } => self.storage_read(volume, id, lba, count),
+                Action::StorageRead { id, lba, count } => {
+                    self.storage(volume, id, StorageWork::Read { lba, count });
+                }
                 Action::PersistEpoch { epoch } => self.persist_epoch(volume, epoch),
                 Action::Store { id, request } => {
                     self.job(StoreJob::Request {
@@ -1000,31 +1002,24 @@ impl Service {
         link.ready.notify_one();
     }
 
-    fn storage_write(&mut self, volume: u64, id: StorageOpId, lba: u64, blocks: Vec<BlockData>) {
+    /// Runs one local storage request of a volume's state machine as a task on this thread,
+    /// counted as the volume's I/O (so deleting the volume fences and drains it), and posts
+    /// its result back to the inbox.
+    fn storage(&mut self, volume: u64, id: StorageOpId, work: StorageWork) {
         let Some(replica) = self.volumes.get(&volume) else { return };
         let handle = Arc::clone(&replica.handle);
         let store = Rc::clone(&self.store);
         let inbox = self.link.inbox.clone();
         tokio::task::spawn_local(async move {
             let result = if handle.begin() {
-                let result = write_blocks(&store, &handle.map, lba, &blocks).await;
-                handle.end();
-                result
-            } else {
-                StorageResult::Failed
-            };
-            let _ = inbox.send(Input::Storage { volume, id, result }).await;
-        });
-    }
-
-    fn storage_read(&mut self, volume: u64, id: StorageOpId, lba: u64, count: u32) {
-        let Some(replica) = self.volumes.get(&volume) else { return };
-        let handle = Arc::clone(&replica.handle);
-        let store = Rc::clone(&self.store);
-        let inbox = self.link.inbox.clone();
-        tokio::task::spawn_local(async move {
-            let result = if handle.begin() {
-                let result = read_blocks(&store, &handle.map, lba, count).await;
+                let result = match work {
+                    StorageWork::Write { lba, blocks } => {
+                        write_blocks(&store, &handle.map, lba, &blocks).await
+                    }
+                    StorageWork::Read { lba, count } => {
+                        read_blocks(&store, &handle.map, lba, count).await
+                    }
+                };
                 handle.end();
                 result
             } else {
@@ -1073,6 +1068,12 @@ impl Service {
         *self.status.lease.lock().unwrap_or_else(PoisonError::into_inner) =
             self.lease.map(|lease| (lease.lease, lease.valid(now)));
     }
+}
+
+/// A local storage request of a state machine.
+enum StorageWork {
+    Write { lba: u64, blocks: Vec<BlockData> },
+    Read { lba: u64, count: u32 },
 }
 
 /// Fails every host command of a volume that is no longer replicated here.
