@@ -41,6 +41,11 @@ Examples:
   ferrite up --drive-backend memory --data-threads 1
       4 drives of 1 GiB in RAM, NOT DURABLE: for measuring the target's own cost (IOPS per
       target core) with no drive in the way, like a target serving from RAM.
+  ferrite up --data-dir /srv/ferrite --cluster-etcd http://10.0.0.1:2379 --node-name n1 \\
+      --nvme-listen 10.0.0.11:4420 --replication-listen 10.0.0.11:7420 --label zone=a
+      A member of the cluster `ferrite` kept in that etcd: volumes created with --replicas N
+      live on N nodes, and a failed primary is replaced automatically (`ferrite cluster
+      status`). SIGTERM hands the volumes this node serves to another replica first.
 
 Drives are created on the first start in DATA-DIR; later starts reuse them and keep every
 volume, so --drives, --drive-size and --erasure-coding matter only the first time. Stop with
@@ -178,11 +183,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a single-node cluster in the foreground.
+    /// Run a node in the foreground: a single node, or a cluster member (--cluster-etcd).
     ///
-    /// Runs a node with its metadata in DATA-DIR/meta.redb and its drives in DATA-DIR/drives,
-    /// serving volumes over NVMe/TCP and the REST API that `ferrite volume` uses. With
-    /// --drive-backend memory the drives are in RAM and NOT DURABLE.
+    /// Runs a node with its metadata in DATA-DIR/meta.redb (in etcd for a cluster member's
+    /// volumes) and its drives in DATA-DIR/drives, serving volumes over NVMe/TCP and NBD and
+    /// the REST API that `ferrite volume` uses. With --drive-backend memory the drives are in
+    /// RAM and NOT DURABLE.
     #[command(after_long_help = UP_EXAMPLES)]
     Up(Box<UpArgs>),
     /// Create, list, show, resize, clone, roll back and delete volumes.
