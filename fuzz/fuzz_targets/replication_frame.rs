@@ -2,7 +2,9 @@
 //! never claim more bytes than it was given nor ask for more than `MESSAGE_BYTES_MAX`, and a
 //! frame that decodes must encode back to exactly its bytes (volume and sender included). A
 //! `FrameReader` fed the same bytes in chunks must yield the same envelopes and stop the same
-//! way.
+//! way. The same bytes are also read as a write-intent file (`WriteIntent::from_bytes`, the
+//! file a node keeps on its own disk; with bit 0 of the mode its checksum is rewritten first):
+//! it must never panic, and a file it accepts must write back to exactly its bytes.
 //!
 //! The first input byte picks the mode: with bit 0 set, the checksums of every frame in the
 //! input are rewritten first, so the fuzzer reaches the payload parser instead of spending its
@@ -11,17 +13,22 @@
 
 use libfuzzer_sys::fuzz_target;
 use replication::wire::{self, Envelope, FrameReader, WireError, HEADER_BYTES, MESSAGE_BYTES_MAX};
+use replication::WriteIntent;
 
 /// Frames decoded from one input at most: each takes at least a header, so this only bounds
 /// pathological inputs.
 const FRAMES_PER_INPUT_MAX: usize = 4096;
 
-/// Header offsets of docs/replication-wire.md (version 3).
+/// Header offsets of docs/replication-wire.md (version 4).
 const PAYLOAD_BYTES_AT: usize = 8;
 const PAYLOAD_BYTES_END: usize = 12;
 const CHECKSUM_AT: usize = 24;
 const HEADER_CHECK_AT: usize = 28;
 const _: () = assert!(HEADER_CHECK_AT + 4 == HEADER_BYTES);
+/// Offsets of the write-intent file.
+const INTENT_CHECKSUM_AT: usize = 20;
+const INTENT_HEADER_BYTES: usize = replication::INTENT_FILE_HEADER_BYTES;
+const _: () = assert!(INTENT_CHECKSUM_AT + 4 == INTENT_HEADER_BYTES);
 
 fuzz_target!(|input: &[u8]| {
     let Some((&mode, bytes)) = input.split_first() else { return };
@@ -34,7 +41,24 @@ fuzz_target!(|input: &[u8]| {
     let (read, read_error) = read_all(&bytes, chunk_bytes);
     assert_eq!(read, envelopes);
     assert_eq!(read_error, end.err());
+    let mut file = input[1..].to_vec();
+    if mode & 1 != 0 {
+        seal_intent(&mut file);
+    }
+    if let Ok(intent) = WriteIntent::from_bytes(&file) {
+        assert_eq!(intent.to_bytes(), file, "the write-intent file is not canonical");
+    }
 });
+
+/// Rewrites the checksum of a write-intent file (docs/replication-wire.md): CRC-32C of bytes
+/// 0..20, then of everything after the 24-byte header.
+fn seal_intent(file: &mut [u8]) {
+    if file.len() >= INTENT_HEADER_BYTES {
+        let head = crc32c::crc32c(&file[..INTENT_CHECKSUM_AT]);
+        let checksum = crc32c::crc32c_append(head, &file[INTENT_HEADER_BYTES..]);
+        file[INTENT_CHECKSUM_AT..INTENT_HEADER_BYTES].copy_from_slice(&checksum.to_le_bytes());
+    }
+}
 
 /// Decodes frames one after the other: the envelopes, then how it stopped (`Ok` when the input
 /// ended on a frame boundary or inside a frame).

@@ -6,8 +6,8 @@
 
 use crate::wire::{
     AnaState, CreateSnapshot, CreateVolume, DriveInfo, ErrorBody, ErrorCode, HostAccess, NodeInfo,
-    ReplaceDrive, ResizeVolume, RollbackVolume, SetCompression, SetPathState, SnapshotInfo,
-    SnapshotList, VolumeInfo, VolumeList, VolumePaths,
+    ReplaceDrive, ResizeVolume, ResyncList, ResyncProgress, RollbackVolume, SetCompression,
+    SetPathState, SnapshotInfo, SnapshotList, VolumeInfo, VolumeList, VolumePaths,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -59,6 +59,16 @@ pub struct Client {
 impl Client {
     /// A client of the API at `base_url`, such as `http://127.0.0.1:8080`. No request is made.
     pub fn new(base_url: &str) -> Result<Self, ClientError> {
+        Self::build(base_url, CONNECT_TIMEOUT_MS, REQUEST_TIMEOUT_MS)
+    }
+
+    /// Like [`Client::new`], with every request given up after `timeout_ms` (connecting
+    /// included): for a node asking another one something it can do without.
+    pub fn with_timeout_ms(base_url: &str, timeout_ms: u64) -> Result<Self, ClientError> {
+        Self::build(base_url, timeout_ms.min(CONNECT_TIMEOUT_MS), timeout_ms)
+    }
+
+    fn build(base_url: &str, connect_ms: u64, timeout_ms: u64) -> Result<Self, ClientError> {
         let invalid = |reason: &str| ClientError::InvalidUrl {
             url: base_url.to_owned(),
             reason: reason.to_owned(),
@@ -73,8 +83,8 @@ impl Client {
             ));
         }
         let agent = ureq::AgentBuilder::new()
-            .timeout_connect(Duration::from_millis(CONNECT_TIMEOUT_MS))
-            .timeout(Duration::from_millis(REQUEST_TIMEOUT_MS))
+            .timeout_connect(Duration::from_millis(connect_ms))
+            .timeout(Duration::from_millis(timeout_ms))
             .redirects(0)
             .user_agent(concat!("ferrite/", env!("CARGO_PKG_VERSION")))
             .build();
@@ -183,6 +193,12 @@ impl Client {
     }
 
     /// The volume's NVMe/TCP paths and its ANA state on each.
+    /// The copies the node makes as the volume's primary ([`crate::paths::VOLUME_RESYNC`]).
+    pub fn volume_resync(&self, volume: &str) -> Result<Vec<ResyncProgress>, ClientError> {
+        let list: ResyncList = self.call("GET", &volume_path(volume, "/resync"), None)?;
+        Ok(list.resync)
+    }
+
     pub fn volume_paths(&self, volume: &str) -> Result<VolumePaths, ClientError> {
         self.call("GET", &volume_path(volume, "/paths"), None)
     }
@@ -561,6 +577,7 @@ mod tests {
         assert_eq!(volume_path("db", "/snapshots"), fill(crate::paths::VOLUME_SNAPSHOTS));
         assert_eq!(snapshot_path("db", "s1"), fill(crate::paths::VOLUME_SNAPSHOT));
         assert_eq!(volume_path("db", "/rollback"), fill(crate::paths::VOLUME_ROLLBACK));
+        assert_eq!(volume_path("db", "/resync"), fill(crate::paths::VOLUME_RESYNC));
         assert_eq!(volume_path("db", "/resize"), fill(crate::paths::VOLUME_RESIZE));
         assert_eq!(volume_path("db", ""), fill(crate::paths::VOLUME));
     }

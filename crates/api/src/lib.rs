@@ -45,6 +45,10 @@ pub mod paths {
     /// `POST` with a [`RollbackVolume`](crate::RollbackVolume): rolls the volume back to one
     /// of its snapshots; answers the volume's [`VolumeInfo`](crate::VolumeInfo).
     pub const VOLUME_ROLLBACK: &str = "/v1/volumes/{name}/rollback";
+    /// `GET` (cluster nodes): the [`ResyncList`](crate::ResyncList) of the copies this node
+    /// makes as the volume's primary, without asking any other node (`volume show` on another
+    /// node asks the primary here).
+    pub const VOLUME_RESYNC: &str = "/v1/volumes/{name}/resync";
     pub const NODE: &str = "/v1/node";
     /// The cluster's nodes (cluster nodes only).
     pub const CLUSTER: &str = "/v1/cluster";

@@ -177,6 +177,43 @@ pub struct ReplicationInfo {
     pub in_sync: Vec<String>,
     /// What the answering node's replica does, if it holds one.
     pub local: Option<LocalReplica>,
+    /// The copies the primary is making to replicas that are not in sync (a returning member's
+    /// resync, a new member's rebuild), as the primary reports them. Empty when none runs, or
+    /// when the answering node could not ask the primary.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resync: Vec<ResyncProgress>,
+}
+
+/// One copy to a replica that is not in sync ([`ReplicationInfo::resync`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResyncProgress {
+    /// The node receiving the copy.
+    pub node: String,
+    /// The whole volume is copied (a new member, or one whose missed writes are unknown);
+    /// otherwise only the blocks it missed.
+    pub full: bool,
+    /// Blocks this copy has had to send so far (those missed at the start and those written
+    /// again before they were sent).
+    pub blocks_total: u64,
+    /// Blocks of those already sent.
+    pub blocks_copied: u64,
+}
+
+/// `GET /v1/volumes/{name}/resync`: the copies the answering node makes as the volume's
+/// primary (empty when it is not the primary or copies nothing).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResyncList {
+    pub resync: Vec<ResyncProgress>,
+}
+
+impl ResyncProgress {
+    /// How far the copy is, 0 to 100.
+    pub fn percent(&self) -> f64 {
+        if self.blocks_total == 0 {
+            return 100.0;
+        }
+        (self.blocks_copied.min(self.blocks_total) as f64) * 100.0 / self.blocks_total as f64
+    }
 }
 
 /// The answering node's replica of a volume ([`ReplicationInfo::local`]).

@@ -22,7 +22,7 @@ use std::error::Error;
 use std::path::PathBuf;
 
 pub use args::{run_command, BenchArgs};
-pub use output::{format_latency_us, json_line, render_table, write_json_lines};
+pub use output::{format_latency_us, group_digits, json_line, render_table, write_json_lines};
 pub use run::{
     run, run_verified, BenchConfig, CheckOptions, CheckReport, LatencySummary, WorkloadReport,
     CHECK_IO_SIZE_BYTES, FILL_IO_SIZE_BYTES, PHASE_DURATION_MAX, QUEUE_COUNT_MAX, QUEUE_DEPTH_MAX,

@@ -10,7 +10,11 @@ use crate::run::{LatencySummary, WorkloadReport};
 
 /// `1234567.4` as `1,234,567`.
 pub(crate) fn format_count(value: f64) -> String {
-    let digits = format!("{:.0}", value.max(0.0));
+    group_digits(&format!("{:.0}", value.max(0.0)))
+}
+
+/// A run of decimal digits with thousands separators: `29952` as `29,952`.
+pub fn group_digits(digits: &str) -> String {
     let mut grouped = String::with_capacity(digits.len() + digits.len() / 3);
     for (index, digit) in digits.chars().enumerate() {
         if index > 0 && (digits.len() - index) % 3 == 0 {

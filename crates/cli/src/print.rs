@@ -369,35 +369,55 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
             .filter(|member| !replication.in_sync.contains(member))
             .cloned()
             .collect();
-        let mut rows = vec![
+        let rows = [
             ("replicas", format!("{} ({})", replication.members.len(), list(&replication.members))),
             ("primary", replication.primary.clone().unwrap_or_else(|| "none yet".to_owned())),
             ("epoch", replication.epoch.to_string()),
             ("in sync", list(&replication.in_sync)),
             ("resyncing", if away.is_empty() { "none".to_owned() } else { away.join(", ") }),
         ];
-        if let Some(local) = &replication.local {
-            rows.push((
-                "this node",
-                format!(
-                    "{}: {}{}, {} writes completed, {} resyncs done of {} started, {} blocks \
-                     resynced, {} blocks pushed after failovers",
-                    local.node,
-                    if local.serving { "serving (primary)" } else { "replica" },
-                    if local.failed { ", STORAGE FAILED" } else { "" },
-                    local.writes_completed,
-                    local.resyncs_completed,
-                    local.resyncs_started,
-                    local.blocks_resynced,
-                    local.blocks_pushed,
-                ),
-            ));
-        }
         for (key, value) in rows {
             println!("{:<13}{value}", format!("{key}:"));
         }
+        // The copies the primary reports, under the list of the replicas not in sync.
+        for progress in &replication.resync {
+            println!("{}", resync_line(progress));
+        }
+        if let Some(local) = &replication.local {
+            println!(
+                "{:<13}{}: {}{}, {} writes completed, {} resyncs done of {} started, {} blocks \
+                 resynced, {} blocks pushed after failovers",
+                "this node:",
+                local.node,
+                if local.serving { "serving (primary)" } else { "replica" },
+                if local.failed { ", STORAGE FAILED" } else { "" },
+                local.writes_completed,
+                local.resyncs_completed,
+                local.resyncs_started,
+                local.blocks_resynced,
+                local.blocks_pushed,
+            );
+        }
     }
     Ok(())
+}
+
+/// One copy to a replica that is not in sync: `resync to node3: 41% (12,288 of 29,952 blocks,
+/// incremental)`. The percentage is rounded down, so a copy shows 100% only when it is done.
+fn resync_line(progress: &api::ResyncProgress) -> String {
+    format!(
+        "resync to {}: {}% ({} of {} blocks, {})",
+        progress.node,
+        progress.percent().floor(),
+        thousands(progress.blocks_copied),
+        thousands(progress.blocks_total),
+        if progress.full { "full copy" } else { "incremental" }
+    )
+}
+
+/// A count with thousands separators: `29,952`.
+fn thousands(count: u64) -> String {
+    bench::group_digits(&count.to_string())
 }
 
 pub fn cluster(json: bool, cluster: &api::ClusterInfo) -> anyhow::Result<()> {
@@ -659,4 +679,53 @@ fn print_table<const COLUMNS: usize>(header: &[String; COLUMNS], rows: &[[String
 fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn progress(
+        node: &str,
+        full: bool,
+        blocks_copied: u64,
+        blocks_total: u64,
+    ) -> api::ResyncProgress {
+        api::ResyncProgress { node: node.to_owned(), full, blocks_total, blocks_copied }
+    }
+
+    #[test]
+    fn a_resync_line_says_to_whom_how_far_and_what_kind_of_copy() {
+        let check = |progress: api::ResyncProgress, expect: &str| {
+            assert_eq!(resync_line(&progress), expect);
+        };
+        check(
+            progress("node3", false, 12_288, 29_952),
+            "resync to node3: 41% (12,288 of 29,952 blocks, incremental)",
+        );
+        check(
+            progress("node2", true, 0, 16_384),
+            "resync to node2: 0% (0 of 16,384 blocks, full copy)",
+        );
+        // Rounded down: not 100% before the last block is sent.
+        check(
+            progress("a", false, 999, 1_000),
+            "resync to a: 99% (999 of 1,000 blocks, incremental)",
+        );
+        check(progress("a", true, 0, 0), "resync to a: 100% (0 of 0 blocks, full copy)");
+    }
+
+    #[test]
+    fn counts_are_grouped_by_thousands() {
+        for (count, expect) in [
+            (0, "0"),
+            (999, "999"),
+            (1_000, "1,000"),
+            (29_952, "29,952"),
+            (1_234_567, "1,234,567"),
+            (u64::MAX, "18,446,744,073,709,551,615"),
+        ] {
+            assert_eq!(thousands(count), expect);
+        }
+    }
 }

@@ -8,6 +8,12 @@
 //! ends by killing every node but the one whose data is in question, so that node alone serves
 //! the final check of every block: a replica must really hold the data, not only the primary.
 //!
+//! The resync tests pace copies to 4 MiB/s (`--resync-mb-per-s`) and write known blocks in
+//! order instead of running the workload, so they know what a replica missed: its copy must
+//! take at least about as long as the limit allows, must send only the missed blocks (not the
+//! whole volume, also to an old primary that was killed and restarted), and must show its
+//! progress on the primary, through another node and in `ferrite volume show`.
+//!
 //! The pauses the hosts see are printed ("failover pause after kill -9: N ms") and held to a
 //! generous bound; the goal is 5 s with the 2 s lease these clusters use. The partition test
 //! needs root (network namespaces) and fails, like the file system tests, when it is missing:
@@ -15,16 +21,17 @@
 
 mod common;
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use common::cluster::{require_root_and_netns, Cluster, ClusterOptions};
+use common::cluster::{require_root_and_netns, Cluster, ClusterOptions, CONVERGE_TIMEOUT};
 use common::failover::Workload;
-use common::{ferrite, ferrite_ok, volume_nqn};
+use common::{ferrite, ferrite_ok, pattern, pattern_mismatch, runtime, volume_nqn, BLOCK_BYTES};
 
 const VOLUME: &str = "replicated";
 const VOLUME_SIZE: &str = "64M";
 /// The workload's blocks: 16 MiB of the volume.
-const BLOCKS: std::ops::Range<u64> = 0..4096;
+const BLOCKS: Range<u64> = 0..4096;
 const WORKERS: usize = 4;
 /// The hosts' I/O timeout: a path whose command takes longer is given up (a frozen or cut-off
 /// primary), well under the lease so the hosts are looking elsewhere when the new primary
@@ -468,4 +475,436 @@ fn a_cluster_refuses_what_it_cannot_do_and_shows_its_nodes() {
     let two = cluster.wait_serving("two", 2, &[]);
     assert!(!two.members.contains(&killed), "placed on live nodes only: {two:?}");
     cluster.assert_no_error_lines(&[]);
+}
+
+// ----- Resync: the rate limit, the progress the primary reports, incremental copies -----
+
+/// `--resync-mb-per-s` of the resync tests: slow enough that a copy of a few MiB lasts seconds
+/// and can be watched.
+const RESYNC_MB_PER_S: u64 = 4;
+/// The test volume's blocks ([`VOLUME_SIZE`]).
+const VOLUME_BLOCKS: u64 = (64 << 20) / BLOCK_BYTES as u64;
+/// What the resync tests write first, with [`TAG_BASELINE`]: 16 MiB.
+const BASELINE: Range<u64> = 0..4096;
+const TAG_BASELINE: u64 = 0xba5e;
+/// What the replica that is away misses, with [`TAG_AWAY`]: 16 MiB, half over the baseline
+/// (a stale copy of those blocks shows) and half beyond it.
+const WRITTEN_AWAY: Range<u64> = 2048..6144;
+const TAG_AWAY: u64 = 0xa3a7;
+/// What the old primary misses in the incremental-copy test: 4 MiB over its baseline, which
+/// is the whole volume (so a copy of all it ever wrote is a full copy).
+const WRITTEN_AFTER_KILL: Range<u64> = 2048..3072;
+/// The wait between the incremental-copy test's baseline and its kill: longer than a primary
+/// keeps the regions of finished writes in its persisted write intent (`intent_linger_ms`,
+/// 2 s in crates/node) and then persists it, so the baseline is no longer a possible
+/// divergence of the old primary when it is killed.
+const INTENT_SETTLE: Duration = Duration::from_secs(4);
+/// The copy of [`WRITTEN_AWAY`] may not finish sooner than this share of the time the limit
+/// allows it (a burst at the start is fine; copying faster than the limit is not).
+const RATE_LIMIT_SLACK: f64 = 0.7;
+/// Blocks per command of the tests' sequential writes and reads.
+const SEQUENTIAL_IO_BLOCKS: u64 = 64;
+/// Their I/O timeout: long, as a write may wait for a silent replica to be removed.
+const SEQUENTIAL_IO_TIMEOUT: Duration = Duration::from_secs(15);
+/// Tries of one read of the final check before its blocks count as unreadable.
+const SEQUENTIAL_READ_ATTEMPTS_MAX: u32 = 3;
+/// Wrong blocks listed at most by [`check_blocks`].
+const WRONG_BLOCKS_LISTED_MAX: usize = 20;
+/// Interval of the polls that watch a copy.
+const RESYNC_POLL: Duration = Duration::from_millis(100);
+/// How long a copy's progress entry may outlive the replica's return to in sync.
+const PROGRESS_GONE_TIMEOUT: Duration = Duration::from_secs(3);
+
+fn resync_options() -> ClusterOptions {
+    ClusterOptions {
+        up_args: vec!["--resync-mb-per-s".to_owned(), RESYNC_MB_PER_S.to_string()],
+        ..ClusterOptions::nodes(3)
+    }
+}
+
+/// The NVMe/TCP paths of the nodes that run, unpaused: a host connecting to a frozen node's
+/// port would wait for an answer that never comes.
+fn reachable_paths(cluster: &Cluster) -> Vec<String> {
+    (0..cluster.node_count())
+        .map(|index| cluster.node(index))
+        .filter(|node| node.reachable())
+        .map(|node| node.nvme_address())
+        .collect()
+}
+
+/// A host on the test volume through `paths`, one command at a time, with
+/// [`SEQUENTIAL_IO_TIMEOUT`].
+async fn connect_sequential(paths: &[String]) -> initiator::MultipathNamespace {
+    let mut device = initiator::MultipathNamespace::connect(
+        paths,
+        &volume_nqn(VOLUME),
+        initiator::ConnectOptions::default(),
+        1,
+    )
+    .await
+    .unwrap_or_else(|error| panic!("cannot connect to {VOLUME} on {paths:?}: {error}"));
+    device.set_io_timeout(SEQUENTIAL_IO_TIMEOUT);
+    device
+}
+
+/// Writes the pattern of `tag` ([`common::fill_pattern`]) over `blocks`, in order, through
+/// the reachable nodes' paths.
+fn write_blocks(cluster: &Cluster, blocks: Range<u64>, tag: u64) {
+    let paths = reachable_paths(cluster);
+    let started = Instant::now();
+    runtime().block_on(async {
+        let mut device = connect_sequential(&paths).await;
+        let mut lba = blocks.start;
+        while lba < blocks.end {
+            let count = SEQUENTIAL_IO_BLOCKS.min(blocks.end - lba);
+            let data = pattern(lba, count as usize, tag);
+            if let Err(error) = device.write(lba, &data).await {
+                panic!("write of blocks {lba}..{}: {error}", lba + count);
+            }
+            lba += count;
+        }
+    });
+    println!("wrote blocks {blocks:?} (tag {tag:#x}) in {} ms", started.elapsed().as_millis());
+}
+
+/// Reads every block of the volume through the reachable nodes' paths and returns those that
+/// do not hold what `expected` says (the tag of the pattern of the first range holding the
+/// block; zeros outside every range).
+fn check_blocks(cluster: &Cluster, expected: &[(Range<u64>, u64)]) -> Vec<String> {
+    let paths = reachable_paths(cluster);
+    let mut wrong = Vec::new();
+    let mut wrong_total = 0u64;
+    runtime().block_on(async {
+        let mut device = connect_sequential(&paths).await;
+        let mut lba = 0;
+        while lba < VOLUME_BLOCKS {
+            let count = SEQUENTIAL_IO_BLOCKS.min(VOLUME_BLOCKS - lba);
+            let mut read = Err(String::new());
+            for _ in 0..SEQUENTIAL_READ_ATTEMPTS_MAX {
+                read = device
+                    .read(lba, count as usize * BLOCK_BYTES)
+                    .await
+                    .map_err(|error| error.to_string());
+                if read.is_ok() {
+                    break;
+                }
+            }
+            let mismatches: Vec<String> = match &read {
+                Ok(data) => data
+                    .chunks_exact(BLOCK_BYTES)
+                    .zip(lba..)
+                    .filter_map(|(bytes, block)| {
+                        match expected.iter().find(|(range, _)| range.contains(&block)) {
+                            Some((_, tag)) => pattern_mismatch(bytes, block, *tag),
+                            None => bytes.iter().any(|byte| *byte != 0).then(|| {
+                                format!("block {block}: not zeros, but nothing was written there")
+                            }),
+                        }
+                    })
+                    .collect(),
+                Err(error) => vec![format!("blocks {lba}..{}: unreadable: {error}", lba + count)],
+            };
+            wrong_total += mismatches.len() as u64;
+            let room = WRONG_BLOCKS_LISTED_MAX.saturating_sub(wrong.len());
+            wrong.extend(mismatches.into_iter().take(room));
+            lba += count;
+        }
+    });
+    let unlisted = wrong_total - wrong.len() as u64;
+    if unlisted > 0 {
+        wrong.push(format!("... and {unlisted} more wrong blocks"));
+    }
+    wrong
+}
+
+/// Kills every node but `survivor` and waits until it alone serves the volume, so that what
+/// is read next comes from its copy.
+fn leave_only_quiet(cluster: &mut Cluster, survivor: usize) {
+    let others: Vec<usize> = (0..cluster.node_count())
+        .filter(|index| *index != survivor && cluster.node(*index).reachable())
+        .collect();
+    let names: Vec<String> = others.iter().map(|index| cluster.node(*index).name.clone()).collect();
+    for index in &others {
+        cluster.kill9(*index);
+    }
+    let not: Vec<&str> = names.iter().map(String::as_str).collect();
+    let last = cluster.wait_serving(VOLUME, 1, &not);
+    assert_eq!(primary(&last), cluster.node(survivor).name, "{last:?}");
+}
+
+/// What the polls of one copy saw, from its start to the replica's return to in sync.
+#[derive(Debug, Default)]
+struct ResyncWatch {
+    /// The progress entries for the replica, as the primary reported them.
+    from_primary: Vec<api::ResyncProgress>,
+    /// As another node answering `ferrite volume show --json` reported them (it asks the
+    /// primary).
+    from_other: Vec<api::ResyncProgress>,
+    /// A line of `ferrite volume show` (text) on the primary about the copy.
+    text_line: Option<String>,
+    /// From the start of the watch to the start of the last poll that found the replica not
+    /// in sync: a lower bound of the time it took to be in sync again.
+    out_of_sync_at_least: Duration,
+    /// From the start of the watch until a poll found it in sync: an upper bound.
+    in_sync_after: Duration,
+    /// Polls of the primary made.
+    polls: u32,
+}
+
+impl ResyncWatch {
+    /// Whether an entry shows a copy under way: some but not all blocks sent.
+    fn saw_under_way(entries: &[api::ResyncProgress]) -> bool {
+        entries
+            .iter()
+            .any(|entry| 0 < entry.blocks_copied && entry.blocks_copied < entry.blocks_total)
+    }
+
+    fn all(&self) -> impl Iterator<Item = &api::ResyncProgress> {
+        self.from_primary.iter().chain(&self.from_other)
+    }
+}
+
+/// The progress entries for `node` in a node's answer.
+fn entries_for(state: &api::ReplicationInfo, node: &str) -> Vec<api::ResyncProgress> {
+    state.resync.iter().filter(|entry| entry.node == node).cloned().collect()
+}
+
+/// The volume as `ferrite volume show --json` prints it on node `index`; `None` when the
+/// command fails (a node that is busy electing, say).
+fn volume_show_json(cluster: &Cluster, index: usize) -> Option<api::VolumeInfo> {
+    let output = ferrite(cluster.node(index).api_url(), &["volume", "show", VOLUME, "--json"]);
+    if !output.status.success() {
+        return None;
+    }
+    serde_json::from_slice(&output.stdout).ok()
+}
+
+/// Polls the primary (with the API client, and once the copy shows, `ferrite volume show`)
+/// and another node (`ferrite volume show --json`) every [`RESYNC_POLL`] until the primary
+/// reports `replica` in sync; then waits until neither reports a copy to it any more.
+#[track_caller]
+fn watch_resync(
+    cluster: &Cluster,
+    primary_index: usize,
+    other_index: usize,
+    replica: &str,
+) -> ResyncWatch {
+    let started = Instant::now();
+    let mut watch = ResyncWatch::default();
+    loop {
+        let poll_started = started.elapsed();
+        let state = cluster.replication_at(primary_index, VOLUME);
+        watch.polls += 1;
+        if let Some(state) = &state {
+            if state.in_sync.iter().any(|name| name == replica) {
+                watch.in_sync_after = started.elapsed();
+                break;
+            }
+            watch.out_of_sync_at_least = poll_started;
+            watch.from_primary.extend(entries_for(state, replica));
+        }
+        if let Some(replication) =
+            volume_show_json(cluster, other_index).and_then(|volume| volume.replication)
+        {
+            watch.from_other.extend(entries_for(&replication, replica));
+        }
+        if watch.text_line.is_none() && !watch.from_primary.is_empty() {
+            let text =
+                ferrite_ok(cluster.node(primary_index).api_url(), &["volume", "show", VOLUME]);
+            let prefix = format!("resync to {replica}: ");
+            watch.text_line =
+                text.lines().find(|line| line.starts_with(&prefix)).map(str::to_owned);
+        }
+        assert!(
+            started.elapsed() < CONVERGE_TIMEOUT,
+            "{replica} was not in sync again after {CONVERGE_TIMEOUT:?}; last state: {state:#?}"
+        );
+        std::thread::sleep(RESYNC_POLL);
+    }
+    // The entry goes with the copy.
+    let gone_by = Instant::now() + PROGRESS_GONE_TIMEOUT;
+    loop {
+        let at_primary = cluster.replication_at(primary_index, VOLUME);
+        let at_other = volume_show_json(cluster, other_index).and_then(|volume| volume.replication);
+        let left: Vec<api::ResyncProgress> = [&at_primary, &at_other]
+            .into_iter()
+            .flatten()
+            .flat_map(|state| entries_for(state, replica))
+            .collect();
+        if at_primary.is_some() && at_other.is_some() && left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < gone_by,
+            "a copy to {replica} is still reported {PROGRESS_GONE_TIMEOUT:?} after it is in \
+             sync: {left:?}"
+        );
+        std::thread::sleep(RESYNC_POLL);
+    }
+    let shown = |entries: &[api::ResyncProgress]| {
+        entries
+            .iter()
+            .map(|entry| format!("{}/{}", entry.blocks_copied, entry.blocks_total))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    println!(
+        "copy to {replica}: in sync after {} to {} ms, {} polls; the primary showed [{}], \
+         another node [{}]; text: {:?}",
+        watch.out_of_sync_at_least.as_millis(),
+        watch.in_sync_after.as_millis(),
+        watch.polls,
+        shown(&watch.from_primary),
+        shown(&watch.from_other),
+        watch.text_line
+    );
+    watch
+}
+
+/// The member that is neither `first` nor `second`.
+#[track_caller]
+fn third_member(state: &api::ReplicationInfo, first: &str, second: &str) -> String {
+    state
+        .members
+        .iter()
+        .find(|name| *name != first && *name != second)
+        .unwrap_or_else(|| panic!("a third member besides {first} and {second}: {state:?}"))
+        .clone()
+}
+
+#[test]
+fn a_returning_replica_is_resynced_incrementally_within_the_rate_limit_and_shows_progress() {
+    let mut cluster = Cluster::start(&resync_options());
+    let first = create_volume(&cluster, VOLUME, 3);
+    let primary_name = primary(&first);
+    let primary_index = cluster.index(&primary_name);
+    write_blocks(&cluster, BASELINE, TAG_BASELINE);
+
+    // A replica is frozen; what is written meanwhile it misses, and nothing else.
+    let away = first.members.iter().find(|name| **name != primary_name).expect("a replica").clone();
+    let away_index = cluster.index(&away);
+    let other = third_member(&first, &primary_name, &away);
+    let other_index = cluster.index(&other);
+    cluster.pause(away_index);
+    // The first write waits until the silent replica is removed from the in-sync set.
+    write_blocks(&cluster, WRITTEN_AWAY, TAG_AWAY);
+    let degraded = cluster.wait_replication(VOLUME, "the frozen replica out of sync", |state| {
+        state.in_sync.len() == 2 && !state.in_sync.contains(&away)
+    });
+    assert_eq!(primary(&degraded), primary_name, "a replica's loss moves no primary");
+    let resyncs_before = cluster
+        .replication_at(primary_index, VOLUME)
+        .and_then(|state| state.local)
+        .expect("the primary's own replica");
+
+    cluster.resume(away_index);
+    let watch = watch_resync(&cluster, primary_index, other_index, &away);
+    let local = cluster.wait_local(primary_index, VOLUME, "the resync counted", |local| {
+        local.resyncs_completed > resyncs_before.resyncs_completed
+    });
+    println!("the primary's replica before the return: {resyncs_before:?}; after: {local:?}");
+
+    // Only the missed blocks were copied, by the primary's counters.
+    let missed_blocks = WRITTEN_AWAY.end - WRITTEN_AWAY.start;
+    let copied = local.blocks_resynced - resyncs_before.blocks_resynced;
+    let incremental_max = missed_blocks + missed_blocks / 8;
+    assert!(
+        (missed_blocks..=incremental_max).contains(&copied),
+        "{copied} blocks copied to {away}, which missed {missed_blocks}: {local:?}"
+    );
+
+    // The returned replica alone holds every block.
+    leave_only_quiet(&mut cluster, away_index);
+    let wrong = check_blocks(&cluster, &[(WRITTEN_AWAY, TAG_AWAY), (BASELINE, TAG_BASELINE)]);
+    assert_eq!(wrong, Vec::<String>::new(), "{away} alone");
+    cluster.assert_no_error_lines(&[]);
+
+    // The limit held: the missed blocks took at least about as long as the limit allows.
+    let missed_bytes = missed_blocks * BLOCK_BYTES as u64;
+    let allowed = Duration::from_secs_f64(missed_bytes as f64 / (RESYNC_MB_PER_S << 20) as f64);
+    assert!(
+        watch.out_of_sync_at_least.as_secs_f64() >= RATE_LIMIT_SLACK * allowed.as_secs_f64(),
+        "{missed_bytes} bytes resynced in under {:?}: faster than {RESYNC_MB_PER_S} MiB/s \
+         allows ({allowed:?})",
+        watch.out_of_sync_at_least
+    );
+
+    // The copy's progress showed, on the primary and through another node, as incremental
+    // and about the missed blocks.
+    assert!(
+        ResyncWatch::saw_under_way(&watch.from_primary),
+        "the primary never showed the copy to {away} under way: {watch:?}"
+    );
+    assert!(
+        ResyncWatch::saw_under_way(&watch.from_other),
+        "{other} never showed the copy to {away} under way: {watch:?}"
+    );
+    for entry in watch.all() {
+        assert!(!entry.full, "a full copy to {away}, which missed only {missed_blocks}: {entry:?}");
+        assert!(
+            (missed_blocks..=incremental_max).contains(&entry.blocks_total)
+                && entry.blocks_copied <= entry.blocks_total,
+            "{away} missed {missed_blocks} blocks: {entry:?}"
+        );
+    }
+    let line = watch.text_line.as_deref().unwrap_or_default();
+    assert!(
+        line.ends_with("blocks, incremental)"),
+        "`ferrite volume show` did not show the copy: {line:?}"
+    );
+}
+
+#[test]
+fn a_restarted_old_primary_gets_an_incremental_copy_not_a_full_one() {
+    let mut cluster = Cluster::start(&resync_options());
+    let first = create_volume(&cluster, VOLUME, 3);
+    let old = primary(&first);
+    let old_index = cluster.index(&old);
+    write_blocks(&cluster, 0..VOLUME_BLOCKS, TAG_BASELINE);
+    std::thread::sleep(INTENT_SETTLE);
+
+    cluster.kill9(old_index);
+    let second = cluster.wait_serving(VOLUME, 2, &[&old]);
+    assert!(second.epoch > first.epoch, "{first:?} then {second:?}");
+    let new_primary = primary(&second);
+    let new_index = cluster.index(&new_primary);
+    let other_index = cluster.index(&third_member(&first, &old, &new_primary));
+    write_blocks(&cluster, WRITTEN_AFTER_KILL, TAG_AWAY);
+
+    // It returns on its data dir, holding the baseline: only what it missed needs copying
+    // (it had no write in flight when it was killed).
+    cluster.restart(old_index);
+    let watch = watch_resync(&cluster, new_index, other_index, &old);
+    let local = cluster
+        .wait_local(new_index, VOLUME, "the copy counted", |local| local.resyncs_completed >= 1);
+    println!("the new primary's replica: {local:?}");
+    let missed_blocks = WRITTEN_AFTER_KILL.end - WRITTEN_AFTER_KILL.start;
+    let incremental = missed_blocks..VOLUME_BLOCKS / 4;
+
+    // It alone holds every block: the copy, whatever its kind, was complete.
+    leave_only_quiet(&mut cluster, old_index);
+    let wrong =
+        check_blocks(&cluster, &[(WRITTEN_AFTER_KILL, TAG_AWAY), (0..VOLUME_BLOCKS, TAG_BASELINE)]);
+    assert_eq!(wrong, Vec::<String>::new(), "{old} alone");
+    cluster.assert_no_error_lines(&[]);
+
+    // Only about what it missed was copied: by the new primary's counters, and as its
+    // progress showed.
+    assert!(
+        incremental.contains(&local.blocks_resynced),
+        "{} blocks copied to the restarted {old}, which missed {missed_blocks} of \
+         {VOLUME_BLOCKS}: {local:?}",
+        local.blocks_resynced
+    );
+    assert!(
+        !watch.from_primary.is_empty(),
+        "the new primary never showed a copy to {old}: {watch:?}"
+    );
+    for entry in watch.all() {
+        assert!(!entry.full, "a full copy to the restarted {old}: {entry:?}");
+        assert!(
+            incremental.contains(&entry.blocks_total),
+            "{old} missed {missed_blocks} blocks of {VOLUME_BLOCKS}: {entry:?}"
+        );
+    }
 }

@@ -41,6 +41,9 @@ const MEMBER_REFRESH_MS: u64 = 5_000;
 const ETCD_TIMEOUT: Duration = Duration::from_secs(3);
 /// Replicas of one volume at most.
 pub const REPLICAS_MAX: u8 = 3;
+/// `volume show` on a node that is not the volume's primary asks the primary how its copies
+/// stand for at most this long.
+pub const RESYNC_ASK_TIMEOUT_MS: u64 = 1_000;
 /// The label that names a node's failure domain; replicas go to distinct values when nodes
 /// carry it.
 pub const FAILURE_DOMAIN_LABEL: &str = "zone";
@@ -129,7 +132,12 @@ impl ClusterConfig {
             hello_interval_ms: 500,
             copy_blocks_per_tick,
             dirty_lbas_max: 1 << 20,
-            divergence_lbas_max: 1 << 14,
+            divergence_ranges_max: 1 << 14,
+            // 1 MiB regions; up to 16 GiB of a volume hot at once before a restarted node's
+            // return needs a full copy; a region leaves 2 s after its last write.
+            intent_region_blocks: 256,
+            intent_regions_max: 1 << 14,
+            intent_linger_ms: 2_000,
             grace_ms: self.rebuild_grace_s.saturating_mul(1000),
         }
     }
@@ -431,10 +439,59 @@ impl Cluster {
 }
 
 impl Cluster {
-    /// A volume's replication as the API reports it.
-    pub fn replication_info(&self, id: u64) -> Option<api::ReplicationInfo> {
-        let state = self.volume_state(id)?.value;
+    /// The copies this node makes as the primary of volume `id`, for the API.
+    pub fn local_resync(&self, id: u64) -> Vec<api::ResyncProgress> {
+        let Some(local) = self.status.volume(id) else { return Vec::new() };
+        if local.resync.is_empty() {
+            return Vec::new();
+        }
         let names = self.names();
+        resync_info(&local.resync, &names)
+    }
+
+    /// The copies the primary of volume `name` (`id`) makes, as it answers them: this node's
+    /// own when it serves the volume, else asked of the primary's API (at most
+    /// [`RESYNC_ASK_TIMEOUT_MS`]; nothing when it cannot be asked).
+    fn primary_resync(
+        &self,
+        id: u64,
+        name: &str,
+        primary: Option<NodeId>,
+        members: &[MemberRecord],
+    ) -> Vec<api::ResyncProgress> {
+        if self.status.volume(id).is_some_and(|local| local.serving) {
+            return self.local_resync(id);
+        }
+        let Some(primary) = primary.filter(|primary| *primary != self.me) else {
+            return Vec::new();
+        };
+        let Some(member) = members.iter().find(|member| member.id == primary) else {
+            return Vec::new();
+        };
+        let asked = api::Client::with_timeout_ms(
+            &format!("http://{}", member.api_addr),
+            RESYNC_ASK_TIMEOUT_MS,
+        )
+        .and_then(|client| client.volume_resync(name));
+        match asked {
+            Ok(resync) => resync,
+            Err(error) => {
+                tracing::debug!(volume = name, primary = %member.name, %error, "cannot ask the primary how its copies stand");
+                Vec::new()
+            }
+        }
+    }
+
+    /// A volume's replication as the API reports it.
+    pub fn replication_info(&self, id: u64, volume: &str) -> Option<api::ReplicationInfo> {
+        let state = self.volume_state(id)?.value;
+        let members: Vec<MemberRecord> = self
+            .store
+            .members()
+            .map(|members| members.into_iter().map(|(member, _)| member).collect())
+            .unwrap_or_default();
+        let names: BTreeMap<NodeId, String> =
+            members.iter().map(|member| (member.id, member.name.clone())).collect();
         let name = |node: &NodeId| names.get(node).cloned().unwrap_or_else(|| node.to_string());
         let local = self.status.volume(id).map(|local| api::LocalReplica {
             node: self.config.node_name.clone(),
@@ -454,6 +511,7 @@ impl Cluster {
             members: state.members.iter().map(name).collect(),
             in_sync: state.in_sync.iter().map(name).collect(),
             local,
+            resync: self.primary_resync(id, volume, state.primary, &members),
         })
     }
 
@@ -608,6 +666,22 @@ impl MetaStore for ClusterMeta {
     ) -> Result<SnapshotRecord, MetaError> {
         self.cluster.delete_snapshot(volume, name)
     }
+}
+
+/// The protocol's view of a primary's copies, with node names for the API.
+fn resync_info(
+    resync: &[replication::ResyncProgress],
+    names: &BTreeMap<NodeId, String>,
+) -> Vec<api::ResyncProgress> {
+    resync
+        .iter()
+        .map(|copy| api::ResyncProgress {
+            node: names.get(&copy.peer).cloned().unwrap_or_else(|| copy.peer.to_string()),
+            full: copy.full,
+            blocks_total: copy.blocks_total,
+            blocks_copied: copy.blocks_copied,
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -72,6 +72,7 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::VOLUME_SNAPSHOTS, get(list_snapshots).post(create_snapshot))
         .route(api::paths::VOLUME_SNAPSHOT, get(show_snapshot).delete(delete_snapshot))
         .route(api::paths::VOLUME_ROLLBACK, post(rollback_volume))
+        .route(api::paths::VOLUME_RESYNC, get(show_resync))
         .route(api::paths::NODE, get(node_info))
         .route(api::paths::CLUSTER, get(cluster_info))
         .route(api::paths::DRIVE_REPLACE, post(replace_drive))
@@ -262,7 +263,9 @@ fn volume_extras(
 ) -> Result<VolumeExtras, ControlError> {
     let space = service.volume_space(record.id);
     Ok(VolumeExtras {
-        replication: service.cluster().and_then(|cluster| cluster.replication_info(record.id)),
+        replication: service
+            .cluster()
+            .and_then(|cluster| cluster.replication_info(record.id, record.name.as_str())),
         space,
         snapshot_count: service.snapshot_count(&record.name)?,
         reduction: space.as_ref().map(volume_reduction),
@@ -674,13 +677,33 @@ fn erasure_info(report: &ErasureReport) -> api::ErasureInfo {
     }
 }
 
+/// `GET /v1/volumes/{name}/resync`: the copies this node makes as the volume's primary.
+async fn show_resync(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Result<Json<api::ResyncList>, ApiError> {
+    let name = parse_name(path)?;
+    let resync = call(&state, move |service| {
+        let record = service.volume(&name)?;
+        match service.cluster() {
+            Some(cluster) => Ok(cluster.local_resync(record.id)),
+            None => Err(not_on_cluster()),
+        }
+    })
+    .await?;
+    Ok(Json(api::ResyncList { resync }))
+}
+
+fn not_on_cluster() -> ControlError {
+    ControlError::NotOnCluster(
+        "this node is not part of a cluster; start it with --cluster-etcd to join one".to_owned(),
+    )
+}
+
 async fn cluster_info(State(state): State<ApiState>) -> Result<Json<api::ClusterInfo>, ApiError> {
     let info = call(&state, |service| match service.cluster() {
         Some(cluster) => cluster.info().map_err(ControlError::Meta),
-        None => Err(ControlError::NotOnCluster(
-            "this node is not part of a cluster; start it with --cluster-etcd to join one"
-                .to_owned(),
-        )),
+        None => Err(not_on_cluster()),
     })
     .await?;
     Ok(Json(info))

@@ -1821,7 +1821,7 @@ impl DataPlane for NvmeDataPlane {
             );
         }
         if let Some(dir) = &self.state_dir {
-            crate::replicate::forget_epoch(dir, volume.id);
+            crate::replicate::forget_volume_state(dir, volume.id);
         }
     }
 

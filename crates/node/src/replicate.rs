@@ -17,6 +17,9 @@
 //!   volume's catalog handle so deleting the volume fences and drains it like host I/O;
 //! - `PersistEpoch`: the epoch file `DATA-DIR/replication/epoch-<volume id>`, replaced
 //!   atomically and synced, on a blocking thread;
+//! - `PersistIntent`: the write-intent file `DATA-DIR/replication/intent-<volume id>`
+//!   (`replication::WriteIntent::to_bytes`), replaced the same way; read back when the volume
+//!   is served again after a restart, so a restarted node's return copies only what may differ;
 //! - `Store`: a job for the store thread, which runs `meta::ClusterStore` calls against etcd one
 //!   at a time and posts the replies back (a lost or failed call is retried by the state
 //!   machine's own timeout);
@@ -40,7 +43,7 @@ use replication::{
     LeaseStatus, Manager, NodeId, StorageOpId, StorageResult, StoreReply, StoreRequest,
     StoreRequestId, VolumeNode,
 };
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -109,6 +112,8 @@ pub struct VolumeReplication {
     /// Storage failed here; the volume's replica on this node acknowledges nothing more.
     pub latched: bool,
     pub stats: replication::Stats,
+    /// The copies this node makes as the volume's primary.
+    pub resync: Vec<replication::ResyncProgress>,
 }
 
 /// The service's published state, read by the control plane.
@@ -167,9 +172,43 @@ pub(crate) fn persisted_epoch(state_dir: &Path, volume: u64) -> std::io::Result<
     Ok(read_counter(&epoch_path(state_dir, volume))?.unwrap_or(0))
 }
 
-/// Forgets a volume's epoch file (the volume's replica on this node was deleted).
-pub(crate) fn forget_epoch(state_dir: &Path, volume: u64) {
+/// Forgets a volume's epoch and write-intent files (the volume's replica on this node was
+/// deleted).
+pub(crate) fn forget_volume_state(state_dir: &Path, volume: u64) {
     let _ = std::fs::remove_file(epoch_path(state_dir, volume));
+    let _ = std::fs::remove_file(intent_path(state_dir, volume));
+}
+
+/// The write-intent file of a volume.
+fn intent_path(state_dir: &Path, volume: u64) -> PathBuf {
+    state_dir.join(format!("intent-{volume}"))
+}
+
+/// The write intent this node persisted for `volume`, if any can be read. One that cannot is
+/// reported and taken as none: the protocol then treats the replica's divergence as unknown
+/// and its return copies the whole volume, which is safe.
+fn persisted_intent(state_dir: &Path, volume: u64) -> Option<replication::WriteIntent> {
+    use std::io::Read as _;
+    let path = intent_path(state_dir, volume);
+    let mut bytes = Vec::new();
+    let read = std::fs::File::open(&path).and_then(|file| {
+        file.take(replication::INTENT_FILE_BYTES_MAX as u64 + 1).read_to_end(&mut bytes)
+    });
+    match read {
+        Ok(_) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(error) => {
+            tracing::warn!(volume, path = %path.display(), %error, "cannot read the write intent; a return of this replica copies the whole volume");
+            return None;
+        }
+    }
+    match replication::WriteIntent::from_bytes(&bytes) {
+        Ok(intent) => Some(intent),
+        Err(error) => {
+            tracing::warn!(volume, path = %path.display(), %error, "the write intent is damaged; a return of this replica copies the whole volume");
+            None
+        }
+    }
 }
 
 fn read_counter(path: &Path) -> std::io::Result<Option<u64>> {
@@ -194,11 +233,17 @@ fn read_counter(path: &Path) -> std::io::Result<Option<u64>> {
 /// Replaces `path` with `value` atomically and durably: a temporary file, synced, renamed over
 /// it, and the directory synced.
 fn write_counter(dir: &Path, path: &Path, value: u64) -> std::io::Result<()> {
+    replace_file(dir, path, format!("{value}\n").as_bytes())
+}
+
+/// Replaces `path` (in directory `dir`) with `bytes` atomically and durably: a temporary file,
+/// synced, renamed over it, and the directory synced.
+fn replace_file(dir: &Path, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write as _;
     let temporary = path.with_extension("new");
     {
         let mut file = std::fs::File::create(&temporary)?;
-        writeln!(file, "{value}")?;
+        file.write_all(bytes)?;
         file.sync_all()?;
     }
     std::fs::rename(&temporary, path)?;
@@ -266,10 +311,28 @@ impl Class {
 pub(crate) enum Input {
     Host(HostRequest),
     Message(Envelope),
-    Store { origin: Origin, id: StoreRequestId, reply: StoreReply },
+    Store {
+        origin: Origin,
+        id: StoreRequestId,
+        reply: StoreReply,
+    },
     Manager(NodeId),
-    Storage { volume: u64, id: StorageOpId, result: StorageResult },
-    EpochPersisted { volume: u64, epoch: u64 },
+    Storage {
+        volume: u64,
+        id: StorageOpId,
+        result: StorageResult,
+    },
+    EpochPersisted {
+        volume: u64,
+        epoch: u64,
+    },
+    /// `generation` names the state machine that asked ([`Replica::generation`]): versions
+    /// restart at 1 in each, so a late completion must not reach one added after it.
+    IntentPersisted {
+        volume: u64,
+        generation: u64,
+        version: u64,
+    },
     Command(ServiceCommand),
 }
 
@@ -532,6 +595,8 @@ pub(crate) fn spawn(
         lease: None,
         volumes: BTreeMap::new(),
         managers: BTreeMap::new(),
+        removed: BTreeSet::new(),
+        next_generation: 1,
         cluster_volumes: Vec::new(),
         stepping_down: None,
         manager: None,
@@ -600,6 +665,8 @@ struct Replica {
     next_host_id: u64,
     /// The ANA state last set on this node's ports.
     ana: Option<AnaState>,
+    /// Different for every state machine this process creates (`Service::next_generation`).
+    generation: u64,
 }
 
 struct Service {
@@ -611,6 +678,12 @@ struct Service {
     lease: Option<LeaseStatus>,
     volumes: BTreeMap<u64, Replica>,
     managers: BTreeMap<u64, Manager>,
+    /// Volumes this process stopped replicating (`ServiceCommand::Remove`). One added back
+    /// gets a fresh incarnation, so no peer takes its new state machine for the one that was
+    /// removed (whose streams it would otherwise continue). At most one entry per volume ID.
+    removed: BTreeSet<u64>,
+    /// The generation of the next `Replica`.
+    next_generation: u64,
     /// Every replicated volume of the cluster, as the reconciler last saw them.
     cluster_volumes: Vec<u64>,
     manager: Option<NodeId>,
@@ -722,6 +795,12 @@ impl Service {
             Input::Storage { volume, id, result } => {
                 self.event(volume, Event::Storage { id, result });
             }
+            Input::IntentPersisted { volume, generation, version } => {
+                if self.volumes.get(&volume).is_some_and(|replica| replica.generation == generation)
+                {
+                    self.event(volume, Event::IntentPersisted { version });
+                }
+            }
             Input::EpochPersisted { volume, epoch } => {
                 self.event(volume, Event::EpochPersisted { epoch });
             }
@@ -754,6 +833,7 @@ impl Service {
                     fail_all(replica);
                 }
                 self.managers.remove(&volume);
+                self.removed.insert(volume);
                 self.status.volumes.lock().unwrap_or_else(PoisonError::into_inner).remove(&volume);
             }
         }
@@ -788,8 +868,28 @@ impl Service {
                 return;
             }
         };
+        let incarnation = if self.removed.remove(&volume) {
+            // Blocks the service's thread on a small synced file: only when a member that was
+            // removed from a volume is added back, which is rare.
+            match next_incarnation(&self.state_dir) {
+                Ok(incarnation) => incarnation,
+                Err(error) => {
+                    self.removed.insert(volume);
+                    tracing::error!(
+                        volume = %handle.name,
+                        %error,
+                        "cannot take a new incarnation for a volume added back; not served"
+                    );
+                    return;
+                }
+            }
+        } else {
+            self.incarnation
+        };
+        let intent = persisted_intent(&self.state_dir, volume);
+        self.next_generation += 1;
         let config = replication::Config { volume_blocks: size_blocks, ..self.config.clone() };
-        let node = VolumeNode::new(config, self.me, self.incarnation, epoch);
+        let node = VolumeNode::new(config, self.me, incarnation, epoch, intent);
         let nqn = handle.name.subsystem_nqn();
         tracing::info!(volume = %handle.name, id = volume, epoch, "replicating volume");
         self.volumes.insert(
@@ -804,6 +904,7 @@ impl Service {
                 reads: 0,
                 next_host_id: 1,
                 ana: None,
+                generation: self.next_generation,
             },
         );
         self.set_ana(volume);
@@ -920,6 +1021,9 @@ impl Service {
                     self.storage(volume, id, StorageWork::Read { lba, count });
                 }
                 Action::PersistEpoch { epoch } => self.persist_epoch(volume, epoch),
+                Action::PersistIntent { version, intent } => {
+                    self.persist_intent(volume, version, &intent);
+                }
                 Action::Store { id, request } => {
                     self.job(StoreJob::Request {
                         origin: Origin::Volume(volume),
@@ -1029,6 +1133,35 @@ impl Service {
         });
     }
 
+    fn persist_intent(&mut self, volume: u64, version: u64, intent: &replication::WriteIntent) {
+        let Some(generation) = self.volumes.get(&volume).map(|replica| replica.generation) else {
+            return;
+        };
+        let dir = self.state_dir.clone();
+        let inbox = self.link.inbox.clone();
+        let bytes = intent.to_bytes();
+        tokio::task::spawn_local(async move {
+            let written = tokio::task::spawn_blocking(move || {
+                replace_file(&dir, &intent_path(&dir, volume), &bytes)
+            })
+            .await;
+            match written {
+                Ok(Ok(())) => {
+                    let _ =
+                        inbox.send(Input::IntentPersisted { volume, generation, version }).await;
+                }
+                Ok(Err(error)) => {
+                    // Never acknowledged: the writes waiting for it stay waiting, as writes
+                    // do when the storage fails.
+                    tracing::error!(volume, version, %error, "cannot persist the volume's write intent");
+                }
+                Err(error) => {
+                    tracing::error!(volume, version, %error, "write-intent writer failed")
+                }
+            }
+        });
+    }
+
     fn persist_epoch(&mut self, volume: u64, epoch: u64) {
         let dir = self.state_dir.clone();
         let inbox = self.link.inbox.clone();
@@ -1061,6 +1194,7 @@ impl Service {
                     serving: replica.node.serving_epoch(now).is_some(),
                     latched: replica.node.latched(),
                     stats: replica.node.stats().clone(),
+                    resync: replica.node.resync_progress(),
                 },
             );
         }

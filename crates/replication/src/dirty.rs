@@ -43,6 +43,12 @@ impl DirtySet {
         self.cursor == Some(0)
     }
 
+    /// Blocks still to copy.
+    pub fn len(&self) -> u64 {
+        let beyond_cursor = self.cursor.map_or(0, |cursor| self.volume_blocks - cursor);
+        self.lbas.len() as u64 + beyond_cursor
+    }
+
     pub fn volume_blocks(&self) -> u64 {
         self.volume_blocks
     }
@@ -53,16 +59,20 @@ impl DirtySet {
         self.cursor = Some(0);
     }
 
+    /// Adds `range`. Costs at most `limit` insertions whatever its length (a divergence range
+    /// may span much of the volume): past the limit the set becomes full.
     pub fn insert_range(&mut self, range: Range<u64>) {
         assert!(range.end <= self.volume_blocks, "LBAs are checked before they get here");
-        for lba in range {
-            if self.cursor.is_some_and(|cursor| lba >= cursor) {
-                continue;
-            }
+        // Blocks from the cursor on are dirty already.
+        let end = self.cursor.map_or(range.end, |cursor| range.end.min(cursor));
+        if end.saturating_sub(range.start) > self.limit as u64 {
+            self.fill();
+            return;
+        }
+        for lba in range.start..end {
             self.lbas.insert(lba);
             if self.lbas.len() > self.limit {
-                self.lbas.clear();
-                self.cursor = Some(0);
+                self.fill();
                 return;
             }
         }
@@ -112,6 +122,19 @@ mod tests {
         assert!(set.is_full());
         assert_eq!(drain(&mut set), (0..8).collect::<Vec<_>>());
         assert!(set.is_empty());
+    }
+
+    #[test]
+    fn a_range_longer_than_the_limit_fills_at_once() {
+        let mut set = DirtySet::empty(4, 1 << 40);
+        set.insert_range(0..(1 << 40));
+        assert!(set.is_full());
+        assert_eq!(set.len(), 1 << 40);
+        set.insert_range(5..(1 << 39));
+        assert_eq!(set.len(), 1 << 40);
+        let mut set = DirtySet::empty(4, 16);
+        set.insert_range(2..6);
+        assert_eq!((set.is_full(), set.len()), (false, 4));
     }
 
     #[test]

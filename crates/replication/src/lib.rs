@@ -75,8 +75,9 @@
 //! term: persist the epoch, then `Probe` every other in-sync replica. A probed replica adopts
 //! the epoch (so it applies nothing more of the old one), and replies with its *divergence*:
 //! the blocks of every entry it applied whose data reflects a write beyond the commit point it
-//! had been told ([`DivergenceReport`]; `Unknown` after a restart or past
-//! `divergence_lbas_max`). Writes in flight at the old primary may have reached some replicas and
+//! had been told ([`DivergenceReport`], LBA ranges; after a restart, the ranges of its write
+//! intent; `Unknown` past `divergence_ranges_max`, or after a restart without a known intent).
+//! Writes in flight at the old primary may have reached some replicas and
 //! not others; those blocks, and only those, are in some divergence list. For each replica the
 //! new primary copies its own version of the blocks in its own list and the replica's (all
 //! blocks if either is unknown), tagged as uncommitted op 1 of the new epoch. Once every in-sync
@@ -103,8 +104,9 @@
 //!   `ProbeReply` within `ack_timeout_ms`) owes the blocks of the new primary's divergence at
 //!   the term's start, every block written in the term, and, from its first `Hello` of the
 //!   term, the blocks of the divergence that `Hello` carries. A `Hello` also carries the newest
-//!   epoch in which the sender's process started a term; the divergence is used for a member out
-//!   of sync at the start only if that epoch is the one just before the term's.
+//!   epoch in which the sender started a term (kept in its write intent, so a restart keeps
+//!   it); the divergence is used for a member out of sync at the start only if that epoch is
+//!   the one just before the term's.
 //!
 //! Why that is enough: such a member was in sync until the promotion. A member of the in-sync
 //! set the term started with plainly was; so was the primary of the epoch just before (the store
@@ -120,9 +122,12 @@
 //!
 //! The member is copied the whole volume instead when the new primary cannot know what it
 //! missed: it was out of sync since an earlier epoch (dirty sets are not handed over between
-//! primaries), its divergence is `Unknown` (its process restarted since: the list lives in
-//! memory and nothing more is persisted; or the list passed `divergence_lbas_max`), the new
-//! primary's own divergence was unknown, or the dirty set passed `dirty_lbas_max`. A member the
+//! primaries), its divergence is `Unknown` (the list passed `divergence_ranges_max`, or its
+//! process restarted without a known write intent: the intent passed `intent_regions_max`,
+//! or its file was lost), the new primary's own divergence was unknown, or the dirty set
+//! passed `dirty_lbas_max`. A process that restarted otherwise (kill -9, a crash) knows its
+//! divergence and its last term from its write intent (below), so it comes back incrementally
+//! like a living one, copied also the whole regions its intent held. A member the
 //! manager adds in a rebuild holds nothing and is copied in full too. [`Stats`] counts the
 //! returns of members out of sync since the term started that were incremental and full.
 //!
@@ -132,10 +137,62 @@
 //! if a host write to the block is issued before the read returns (the member gets that write
 //! live, after in its stream); a copy reflecting a pending write is tagged with it, so it
 //! counts as uncommitted. On the member, a copy waits for its own write still in flight to the
-//! block (an old primary's last writes), so the copy lands last. When nothing is left to copy, every copy and every completed write has been
-//! acknowledged and every pending write went to it live, the peer is `Adding`: writes now wait
+//! block (an old primary's last writes), so the copy lands last. When nothing is left to copy,
+//! every copy and every completed write has been acknowledged and every pending write went to it live, the peer is `Adding`: writes now wait
 //! for it too, and the primary CASes it into `in_sync`. A CAS whose reply was lost is settled
 //! only by a later CAS reply, never by a read, since the lost one could still be applied.
+//! [`VolumeNode::resync_progress`] reports each copy as it goes.
+//!
+//! # Write intent
+//!
+//! The divergence list lives in memory. What a restarted process (kill -9, a crash) knows of it
+//! is its *write intent*, like md RAID's write-intent bitmap: a set of coarse regions
+//! (`intent_region_blocks` blocks each) that may hold a write this node applied and that is not
+//! known to be on every in-sync replica, and the newest epoch in which the node started a term.
+//! The node persists it with [`Action::PersistIntent`] (the wiring replaces a file atomically;
+//! [`WriteIntent`] holds it as LBA ranges, or unknown, and defines the file) and gives it back to
+//! [`VolumeNode::new`] at the next start. The rules:
+//!
+//! - A write whose data may be uncommitted is issued only once every region it touches is in
+//!   every intent that may be durable: the last one persisted and the one being persisted, if
+//!   any (a crash may leave either). Those writes are exactly the ones that make a divergence
+//!   mark, or would when the term ends: the primary's local write of a host write (uncommitted
+//!   until it completes), and a replica's stream entry beyond the commit point it was told (a
+//!   host write, a copy reflecting pending writes, a reconciliation push). Until then the write
+//!   waits where it already waits for an earlier write to its blocks (the primary's pending
+//!   writes, at most `INFLIGHT_WRITES_MAX`; the replica's ready entries, at most
+//!   `STREAM_WINDOW_MAX`, applied in order) for `Event::IntentPersisted`. Every region wanted
+//!   while a persist is in flight goes into the next one (group commit; at most one in flight).
+//!   A write to a region already durable does not wait: the common path adds nothing.
+//! - A region leaves only when a persist without it is built, on a tick at most once per
+//!   `intent_linger_ms`, and only if no unresolved divergence mark, no pending host write and no
+//!   storage write in flight touches it, and no write wanted it for `intent_linger_ms` (so a
+//!   hot region is not persisted again and again). Leaving never waits; from then on a write to
+//!   the region waits again for a persist that holds it.
+//! - Past `intent_regions_max` regions, or while the divergence list has lost marks (it is
+//!   `Unknown`: they may lie anywhere), every intent persisted says unknown, until a later tick
+//!   finds the regions still needed fit again, or the lost marks resolved.
+//! - The term epoch joins the intent once the term's epoch is durable.
+//!
+//! Why it is enough: at every instant, every block where this node's disk may hold (or a write
+//! in flight may leave) the data of an unresolved divergence mark, or of a pending host write
+//! of its term (which joins its list when the term ends), is in a region of every intent that
+//! may be durable, or that intent is unknown. Such data is written only once its regions are
+//! covered; a region is left out of a persist only once no such data, and no write, is left in
+//! it, and a write to it after that waits for a persist that holds it again; marks lost to an
+//! overflow lay in covered regions when they were lost, and every persist built until they
+//! resolve says unknown. So at a restart every pending local write of the old primary that may
+//! have reached the disk, and every entry of a replica applied beyond its commit point and not
+//! resolved since, is inside the persisted ranges. The new process takes each range as a mark of
+//! its persisted epoch (the newest it applied anything of) beyond every commit point, resolved
+//! exactly as the lost marks of a restart without an intent were (by a commit point of a newer
+//! epoch with op 1 or more): its list contains the one the old process would have reported,
+//! and a larger list only makes a primary copy more. "Failover and reconciliation" and
+//! "Resync" hold for it unchanged. Its `Hello` names the term epoch of the intent, never newer
+//! than its last term (older if the crash came first: the return is then full); a node that was
+//! the primary of the epoch just before was in sync until the promotion whatever became of its
+//! process, so it returns incrementally. A restart with no intent (`None`, or a file that does
+//! not read) is unknown unless the node never persisted an epoch (then it applied nothing).
 //!
 //! # Why a completed write is never lost
 //!
@@ -170,7 +227,8 @@
 //! one, and that member learns it at its own next poll: hosts wait about two store polls
 //! instead of a lease. Until the node sees a newer epoch it starts no term, even if named;
 //! after, it is a replica like any other (out of `in_sync`, it resyncs from the new primary,
-//! which copies it only what changed as long as its process lives), so a volume can move back
+//! which copies it only what changed, after a restart too while its write intent is known),
+//! so a volume can move back
 //! later. If no other in-sync member is live, the manager names the
 //! same node again in a new epoch, which ends the step-down: it serves again rather than
 //! leave the volume without a primary, since no other replica is known to hold every
@@ -197,6 +255,10 @@
 //! - Messages travel between nodes in a [`wire`] frame that names the volume and the sender
 //!   ([`Envelope`]); the wiring hands the message to that volume's `VolumeNode` with the sender.
 //! - `PersistEpoch` durable with the node's state; `incarnation` different at every start.
+//! - `PersistIntent` durable with the node's state, replacing the previous intent atomically
+//!   (write a new file, sync it, rename it over the old one, sync the directory), and what the
+//!   file holds given back to `VolumeNode::new` at the next start (`None` if there is none or
+//!   it does not read: safe, the node then returns with a full copy).
 //! - One `VolumeNode` per volume for the life of the node's lease: a new one does not know
 //!   which epoch the old one served, stepped down from or resigned, so the wiring does not
 //!   re-create it (to reopen the volume) in a process whose lease the store may still name.
@@ -212,6 +274,7 @@
 
 mod dirty;
 mod divergence;
+mod intent;
 pub mod lease;
 pub mod manager;
 pub mod message;
@@ -221,6 +284,10 @@ pub mod store;
 mod volume;
 pub mod wire;
 
+pub use intent::{
+    IntentFileError, WriteIntent, INTENT_FILE_BYTES_MAX, INTENT_FILE_HEADER_BYTES,
+    INTENT_FILE_MAGIC, INTENT_FILE_VERSION,
+};
 pub use lease::{LeaseKeeper, LeaseStatus};
 pub use manager::Manager;
 pub use message::{DivergenceReport, Entry, EntryKind, Envelope, Message};
@@ -230,6 +297,20 @@ pub use store::{
 pub use volume::{Action, Event, HostError, HostOp, HostReply, Stats, StorageResult, VolumeNode};
 
 use std::sync::Arc;
+
+/// One replica being copied to by this primary: the resync of a returning member, the rebuild
+/// of a new one, or a reconciliation push after a failover ([`VolumeNode::resync_progress`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResyncProgress {
+    pub peer: NodeId,
+    /// The whole volume is being copied (a new member, or what it missed is unknown).
+    pub full: bool,
+    /// Blocks this copy has had to send so far (the dirty set at start plus blocks dirtied
+    /// again later).
+    pub blocks_total: u64,
+    /// Blocks of those already sent. Never above `blocks_total`.
+    pub blocks_copied: u64,
+}
 
 /// One node of the cluster, as the control store names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -293,6 +374,9 @@ pub const STREAM_WINDOW_MAX: usize = INFLIGHT_WRITES_MAX + 2 * COPY_WINDOW_MAX;
 pub const RETRANSMITS_PER_TICK_MAX: usize = 16;
 /// LBAs examined per tick when a copy has to skip blocks with a local write in flight.
 pub const COPY_SCAN_MAX: usize = 64;
+/// LBA ranges a persisted write intent holds at most (each region of `intent_regions_max` is at
+/// most one): bounds the intent file and the divergence of a restart.
+pub const INTENT_RANGES_MAX: usize = 1 << 16;
 
 const _: () = assert!(BLOCKS_PER_OP_MAX <= DEALLOCATE_BLOCKS_PER_OP_MAX);
 const _: () = assert!(COPY_WINDOW_MAX < STREAM_WINDOW_MAX);
@@ -329,9 +413,20 @@ pub struct Config {
     /// written while it is away, and those of divergence lists); beyond, that replica gets a
     /// full copy.
     pub dirty_lbas_max: usize,
-    /// A replica remembers at most this many uncommitted LBAs; beyond, its divergence is
-    /// unknown and a reconciliation copies the whole volume to it.
-    pub divergence_lbas_max: usize,
+    /// A replica remembers at most this many uncommitted entries (each an LBA range; after a
+    /// restart, each range of its write intent); beyond, its divergence is unknown and a
+    /// reconciliation copies the whole volume to it.
+    pub divergence_ranges_max: usize,
+    /// Blocks in one region of the write intent (crate docs, "Write intent"): a write to a
+    /// region not yet in the persisted intent waits for one more persist first.
+    pub intent_region_blocks: u64,
+    /// Regions the write intent holds at most; beyond, it is persisted as unknown (a restart
+    /// then needs a full copy) until enough regions drop out again. At most
+    /// [`INTENT_RANGES_MAX`].
+    pub intent_regions_max: usize,
+    /// A region leaves the write intent once nothing uncommitted is left in it and no write
+    /// touched it for this long; the shrunk intent is persisted at most once per this period.
+    pub intent_linger_ms: u64,
     /// The cluster manager replaces a member that has been gone this long (when a spare node
     /// is live).
     pub grace_ms: u64,
@@ -352,7 +447,10 @@ impl Default for Config {
             hello_interval_ms: 1_000,
             copy_blocks_per_tick: 256,
             dirty_lbas_max: 1 << 16,
-            divergence_lbas_max: 1 << 12,
+            divergence_ranges_max: 1 << 12,
+            intent_region_blocks: 256,
+            intent_regions_max: 1 << 12,
+            intent_linger_ms: 2_000,
             grace_ms: 600_000,
         }
     }
@@ -367,8 +465,13 @@ pub enum ConfigError {
     KeepaliveTooSlow { keepalive_ms: u64, lease_ms: u64 },
     #[error("every interval and timeout must be above zero")]
     ZeroInterval,
-    #[error("copy_blocks_per_tick, dirty_lbas_max and divergence_lbas_max must be above zero")]
+    #[error(
+        "copy_blocks_per_tick, dirty_lbas_max, divergence_ranges_max, intent_region_blocks and \
+         intent_regions_max must be above zero"
+    )]
     ZeroLimit,
+    #[error("intent_regions_max ({regions}) must be at most {INTENT_RANGES_MAX}")]
+    IntentRegionsTooMany { regions: usize },
 }
 
 impl Config {
@@ -385,6 +488,7 @@ impl Config {
             self.retransmit_ms,
             self.ack_timeout_ms,
             self.hello_interval_ms,
+            self.intent_linger_ms,
         ];
         if intervals.contains(&0) {
             return Err(ConfigError::ZeroInterval);
@@ -397,9 +501,14 @@ impl Config {
         }
         if self.copy_blocks_per_tick == 0
             || self.dirty_lbas_max == 0
-            || self.divergence_lbas_max == 0
+            || self.divergence_ranges_max == 0
+            || self.intent_region_blocks == 0
+            || self.intent_regions_max == 0
         {
             return Err(ConfigError::ZeroLimit);
+        }
+        if self.intent_regions_max > INTENT_RANGES_MAX {
+            return Err(ConfigError::IntentRegionsTooMany { regions: self.intent_regions_max });
         }
         Ok(())
     }

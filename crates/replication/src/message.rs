@@ -7,6 +7,8 @@
 //! the transport must deliver each message whole (no partial delivery). Loss, duplication, delay
 //! and reordering are all tolerated.
 
+use std::ops::Range;
+
 use crate::{BlockData, NodeId, StreamId, BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX};
 
 /// What a stream entry does on the replica: both write `blocks` at `lba`.
@@ -56,11 +58,35 @@ impl Entry {
 }
 
 /// The LBAs a replica may hold differently from the other in-sync replicas: those written by
-/// entries not yet known to be committed. `Unknown` after a restart or an overflow.
+/// entries not yet known to be committed (after a restart, those its write intent persisted).
+/// `Unknown` after an overflow, or a restart without a known intent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DivergenceReport {
-    Known(Vec<u64>),
+    /// LBA ranges, canonical: sorted, none empty, none overlapping or touching the next (see
+    /// [`merge_ranges`]). The wire sends a list that is not canonical as `Unknown`.
+    Known(Vec<Range<u64>>),
     Unknown,
+}
+
+/// Sorts LBA ranges and merges those that overlap or touch, dropping empty ones: the canonical
+/// form of a set of LBAs that [`DivergenceReport::Known`] and the write intent carry.
+pub fn merge_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
+    ranges.retain(|range| !range.is_empty());
+    ranges.sort_unstable_by_key(|range| range.start);
+    let mut merged: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        match merged.last_mut() {
+            Some(last) if range.start <= last.end => last.end = last.end.max(range.end),
+            _ => merged.push(range),
+        }
+    }
+    merged
+}
+
+/// Whether `ranges` is canonical: what [`merge_ranges`] returns for it.
+pub fn ranges_canonical(ranges: &[Range<u64>]) -> bool {
+    ranges.iter().all(|range| range.start < range.end)
+        && ranges.windows(2).all(|pair| pair[0].end < pair[1].start)
 }
 
 /// A message about the volume between two nodes.
@@ -125,5 +151,29 @@ impl Message {
             | Message::Resync { epoch, .. }
             | Message::Failed { epoch, .. } => epoch,
         }
+    }
+}
+
+#[cfg(test)]
+// A list of one LBA range is what these tests mean, not a range collected into a list.
+#[allow(clippy::single_range_in_vec_init)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_merge_into_the_canonical_form() {
+        let check = |input: Vec<Range<u64>>, expected: Vec<Range<u64>>| {
+            let merged = merge_ranges(input.clone());
+            assert_eq!(merged, expected, "{input:?}");
+            assert!(ranges_canonical(&merged));
+            assert_eq!(ranges_canonical(&input), input == expected, "{input:?}");
+        };
+        check(vec![], vec![]);
+        check(vec![5..5], vec![]);
+        check(vec![0..2, 4..6], vec![0..2, 4..6]);
+        check(vec![4..6, 0..2], vec![0..2, 4..6]);
+        check(vec![0..2, 2..3], vec![0..3]);
+        check(vec![0..10, 2..3, 9..12, 20..21], vec![0..12, 20..21]);
+        check(vec![0..u64::MAX, 7..8], vec![0..u64::MAX]);
     }
 }

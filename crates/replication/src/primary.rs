@@ -35,7 +35,7 @@ use crate::message::{DivergenceReport, Entry, EntryKind, Message};
 use crate::store::StoreRequest;
 use crate::volume::{Action, HostError, HostOp, HostReply, Purpose, Shared, StorageResult};
 use crate::{
-    BlockData, HostOpId, LeaseId, NodeId, StorageOpId, StreamId, BLOCKS_PER_OP_MAX,
+    BlockData, HostOpId, LeaseId, NodeId, ResyncProgress, StorageOpId, StreamId, BLOCKS_PER_OP_MAX,
     COPY_WINDOW_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX, INFLIGHT_READS_MAX, INFLIGHT_WRITES_MAX,
     RETRANSMITS_PER_TICK_MAX, STREAM_WINDOW_MAX,
 };
@@ -107,17 +107,37 @@ struct CopyJob {
     last_copy_seq: u64,
     /// Reconciliation pushes (tagged `RECONCILE_OP`) rather than a resync.
     reconcile: bool,
+    /// The whole volume was dirty when the job started.
+    full: bool,
+    /// Blocks whose copy read completed: sent, or overtaken by a host write the peer got live.
+    blocks_copied: u64,
 }
 
 impl CopyJob {
     fn new(dirty: DirtySet, reconcile: bool) -> Self {
         Self {
+            full: dirty.is_full(),
             dirty,
             reads: BTreeMap::new(),
             cancelled: BTreeSet::new(),
             last_copy_seq: 0,
             reconcile,
+            blocks_copied: 0,
         }
+    }
+
+    fn progress(&self, peer: NodeId) -> ResyncProgress {
+        // A block leaves the dirty set only for a read, and a read only for the copied count,
+        // so the total grows only when blocks are dirtied again.
+        let blocks_total = self.blocks_copied + self.reads.len() as u64 + self.dirty.len();
+        let progress = ResyncProgress {
+            peer,
+            full: self.full,
+            blocks_total,
+            blocks_copied: self.blocks_copied,
+        };
+        assert!(progress.blocks_copied <= progress.blocks_total);
+        progress
     }
 
     fn finished(&self, stream: &OutStream) -> bool {
@@ -213,6 +233,10 @@ pub(crate) struct Term {
     /// This node's divergence when the term started, for reconciliation.
     own_divergence: DivergenceReport,
     dirty_limit: usize,
+    /// Blocks resync and reconciliation may still start before the next tick: refilled to
+    /// `copy_blocks_per_tick` by every tick, spent by every call of `pump_copies`, so copies
+    /// follow the rate limit however often acknowledgements arrive.
+    copy_budget: u32,
     volume_blocks: u64,
 }
 
@@ -239,10 +263,28 @@ impl Term {
             next_stream: 1,
             own_divergence: shared.divergence.report(),
             dirty_limit: shared.config.dirty_lbas_max,
+            copy_budget: shared.config.copy_blocks_per_tick,
             volume_blocks: shared.config.volume_blocks,
         };
         term.on_persisted(shared, now_ms, out);
         term
+    }
+
+    /// The blocks of the host writes not yet completed (uncommitted, whether issued locally
+    /// or not).
+    pub fn pending_lbas(&self) -> impl Iterator<Item = Range<u64>> + '_ {
+        self.pending.values().map(|write| write.lbas.clone())
+    }
+
+    /// The copy jobs of this term, one per peer being resynced, rebuilt or reconciled.
+    pub fn resync_progress(&self) -> Vec<ResyncProgress> {
+        let mut progress = Vec::new();
+        for (&node, peer) in &self.peers {
+            if let PeerState::Pushing(job) | PeerState::CatchingUp { job, .. } = &peer.state {
+                progress.push(job.progress(node));
+            }
+        }
+        progress
     }
 
     pub fn serving(&self, shared: &Shared, now_ms: u64) -> bool {
@@ -258,6 +300,10 @@ impl Term {
         // The epoch is durable: from now on this node refuses every older epoch, even after a
         // restart. Only now may anything of this term happen.
         self.phase = Phase::Reconciling;
+        // A restart of this node can then still say it was this epoch's primary, which lets
+        // the next primary copy it only what changed (crate docs, "Write intent").
+        shared.intent.set_term_epoch(self.epoch);
+        shared.flush_intent(out);
         let Some(view) = &shared.view else {
             unreachable!("a term starts from a view of the store");
         };
@@ -462,13 +508,17 @@ impl Term {
                 }
             }
         }
+        // Its regions join the write intent now, so that one persist serves every write that
+        // arrives meanwhile.
+        shared.intent.want(lbas.clone(), now_ms);
         let write = PendingWrite { host, deallocate, lbas, blocks, local: Local::Deferred, sent };
         self.pending.insert(op, write);
-        self.issue_deferred(shared, out);
+        self.issue_deferred(shared, now_ms, out);
     }
 
-    /// Issues local writes in op order, each once no earlier write to its blocks is in flight.
-    fn issue_deferred(&mut self, shared: &mut Shared, out: &mut Vec<Action>) {
+    /// Issues local writes in op order, each once no earlier write to its blocks is in flight
+    /// and its regions are in the durable write intent (it is uncommitted until it completes).
+    fn issue_deferred(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
         let mut waiting: Vec<Range<u64>> = Vec::new();
         for (&op, write) in self.pending.iter_mut() {
             if write.local != Local::Deferred {
@@ -477,7 +527,10 @@ impl Term {
             let overlaps_waiting = waiting
                 .iter()
                 .any(|other| other.start < write.lbas.end && write.lbas.start < other.end);
-            if overlaps_waiting || shared.write_in_flight(write.lbas.clone()) {
+            if overlaps_waiting
+                || shared.write_in_flight(write.lbas.clone())
+                || !shared.intend(write.lbas.clone(), now_ms, out)
+            {
                 waiting.push(write.lbas.clone());
                 continue;
             }
@@ -503,7 +556,7 @@ impl Term {
 
     /// A storage request finished: writes waiting for its blocks may go, and so may copies.
     pub fn on_storage_idle(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
-        self.issue_deferred(shared, out);
+        self.issue_deferred(shared, now_ms, out);
         self.pump_copies(shared, out);
         self.try_complete(shared, now_ms, out);
     }
@@ -834,6 +887,7 @@ impl Term {
         if job.reads.remove(&read).is_none() {
             return;
         }
+        job.blocks_copied += 1;
         let reconcile = job.reconcile;
         if !job.cancelled.remove(&read) {
             // A reconciliation push is uncommitted until the reconciliation commits; a resync
@@ -858,7 +912,7 @@ impl Term {
     /// Starts copy reads, at most `copy_blocks_per_tick` per call over all peers. A block
     /// with a local write in flight or not yet issued waits: its read would not show that write.
     fn pump_copies(&mut self, shared: &mut Shared, out: &mut Vec<Action>) {
-        let mut budget = shared.config.copy_blocks_per_tick;
+        let mut budget = self.copy_budget;
         let mut reads = Vec::new();
         {
             let pending = &self.pending;
@@ -890,6 +944,7 @@ impl Term {
                 }
             }
         }
+        self.copy_budget = budget;
         for (node, stream, lba) in reads {
             let purpose = Purpose::CopyRead { epoch: self.epoch, peer: node, stream, lba };
             let id = shared.storage_read(lba, 1, purpose, out);
@@ -1042,6 +1097,7 @@ impl Term {
         for node in laggards {
             self.abort_peer(node);
         }
+        self.copy_budget = shared.config.copy_blocks_per_tick;
         self.pump_copies(shared, out);
         self.drive_membership(shared, now_ms, out);
         self.try_complete(shared, now_ms, out);
@@ -1074,13 +1130,13 @@ struct Hello {
 fn add_divergence(dirty: &mut DirtySet, report: &DivergenceReport) {
     let volume_blocks = dirty.volume_blocks();
     match report {
-        DivergenceReport::Known(lbas) => {
-            for &lba in lbas {
-                if lba >= volume_blocks {
+        DivergenceReport::Known(ranges) => {
+            for range in ranges {
+                if range.end > volume_blocks {
                     dirty.fill();
                     return;
                 }
-                dirty.insert_range(lba..lba + 1);
+                dirty.insert_range(range.clone());
             }
         }
         DivergenceReport::Unknown => dirty.fill(),

@@ -145,14 +145,15 @@ impl Replica {
             stream.ready.push_back((stream.next_seq, entry));
             stream.next_seq += 1;
         }
-        self.pump(shared, out);
+        self.pump(shared, now_ms, out);
     }
 
     /// Issues ready entries, in order, as long as none of their blocks has a write in flight,
     /// and only once the stream's epoch is durable here: a process that restarts then knows it
-    /// may hold uncommitted entries (its divergence is unknown), while one that never persisted
-    /// an epoch has applied nothing (its divergence is known to be empty).
-    pub fn pump(&mut self, shared: &mut Shared, out: &mut Vec<Action>) {
+    /// may hold uncommitted entries, while one that never persisted an epoch has applied
+    /// nothing (its divergence is known to be empty). An entry beyond the commit point also
+    /// waits until its regions are in the durable write intent, so a restart still lists it.
+    pub fn pump(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
         let Some(stream) = self.stream.as_mut() else {
             return;
         };
@@ -162,6 +163,19 @@ impl Replica {
         while let Some((_, entry)) = stream.ready.front() {
             if shared.write_in_flight(entry.lbas()) {
                 break;
+            }
+            if entry.covers_op() > stream.commit_op {
+                shared.intent.want(entry.lbas(), now_ms);
+                if !shared.intent.covered(entry.lbas()) {
+                    // One persist for the entries waiting behind it too (group commit).
+                    for (_, later) in stream.ready.iter().skip(1) {
+                        if later.covers_op() > stream.commit_op {
+                            shared.intent.want(later.lbas(), now_ms);
+                        }
+                    }
+                    shared.flush_intent(out);
+                    break;
+                }
             }
             let Some((seq, entry)) = stream.ready.pop_front() else {
                 break;
@@ -196,11 +210,11 @@ impl Replica {
         send_ack(shared, stream, out);
     }
 
-    pub fn on_persisted(&mut self, shared: &mut Shared, out: &mut Vec<Action>) {
+    pub fn on_persisted(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
         if let Some(stream) = &self.stream {
             send_ack(shared, stream, out);
         }
-        self.pump(shared, out);
+        self.pump(shared, now_ms, out);
         self.try_probe_reply(shared, out);
     }
 

@@ -3,20 +3,23 @@
 //! contact with the world (no clock, socket, disk or thread here).
 //!
 //! This module holds what both roles share (the epoch and its persistence, the node's view of
-//! the control store, the local storage requests in flight, the divergence list) and the
-//! transitions between roles; `replica` and `primary` hold the roles themselves.
+//! the control store, the local storage requests in flight, the divergence list and the write
+//! intent that keeps it across a restart) and the transitions between roles; `replica` and
+//! `primary` hold the roles themselves.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 
 use crate::divergence::Divergence;
+use crate::intent::{IntentSet, WriteIntent};
 use crate::lease::LeaseStatus;
-use crate::message::Message;
+use crate::message::{merge_ranges, Message};
 use crate::primary::{CopyRead, Term};
 use crate::replica::Replica;
 use crate::store::{StoreReply, StoreRequest, Versioned, VolumeState};
 use crate::{
-    Block, BlockData, Config, HostOpId, LeaseId, NodeId, StorageOpId, StoreRequestId, StreamId,
+    Block, BlockData, Config, HostOpId, LeaseId, NodeId, ResyncProgress, StorageOpId,
+    StoreRequestId, StreamId,
 };
 
 /// A command from a host, submitted to the node it believes is the primary.
@@ -102,6 +105,10 @@ pub enum Event {
     EpochPersisted {
         epoch: u64,
     },
+    /// The `PersistIntent` action of this `version` completed: its intent is durable.
+    IntentPersisted {
+        version: u64,
+    },
     Store {
         id: StoreRequestId,
         reply: StoreReply,
@@ -137,6 +144,15 @@ pub enum Action {
     /// reply `Event::EpochPersisted`.
     PersistEpoch {
         epoch: u64,
+    },
+    /// Make `intent` durable in the node's state, replacing the one before atomically (a crash
+    /// leaves the old or the new one, whole), and reply `Event::IntentPersisted { version }`.
+    /// Give it back to `VolumeNode::new` at the next start. At most one is in flight; versions
+    /// grow by one from 1 in each `VolumeNode`, so a completion goes back only to the one that
+    /// asked for it. The file format is `WriteIntent::to_bytes`. Crate docs, "Write intent".
+    PersistIntent {
+        version: u64,
+        intent: WriteIntent,
     },
     Store {
         id: StoreRequestId,
@@ -185,6 +201,8 @@ pub struct Stats {
     pub reconciled_full: u64,
     /// Planned moves (`VolumeNode::step_down`) this node began as the primary.
     pub step_downs: u64,
+    /// `PersistIntent` actions: write intents persisted (grown for a write, or shrunk).
+    pub intent_persists: u64,
 }
 
 /// Why a local storage request was made; its completion goes back to whoever made it.
@@ -252,6 +270,8 @@ pub(crate) struct Shared {
     /// meanwhile this node starts no term and resigns whenever the store names it primary.
     stepping_down: bool,
     pub divergence: Divergence,
+    /// The regions that may hold uncommitted writes, kept durable for a restart.
+    pub intent: IntentSet,
     pub stats: Stats,
     /// The newest epoch this process started a term in; it never starts one twice.
     pub term_started: u64,
@@ -316,6 +336,22 @@ impl Shared {
         id
     }
 
+    /// Whether `lbas` may be written now with data that may be uncommitted (a host write of
+    /// this node's term; a replica's entries go through `intent` directly, to ask for the
+    /// entries behind too): every region it touches is in every write intent that may be
+    /// durable. If not, the regions go into the next persist, and the caller retries on
+    /// `Event::IntentPersisted`.
+    pub fn intend(&mut self, lbas: Range<u64>, now_ms: u64, out: &mut Vec<Action>) -> bool {
+        self.intent.want(lbas.clone(), now_ms);
+        self.flush_intent(out);
+        self.intent.covered(lbas)
+    }
+
+    /// Persists the write intent if a write waits for it and no persist is in flight.
+    pub fn flush_intent(&mut self, out: &mut Vec<Action>) {
+        self.intent.flush(self.divergence.is_lost(), &mut self.stats, out);
+    }
+
     fn persist_epoch_if_needed(&mut self, out: &mut Vec<Action>) {
         if !self.persist_in_flight && self.persisted_epoch < self.epoch {
             self.persist_in_flight = true;
@@ -344,15 +380,45 @@ pub struct VolumeNode {
 
 impl VolumeNode {
     /// A node process starting: `persisted_epoch` is what `PersistEpoch` last made durable (0 on
-    /// a new node) and `incarnation` differs from every earlier start of this node.
-    pub fn new(config: Config, me: NodeId, incarnation: u64, persisted_epoch: u64) -> Self {
+    /// a new node), `persisted_intent` what `PersistIntent` last made durable (`None` if
+    /// nothing, or if it cannot be read: then, unless `persisted_epoch` is 0, this node's
+    /// divergence is unknown and a return needs a full copy), and `incarnation` differs from
+    /// every earlier start of this node.
+    pub fn new(
+        config: Config,
+        me: NodeId,
+        incarnation: u64,
+        persisted_epoch: u64,
+        persisted_intent: Option<WriteIntent>,
+    ) -> Self {
         assert!(config.validate().is_ok(), "the wiring validates the configuration first");
-        let divergence = if persisted_epoch == 0 {
+        let limit = config.divergence_ranges_max;
+        // The persisted ranges, within the volume and canonical whatever the file said.
+        let persisted_intent = persisted_intent.map(|intent| WriteIntent {
+            term_epoch: intent.term_epoch,
+            lbas: intent.lbas.map(|ranges| {
+                let volume_blocks = config.volume_blocks;
+                let clipped = ranges
+                    .into_iter()
+                    .map(|range| range.start.min(volume_blocks)..range.end.min(volume_blocks))
+                    .collect();
+                merge_ranges(clipped)
+            }),
+        });
+        let divergence = match &persisted_intent {
             // A node that never saw an epoch never applied anything.
-            Divergence::known_empty(config.divergence_lbas_max)
-        } else {
-            Divergence::after_restart(config.divergence_lbas_max, persisted_epoch)
+            _ if persisted_epoch == 0 => Divergence::known_empty(limit),
+            Some(WriteIntent { lbas: Some(ranges), .. }) => {
+                Divergence::after_restart_known(limit, persisted_epoch, ranges)
+            }
+            Some(WriteIntent { lbas: None, .. }) | None => {
+                Divergence::after_restart(limit, persisted_epoch)
+            }
         };
+        let intent = IntentSet::new(&config, persisted_intent.as_ref());
+        // A node serves an epoch once, even across restarts, and a return after a restart can
+        // still say which epoch it was primary of.
+        let term_started = persisted_intent.as_ref().map_or(0, |intent| intent.term_epoch);
         let shared = Shared {
             config,
             me,
@@ -373,8 +439,9 @@ impl VolumeNode {
             latched: false,
             stepping_down: false,
             divergence,
+            intent,
             stats: Stats::default(),
-            term_started: 0,
+            term_started,
         };
         Self { shared, role: Role::Replica(Replica::new()) }
     }
@@ -449,6 +516,15 @@ impl VolumeNode {
         self.shared.stepping_down
     }
 
+    /// The copies this node is making as primary, one per replica being resynced, rebuilt or
+    /// reconciled (for `ferrite volume show`); empty on a replica or when nothing is copied.
+    pub fn resync_progress(&self) -> Vec<ResyncProgress> {
+        match &self.role {
+            Role::Primary(term) => term.resync_progress(),
+            Role::Replica(_) => Vec::new(),
+        }
+    }
+
     /// What this process has done so far (for metrics and tests).
     pub fn stats(&self) -> &Stats {
         &self.shared.stats
@@ -473,8 +549,18 @@ impl VolumeNode {
                 self.shared.persisted_epoch = self.shared.persisted_epoch.max(epoch);
                 self.shared.persist_epoch_if_needed(out);
                 match &mut self.role {
-                    Role::Replica(replica) => replica.on_persisted(&mut self.shared, out),
+                    Role::Replica(replica) => replica.on_persisted(&mut self.shared, now_ms, out),
                     Role::Primary(term) => term.on_persisted(&mut self.shared, now_ms, out),
+                }
+            }
+            Event::IntentPersisted { version } => {
+                if self.shared.intent.on_persisted(version) {
+                    self.shared.flush_intent(out);
+                    // Writes waiting for their regions may go.
+                    match &mut self.role {
+                        Role::Replica(replica) => replica.pump(&mut self.shared, now_ms, out),
+                        Role::Primary(term) => term.on_storage_idle(&mut self.shared, now_ms, out),
+                    }
                 }
             }
             Event::Store { id, reply } => self.on_store(now_ms, id, reply, out),
@@ -519,7 +605,24 @@ impl VolumeNode {
             Role::Replica(replica) => replica.tick(&mut self.shared, now_ms, out),
             Role::Primary(term) => term.tick(&mut self.shared, now_ms, out),
         }
+        self.shrink_intent(now_ms, out);
         self.resign_if_needed(now_ms, out);
+    }
+
+    /// Drops from the write intent, at most once per `intent_linger_ms`, the regions no
+    /// unresolved divergence mark, pending host write or storage write in flight touches.
+    fn shrink_intent(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let shared = &mut self.shared;
+        if !shared.intent.shrink_due(now_ms) {
+            return;
+        }
+        let mut needed: Vec<Range<u64>> = shared.divergence.ranges().collect();
+        needed.extend(shared.writes_in_flight.iter().map(|(&start, &(end, _))| start..end));
+        if let Role::Primary(term) = &self.role {
+            needed.extend(term.pending_lbas());
+        }
+        let lost = shared.divergence.is_lost();
+        shared.intent.shrink(now_ms, needed.into_iter(), lost, &mut shared.stats, out);
     }
 
     fn on_message(&mut self, now_ms: u64, from: NodeId, message: Message, out: &mut Vec<Action>) {
@@ -650,7 +753,7 @@ impl VolumeNode {
         }
         // A completed write may unblock entries or local writes waiting for its blocks.
         match &mut self.role {
-            Role::Replica(replica) => replica.pump(&mut self.shared, out),
+            Role::Replica(replica) => replica.pump(&mut self.shared, now_ms, out),
             Role::Primary(term) => term.on_storage_idle(&mut self.shared, now_ms, out),
         }
     }
@@ -809,10 +912,95 @@ impl VolumeNode {
 }
 
 #[cfg(test)]
+// A list of one LBA range is what these tests mean, not a range collected into a list.
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
+
+    fn append(epoch: u64, seq: u64, commit_op: u64, op: u64, lba: u64) -> Event {
+        let entry = crate::Entry { kind: crate::EntryKind::Write { op }, lba, blocks: vec![None] };
+        let message =
+            Message::Append { epoch, stream: StreamId(1), incarnation: 2, seq, commit_op, entry };
+        Event::Message { from: NodeId(0), message }
+    }
+
+    /// A restarted node takes its divergence and its last term from the persisted write
+    /// intent: a probe gets the persisted ranges, and a `Hello` names the term.
+    #[test]
+    fn a_restart_reports_the_persisted_intent_as_its_divergence() {
+        use crate::message::DivergenceReport;
+        use crate::store::Versioned;
+        let config = Config { volume_blocks: 64, ..Config::default() };
+        let intent = WriteIntent { term_epoch: 4, lbas: Some(vec![8..12, 60..100]) };
+        let mut node = VolumeNode::new(config, NodeId(1), 2, 5, Some(intent));
+        let expected = DivergenceReport::Known(vec![8..12, 60..64]);
+        let mut out = Vec::new();
+        let probe = Message::Probe { epoch: 6 };
+        node.handle(0, Event::Message { from: NodeId(0), message: probe }, &mut out);
+        assert_eq!(out, vec![Action::PersistEpoch { epoch: 6 }]);
+        out.clear();
+        node.handle(0, Event::EpochPersisted { epoch: 6 }, &mut out);
+        let reply = Message::ProbeReply { epoch: 6, incarnation: 2, divergence: expected.clone() };
+        assert_eq!(out, vec![Action::Send { to: NodeId(0), message: reply }]);
+        // Node 0 serves epoch 6; node 1 is out of sync and asks to be taken back.
+        out.clear();
+        node.handle(1, Event::Tick, &mut out);
+        let Some(&Action::Store { id, .. }) =
+            out.iter().find(|action| matches!(action, Action::Store { .. }))
+        else {
+            panic!("a tick reads the store: {out:?}");
+        };
+        let value = VolumeState {
+            epoch: 6,
+            primary: Some(NodeId(0)),
+            primary_lease: LeaseId(9),
+            in_sync: [NodeId(0)].into(),
+            members: [NodeId(0), NodeId(1)].into(),
+        };
+        let reply = StoreReply::Volume(Versioned { version: 3, value });
+        node.handle(2, Event::Store { id, reply }, &mut out);
+        out.clear();
+        node.handle(3, Event::Tick, &mut out);
+        let hello =
+            Message::Hello { epoch: 6, incarnation: 2, last_term_epoch: 4, divergence: expected };
+        assert!(out.contains(&Action::Send { to: NodeId(0), message: hello }), "{out:?}");
+    }
+
+    /// A replica applies an entry beyond the commit point only once its region is in the
+    /// durable write intent; a committed one goes at once.
+    #[test]
+    fn an_uncommitted_entry_waits_for_the_intent() {
+        let config = Config { volume_blocks: 64, intent_region_blocks: 4, ..Config::default() };
+        let intent = WriteIntent { term_epoch: 0, lbas: Some(vec![]) };
+        let mut node = VolumeNode::new(config, NodeId(1), 2, 1, Some(intent));
+        let mut out = Vec::new();
+        node.handle(0, append(1, 1, 3, 3, 9), &mut out);
+        assert!(
+            matches!(out.as_slice(), [Action::StorageWrite { lba: 9, .. }]),
+            "committed (op 3, commit point 3): written at once: {out:?}"
+        );
+        out.clear();
+        node.handle(0, append(1, 2, 3, 4, 13), &mut out);
+        let [Action::PersistIntent { version, intent }] = out.as_slice() else {
+            panic!("the intent first: {out:?}");
+        };
+        assert_eq!(intent.lbas, Some(vec![12..16]));
+        let version = *version;
+        out.clear();
+        node.handle(0, append(1, 3, 3, 5, 14), &mut out);
+        assert_eq!(out, vec![], "behind the entry that waits");
+        node.handle(1, Event::IntentPersisted { version }, &mut out);
+        let written: Vec<u64> = out
+            .iter()
+            .filter_map(|action| match action {
+                Action::StorageWrite { lba, .. } => Some(*lba),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(written, vec![13, 14], "both, in order, once the region is durable");
+    }
 
     /// The writes in flight, kept as disjoint ranges, answer overlap queries exactly like a
     /// block-by-block model, for writes and deallocates of every length.
@@ -820,7 +1008,7 @@ mod tests {
     fn writes_in_flight_find_every_overlap() {
         let volume_blocks = 256;
         let config = Config { volume_blocks, ..Config::default() };
-        let mut node = VolumeNode::new(config, NodeId(1), 1, 0);
+        let mut node = VolumeNode::new(config, NodeId(1), 1, 0, None);
         let mut rng = StdRng::seed_from_u64(9);
         let mut model: BTreeMap<u64, StorageOpId> = BTreeMap::new();
         let mut out = Vec::new();

@@ -5,7 +5,7 @@
 //! module knows the layout. The full specification, with byte diagrams, is
 //! docs/replication-wire.md.
 //!
-//! A frame (version 3) is a 32-byte header and a payload:
+//! A frame (version 4) is a 32-byte header and a payload:
 //!
 //! ```text
 //! 0       4    5    6       8               12       16       24         28             32
@@ -21,33 +21,33 @@
 //! [`decode`] checks everything before it trusts a byte: magic, version, header checksum, type,
 //! flags, the payload length against the bounds of its type, the frame checksum, then every
 //! field (tags, counts against [`BLOCKS_PER_OP_MAX`], [`DEALLOCATE_BLOCKS_PER_OP_MAX`] and
-//! [`DIVERGENCE_LBAS_MAX`], block sizes against [`BLOCK_BYTES_MAX`]) before it allocates for it.
+//! [`DIVERGENCE_RANGES_MAX`], block sizes against [`BLOCK_BYTES_MAX`]) before it allocates for it.
 //! It never panics, and never reads or allocates more than [`MESSAGE_BYTES_MAX`] for one frame.
 //! The encoding is canonical: a decoded frame encodes back to the same bytes. [`FrameReader`]
 //! cuts a byte stream into messages with a buffer of one largest frame.
 
-use std::ops::RangeInclusive;
+use std::ops::{Range, RangeInclusive};
 use std::sync::Arc;
 
 pub use crate::message::Envelope;
-use crate::message::{DivergenceReport, Entry, EntryKind, Message};
+use crate::message::{ranges_canonical, DivergenceReport, Entry, EntryKind, Message};
 use crate::{BlockData, NodeId, StreamId, BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX};
 
 /// The first bytes of every frame ("Ferrite replication protocol").
 pub const MAGIC: [u8; 4] = *b"FRRP";
 /// The version this code writes and the only one it reads. Version 1 (a 20-byte header without
 /// volume and sender) was never deployed; version 2 (a `Hello` of epoch and incarnation only)
-/// is refused like any other.
-pub const VERSION: u8 = 3;
+/// and version 3 (a divergence of single LBAs) are refused like any other.
+pub const VERSION: u8 = 4;
 /// Bytes of the fixed header before the payload.
 pub const HEADER_BYTES: usize = 32;
 /// The largest block an entry carries: the node's block size. The simulation uses smaller ones;
 /// every mapped block carries its own length.
 pub const BLOCK_BYTES_MAX: usize = 4096;
-/// The most LBAs a `ProbeReply` or a `Hello` lists. A longer divergence is sent as `Unknown`,
-/// exactly what a replica reports past its own `divergence_lbas_max` (the primary then copies
-/// everything).
-pub const DIVERGENCE_LBAS_MAX: usize = 1 << 15;
+/// The most LBA ranges a `ProbeReply` or a `Hello` lists. A longer divergence is sent as
+/// `Unknown`, exactly what a replica reports past its own `divergence_ranges_max` (the primary
+/// then copies everything).
+pub const DIVERGENCE_RANGES_MAX: usize = 1 << 14;
 
 /// Header byte offsets.
 mod offset {
@@ -80,8 +80,10 @@ const APPEND_DEALLOCATE_PAYLOAD_BYTES_MAX: usize =
     APPEND_FIXED_BYTES + DEALLOCATE_BLOCKS_PER_OP_MAX as usize * BLOCK_UNMAPPED_BYTES;
 const APPEND_PAYLOAD_BYTES_MAX: usize =
     max(APPEND_DATA_PAYLOAD_BYTES_MAX, APPEND_DEALLOCATE_PAYLOAD_BYTES_MAX);
-/// A known divergence: its tag, its LBA count, then at most `DIVERGENCE_LBAS_MAX` LBAs.
-const DIVERGENCE_BYTES_MAX: usize = 1 + 4 + DIVERGENCE_LBAS_MAX * U64_BYTES;
+/// One range of a divergence: its first LBA and its block count.
+const RANGE_BYTES: usize = 2 * U64_BYTES;
+/// A known divergence: its tag, its range count, then at most `DIVERGENCE_RANGES_MAX` ranges.
+const DIVERGENCE_BYTES_MAX: usize = 1 + 4 + DIVERGENCE_RANGES_MAX * RANGE_BYTES;
 /// Epoch, incarnation, divergence tag.
 const PROBE_REPLY_FIXED_BYTES: usize = 2 * U64_BYTES + 1;
 const PROBE_REPLY_PAYLOAD_BYTES_MAX: usize = PROBE_REPLY_FIXED_BYTES - 1 + DIVERGENCE_BYTES_MAX;
@@ -117,7 +119,7 @@ const _: () = assert!(offset::HEADER_CHECK + 4 == HEADER_BYTES);
 const _: () = assert!(APPEND_DEALLOCATE_PAYLOAD_BYTES_MAX <= APPEND_DATA_PAYLOAD_BYTES_MAX);
 const _: () = assert!(PAYLOAD_BYTES_MAX <= u32::MAX as usize);
 const _: () = assert!(BLOCK_BYTES_MAX <= u32::MAX as usize);
-const _: () = assert!(DIVERGENCE_LBAS_MAX <= u32::MAX as usize);
+const _: () = assert!(DIVERGENCE_RANGES_MAX <= u32::MAX as usize);
 const _: () = assert!(PROBE_REPLY_PAYLOAD_BYTES_MAX <= APPEND_PAYLOAD_BYTES_MAX);
 const _: () = assert!(HELLO_PAYLOAD_BYTES_MAX <= APPEND_PAYLOAD_BYTES_MAX);
 
@@ -290,10 +292,16 @@ fn check_entry(entry: &Entry) -> Result<(), EncodeError> {
     Ok(())
 }
 
-/// The divergence as the wire carries it: a list too long to send becomes `Unknown`.
-fn sendable_lbas(divergence: &DivergenceReport) -> Option<&[u64]> {
+/// The divergence as the wire carries it: a list too long to send, or not canonical (which no
+/// state machine builds), becomes `Unknown`, which is always safe (the primary copies every
+/// block).
+fn sendable_ranges(divergence: &DivergenceReport) -> Option<&[Range<u64>]> {
     match divergence {
-        DivergenceReport::Known(lbas) if lbas.len() <= DIVERGENCE_LBAS_MAX => Some(lbas),
+        DivergenceReport::Known(ranges)
+            if ranges.len() <= DIVERGENCE_RANGES_MAX && ranges_canonical(ranges) =>
+        {
+            Some(ranges)
+        }
         _ => None,
     }
 }
@@ -319,22 +327,23 @@ fn payload_bytes(message: &Message) -> usize {
     }
 }
 
-/// Bytes of a divergence on the wire: its tag, then for a known one its count and LBAs.
+/// Bytes of a divergence on the wire: its tag, then for a known one its count and ranges.
 fn divergence_bytes(divergence: &DivergenceReport) -> usize {
-    match sendable_lbas(divergence) {
+    match sendable_ranges(divergence) {
         None => 1,
-        Some(lbas) => 1 + 4 + lbas.len() * U64_BYTES,
+        Some(ranges) => 1 + 4 + ranges.len() * RANGE_BYTES,
     }
 }
 
 fn encode_divergence(divergence: &DivergenceReport, out: &mut Vec<u8>) {
-    match sendable_lbas(divergence) {
+    match sendable_ranges(divergence) {
         None => out.push(DIVERGENCE_UNKNOWN),
-        Some(lbas) => {
+        Some(ranges) => {
             out.push(DIVERGENCE_KNOWN);
-            out.extend_from_slice(&(lbas.len() as u32).to_le_bytes());
-            for lba in lbas {
-                out.extend_from_slice(&lba.to_le_bytes());
+            out.extend_from_slice(&(ranges.len() as u32).to_le_bytes());
+            for range in ranges {
+                out.extend_from_slice(&range.start.to_le_bytes());
+                out.extend_from_slice(&(range.end - range.start).to_le_bytes());
             }
         }
     }
@@ -581,17 +590,31 @@ impl<'a> Fields<'a> {
             DIVERGENCE_KNOWN => {
                 let count_at = self.position;
                 let count = self.u32()? as usize;
-                if count > DIVERGENCE_LBAS_MAX {
-                    return Err(self.invalid_at(count_at, "LBA count above DIVERGENCE_LBAS_MAX"));
+                if count > DIVERGENCE_RANGES_MAX {
+                    return Err(
+                        self.invalid_at(count_at, "range count above DIVERGENCE_RANGES_MAX")
+                    );
                 }
-                if count * U64_BYTES != self.remaining_bytes() {
-                    return Err(self.invalid_at(count_at, "LBA count does not match the payload"));
+                if count * RANGE_BYTES != self.remaining_bytes() {
+                    return Err(self.invalid_at(count_at, "range count does not match the payload"));
                 }
-                let mut lbas = Vec::with_capacity(count);
+                let mut ranges: Vec<Range<u64>> = Vec::with_capacity(count);
                 for _ in 0..count {
-                    lbas.push(self.u64()?);
+                    let range_at = self.position;
+                    let lba = self.u64()?;
+                    let blocks = self.u64()?;
+                    if blocks == 0 {
+                        return Err(self.invalid_at(range_at, "empty range"));
+                    }
+                    let Some(end) = lba.checked_add(blocks) else {
+                        return Err(self.invalid_at(range_at, "range runs past the last LBA"));
+                    };
+                    if ranges.last().is_some_and(|last| last.end >= lba) {
+                        return Err(self.invalid_at(range_at, "range not after the previous one"));
+                    }
+                    ranges.push(lba..end);
                 }
-                Ok(DivergenceReport::Known(lbas))
+                Ok(DivergenceReport::Known(ranges))
             }
             _ => Err(self.invalid_at(tag_at, "unknown divergence tag")),
         }
@@ -745,6 +768,7 @@ impl FrameReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::message::merge_ranges;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
@@ -786,7 +810,7 @@ mod tests {
             Message::ProbeReply {
                 epoch: 5,
                 incarnation: 6,
-                divergence: DivergenceReport::Known(vec![0, 3, u64::MAX]),
+                divergence: DivergenceReport::Known(vec![0..1, 3..300, u64::MAX - 1..u64::MAX]),
             },
             Message::Hello {
                 epoch: 0,
@@ -798,7 +822,7 @@ mod tests {
                 epoch: 9,
                 incarnation: 10,
                 last_term_epoch: 8,
-                divergence: DivergenceReport::Known(vec![4, 1]),
+                divergence: DivergenceReport::Known(vec![1..2, 4..5]),
             },
             Message::Stale { epoch: 8 },
             Message::Resync { epoch: 2, incarnation: 99 },
@@ -876,7 +900,13 @@ mod tests {
             DivergenceReport::Unknown
         } else {
             let count = rng.random_range(0..200);
-            DivergenceReport::Known((0..count).map(|_| rng.random()).collect())
+            let ranges = (0..count)
+                .map(|_| {
+                    let start = rng.random_range(0..u64::MAX - 1);
+                    start..rng.random_range(start + 1..=u64::MAX)
+                })
+                .collect();
+            DivergenceReport::Known(merge_ranges(ranges))
         }
     }
 
@@ -934,7 +964,7 @@ mod tests {
         // The offsets of docs/replication-wire.md.
         assert_eq!(HEADER_BYTES, 32);
         assert_eq!(&bytes[0..4], b"FRRP");
-        assert_eq!(bytes[4], 3, "version");
+        assert_eq!(bytes[4], 4, "version");
         assert_eq!(bytes[5], MessageType::Ack as u8);
         assert_eq!(&bytes[6..8], &[0, 0], "flags");
         assert_eq!(&bytes[8..12], &24u32.to_le_bytes(), "payload_bytes");
@@ -970,7 +1000,7 @@ mod tests {
         let mut reader = FrameReader::new();
         reader.push(&v1);
         assert_eq!(reader.next_message(), Err(refused.clone()));
-        assert!(refused.to_string().contains("reads only version 3"), "{refused}");
+        assert!(refused.to_string().contains("reads only version 4"), "{refused}");
     }
 
     #[test]
@@ -986,11 +1016,12 @@ mod tests {
         assert_eq!(MessageType::Hello.payload_bytes(), 25..=262_173);
         check_round_trip(&envelope(largest));
 
-        let lbas: Vec<u64> = (0..DIVERGENCE_LBAS_MAX as u64).collect();
+        let ranges: Vec<Range<u64>> =
+            (0..DIVERGENCE_RANGES_MAX as u64).map(|index| index * 2..index * 2 + 1).collect();
         let known = Message::ProbeReply {
             epoch: 1,
             incarnation: 2,
-            divergence: DivergenceReport::Known(lbas.clone()),
+            divergence: DivergenceReport::Known(ranges.clone()),
         };
         check_round_trip(&envelope(known));
         let hello = |divergence| Message::Hello {
@@ -999,18 +1030,19 @@ mod tests {
             last_term_epoch: 3,
             divergence,
         };
-        let longest_hello = hello(DivergenceReport::Known(lbas.clone()));
+        let longest_hello = hello(DivergenceReport::Known(ranges.clone()));
         assert_eq!(frame(&longest_hello).len(), HEADER_BYTES + 262_173);
         check_round_trip(&envelope(longest_hello));
-        let mut too_many = lbas.clone();
-        too_many.push(0);
-        let (decoded, _) = decode(&frame(&hello(DivergenceReport::Known(too_many)))).unwrap();
+        // A list that is not canonical (here the same range twice) goes as Unknown too.
+        let mut twice = ranges.clone();
+        twice.push(twice[twice.len() - 1].clone());
+        let (decoded, _) = decode(&frame(&hello(DivergenceReport::Known(twice)))).unwrap();
         assert_eq!(decoded.message, hello(DivergenceReport::Unknown));
 
-        // One LBA more than the wire carries goes as Unknown, which makes the new primary copy
+        // One range more than the wire carries goes as Unknown, which makes the new primary copy
         // every block: what the replica itself reports past its own limit.
-        let mut too_many = lbas;
-        too_many.push(u64::MAX);
+        let mut too_many = ranges;
+        too_many.push(u64::MAX - 1..u64::MAX);
         let overflow = Message::ProbeReply {
             epoch: 1,
             incarnation: 2,
@@ -1210,16 +1242,44 @@ mod tests {
                 |bytes| bytes[tag_at] = 2,
                 field(message_type, tag_at, "unknown divergence tag"),
             );
+            let two = || message(DivergenceReport::Known(vec![1..3, 5..6]));
             check_refused(
-                message(DivergenceReport::Known(vec![1, 2])),
+                two(),
                 set_u32(tag_at + 1, 3),
-                field(message_type, tag_at + 1, "LBA count does not match the payload"),
+                field(message_type, tag_at + 1, "range count does not match the payload"),
             );
             check_refused(
-                message(DivergenceReport::Known(vec![1, 2])),
-                set_u32(tag_at + 1, DIVERGENCE_LBAS_MAX as u32 + 1),
-                field(message_type, tag_at + 1, "LBA count above DIVERGENCE_LBAS_MAX"),
+                two(),
+                set_u32(tag_at + 1, DIVERGENCE_RANGES_MAX as u32 + 1),
+                field(message_type, tag_at + 1, "range count above DIVERGENCE_RANGES_MAX"),
             );
+            // The ranges start after the count: (LBA, blocks) each.
+            let second = tag_at + 5 + RANGE_BYTES;
+            let set_u64 = |at: usize, value: u64| {
+                move |bytes: &mut Vec<u8>| bytes[at..at + 8].copy_from_slice(&value.to_le_bytes())
+            };
+            check_refused(
+                two(),
+                set_u64(second + 8, 0),
+                field(message_type, second, "empty range"),
+            );
+            check_refused(
+                two(),
+                set_u64(second, u64::MAX),
+                field(message_type, second, "range runs past the last LBA"),
+            );
+            for (lba, blocks) in [(3, 1), (2, 1), (0, 1)] {
+                let edit = |bytes: &mut Vec<u8>| {
+                    set_u64(second, lba)(bytes);
+                    set_u64(second + 8, blocks)(bytes);
+                };
+                check_refused(
+                    two(),
+                    edit,
+                    field(message_type, second, "range not after the previous one"),
+                );
+            }
+            check_round_trip(&envelope(message(DivergenceReport::Known(vec![1..3, 4..6]))));
         }
         check_refused(
             hello(DivergenceReport::Unknown),
@@ -1249,7 +1309,7 @@ mod tests {
             |bytes| bytes[offset::FLAGS] = 1,
             WireError::FlagsReserved { flags: 1 },
         );
-        for version in [0, 1, 2, 4, u8::MAX] {
+        for version in [0, 1, 2, 3, 5, u8::MAX] {
             check_refused(
                 Message::Probe { epoch: 1 },
                 |bytes| bytes[offset::VERSION] = version,

@@ -4,18 +4,18 @@
 //! only the blocks written while the replica was away; a deallocate is replicated, ordered and
 //! resynced exactly like a write of unmapped blocks; a primary that steps down fails its pending
 //! commands, resigns, and another member serves within a few store polls; an old primary (or an
-//! unprobed replica) that comes back after a failover with its process alive is copied only the
-//! blocks changed while it was away and those of its uncommitted writes, and one that
-//! restarted is copied in full.
+//! unprobed replica) that comes back after a failover is copied only the blocks changed while
+//! it was away and those of its uncommitted writes (with its process alive) or of its persisted
+//! write intent (after a restart), and one that restarted without its intent is copied in full.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use replication::{
     Action, BlockData, Config, Entry, EntryKind, Event, HostError, HostOp, HostOpId, HostReply,
-    LeaseId, LeaseKeeper, Manager, MemStore, Message, NodeId, StorageOpId, StorageResult,
-    StoreReply, StoreRequest, StreamId, VolumeNode, VolumeState, BLOCKS_PER_OP_MAX,
-    DEALLOCATE_BLOCKS_PER_OP_MAX,
+    LeaseId, LeaseKeeper, Manager, MemStore, Message, NodeId, ResyncProgress, StorageOpId,
+    StorageResult, StoreReply, StoreRequest, StreamId, VolumeNode, VolumeState, WriteIntent,
+    BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX,
 };
 
 const BLOCK_BYTES: usize = 16;
@@ -34,7 +34,10 @@ fn config() -> Config {
         hello_interval_ms: 100,
         copy_blocks_per_tick: 4,
         dirty_lbas_max: 16,
-        divergence_lbas_max: 16,
+        divergence_ranges_max: 16,
+        intent_region_blocks: 4,
+        intent_regions_max: 16,
+        intent_linger_ms: 1_000,
         grace_ms: 60_000,
     }
 }
@@ -56,6 +59,10 @@ struct Node {
     disk: Vec<BlockData>,
     incarnation: u64,
     persisted_epoch: u64,
+    /// What the last `PersistIntent` made durable.
+    persisted_intent: Option<WriteIntent>,
+    /// The intent the current process started with.
+    started_with: Option<WriteIntent>,
 }
 
 /// Three nodes, a store and a manager; storage and messages are instant. `cut` links drop
@@ -71,6 +78,8 @@ struct Cluster {
     store_cut: BTreeSet<usize>,
     completions: Vec<(u64, HostOpId, u64, Result<HostReply, HostError>)>,
     next_host_op: u64,
+    /// Every change of each node's `resync_progress`, in order.
+    progress: Vec<Vec<Vec<ResyncProgress>>>,
 }
 
 impl Cluster {
@@ -85,11 +94,13 @@ impl Cluster {
         };
         let nodes = (0..3)
             .map(|index| Node {
-                volume: VolumeNode::new(config.clone(), NodeId(index), 1, 0),
+                volume: VolumeNode::new(config.clone(), NodeId(index), 1, 0, None),
                 lease: LeaseKeeper::new(NodeId(index), 1, &config),
                 disk: vec![None; config.volume_blocks as usize],
                 incarnation: 1,
                 persisted_epoch: 0,
+                persisted_intent: None,
+                started_with: None,
             })
             .collect();
         Cluster {
@@ -103,6 +114,7 @@ impl Cluster {
             store_cut: BTreeSet::new(),
             completions: Vec::new(),
             next_host_op: 1,
+            progress: vec![Vec::new(); 3],
         }
     }
 
@@ -110,12 +122,16 @@ impl Cluster {
         self.store.volume().value.clone()
     }
 
-    /// The process of `node` restarts: its disk and persisted epoch survive, nothing else.
+    /// The process of `node` restarts: its disk, persisted epoch and persisted write intent
+    /// survive, nothing else.
     fn restart(&mut self, node: usize) {
         let id = NodeId(node as u32);
         let sim = &mut self.nodes[node];
         sim.incarnation += 1;
-        sim.volume = VolumeNode::new(self.config.clone(), id, sim.incarnation, sim.persisted_epoch);
+        let intent = sim.persisted_intent.clone();
+        sim.started_with = intent.clone();
+        sim.volume =
+            VolumeNode::new(self.config.clone(), id, sim.incarnation, sim.persisted_epoch, intent);
         sim.lease = LeaseKeeper::new(id, sim.incarnation, &self.config);
     }
 
@@ -196,6 +212,10 @@ impl Cluster {
     fn node_event(&mut self, node: usize, event: Event) {
         let mut actions = Vec::new();
         self.nodes[node].volume.handle(self.now_ms, event, &mut actions);
+        let progress = self.nodes[node].volume.resync_progress();
+        if self.progress[node].last().is_none_or(|last| *last != progress) {
+            self.progress[node].push(progress);
+        }
         self.apply(node, actions);
     }
 
@@ -242,6 +262,10 @@ impl Cluster {
                     let persisted = &mut self.nodes[node].persisted_epoch;
                     *persisted = (*persisted).max(epoch);
                     self.queue.push_back(Input::Node(node, Event::EpochPersisted { epoch }));
+                }
+                Action::PersistIntent { version, intent } => {
+                    self.nodes[node].persisted_intent = Some(intent);
+                    self.queue.push_back(Input::Node(node, Event::IntentPersisted { version }));
                 }
                 Action::Store { id, request } => {
                     if !self.store_cut.contains(&node) {
@@ -308,7 +332,7 @@ impl Cluster {
 
 #[test]
 fn a_stale_epoch_is_refused() {
-    let mut node = VolumeNode::new(config(), NodeId(1), 1, 5);
+    let mut node = VolumeNode::new(config(), NodeId(1), 1, 5, None);
     let append = Message::Append {
         epoch: 4,
         stream: StreamId(1),
@@ -348,7 +372,7 @@ fn a_stale_epoch_is_refused() {
 /// persisted an epoch restarts believing it applied nothing (its divergence known and empty).
 #[test]
 fn a_replica_applies_nothing_of_an_epoch_before_it_is_durable() {
-    let mut node = VolumeNode::new(config(), NodeId(1), 1, 0);
+    let mut node = VolumeNode::new(config(), NodeId(1), 1, 0, None);
     let append = Message::Append {
         epoch: 1,
         stream: StreamId(1),
@@ -465,6 +489,30 @@ fn a_resync_copies_only_the_blocks_written_while_away() {
     let stats = cluster.nodes[0].volume.stats();
     assert_eq!((stats.resyncs_started, stats.resyncs_full, stats.resyncs_completed), (1, 0, 1));
     assert_eq!(stats.blocks_resynced, lbas.len() as u64);
+}
+
+/// The primary reports a returning replica's copy as it goes: from nothing copied to every
+/// block, never more copied than to copy, and the job is gone once the replica is back.
+#[test]
+fn resync_progress_counts_up_to_the_total_and_ends() {
+    let config = Config { dirty_lbas_max: 3, ..config() };
+    let volume_blocks = config.volume_blocks;
+    let cluster = resync_after_writes(config, &[0, 3, 5, 6, 20]);
+    let seen: Vec<ResyncProgress> = cluster.progress[0]
+        .iter()
+        .filter_map(|jobs| jobs.iter().find(|job| job.peer == NodeId(2)).cloned())
+        .collect();
+    let first = seen.first().expect("the primary reported the copy");
+    assert_eq!((first.full, first.blocks_copied, first.blocks_total), (true, 0, volume_blocks));
+    let last = seen.last().expect("reported");
+    assert_eq!((last.blocks_copied, last.blocks_total), (volume_blocks, volume_blocks));
+    assert!(seen.windows(2).all(|pair| pair[0].blocks_copied <= pair[1].blocks_copied));
+    assert!(seen.iter().all(|job| job.blocks_copied <= job.blocks_total));
+    assert!(seen.len() > 2, "the copy took several ticks: {seen:?}");
+    assert_eq!(cluster.nodes[0].volume.resync_progress(), vec![], "the job is gone when done");
+    for node in [1, 2] {
+        assert!(cluster.progress[node].iter().all(Vec::is_empty), "only a primary copies");
+    }
 }
 
 #[test]
@@ -604,7 +652,7 @@ fn a_resync_copies_the_blocks_deallocated_while_away() {
 #[test]
 fn a_replica_applies_a_long_unmapped_entry_after_the_write_it_overlaps() {
     let config = Config { volume_blocks: 4096, ..config() };
-    let mut node = VolumeNode::new(config, NodeId(1), 1, 5);
+    let mut node = VolumeNode::new(config, NodeId(1), 1, 5, None);
     let append = |seq: u64, lba: u64, blocks: Vec<BlockData>| Message::Append {
         epoch: 5,
         stream: StreamId(1),
@@ -807,7 +855,7 @@ fn a_step_down_with_no_other_in_sync_member_gives_the_role_back() {
 /// ends the step-down.
 #[test]
 fn a_node_named_primary_steps_down_before_its_term_starts() {
-    let mut node = VolumeNode::new(config(), NodeId(0), 1, 0);
+    let mut node = VolumeNode::new(config(), NodeId(0), 1, 0, None);
     let lease = LeaseId(7);
     let named = |epoch: u64, version: u64| replication::Versioned {
         version,
@@ -877,10 +925,21 @@ fn fail_over_to_node_1(cluster: &mut Cluster) {
     assert!(!state.in_sync.contains(&NodeId(0)), "the promotion took node 0 out");
 }
 
+/// What happens to node 0's process while it is away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Away {
+    /// It lives on (a partition).
+    Alive,
+    /// It is killed and restarts from what it persisted.
+    Restarted,
+    /// It restarts and cannot read its write-intent file.
+    RestartedWithoutIntent,
+}
+
 /// Node 0 (primary of epoch 1) is cut off with a write to block 20 pending that only its own
 /// disk holds; node 1 takes over and writes `written`, then everything heals. Returns the
 /// pending write.
-fn old_primary_away_while(cluster: &mut Cluster, written: &[u64], restart: bool) -> HostOpId {
+fn old_primary_away_while(cluster: &mut Cluster, written: &[u64], away: Away) -> HostOpId {
     for lba in 0..8 {
         cluster.write(0, lba, 1);
     }
@@ -894,7 +953,10 @@ fn old_primary_away_while(cluster: &mut Cluster, written: &[u64], restart: bool)
         let id = cluster.write(1, lba, 7);
         assert_eq!(cluster.result(id), Ok(HostReply::Written));
     }
-    if restart {
+    if away == Away::RestartedWithoutIntent {
+        cluster.nodes[0].persisted_intent = None;
+    }
+    if away != Away::Alive {
         cluster.restart(0);
     }
     cluster.heal();
@@ -913,7 +975,7 @@ fn old_primary_away_while(cluster: &mut Cluster, written: &[u64], restart: bool)
 fn a_partitioned_old_primary_gets_only_the_blocks_changed_while_away() {
     let mut cluster = Cluster::started(config());
     let written = [3, 5, 6, 30];
-    let pending = old_primary_away_while(&mut cluster, &written, false);
+    let pending = old_primary_away_while(&mut cluster, &written, Away::Alive);
     assert_eq!(cluster.result(pending), Err(HostError::NotPrimary));
     let stats = cluster.nodes[1].volume.stats();
     assert_eq!((stats.resyncs_started, stats.resyncs_full, stats.resyncs_completed), (1, 0, 1));
@@ -957,14 +1019,39 @@ fn a_returning_old_primary_loses_its_write_that_never_completed() {
     assert_eq!((stats.returns_incremental, stats.resyncs_full), (1, 0));
 }
 
-/// (c) An old primary whose process restarted while away has lost its divergence list (it
-/// lives in memory): what it may hold is unknown, so it is copied in full.
+/// (c) An old primary killed while away (kill -9) restarts from its persisted write intent: it
+/// still knows which epoch it was primary of and which regions may hold its uncommitted
+/// writes, so it is copied the blocks written while it was away and those regions, not the
+/// whole volume; its write that never completed is replaced.
 #[test]
-fn a_restarted_old_primary_gets_a_full_copy() {
+fn a_restarted_old_primary_gets_only_the_changes_and_its_intent_regions() {
     let config = config();
     let volume_blocks = config.volume_blocks;
     let mut cluster = Cluster::started(config);
-    old_primary_away_while(&mut cluster, &[3, 5], true);
+    let written = [3, 5];
+    old_primary_away_while(&mut cluster, &written, Away::Restarted);
+    let stats = cluster.nodes[1].volume.stats();
+    assert_eq!((stats.resyncs_started, stats.resyncs_full), (1, 0));
+    assert_eq!((stats.returns_incremental, stats.returns_full), (1, 0));
+    let intent = cluster.nodes[0].started_with.clone().expect("node 0 restarted with its intent");
+    assert_eq!(intent.term_epoch, 1, "it was the primary of epoch 1");
+    let ranges = intent.lbas.expect("its intent is known");
+    assert!(ranges.iter().any(|range| range.contains(&20)), "the pending write: {ranges:?}");
+    let mut copied: BTreeSet<u64> = written.into_iter().collect();
+    copied.extend(ranges.iter().flat_map(Clone::clone));
+    assert_eq!(stats.blocks_resynced, copied.len() as u64, "{ranges:?}");
+    assert!(stats.blocks_resynced < volume_blocks);
+    assert_eq!(cluster.nodes[0].disk[20], None, "its lost write is gone");
+}
+
+/// (d) An old primary that restarts without its write intent (the file is gone or cannot be
+/// read) cannot know what it may hold: it is copied in full.
+#[test]
+fn a_restarted_old_primary_without_its_intent_gets_a_full_copy() {
+    let config = config();
+    let volume_blocks = config.volume_blocks;
+    let mut cluster = Cluster::started(config);
+    old_primary_away_while(&mut cluster, &[3, 5], Away::RestartedWithoutIntent);
     let stats = cluster.nodes[1].volume.stats();
     assert_eq!((stats.resyncs_started, stats.resyncs_full), (1, 1));
     assert_eq!((stats.returns_incremental, stats.returns_full), (0, 1));

@@ -17,7 +17,7 @@ mod sim {
 use std::time::Instant;
 
 use replication::Stats;
-use sim::world::{add_stats, World};
+use sim::world::{add_stats, Returns, World};
 
 /// Seeds run by a plain `cargo test`, split over two tests so both cores work.
 const SEEDS_DEFAULT: u64 = 1000;
@@ -76,7 +76,7 @@ fn run_range(part: u64, parts: u64) {
             }
             Ok(outcome) => println!(
                 "seed {seed} passed: {} writes completed, {} block reads checked, {} faults, \
-                 final epoch {}, ended at {} ms\n{}\n{}\n{:#?}",
+                 final epoch {}, ended at {} ms\n{}\n{}\n{}\n{:#?}",
                 outcome.writes_completed,
                 outcome.reads_checked,
                 outcome.faults,
@@ -84,6 +84,7 @@ fn run_range(part: u64, parts: u64) {
                 outcome.end_ms,
                 describe_moves(outcome.move_ms.clone()),
                 describe_resyncs(&outcome.stats),
+                describe_restarted(outcome.restarted_returns),
                 outcome.stats
             ),
             Err(report) => panic!("{report}"),
@@ -94,6 +95,7 @@ fn run_range(part: u64, parts: u64) {
     let start = env_u64("FERRITE_SIM_SEED_START").unwrap_or(0);
     let begun = Instant::now();
     let (mut writes, mut epochs, mut runs) = (0, 0, 0);
+    let mut restarted = Returns::default();
     let mut stats = Stats::default();
     let mut move_ms = Vec::new();
     for seed in (start..start + count).filter(|seed| seed % parts == part) {
@@ -103,22 +105,35 @@ fn run_range(part: u64, parts: u64) {
                 add_stats(&mut stats, &outcome.stats);
                 epochs += outcome.final_epoch;
                 move_ms.extend(outcome.move_ms);
+                restarted.incremental += outcome.restarted_returns.incremental;
+                restarted.full += outcome.restarted_returns.full;
                 runs += 1;
             }
             Err(report) => panic!("{report}"),
         }
     }
     println!(
-        "{runs} seeds passed in {:.1} s: {writes} writes completed, {epochs} epochs in all\n{}\n{}\n{stats:?}",
+        "{runs} seeds passed in {:.1} s: {writes} writes completed, {epochs} epochs in all\n{}\n{}\n{}\n{stats:?}",
         begun.elapsed().as_secs_f64(),
         describe_moves(move_ms),
-        describe_resyncs(&stats)
+        describe_resyncs(&stats),
+        describe_restarted(restarted)
     );
     // Members come back after a failover with their process alive (a partition, a step-down
     // without a stop) in nearly every run: they must not all have been copied in full.
     if runs >= INCREMENTAL_RETURNS_SEEDS_MIN {
         assert!(stats.returns_incremental > 0, "no incremental return: {stats:?}");
+        // Old primaries killed and restarted come back too: their persisted write intent
+        // must make some of those returns incremental (crate docs, "Write intent").
+        assert!(restarted.incremental > 0, "no restarted old primary returned incrementally");
     }
+}
+
+fn describe_restarted(restarted: Returns) -> String {
+    format!(
+        "old primaries that came back after a restart (kill -9): {} incremental, {} full",
+        restarted.incremental, restarted.full
+    )
 }
 
 /// Seeds after which at least one member that was out of sync since a term started (the old

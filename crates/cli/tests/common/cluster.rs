@@ -545,11 +545,14 @@ pub struct ClusterOptions {
     pub rebuild_grace_s: Option<u64>,
     /// Each node in its own network namespace ([`Network`]).
     pub namespaces: bool,
+    /// More `ferrite up` arguments for every node, after the harness's own (say
+    /// `--resync-mb-per-s 4`).
+    pub up_args: Vec<String>,
 }
 
 impl ClusterOptions {
     pub fn nodes(nodes: usize) -> ClusterOptions {
-        ClusterOptions { nodes, rebuild_grace_s: None, namespaces: false }
+        ClusterOptions { nodes, rebuild_grace_s: None, namespaces: false, up_args: Vec::new() }
     }
 }
 
@@ -603,6 +606,7 @@ impl Cluster {
                 args.push("--rebuild-grace-s".to_owned());
                 args.push(grace_s.to_string());
             }
+            args.extend(options.up_args.iter().cloned());
             let mut node = ClusterNode {
                 name,
                 ip,

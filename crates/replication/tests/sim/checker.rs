@@ -1,5 +1,5 @@
 //! The simulation's judge: it records what the host saw and what the nodes did, and checks the
-//! three properties after every step and at the end of a run.
+//! properties below after every step and at the end of a run.
 //!
 //! 1. Reads (linearizability, lite): a read of a block returns the value of some write to it
 //!    that was issued before the read completed and had not been overwritten before the read
@@ -14,6 +14,9 @@
 //!    pending (or failed) may leave the two apart.
 //! 3. No split brain: no node completes a host command under an epoch once the store holds a
 //!    newer one, and no two nodes complete commands under one epoch.
+//! 4. Write intent: when a serving primary crashes, every block its host writes in flight
+//!    reach is inside the write intent that survives the crash, unless that says unknown
+//!    (checked by `World::crash`, which pushes its violations here).
 
 use std::collections::BTreeMap;
 

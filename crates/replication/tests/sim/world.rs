@@ -10,8 +10,10 @@
 //! Faults injected: message loss, duplication, delay and reordering (delay spikes); partitions
 //! (one node from everyone, the primary from everyone but the host, the primary from the store
 //! only, the host from the primary, random splits); node crashes (in-flight messages and
-//! storage requests are lost; a random part of the in-flight writes reaches the disk; the disk
-//! and the persisted epoch survive) and restarts; manager crashes; disk write and read errors;
+//! storage requests are lost; a random part of the in-flight writes reaches the disk; the disk,
+//! the persisted epoch and the persisted write intent survive, a persist in flight landing or
+//! not) and restarts, alone or a replica then the primary within an ack timeout (so the new
+//! primary probes the restarted replica); manager crashes; disk write and read errors;
 //! planned moves (the primary steps down, and now and then stops once the store named the next
 //! primary, as in a rolling restart).
 
@@ -25,14 +27,14 @@ use replication::wire::{self, Envelope};
 use replication::{
     Action, BlockData, Config, Event, HostError, HostOp, HostOpId, HostReply, LeaseKeeper, Manager,
     MemStore, Message, NodeId, Stats, StorageOpId, StorageResult, StoreReply, StoreRequest,
-    StoreRequestId, VolumeNode, VolumeState, DEALLOCATE_BLOCKS_PER_OP_MAX,
+    StoreRequestId, VolumeNode, VolumeState, WriteIntent, DEALLOCATE_BLOCKS_PER_OP_MAX,
 };
 
 use super::checker::{encode, Checker, VALUE_BYTES};
 
 const NODE_TICK_MS: u64 = 10;
 /// Kinds of fault `World::inject_fault` knows.
-const FAULT_KINDS: u16 = 11;
+const FAULT_KINDS: u16 = 12;
 const FAULT_KINDS_ALL: u16 = (1 << FAULT_KINDS) - 1;
 const HOST_TICK_MS: u64 = 5;
 const MANAGER_TICK_MS: u64 = 20;
@@ -111,8 +113,15 @@ enum SimEvent {
         incarnation: u64,
         epoch: u64,
     },
+    IntentPersistDone {
+        node: usize,
+        incarnation: u64,
+        version: u64,
+    },
     Fault,
     Restart(usize),
+    /// Crash a node (the second half of a double fault).
+    Crash(usize),
     /// A node that stepped down stops (and restarts later) once the step-down is over or at
     /// `deadline_ms`, as a node does on SIGTERM.
     StopWhenMoved {
@@ -137,6 +146,10 @@ struct SimNode {
     disk: Vec<BlockData>,
     disk_ops: BTreeMap<StorageOpId, DiskOp>,
     persist_in_flight: Option<u64>,
+    /// The write intent on disk, like the epoch: only what a persist made durable survives a
+    /// crash (a persist in flight lands whole or not at all, as a rename does).
+    persisted_intent: Option<WriteIntent>,
+    intent_in_flight: Option<(u64, WriteIntent)>,
     volume: VolumeNode,
     lease: LeaseKeeper,
     disk_fault_until_ms: u64,
@@ -207,7 +220,16 @@ impl Settings {
             hello_interval_ms: 100,
             copy_blocks_per_tick: rng.random_range(1..=16),
             dirty_lbas_max: if small { rng.random_range(2..=8) } else { 1024 },
-            divergence_lbas_max: if small { rng.random_range(2..=8) } else { 1024 },
+            divergence_ranges_max: if small { rng.random_range(2..=8) } else { 1024 },
+            intent_region_blocks: [1, 4, 16, 64][rng.random_range(0..4)],
+            intent_regions_max: if rng.random_bool(0.2) { rng.random_range(1..=4) } else { 256 },
+            // Short lingers leave regions cold, so writes often wait for the intent to grow
+            // and a crash often finds a grow in flight.
+            intent_linger_ms: if rng.random_bool(0.5) {
+                rng.random_range(10..=100)
+            } else {
+                rng.random_range(100..=2_000)
+            },
             grace_ms: rng.random_range(500..=3000),
         };
         let nodes = rng.random_range(3..=4);
@@ -254,6 +276,15 @@ pub struct Outcome {
     /// (faults injected meanwhile may delay it; one still waiting at the end is left out).
     pub move_ms: Vec<u64>,
     pub trace_tail: Vec<String>,
+    /// Returns of old primaries whose process restarted (kill -9) since their term.
+    pub restarted_returns: Returns,
+}
+
+/// How members that came back were copied.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Returns {
+    pub incremental: u64,
+    pub full: u64,
 }
 
 /// Adds `more` to `total`, counter by counter.
@@ -274,6 +305,7 @@ pub fn add_stats(total: &mut Stats, more: &Stats) {
     total.blocks_pushed += more.blocks_pushed;
     total.reconciled_full += more.reconciled_full;
     total.step_downs += more.step_downs;
+    total.intent_persists += more.intent_persists;
 }
 
 pub struct World {
@@ -300,6 +332,9 @@ pub struct World {
     /// A step-down of the store's primary waiting for a promotion: (its epoch, when).
     moving: Option<(u64, u64)>,
     move_ms: Vec<u64>,
+    /// The node the store named primary of each epoch, and its incarnation then.
+    primary_of_epoch: BTreeMap<u64, (usize, u64)>,
+    restarted_returns: Returns,
     checker: Checker,
     trace: Option<Vec<String>>,
     trace_all: bool,
@@ -328,7 +363,9 @@ impl World {
                 disk: vec![None; config.volume_blocks as usize],
                 disk_ops: BTreeMap::new(),
                 persist_in_flight: None,
-                volume: VolumeNode::new(config.clone(), NodeId(index as u32), 1, 0),
+                persisted_intent: None,
+                intent_in_flight: None,
+                volume: VolumeNode::new(config.clone(), NodeId(index as u32), 1, 0, None),
                 lease: LeaseKeeper::new(NodeId(index as u32), 1, config),
                 disk_fault_until_ms: 0,
                 host_commands: BTreeMap::new(),
@@ -355,6 +392,8 @@ impl World {
             stats: Stats::default(),
             moving: None,
             move_ms: Vec::new(),
+            primary_of_epoch: BTreeMap::new(),
+            restarted_returns: Returns::default(),
             checker: Checker::default(),
             trace: trace.then(Vec::new),
             trace_all: std::env::var_os("FERRITE_SIM_TRACE_ALL").is_some(),
@@ -442,6 +481,7 @@ impl World {
             end_ms: self.now_ms,
             faults: self.faults,
             trace_tail: self.trace.unwrap_or_default(),
+            restarted_returns: self.restarted_returns,
         }
     }
 
@@ -512,6 +552,8 @@ impl World {
                     self.crash(node);
                 }
                 if self.nodes[node].up {
+                    // Asserts its own bounds (nothing copied beyond what is to copy).
+                    let _ = self.nodes[node].volume.resync_progress();
                     if let Some(call) = self.nodes[node].lease.tick(self.now_ms) {
                         let payload = Payload::StoreRequest {
                             origin: Origin::Lease,
@@ -552,6 +594,16 @@ impl World {
                     self.node_event(node, Event::EpochPersisted { epoch });
                 }
             }
+            SimEvent::IntentPersistDone { node, incarnation, version } => {
+                let sim = &mut self.nodes[node];
+                if sim.up && sim.incarnation == incarnation {
+                    if let Some((in_flight, intent)) = sim.intent_in_flight.take() {
+                        assert_eq!(in_flight, version, "one intent persist in flight at a time");
+                        sim.persisted_intent = Some(intent);
+                    }
+                    self.node_event(node, Event::IntentPersisted { version });
+                }
+            }
             SimEvent::Fault => {
                 if self.faults_on {
                     self.inject_fault();
@@ -560,6 +612,11 @@ impl World {
                 }
             }
             SimEvent::Restart(node) => self.restart(node),
+            SimEvent::Crash(node) => {
+                if self.faults_on {
+                    self.crash(node);
+                }
+            }
             SimEvent::StopWhenMoved { node, incarnation, deadline_ms } => {
                 let sim = &self.nodes[node];
                 if sim.up && sim.incarnation == incarnation {
@@ -628,6 +685,10 @@ impl World {
                 let after = self.store.volume().value.epoch;
                 self.check_joined(after == before, &in_sync_before);
                 if after != before {
+                    if let Some(primary) = self.store.volume().value.primary {
+                        let node = primary.0 as usize;
+                        self.primary_of_epoch.insert(after, (node, self.nodes[node].incarnation));
+                    }
                     if let Some((epoch, since_ms)) = self.moving {
                         if after > epoch {
                             self.move_ms.push(self.now_ms - since_ms);
@@ -686,8 +747,16 @@ impl World {
                         if !routine || self.trace_all {
                             self.log(|| format!("n{sender} -> n{node}: {}", short(&message)));
                         }
+                        let last_term = match message {
+                            Message::Hello { last_term_epoch, .. } => Some(last_term_epoch),
+                            _ => None,
+                        };
+                        let before = self.nodes[node].volume.stats().clone();
                         let event = Event::Message { from: NodeId(sender as u32), message };
                         self.node_event(node, event);
+                        if let Some(last_term) = last_term {
+                            self.count_restarted_return(node, sender, last_term, &before);
+                        }
                     }
                     Payload::StoreResponse { origin: Origin::Lease, id, reply } => {
                         if let Some(status) = self.nodes[node].lease.on_reply(id, &reply) {
@@ -719,6 +788,34 @@ impl World {
                 }
             }
             _ => {}
+        }
+    }
+
+    /// Counts the return of an old primary whose process restarted since its term: the `Hello`
+    /// that `primary` just took from `sender` started its resync, and `sender` names the term
+    /// of a process older than its current one.
+    fn count_restarted_return(
+        &mut self,
+        primary: usize,
+        sender: usize,
+        last_term: u64,
+        before: &Stats,
+    ) {
+        let restarted =
+            self.primary_of_epoch.get(&last_term).is_some_and(|&(node, incarnation)| {
+                node == sender && incarnation < self.nodes[sender].incarnation
+            });
+        if !restarted {
+            return;
+        }
+        let after = self.nodes[primary].volume.stats().clone();
+        if after.returns_incremental > before.returns_incremental {
+            self.restarted_returns.incremental += 1;
+            self.log(|| format!("n{sender} returns incrementally after a restart"));
+        }
+        if after.returns_full > before.returns_full {
+            self.restarted_returns.full += 1;
+            self.log(|| format!("n{sender} returns with a full copy after a restart"));
         }
     }
 
@@ -771,6 +868,23 @@ impl World {
                 let incarnation = sim.incarnation;
                 let delay_ms = self.rng.random_range(1..=3);
                 self.schedule(delay_ms, SimEvent::PersistDone { node, incarnation, epoch });
+            }
+            Action::PersistIntent { version, intent } => {
+                let sim = &mut self.nodes[node];
+                assert!(sim.intent_in_flight.is_none(), "n{node}: two intent persists in flight");
+                // The file as the node writes it must read back the same.
+                let bytes = intent.to_bytes();
+                assert_eq!(WriteIntent::from_bytes(&bytes).as_ref(), Ok(&intent));
+                sim.intent_in_flight = Some((version, intent));
+                let incarnation = sim.incarnation;
+                // A file, its fsync and a rename: now and then slow, which widens the window in
+                // which a crash finds a persist in flight.
+                let mut delay_ms = self.rng.random_range(1..=3);
+                if self.rng.random_bool(0.2) {
+                    delay_ms += self.rng.random_range(10..=100);
+                }
+                let event = SimEvent::IntentPersistDone { node, incarnation, version };
+                self.schedule(delay_ms, event);
             }
             Action::Store { id, request } => {
                 let payload = Payload::StoreRequest { origin: Origin::Volume, id, request };
@@ -861,13 +975,17 @@ impl World {
             }
         }
         let sim = &mut self.nodes[node];
+        // Every write a serving primary has in flight is one of its pending host writes.
+        let serving = sim.volume.serving_epoch(self.now_ms).is_some();
         sim.up = false;
         // Writes in flight reach the disk or not, block by block.
+        let mut landed = Vec::new();
         for (_, op) in std::mem::take(&mut sim.disk_ops) {
             if let DiskOp::Write { lba, blocks } = op {
                 for (index, block) in blocks.into_iter().enumerate() {
                     if self.rng.random_bool(0.5) {
                         sim.disk[lba as usize + index] = block;
+                        landed.push(lba + index as u64);
                     }
                 }
             }
@@ -875,6 +993,27 @@ impl World {
         if let Some(epoch) = sim.persist_in_flight.take() {
             if self.rng.random_bool(0.5) {
                 sim.persisted_epoch = sim.persisted_epoch.max(epoch);
+            }
+        }
+        if let Some((_, intent)) = sim.intent_in_flight.take() {
+            if self.rng.random_bool(0.5) {
+                sim.persisted_intent = Some(intent);
+            }
+        }
+        // Check 4: the write intent that survives covers every uncommitted write that landed
+        // (crate docs, "Write intent"), unless it says unknown.
+        let known = sim.persisted_intent.as_ref().and_then(|intent| intent.lbas.as_ref());
+        if let (true, Some(ranges)) = (serving, known) {
+            let outside: Vec<u64> = landed
+                .into_iter()
+                .filter(|lba| !ranges.iter().any(|range| range.contains(lba)))
+                .take(8)
+                .collect();
+            if !outside.is_empty() {
+                self.checker.violations.push(format!(
+                    "n{node} crashed as primary with host writes landing at blocks {outside:?}, \
+                     outside its persisted write intent {ranges:?}"
+                ));
             }
         }
         sim.host_commands.clear();
@@ -892,7 +1031,9 @@ impl World {
         sim.incarnation += 1;
         sim.disk_fault_until_ms = 0;
         let id = NodeId(node as u32);
-        sim.volume = VolumeNode::new(config.clone(), id, sim.incarnation, sim.persisted_epoch);
+        let intent = sim.persisted_intent.clone();
+        sim.volume =
+            VolumeNode::new(config.clone(), id, sim.incarnation, sim.persisted_epoch, intent);
         sim.lease = LeaseKeeper::new(id, sim.incarnation, &config);
         let (incarnation, epoch) = (sim.incarnation, sim.persisted_epoch);
         self.log(|| format!("n{node} restarts (incarnation {incarnation}, epoch {epoch})"));
@@ -982,7 +1123,16 @@ impl World {
                 self.nodes[target].disk_fault_until_ms = until_ms;
                 self.log(|| format!("n{target} (primary): disk faults until {until_ms}"));
             }
-            _ => self.step_down(target),
+            10 => self.step_down(target),
+            _ => {
+                // A replica is killed, then the primary before it could be removed from the
+                // in-sync set: the new primary probes the restarted replica, whose divergence
+                // is then what its write intent kept.
+                let replica = (target + 1 + self.rng.random_range(0..nodes - 1)) % nodes;
+                self.crash(replica);
+                let delay_ms = self.rng.random_range(0..=self.settings.config.ack_timeout_ms);
+                self.schedule(delay_ms, SimEvent::Crash(target));
+            }
         }
     }
 
