@@ -21,9 +21,13 @@ What it does, in order:
      nbd://127.0.0.1:PORT/VOLUME: a write-fill (sequential 1 MiB over the whole volume), then
      the five workloads. Then pgbench on ext4 on a loop device over an nbdfuse file of the
      volume (scripts/pgbench-ext4.sh). The node is stopped and its drives deleted.
-  2. Ferrite, 3 replicas: NOT RUN today. Ferrite has no replication yet (issue 6); the row is
-     recorded as "not run" with that reason. For 3 replicas: a private etcd and 3 nodes in one
-     cluster (ferrite_replicated), fio and pgbench through the primary's NBD export.
+  2. Ferrite, 3 replicas: a private etcd and 3 `ferrite up` nodes in one cluster (each with its
+     own data dir, drives and ports), a volume with --replicas 3, and the same fio and pgbench
+     through the primary's NBD export. The nodes are stopped and their drives deleted.
+
+Like for like: Ceph's replicated pools keep no parity inside an OSD, so Ferrite's nodes run
+with --erasure-coding none unless FERRITE_ERASURE_CODING says otherwise (Ferrite's default,
+3+1 parity over a node's drives, costs writes; measure it with FERRITE_ERASURE_CODING=3+1).
   3. Ceph: ../shared/anchors/ceph/up.sh (1 mon, 1 mgr, 3 BlueStore OSDs on sparse files, on
      the same filesystem). A pool of size 1 (min_size 1) with an image of the same size is
      created beside the anchor's size-3 pool. For each: fio with ioengine=rbd, the same
@@ -64,6 +68,7 @@ Environment (all optional):
                         [/var/tmp/ferrite-compare-ceph/<timestamp>]
   COMPARE_MIN_FREE_GB   stop everything if the disk's free space falls below this [4]
   FERRITE_DRIVE_SIZE_GB each of Ferrite's 4 sparse drive files        [COMPARE_SIZE_GB/2+1, at least 2]
+  FERRITE_ERASURE_CODING  parity over each Ferrite node's drives (K+M or none)  [none]
   FERRITE_UP_ARGS       extra arguments for `ferrite up` (such as --poll-us 200)  [none]
   CEPH_ANCHOR_DIR       the Ceph anchor scripts            [../shared/anchors/ceph]
   CEPH_DATA_DIR         the Ceph cluster's data            [/var/tmp/ceph-anchor]
@@ -110,6 +115,7 @@ min_free_gb=${COMPARE_MIN_FREE_GB:-4}
 drive_size_gb=${FERRITE_DRIVE_SIZE_GB:-$((size_gb / 2 + 1))}
 [ "$drive_size_gb" -ge 2 ] || drive_size_gb=2
 ferrite_drive_count=4
+erasure_coding=${FERRITE_ERASURE_CODING:-none}
 anchor_dir=${CEPH_ANCHOR_DIR:-$repo/../shared/anchors/ceph}
 ceph_dir=${CEPH_DATA_DIR:-/var/tmp/ceph-anchor}
 osd_size_gb=${CEPH_OSD_SIZE_GB:-$((2 * size_gb + 1))}
@@ -127,7 +133,7 @@ all_workloads="4k_randread 4k_randwrite 8k_randrw_80_20 16k_randrw_70_30 32k_ran
 # The command as the user gave it, for the report: the knobs that were set (except the two that
 # only say where the results go), then the entry point.
 command_line=""
-for knob in $(compgen -e | grep -E '^(COMPARE_[A-Z_]+|FERRITE_DRIVE_SIZE_GB|FERRITE_UP_ARGS|CEPH_ANCHOR_DIR|CEPH_DATA_DIR|CEPH_OSD_SIZE_GB|KEEP_CEPH)$' | grep -vE '^COMPARE_(OUT_DIR|WRITE_DOCS)$' | sort); do
+for knob in $(compgen -e | grep -E '^(COMPARE_[A-Z_]+|FERRITE_DRIVE_SIZE_GB|FERRITE_ERASURE_CODING|FERRITE_UP_ARGS|CEPH_ANCHOR_DIR|CEPH_DATA_DIR|CEPH_OSD_SIZE_GB|KEEP_CEPH)$' | grep -vE '^COMPARE_(OUT_DIR|WRITE_DOCS)$' | sort); do
     command_line+="$knob=${!knob@Q} "
 done
 if [ -n "${MAKELEVEL:-}" ]; then command_line+="make compare-ceph"; else command_line+="scripts/compare-ceph.sh"; fi
@@ -410,7 +416,7 @@ start_ferrite_node() {  # name
     ferrite_data_dirs+=("$dir")
     # shellcheck disable=SC2086 # FERRITE_UP_ARGS is a list of arguments
     "$ferrite" up --data-dir "$dir" --drives "$ferrite_drive_count" --drive-size "${drive_size_gb}G" \
-        --api-listen "127.0.0.1:$api_port" --nvme-listen "127.0.0.1:$nvme_port" \
+        --erasure-coding "$erasure_coding" --api-listen "127.0.0.1:$api_port" --nvme-listen "127.0.0.1:$nvme_port" \
         --nbd-listen "127.0.0.1:$nbd_port" ${FERRITE_UP_ARGS:-} >"$out/logs/ferrite-$name.log" 2>&1 &
     pid=$!
     ferrite_pids+=("$pid")
@@ -631,6 +637,7 @@ git_commit() {
         "$size_gb" "$runtime_s" "$ramp_s" "$iodepth" "$numjobs"
     printf '"workloads": "%s", "compression": "%s", "ferrite_drives": "%s x %s GiB", ' "$workloads" "$compression" \
         "$ferrite_drive_count" "$drive_size_gb"
+    printf '"ferrite_erasure_coding": "%s", ' "$erasure_coding"
     printf '"ferrite_up_args": %s, "ceph_osds": "%s x %s GiB", ' "$(jq -Rn --arg c "${FERRITE_UP_ARGS:-}" '$c')" \
         "$ceph_osd_count" "$osd_size_gb"
     printf '"pgbench": %s, "pgbench_scale": %s, "pgbench_clients": %s, "pgbench_jobs": %s, "pgbench_time_s": %s, ' \
