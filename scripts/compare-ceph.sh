@@ -35,6 +35,10 @@ with --erasure-coding none unless FERRITE_ERASURE_CODING says otherwise (Ferrite
      over an rbd-fuse file of the image. Then down.sh stops Ceph and deletes its data.
   4. scripts/compare-report.py turns the results into the tables and the chart.
 
+One run is noisy on a shared machine. To repeat it and report medians, run it again with
+COMPARE_WRITE_DOCS=0 and a COMPARE_OUT_DIR each, then
+`scripts/compare-medians.py DIR1 DIR2 DIR3` prints the median of each run's own ratios.
+
 fio is the same on both sides except the engine: iodepth 32 x 4 jobs, direct=1, random
 offsets (norandommap, randrepeat=0), refill_buffers (fresh random, incompressible data on every
 write), ramp then measured time, group_reporting, JSON with p50/p99/p99.9 of total latency.
