@@ -20,7 +20,7 @@
 use crate::control::ControlError;
 use crate::data_plane::DataPlane;
 use crate::metrics::Registry;
-use crate::replicate::{ReplicationSetup, ReplicationStatus};
+use crate::replicate::{ReplicationSetup, ReplicationStatus, VolumeReplication};
 use meta::{
     ClusterStore, EmbeddedStore, EtcdStore, MemberRecord, MetaError, MetaStore, NodeRecord,
     SnapshotRecord, VolumeRecord,
@@ -449,18 +449,19 @@ impl Cluster {
         resync_info(&local.resync, &names)
     }
 
-    /// The copies the primary of volume `name` (`id`) makes, as it answers them: this node's
+    /// The copies the primary of volume `name` makes, as it answers them: this node's
     /// own when it serves the volume, else asked of the primary's API (at most
     /// [`RESYNC_ASK_TIMEOUT_MS`]; nothing when it cannot be asked).
     fn primary_resync(
         &self,
-        id: u64,
+        local: Option<&VolumeReplication>,
         name: &str,
         primary: Option<NodeId>,
         members: &[MemberRecord],
+        names: &BTreeMap<NodeId, String>,
     ) -> Vec<api::ResyncProgress> {
-        if self.status.volume(id).is_some_and(|local| local.serving) {
-            return self.local_resync(id);
+        if let Some(local) = local.filter(|local| local.serving) {
+            return resync_info(&local.resync, names);
         }
         let Some(primary) = primary.filter(|primary| *primary != self.me) else {
             return Vec::new();
@@ -493,7 +494,8 @@ impl Cluster {
         let names: BTreeMap<NodeId, String> =
             members.iter().map(|member| (member.id, member.name.clone())).collect();
         let name = |node: &NodeId| names.get(node).cloned().unwrap_or_else(|| node.to_string());
-        let local = self.status.volume(id).map(|local| api::LocalReplica {
+        let local_status = self.status.volume(id);
+        let local = local_status.as_ref().map(|local| api::LocalReplica {
             node: self.config.node_name.clone(),
             epoch: local.epoch,
             serving: local.serving,
@@ -511,7 +513,13 @@ impl Cluster {
             members: state.members.iter().map(name).collect(),
             in_sync: state.in_sync.iter().map(name).collect(),
             local,
-            resync: self.primary_resync(id, volume, state.primary, &members),
+            resync: self.primary_resync(
+                local_status.as_ref(),
+                volume,
+                state.primary,
+                &members,
+                &names,
+            ),
         })
     }
 
