@@ -5,8 +5,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use engine::erasure::ErasureScheme;
 use types::ByteSize;
 
+use crate::local::EngineSetup;
 use crate::output::{render_table, write_json_lines};
 use crate::run::{
     run_keeping_map, BenchConfig, CheckOptions, WorkloadReport, QUEUE_COUNT_MAX, QUEUE_DEPTH_MAX,
@@ -22,6 +24,7 @@ Examples:
   ferrite bench --target nvme+tcp://127.0.0.1:4420/db-1 --fill --json results.jsonl
   ferrite bench --target nvme+tcp://127.0.0.1/db-1 --workloads 4k_randread,4k_randwrite --runtime 30
   ferrite bench --target nvme+tcp://127.0.0.1/db-1 --size 1G --verify --runtime 60
+  ferrite bench --target engine:/var/tmp --size 2G --fill --workloads 4k_randwrite,4k_randread
 
 Workloads (random offsets aligned to the I/O size, over the region given by --size):
   4k_randread        4 KiB reads
@@ -46,6 +49,17 @@ Verification (--verify):
   the command fails if there is any. --verify needs 4 bytes of RAM per 4 KiB of region.
   --verify-map FILE saves the acknowledged generations at the end, even when the run fails (a
   killed server); --check FILE later reads back every block written and checks it.
+
+The engine alone (engine:DIR):
+  Runs the log-structured engine inside the bench's own process, with no network: drive files
+  (--drives x --drive-size) in a fresh directory under DIR, laid out first (written with zeros,
+  as fio lays out its file, about a second per GiB; --sparse-drives skips it), the log
+  formatted on them with --erasure-coding, one thin volume of --size (2G by default), --threads
+  threads each with its own engine handle and io_uring ring as a node's data-path threads
+  (queue i runs on thread i % threads), and the node's background GC and checkpoints on the
+  first. Every write is durable when it completes, as on a node. This sets the engine beside
+  fio on the same kind of raw files; the whole path through NVMe/TCP is measured against a
+  running node. The directory is removed at the end, so --verify-map and --check do not apply.
 
 Exit status: non-zero on a connection failure, a failed I/O command or a verify mismatch.";
 
@@ -120,6 +134,36 @@ pub struct BenchArgs {
     /// No progress line on stderr (the table and errors still print).
     #[arg(long)]
     pub quiet: bool,
+
+    /// engine:DIR only: how many drive files [default: 4]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub drives: Option<u16>,
+
+    /// engine:DIR only: the size of each drive file [default: 16G]
+    #[arg(long, value_name = "SIZE")]
+    pub drive_size: Option<ByteSize>,
+
+    /// engine:DIR only: parity across the drives, K+M or none [default: none]
+    #[arg(long, value_name = "K+M|none", value_parser = parse_erasure)]
+    pub erasure_coding: Option<ErasureScheme>,
+
+    /// engine:DIR only: threads serving the engine, as a node's --data-threads [default: one
+    /// per CPU]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub threads: Option<u16>,
+
+    /// engine:DIR only: leave the drive files sparse instead of laying them out first
+    #[arg(long)]
+    pub sparse_drives: bool,
+}
+
+/// The drive files of an `engine:DIR` run when not given.
+const ENGINE_DRIVES_DEFAULT: u16 = 4;
+const ENGINE_DRIVE_SIZE_DEFAULT: u64 = 16 << 30;
+const ENGINE_VOLUME_SIZE_DEFAULT: u64 = 2 << 30;
+
+fn parse_erasure(text: &str) -> Result<ErasureScheme, String> {
+    text.parse::<ErasureScheme>().map_err(|error| error.to_string())
 }
 
 fn parse_target(text: &str) -> Result<TargetUrl, String> {
@@ -132,7 +176,48 @@ impl BenchArgs {
         match &self.target {
             TargetUrl::NvmeTcp(target) => Ok(target),
             TargetUrl::Nbd(_) => Err(BenchError::NbdNotSupported),
+            TargetUrl::Engine { .. } => Err(BenchError::InvalidConfig(
+                "engine:DIR runs the engine in process, not over NVMe/TCP".to_owned(),
+            )),
         }
+    }
+
+    /// For `engine:DIR`, the private node to set up; `None` for a remote target. Refuses the
+    /// engine's options on a remote target and the options an engine run cannot honour.
+    pub fn engine_setup(&self) -> Result<Option<EngineSetup>, BenchError> {
+        let invalid = |message: &str| Err(BenchError::InvalidConfig(message.to_owned()));
+        let TargetUrl::Engine { parent_dir } = &self.target else {
+            let engine_only = self.drives.is_some()
+                || self.drive_size.is_some()
+                || self.erasure_coding.is_some()
+                || self.threads.is_some()
+                || self.sparse_drives;
+            if engine_only {
+                return invalid(
+                    "--drives, --drive-size, --erasure-coding, --threads and --sparse-drives \
+                     apply to engine:DIR targets only",
+                );
+            }
+            return Ok(None);
+        };
+        if self.check.is_some() || self.verify_map.is_some() {
+            return invalid(
+                "an engine:DIR run removes its drive files at the end; --verify-map and --check \
+                 need a target that outlives the run",
+            );
+        }
+        Ok(Some(EngineSetup {
+            parent_dir: parent_dir.clone(),
+            drive_count: self.drives.unwrap_or(ENGINE_DRIVES_DEFAULT),
+            drive_size_bytes: self.drive_size.map_or(ENGINE_DRIVE_SIZE_DEFAULT, ByteSize::bytes),
+            erasure: self.erasure_coding.unwrap_or(ErasureScheme::NONE),
+            volume_size_bytes: self.size.map_or(ENGINE_VOLUME_SIZE_DEFAULT, ByteSize::bytes),
+            threads: self.threads.unwrap_or_else(|| {
+                let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+                u16::try_from(cpus).unwrap_or(u16::MAX).clamp(1, 64)
+            }),
+            lay_out: !self.sparse_drives,
+        }))
     }
 
     pub fn to_config(&self) -> BenchConfig {
@@ -164,7 +249,10 @@ pub async fn run_command<C: Connector>(
     args: &BenchArgs,
     connector: &mut C,
 ) -> Result<Vec<WorkloadReport>, BenchError> {
-    let target = args.nvme_tcp_target()?.clone();
+    if let TargetUrl::Nbd(_) = args.target {
+        return Err(BenchError::NbdNotSupported);
+    }
+    args.engine_setup()?;
     if let Some(path) = &args.check {
         return check_command(args, connector, path).await.map(|()| Vec::new());
     }
@@ -188,8 +276,7 @@ pub async fn run_command<C: Connector>(
     if let Some(path) = &args.json {
         let output_error = |source| BenchError::Output { path: path.clone(), source };
         let mut file = std::fs::File::create(path).map_err(output_error)?;
-        write_json_lines(&mut file, &TargetUrl::NvmeTcp(target).to_string(), &reports)
-            .map_err(output_error)?;
+        write_json_lines(&mut file, &args.target.to_string(), &reports).map_err(output_error)?;
     }
     for report in &reports {
         for mismatch in &report.mismatch_examples {

@@ -10,6 +10,7 @@
 
 mod args;
 mod engine;
+pub mod local;
 mod output;
 mod progress;
 mod run;

@@ -4,10 +4,13 @@
 //! Accepted: `nvme+tcp://HOST[:PORT]/NQN` (port 4420 when left out; a bare volume name in place
 //! of the NQN stands for that volume's Ferrite subsystem NQN) and `nbd://HOST[:PORT]/EXPORT`
 //! (port 10809), which parses but is refused later until the NBD frontend exists. HOST is a DNS
-//! name, an IPv4 address or a bracketed IPv6 address; it is not resolved here.
+//! name, an IPv4 address or a bracketed IPv6 address; it is not resolved here. `engine:DIR` is
+//! the log-structured engine in the bench's own process, on drive files in a fresh directory
+//! under DIR (see `crate::local`).
 
 use std::fmt;
 use std::net::Ipv6Addr;
+use std::path::PathBuf;
 use std::str::FromStr;
 
 use types::{Nqn, VolumeName};
@@ -37,6 +40,10 @@ pub struct TargetUrlError {
 pub enum TargetUrl {
     NvmeTcp(NvmeTcpTarget),
     Nbd(NbdTarget),
+    /// The engine in this process; drive files go in a fresh directory under this one.
+    Engine {
+        parent_dir: PathBuf,
+    },
 }
 
 /// An NVMe/TCP subsystem: where to connect and which subsystem NQN to ask for.
@@ -84,6 +91,7 @@ impl fmt::Display for TargetUrl {
                 write!(f, "nvme+tcp://{}/{}", target.address(), target.nqn)
             }
             TargetUrl::Nbd(target) => write!(f, "nbd://{}/{}", target.address(), target.export),
+            TargetUrl::Engine { parent_dir } => write!(f, "engine:{}", parent_dir.display()),
         }
     }
 }
@@ -99,6 +107,14 @@ fn parse(url: &str) -> Result<TargetUrl, String> {
     if let Some(bad) = url.chars().find(|c| c.is_whitespace() || c.is_control()) {
         return Err(format!("it contains {bad:?}; {FORMS}"));
     }
+    if let Some(dir) = url.strip_prefix("engine:") {
+        if !dir.starts_with('/') {
+            return Err(format!(
+                "{dir:?} is not an absolute directory; use engine:DIR, for example engine:/var/tmp"
+            ));
+        }
+        return Ok(TargetUrl::Engine { parent_dir: PathBuf::from(dir) });
+    }
     let Some((scheme, rest)) = url.split_once("://") else {
         return Err(format!("no scheme; {FORMS}"));
     };
@@ -111,7 +127,7 @@ fn parse(url: &str) -> Result<TargetUrl, String> {
         }
         _ => {
             return Err(format!(
-                "unsupported scheme {scheme:?}; {FORMS} (or nbd://HOST:PORT/EXPORT)"
+                "unsupported scheme {scheme:?}; {FORMS} (or nbd://HOST:PORT/EXPORT, or engine:DIR)"
             ))
         }
     };

@@ -210,7 +210,7 @@ enum Command {
     /// Replace a failed drive; the node rebuilds it from the other drives.
     #[command(long_about = DRIVE_ABOUT, after_long_help = DRIVE_EXAMPLES)]
     Drive(DriveArgs),
-    /// Measure a volume with the five standard workloads over NVMe/TCP.
+    /// Measure a volume with the five standard workloads over NVMe/TCP, or the engine alone.
     Bench(Box<bench::BenchArgs>),
 }
 
@@ -934,11 +934,22 @@ fn drive_command(args: DriveArgs) -> anyhow::Result<()> {
 }
 
 fn bench_command(args: &bench::BenchArgs) -> anyhow::Result<()> {
-    let target = args.nvme_tcp_target()?.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("start the benchmark's runtime")?;
+    if let Some(setup) = args.engine_setup()? {
+        let local = tokio::task::LocalSet::new();
+        return local.block_on(&runtime, async {
+            let engine = bench::local::EngineBench::start(&setup).await?;
+            eprintln!("engine: {} drive files in {}", setup.drive_count, engine.dir().display());
+            let result = bench::run_command(args, &mut engine.connector()).await;
+            eprintln!("{}", engine.summary());
+            result?;
+            Ok(())
+        });
+    }
+    let target = args.nvme_tcp_target()?.clone();
     let mut connector = bench::nvme::nvme_connector(&target);
     runtime.block_on(bench::run_command(args, &mut connector))?;
     Ok(())

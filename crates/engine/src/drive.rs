@@ -81,8 +81,9 @@ pub fn check_request(
 /// [`types::BLOCK_SIZE_BYTES`]; implementations may assert it.
 ///
 /// Durability: data written by `write_at` is durable once a `sync` that started after the write
-/// completed has returned `Ok`. A hole punched by `punch_hole` reads as zeros at once and is
-/// durable under the same rule.
+/// completed has returned `Ok`; data written by `write_durable_at` is durable when it returns
+/// `Ok`. A hole punched by `punch_hole` reads as zeros at once and is durable under the first
+/// rule.
 #[allow(async_fn_in_trait)] // Single-threaded by design: futures never cross threads.
 pub trait Drive {
     /// Fills all of `buf` (its `len()`) from the drive at `offset_bytes`.
@@ -99,6 +100,21 @@ pub trait Drive {
     ) -> (Result<(), DriveError>, AlignedBuf);
     /// Makes every write and punch completed before this call durable (fdatasync).
     async fn sync(&self) -> Result<(), DriveError>;
+    /// Writes all of `buf` at `offset_bytes` and completes only once that write is durable
+    /// (O_DSYNC on a file: the kernel flushes right after the write, with no round trip to the
+    /// caller in between). Says nothing about other writes. By default a `write_at` then a
+    /// `sync`, which is at least as strong.
+    async fn write_durable_at(
+        &self,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+    ) -> (Result<(), DriveError>, AlignedBuf) {
+        let (result, buf) = self.write_at(offset_bytes, buf).await;
+        match result {
+            Ok(()) => (self.sync().await, buf),
+            Err(error) => (Err(error), buf),
+        }
+    }
     /// Deallocates a range; it reads as zeros afterwards.
     async fn punch_hole(&self, offset_bytes: u64, length_bytes: u64) -> Result<(), DriveError>;
     fn size_bytes(&self) -> u64;

@@ -189,6 +189,23 @@ impl Drive for DriveFile {
         (transfer_result(DriveOperation::Write, offset_bytes, length_bytes, result), buf)
     }
 
+    async fn write_durable_at(
+        &self,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+    ) -> (Result<(), DriveError>, AlignedBuf) {
+        if self.memory {
+            // RAM is the medium: a completed write is all there is (see `sync`).
+            return self.write_at(offset_bytes, buf).await;
+        }
+        let length_bytes = buf.len() as u64;
+        if let Err(error) = self.check(DriveOperation::Write, offset_bytes, length_bytes) {
+            return (Err(error), buf);
+        }
+        let (result, buf) = self.ring.write_dsync_at(&self.file, offset_bytes, buf).await;
+        (transfer_result(DriveOperation::Write, offset_bytes, length_bytes, result), buf)
+    }
+
     async fn sync(&self) -> Result<(), DriveError> {
         if self.memory {
             // RAM is the medium: a completed write is all there is (fdatasync on tmpfs does

@@ -296,7 +296,21 @@ impl Ring {
         offset_bytes: u64,
         buf: AlignedBuf,
     ) -> (io::Result<usize>, AlignedBuf) {
-        let (result, buf) = Op::new(self, OpKind::Write { offset_bytes }, file, Some(buf)).await;
+        let kind = OpKind::Write { offset_bytes, dsync: false };
+        let (result, buf) = Op::new(self, kind, file, Some(buf)).await;
+        (result.map(|count| count as usize), buf.expect("a write gives its buffer back"))
+    }
+
+    /// Writes `buf.len()` bytes at `offset_bytes` with RWF_DSYNC: the write completes once it
+    /// is durable, as if an fdatasync covering it followed; returns the bytes written.
+    pub async fn write_dsync_at(
+        &self,
+        file: &Rc<File>,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+    ) -> (io::Result<usize>, AlignedBuf) {
+        let kind = OpKind::Write { offset_bytes, dsync: true };
+        let (result, buf) = Op::new(self, kind, file, Some(buf)).await;
         (result.map(|count| count as usize), buf.expect("a write gives its buffer back"))
     }
 
@@ -365,10 +379,20 @@ impl Drop for Ring {
 
 #[derive(Clone, Copy)]
 enum OpKind {
-    Read { offset_bytes: u64 },
-    Write { offset_bytes: u64 },
+    Read {
+        offset_bytes: u64,
+    },
+    /// `dsync`: RWF_DSYNC, durable on completion.
+    Write {
+        offset_bytes: u64,
+        dsync: bool,
+    },
     DataSync,
-    Fallocate { offset_bytes: u64, length_bytes: u64, mode: i32 },
+    Fallocate {
+        offset_bytes: u64,
+        length_bytes: u64,
+        mode: i32,
+    },
 }
 
 enum Phase {
@@ -407,10 +431,14 @@ impl<'r> Op<'r> {
                     let length = u32::try_from(buf.len()).expect("I/O under 4 GiB");
                     opcode::Read::new(fd, buf.as_mut_ptr(), length).offset(offset_bytes).build()
                 }
-                OpKind::Write { offset_bytes } => {
+                OpKind::Write { offset_bytes, dsync } => {
                     let buf = entry.buf.as_ref().expect("a write has a buffer");
                     let length = u32::try_from(buf.len()).expect("I/O under 4 GiB");
-                    opcode::Write::new(fd, buf.as_ptr(), length).offset(offset_bytes).build()
+                    let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+                    opcode::Write::new(fd, buf.as_ptr(), length)
+                        .offset(offset_bytes)
+                        .rw_flags(flags)
+                        .build()
                 }
                 OpKind::DataSync => {
                     opcode::Fsync::new(fd).flags(uring_types::FsyncFlags::DATASYNC).build()

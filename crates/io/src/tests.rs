@@ -224,6 +224,14 @@ fn drive_file_checks_bounds_and_names_files() {
         let (result, read) = drive.read_at((1 << 20) - 4096, AlignedBuf::new(BLOCK)).await;
         result.unwrap();
         assert!(read.iter().all(|b| *b == 0));
+        // A durable (RWF_DSYNC) write lands like a plain one and is checked the same way.
+        let (result, _) = drive.write_durable_at(8192, pattern(7, 2 * BLOCK)).await;
+        result.unwrap();
+        let (result, read) = drive.read_at(8192, AlignedBuf::new(2 * BLOCK)).await;
+        result.unwrap();
+        assert_eq!(&read[..], &pattern(7, 2 * BLOCK)[..]);
+        let (result, _) = drive.write_durable_at(1 << 20, pattern(1, BLOCK)).await;
+        assert!(matches!(result, Err(DriveError::OutOfBounds { .. })), "{result:?}");
     });
 }
 

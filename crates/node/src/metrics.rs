@@ -433,7 +433,11 @@ impl Registry {
                 "Host blocks those batches carried (blocks per batch: the group-commit width).",
                 counters.host_batch_blocks,
             ),
-            ("ferrite_drive_syncs_total", "Drive syncs issued.", counters.drive_syncs),
+            (
+                "ferrite_drive_syncs_total",
+                "Drive syncs issued (fdatasyncs and durable O_DSYNC writes).",
+                counters.drive_syncs,
+            ),
             (
                 "ferrite_gc_relocated_blocks_total",
                 "Live blocks garbage collection copied.",

@@ -100,7 +100,8 @@ pub(super) struct Counters {
     /// Host batches made durable, and the host blocks they carried (group-commit width).
     pub host_batches: AtomicU64,
     pub host_batch_blocks: AtomicU64,
-    /// Drive syncs issued (by host batches, GC and checkpoints).
+    /// Drive syncs issued (by host batches, GC and checkpoints): fdatasyncs, and writes made
+    /// durable on their own (O_DSYNC), one per drive write.
     pub drive_syncs: AtomicU64,
     /// Background scrub (`scrub`): live blocks verified, damage found (blocks and header chains,
     /// counted each pass that finds them; not in `checksum_errors`), passes completed, and the
@@ -1294,9 +1295,15 @@ impl<D: Drive> LogHandle<D> {
             }
         };
         let written = 1 + data_blocks as u32;
-        let touched = self.write_positions(segment, position, written, block_of).await?;
-        for drive in touched.iter() {
-            group.touched.insert(drive);
+        if engine.geometry.is_coded() {
+            let touched = self.write_positions(segment, position, written, block_of).await?;
+            for drive in touched.iter() {
+                group.touched.insert(drive);
+            }
+        } else {
+            // Durable as written (O_DSYNC): the group's sync has nothing left to do for it, and
+            // the kernel flushes without a round trip through this thread.
+            self.write_plain(segment, position, written, block_of, true).await?;
         }
         group.parts.push(header);
         Ok(())
@@ -1420,10 +1427,24 @@ impl<D: Drive> LogHandle<D> {
         count: u32,
         block_of: impl Fn(u32) -> &'b [u8],
     ) -> Result<DriveSet, Failure> {
-        let geometry = &self.engine.geometry;
-        if geometry.is_coded() {
+        if self.engine.geometry.is_coded() {
             return self.write_stripes(segment, first, count, block_of).await;
         }
+        self.write_plain(segment, first, count, block_of, false).await
+    }
+
+    /// [`LogHandle::write_positions`] on a log without parity; with `durable`, each drive write
+    /// is durable when it completes ([`Drive::write_durable_at`]).
+    async fn write_plain<'b>(
+        &self,
+        segment: u32,
+        first: u32,
+        count: u32,
+        block_of: impl Fn(u32) -> &'b [u8],
+        durable: bool,
+    ) -> Result<DriveSet, Failure> {
+        let geometry = &self.engine.geometry;
+        assert!(!geometry.is_coded());
         let mut touched = DriveSet::default();
         let mut writes: Vec<LocalFuture<'_, (u16, Result<(), DriveError>)>> = Vec::new();
         for (drive, first_row, rows) in geometry.drive_runs(first, count) {
@@ -1440,7 +1461,11 @@ impl<D: Drive> LogHandle<D> {
             let offset_bytes = geometry.row_offset_bytes(segment, first_row);
             let target = self.drive(drive);
             writes.push(Box::pin(async move {
-                let (result, buf) = target.write_at(offset_bytes, buf).await;
+                let (result, buf) = if durable {
+                    target.write_durable_at(offset_bytes, buf).await
+                } else {
+                    target.write_at(offset_bytes, buf).await
+                };
                 self.buffers.give(buf);
                 (drive, result)
             }));
@@ -1449,6 +1474,10 @@ impl<D: Drive> LogHandle<D> {
             .counters
             .device_bytes_written
             .fetch_add(u64::from(count) * BLOCK_BYTES_U64, Ordering::Relaxed);
+        if durable {
+            // Each is a flush of its drive, as a sync is.
+            self.engine.counters.drive_syncs.fetch_add(writes.len() as u64, Ordering::Relaxed);
+        }
         let (_, failure) = self.join_latching(writes).await;
         failure.map_or(Ok(touched), Err)
     }

@@ -66,6 +66,10 @@ pub struct LogConfig {
     /// The erasure coding the drives are formatted with (none by default); an opened log keeps
     /// what its superblocks record.
     pub erasure: ErasureScheme,
+    /// The caller has just written zeros over each drive's whole log area (laid-out drive
+    /// files): format then skips the punch that would otherwise clear an earlier format's
+    /// headers, which would also hand the blocks back to the filesystem.
+    pub area_zeroed: bool,
 }
 
 impl LogConfig {
@@ -77,6 +81,7 @@ impl LogConfig {
             handles_max: 64,
             checkpoint_interval_segments: 64,
             erasure: ErasureScheme::NONE,
+            area_zeroed: false,
         }
     }
 

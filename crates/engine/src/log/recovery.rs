@@ -93,7 +93,9 @@ impl LogEngine {
             let io = |source| LogError::Io { drive: drive_index, source };
             let area_bytes =
                 LOG_HEADER_BYTES + geometry.unit_bytes() * u64::from(geometry.segment_count);
-            drive.punch_hole(geometry.area_offset_bytes, area_bytes).await.map_err(io)?;
+            if !config.area_zeroed {
+                drive.punch_hole(geometry.area_offset_bytes, area_bytes).await.map_err(io)?;
+            }
             let superblock = LogSuperblock {
                 node_uuid: config.node_uuid,
                 drive_index,

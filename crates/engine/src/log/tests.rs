@@ -47,6 +47,7 @@ pub(super) fn config() -> LogConfig {
         handles_max: 4,
         checkpoint_interval_segments: 4,
         erasure: crate::erasure::ErasureScheme::NONE,
+        area_zeroed: false,
     }
 }
 

@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# The log-structured engine alone beside fio, in one run: the five standard workloads with
+# `ferrite bench --target engine:DIR` (the engine inside the bench's own process, on io_uring, no
+# network) and fio with io_uring + O_DIRECT on a raw file of the same size on the same
+# filesystem, then both at queue depth 1 (4k_randread and 4k_randwrite, one queue of one
+# request: the latency of a single I/O). Repeats the set ROUNDS times, alternating, and prints
+# the medians: IOPS and p99.9 of each side with the median of the per-round ratios, then the
+# QD1 mean and p99 latency of each side, then each round's figures with the engine's summary
+# (write amplification, batches, syncs, GC). Both sides use QD = IODEPTH x QUEUES.
+#
+#   scripts/bench-engine.sh            # defaults: 2 GiB volume, 4 x 4 GiB drives, 3 rounds
+#   SIZE=4G ROUNDS=5 RUNTIME=20 scripts/bench-engine.sh
+#   ERASURE=3+1 scripts/bench-engine.sh   # parity across the drives (default: the bench's, none)
+#   THREADS=2 scripts/bench-engine.sh     # the engine's data-path threads (default: one per CPU)
+#
+# Environment: ROUNDS (3), RUNTIME (10 s per workload), RAMP (2 s), SIZE (2G: the engine's
+# volume and fio's file, both filled first), DRIVE_SIZE (4G per drive file), IODEPTH (32),
+# QUEUES (4), THREADS (--threads if set), ERASURE (--erasure-coding if set). Needs the release
+# binary (built if missing) and fio (scripts/deps.sh installs it).
+#
+# Disk: every `ferrite bench` run lays out its 4 drive files first (writes 4 x DRIVE_SIZE of
+# zeros, 16 GiB by default, about a second per GiB; two runs per round) and removes them at the
+# end; fio's file stays for the whole run. The run refuses to start unless the filesystem of
+# ${TMPDIR:-/var/tmp} has SIZE + 4 x DRIVE_SIZE + 1 GiB free.
+#
+# Note what the peer is: fio writes without fsync, so its random-write figure is the drive's
+# volatile-cache speed, while every engine write is durable when acknowledged.
+set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    "") ;;
+    *) echo "bench-engine: unknown argument $1 (see --help; the knobs are environment variables)" >&2; exit 2 ;;
+esac
+cd "$(dirname "$0")/.."
+size=${SIZE:-2G}
+drive_size=${DRIVE_SIZE:-4G}
+drives=4
+rounds=${ROUNDS:-3}
+runtime=${RUNTIME:-10}
+ramp=${RAMP:-2}
+iodepth=${IODEPTH:-32}
+queues=${QUEUES:-4}
+engine_args=(--drives "$drives" --drive-size "$drive_size")
+[ -z "${THREADS:-}" ] || engine_args+=(--threads "$THREADS")
+[ -z "${ERASURE:-}" ] || engine_args+=(--erasure-coding "$ERASURE")
+ferrite=./target/release/ferrite
+[ -x "$ferrite" ] || cargo build --release --locked --bin ferrite
+command -v fio >/dev/null || scripts/deps.sh
+
+# Bytes of a size as `ferrite bench` and fio read it (binary units: 2G is 2 GiB).
+bytes() {
+    python3 - "$1" <<'PY'
+import re, sys
+m = re.fullmatch(r"(\d+)\s*([kmgtp]?)(i?b)?", sys.argv[1].strip(), re.IGNORECASE)
+if not m:
+    sys.exit(f"bench-engine: '{sys.argv[1]}' is not a size such as 512M or 4G")
+print(int(m[1]) << (10 * "bkmgtp".index((m[2] or "b").lower())))
+PY
+}
+parent=${TMPDIR:-/var/tmp}
+size_bytes=$(bytes "$size")
+drive_size_bytes=$(bytes "$drive_size")
+need_bytes=$((size_bytes + drives * drive_size_bytes + (1 << 30)))
+free_bytes=$(($(df -Pk "$parent" | awk 'NR == 2 { print $4 }') * 1024))
+if [ "$free_bytes" -lt "$need_bytes" ]; then
+    echo "bench-engine: $parent has $((free_bytes >> 20)) MiB free; the raw file ($size), the" \
+        "$drives laid-out drive files ($drive_size each) and 1 GiB to spare need" \
+        "$((need_bytes >> 20)) MiB: free space, set TMPDIR to a larger filesystem, or lower" \
+        "SIZE or DRIVE_SIZE" >&2
+    exit 1
+fi
+
+work=$(mktemp -d "$parent/ferrite-bench-engine.XXXXXX")
+cleanup() { rm -rf "$work"; }
+trap cleanup EXIT
+
+# One `ferrite bench` on a fresh engine: ROUND LABEL [extra args...]. Appends its rows to the
+# results and the engine's summary line (stderr) to the summaries; shows stderr if it fails.
+engine_run() {
+    local round=$1 label=$2
+    shift 2
+    if ! "$ferrite" bench --target "engine:$work" --size "$size" "${engine_args[@]}" --fill \
+        --runtime "$runtime" --ramp "$ramp" --quiet --json "$work/ferrite.json" "$@" \
+        >/dev/null 2>"$work/ferrite.err"; then
+        cat "$work/ferrite.err" >&2
+        echo "bench-engine: ferrite bench failed in round $round ($label)" >&2
+        exit 1
+    fi
+    printf '%s\t%s\t%s\n' "$round" "$label" "$(grep '^engine:' "$work/ferrite.err" | tail -n 1)" \
+        >>"$work/summaries.tsv"
+    python3 - "$work/ferrite.json" "$round" "$label" >>"$results" <<'PY'
+import json, sys
+prefix = "qd1_" if sys.argv[3] == "qd1" else ""
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{sys.argv[2]}\tferrite\t{prefix}{r['workload']}\t{r['iops']:.0f}\t{r['lat_mean_us']:.1f}"
+          f"\t{r['lat_p99_us']:.1f}\t{r['lat_p999_us']:.1f}")
+PY
+}
+
+fio_run() { # workload rw bs rwmixread numjobs iodepth
+    fio --name="$1" --filename="$work/raw.dat" --size="$size" --rw="$2" --bs="$3" \
+        ${4:+--rwmixread=$4} --direct=1 --ioengine=io_uring --iodepth="$6" \
+        --numjobs="$5" --group_reporting --time_based --runtime="$runtime" \
+        --ramp_time="$ramp" --lat_percentiles=1 --output-format=json
+}
+fio_row() { # round workload: one row from $work/fio.json
+    python3 - "$work/fio.json" "$1" "$2" <<'PY'
+import json, sys
+job = json.load(open(sys.argv[1]))["jobs"][0]
+sides = [job[d] for d in ("read", "write") if job[d]["iops"] > 0]
+iops = sum(s["iops"] for s in sides)
+mean = sum(s["lat_ns"]["mean"] * s["iops"] for s in sides) / iops / 1000
+def pct(key):
+    return max(s["lat_ns"]["percentile"].get(key, 0) for s in sides) / 1000
+print(f"{sys.argv[2]}\tfio\t{sys.argv[3]}\t{iops:.0f}\t{mean:.1f}\t{pct('99.000000'):.1f}\t{pct('99.900000'):.1f}")
+PY
+}
+
+echo "laying out the raw file ($size); each engine run lays out $drives x $drive_size" >&2
+fio --name=fill --filename="$work/raw.dat" --size="$size" --rw=write --bs=1M --direct=1 \
+    --ioengine=io_uring --iodepth=16 >/dev/null
+
+workloads="4k_randread:randread:4k: 4k_randwrite:randwrite:4k: 8k_randrw_80_20:randrw:8k:80 16k_randrw_70_30:randrw:16k:70 32k_randrw_50_50:randrw:32k:50"
+qd1_workloads="qd1_4k_randread:randread:4k: qd1_4k_randwrite:randwrite:4k:"
+results="$work/results.tsv"
+: >"$results"
+: >"$work/summaries.tsv"
+for round in $(seq 1 "$rounds"); do
+    echo "round $round/$rounds: engine, engine QD1, fio, fio QD1" >&2
+    engine_run "$round" standard --iodepth "$iodepth" --queues "$queues"
+    engine_run "$round" qd1 --iodepth 1 --queues 1 --workloads 4k_randread,4k_randwrite
+    for spec in $workloads; do
+        IFS=: read -r name rw bs mix <<<"$spec"
+        fio_run "$name" "$rw" "$bs" "$mix" "$queues" "$iodepth" >"$work/fio.json"
+        fio_row "$round" "$name" >>"$results"
+    done
+    for spec in $qd1_workloads; do
+        IFS=: read -r name rw bs mix <<<"$spec"
+        fio_run "$name" "$rw" "$bs" "$mix" 1 1 >"$work/fio.json"
+        fio_row "$round" "$name" >>"$results"
+    done
+done
+python3 - "$results" "$work/summaries.tsv" "$iodepth" "$queues" <<'PY'
+import statistics, sys
+rows = [line.split("\t") for line in open(sys.argv[1]).read().split("\n") if line]
+summaries = [line.split("\t", 2) for line in open(sys.argv[2]).read().split("\n") if line]
+def median(side, workload, column):
+    return statistics.median(float(r[column]) for r in rows if r[1] == side and r[2] == workload)
+order = ["4k_randread", "4k_randwrite", "8k_randrw_80_20", "16k_randrw_70_30", "32k_randrw_50_50"]
+print(f"QD {int(sys.argv[3]) * int(sys.argv[4])} ({sys.argv[4]} queues x {sys.argv[3]}):\n")
+print("| workload | engine IOPS (median) | fio raw IOPS (median) | ratio (median of per-round ratios) | engine p99.9 us | fio p99.9 us |")
+print("|---|---:|---:|---:|---:|---:|")
+for w in order:
+    f = {r[0]: r for r in rows if r[1] == "ferrite" and r[2] == w}
+    g = {r[0]: r for r in rows if r[1] == "fio" and r[2] == w}
+    ratios = [float(f[k][3]) / float(g[k][3]) for k in f if k in g and float(g[k][3]) > 0]
+    print(f"| {w} | {median('ferrite', w, 3):,.0f} | {median('fio', w, 3):,.0f} | "
+          f"{statistics.median(ratios):.2f}x | {median('ferrite', w, 6):,.0f} | {median('fio', w, 6):,.0f} |")
+print("\nQD1 (1 queue x 1), latency in microseconds (medians):\n")
+print("| workload | engine mean | fio mean | engine p99 | fio p99 |")
+print("|---|---:|---:|---:|---:|")
+for w in ["qd1_4k_randread", "qd1_4k_randwrite"]:
+    print(f"| {w[4:]} | {median('ferrite', w, 4):,.1f} | {median('fio', w, 4):,.1f} | "
+          f"{median('ferrite', w, 5):,.1f} | {median('fio', w, 5):,.1f} |")
+rounds = sorted(set(r[0] for r in rows), key=int)
+print(f"\nrounds: {len(rounds)}; per-round rows (round side workload IOPS mean_us p99_us p99.9_us):")
+for n in rounds:
+    for r in rows:
+        if r[0] == n:
+            print("  " + " ".join(r))
+    for s in summaries:
+        if s[0] == n:
+            print(f"  {n} {s[1]}: {s[2]}")
+PY
