@@ -55,6 +55,10 @@ pub const BATCHES_QUEUED_MAX: usize = 8;
 pub const GROUP_BATCHES_MAX: usize = 4;
 /// Times a read re-reads a block whose checksum failed because GC moved it meanwhile.
 pub const READ_RETRIES_MAX: u32 = 4;
+/// The most blocks one drive read of a multi-block host read covers.
+pub const READ_RUN_BLOCKS_MAX: usize = 64;
+/// The most drive reads one multi-block host read has in flight at once.
+pub const READ_RUNS_IN_FLIGHT_MAX: usize = 64;
 /// Volumes a handle keeps in its cache before starting the cache over.
 pub const VOLUME_CACHE_MAX: usize = 4096;
 /// The share of the usable data space offered to hosts; the rest keeps GC efficient. At 90%,
@@ -1709,25 +1713,156 @@ impl<D: Drive> LogHandle<D> {
             let entry = index.lookup(first);
             return self.read_block(&index, first, entry, buf).await;
         }
-        let mut scratch = self.buffers.take(BLOCK_BYTES);
-        for slot in 0..count {
-            let block = first + slot as u64;
-            let entry = index.lookup(block);
-            let out = &mut buf[slot * BLOCK_BYTES..(slot + 1) * BLOCK_BYTES];
+        let entries: Vec<u64> = (0..count).map(|slot| index.lookup(first + slot as u64)).collect();
+        if self.engine.geometry.is_coded() {
+            // A coded log reads block by block (a degraded read rebuilds whole stripes).
+            for (slot, out) in buf.chunks_mut(BLOCK_BYTES).enumerate() {
+                let (block, entry) = (first + slot as u64, entries[slot]);
+                let read = if is_block(entry) {
+                    self.read_block_into(&index, block, entry, out).await
+                } else {
+                    out.fill(0);
+                    Ok(())
+                };
+                if let Err(error) = read {
+                    return (Err(error), buf);
+                }
+            }
+            return (Ok(()), buf);
+        }
+        // Runs of blocks stored back to back on one drive are read with one I/O each, and all
+        // runs at once: a multi-block read costs about one device latency, not one per block.
+        let runs = self.read_runs(&entries);
+        let mut rest: &mut [u8] = &mut buf;
+        let mut next_slot = 0;
+        for window in runs.chunks(READ_RUNS_IN_FLIGHT_MAX) {
+            let mut reads: Vec<LocalFuture<'_, Result<(), LogError>>> =
+                Vec::with_capacity(window.len());
+            for &(start, length) in window {
+                let (skipped, tail) =
+                    std::mem::take(&mut rest).split_at_mut((start - next_slot) * BLOCK_BYTES);
+                // Blocks between runs are unmapped: zeros.
+                skipped.fill(0);
+                let (out, tail) = tail.split_at_mut(length * BLOCK_BYTES);
+                rest = tail;
+                next_slot = start + length;
+                let entries = &entries[start..start + length];
+                let index = &index;
+                reads.push(Box::pin(async move {
+                    self.read_run(index, first + start as u64, entries, out).await
+                }));
+            }
+            for result in join_all(reads).await {
+                if let Err(error) = result {
+                    return (Err(error), buf);
+                }
+            }
+        }
+        rest.fill(0);
+        (Ok(()), buf)
+    }
+
+    /// The runs of mapped blocks among `entries` (consecutive blocks of a read) as (first
+    /// slot, length): a run is one block, or raw blocks at consecutive locations of one segment
+    /// on consecutive rows of one drive, at most [`READ_RUN_BLOCKS_MAX`] long. Unmapped blocks
+    /// belong to no run.
+    fn read_runs(&self, entries: &[u64]) -> Vec<(usize, usize)> {
+        let geometry = &self.engine.geometry;
+        assert!(!geometry.is_coded(), "a coded log reads block by block");
+        let raw_location = |entry: u64| match unpack(entry) {
+            Some((location, tag)) if matches!(Tag::of(tag), Tag::Raw { .. }) => Some(location),
+            _ => None,
+        };
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut previous: Option<u32> = None;
+        for (slot, &entry) in entries.iter().enumerate() {
             if !is_block(entry) {
-                out.fill(0);
+                previous = None;
                 continue;
             }
-            let (result, returned) = self.read_block(&index, block, entry, scratch).await;
-            scratch = returned;
-            if let Err(error) = result {
-                self.buffers.give(scratch);
-                return (Err(error), buf);
+            let location = raw_location(entry);
+            let follows = match (previous, location) {
+                (Some(before), Some(location)) => {
+                    let (segment, position) = geometry.split(before);
+                    location == before + 1 && position + 1 < geometry.positions_per_segment() && {
+                        let (drive, row) = geometry.drive_row(position);
+                        geometry.drive_row(position + 1) == (drive, row + 1)
+                            && geometry.split(location).0 == segment
+                    }
+                }
+                _ => false,
+            };
+            match runs.last_mut() {
+                Some((start, length))
+                    if follows && *start + *length == slot && *length < READ_RUN_BLOCKS_MAX =>
+                {
+                    *length += 1;
+                }
+                _ => runs.push((slot, 1)),
             }
+            previous = location;
+        }
+        runs
+    }
+
+    /// [`LogHandle::read_block`] into `out` (one block) through a pooled buffer.
+    async fn read_block_into(
+        &self,
+        index: &VolumeIndex,
+        block: u64,
+        entry: u64,
+        out: &mut [u8],
+    ) -> Result<(), LogError> {
+        let scratch = self.buffers.take(BLOCK_BYTES);
+        let (result, scratch) = self.read_block(index, block, entry, scratch).await;
+        if result.is_ok() {
             out.copy_from_slice(&scratch);
         }
         self.buffers.give(scratch);
-        (Ok(()), buf)
+        result
+    }
+
+    /// Reads one run of [`LogHandle::read_runs`] into `out` (its blocks, in order), starting at
+    /// volume block `first`. A run of several blocks is one drive read; a block of it that fails
+    /// its checksum (GC moved it meanwhile, or damage) is read again on its own, with the single
+    /// block path's retries and repair.
+    async fn read_run(
+        &self,
+        index: &VolumeIndex,
+        first: u64,
+        entries: &[u64],
+        out: &mut [u8],
+    ) -> Result<(), LogError> {
+        debug_assert_eq!(out.len(), entries.len() * BLOCK_BYTES);
+        if entries.len() == 1 {
+            return self.read_block_into(index, first, entries[0], out).await;
+        }
+        let Some((location, _)) = unpack(entries[0]) else {
+            unreachable!("runs hold mapped blocks")
+        };
+        let (segment, position) = self.engine.geometry.split(location);
+        let (drive, offset_bytes) = self.engine.geometry.place(segment, position);
+        let run = self.buffers.take(out.len());
+        let (result, run) = if self.engine.latches.is_failed(drive) {
+            (Err(()), run)
+        } else {
+            let (result, run) = self.drive(drive).read_at(offset_bytes, run).await;
+            (result.map_err(drop), run)
+        };
+        if result.is_ok() {
+            out.copy_from_slice(&run);
+        }
+        self.buffers.give(run);
+        for (slot, block_out) in out.chunks_mut(BLOCK_BYTES).enumerate() {
+            let verified = result.is_ok()
+                && unpack(entries[slot])
+                    .is_some_and(|(_, tag)| Tag::of(tag).matches(crc32c::crc32c(block_out)));
+            if !verified {
+                // The single block path reports a failed drive, an I/O error or damage exactly.
+                self.read_block_into(index, first + slot as u64, entries[slot], block_out).await?;
+            }
+        }
+        Ok(())
     }
 
     /// Writes `data` at `offset_bytes`; completes once durable.

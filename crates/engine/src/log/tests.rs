@@ -348,6 +348,50 @@ fn a_corrupt_block_is_an_error_never_garbage() {
     assert!(result.is_ok(), "other blocks still read");
 }
 
+/// Drive reads the node's drives have served so far.
+fn drive_reads(node: &Node) -> u64 {
+    node.drives.iter().map(|drive| drive.stats().reads).sum()
+}
+
+#[test]
+fn multi_block_reads_take_back_to_back_blocks_in_one_drive_read() {
+    let node = Node::format(32, 4, 3, 1);
+    let (_volumes, maps) = volume_maps(&[1000]);
+    let map = &maps[0];
+    let volume = map.volume();
+    let handle = &node.handles[0];
+    let read = |first: u64, count: u64| {
+        let (result, buf) = block_on(handle.read_blocks(
+            map,
+            first * BLOCK,
+            AlignedBuf::new((count * BLOCK) as usize),
+        ));
+        result.unwrap();
+        buf
+    };
+    let (result, _) = block_on(handle.write(map, 0, block_buf(volume, 0, 16, 1)));
+    result.unwrap();
+    let before = drive_reads(&node);
+    assert_eq!(&read(0, 16)[..], &block_buf(volume, 0, 16, 1)[..]);
+    let runs_read = drive_reads(&node) - before;
+    // One batch holds the 16 blocks back to back; at most a chunk boundary splits them.
+    assert!(runs_read <= 2, "16 blocks written together took {runs_read} drive reads");
+    // Block 5 rewritten on its own breaks the run in three; unmapped blocks after read as zeros.
+    let (result, _) = block_on(handle.write(map, 5 * BLOCK, block_buf(volume, 5, 1, 2)));
+    result.unwrap();
+    let mut expected = block_buf(volume, 0, 20, 1);
+    expected[5 * BLOCK_BYTES..6 * BLOCK_BYTES].copy_from_slice(&block_buf(volume, 5, 1, 2));
+    expected[16 * BLOCK_BYTES..].fill(0);
+    let before = drive_reads(&node);
+    assert_eq!(&read(0, 20)[..], &expected[..]);
+    let runs_read = drive_reads(&node) - before;
+    assert!((3..=4).contains(&runs_read), "three runs took {runs_read} drive reads");
+    // A run starting mid-way and a single unmapped block between mapped ones.
+    block_on(handle.deallocate(map, 9 * BLOCK, BLOCK)).unwrap();
+    expected[9 * BLOCK_BYTES..10 * BLOCK_BYTES].fill(0);
+    assert_eq!(&read(3, 12)[..], &expected[3 * BLOCK_BYTES..15 * BLOCK_BYTES]);
+}
+
 #[test]
 fn drives_of_another_node_or_format_are_refused() {
     let drives = sim_drives(16, 3, 0);
