@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine::erasure::ErasureScheme;
-use engine::log::{GcOutcome, LogConfig, LogEngine, LogHandle};
+use engine::log::{LogConfig, LogEngine, LogHandle};
 use engine::{DriveLatches, NodeUuid, StoreError, VolumeId, VolumeMap, VolumeStore};
 use io::{DriveFile, Ring};
 use tokio::sync::{mpsc, Notify};
@@ -28,9 +28,6 @@ use crate::target::{BlockQueue, Connector, IoCompletion, IoKind, IoRequest, IoSt
 
 /// The background tick of the engine's upkeep, as on a node's thread 0.
 const BACKGROUND_TICK: Duration = Duration::from_millis(50);
-/// GC steps per tick, and per tick when free segments run short (the node's pacing).
-const GC_STEPS_PER_TICK: u32 = 2;
-const GC_STEPS_PER_TICK_URGENT: u32 = 16;
 /// A checkpoint after this long with writes since the last one, as on a node.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(30);
 /// The volume's ID inside the bench's private log.
@@ -341,23 +338,11 @@ async fn upkeep(handle: Rc<LogHandle<DriveFile>>) {
     let mut written_at_checkpoint = 0;
     loop {
         tick.tick().await;
-        let stats = handle.engine().stats();
-        let reserve = stats.segments_total / 20;
-        let steps = if stats.segments_free < 2 * reserve.max(8) {
-            GC_STEPS_PER_TICK_URGENT
-        } else {
-            GC_STEPS_PER_TICK
-        };
-        for _ in 0..steps {
-            match handle.gc_step().await {
-                Ok(GcOutcome::Cleaned { .. }) => {}
-                Ok(GcOutcome::Idle | GcOutcome::NoVictim) => break,
-                Err(error) => {
-                    eprintln!("garbage collection failed: {error}");
-                    return;
-                }
-            }
+        if let Err(error) = handle.gc_tick().await {
+            eprintln!("garbage collection failed: {error}");
+            return;
         }
+        let stats = handle.engine().stats();
         let written = stats.host_bytes_written;
         if written != written_at_checkpoint && last_checkpoint.elapsed() >= CHECKPOINT_INTERVAL {
             if let Err(error) = handle.checkpoint().await {

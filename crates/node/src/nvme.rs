@@ -37,7 +37,7 @@ use crate::rebuild::{RebuildStatus, Rebuilder};
 use crate::scrub::{ScrubStatus, Scrubber};
 use engine::compress::Compression;
 use engine::log::index::LayerError;
-use engine::log::{GcOutcome, LogConfig, LogEngine, LogError, LogHandle};
+use engine::log::{LogConfig, LogEngine, LogError, LogHandle};
 use engine::{
     DriveError, DriveLatches, DriveOperation, NodeUuid, StoreError, Superblock, VolumeId,
     VolumeLayout, VolumeMap, VolumeStore, Volumes,
@@ -81,11 +81,6 @@ const STEP_DOWN_TIMEOUT_MS: u64 = 5_000;
 pub const DATA_THREADS_MAX: usize = 64;
 /// How often the background task looks at free space and the checkpoint clock.
 pub(crate) const BACKGROUND_TICK_MS: u64 = 50;
-/// GC steps per tick while space is merely getting low: a step relocates at most one segment,
-/// so this bounds how much foreground bandwidth GC takes.
-const GC_STEPS_PER_TICK: u32 = 2;
-/// GC steps per tick when the free segments are within twice the reserve: catch up.
-const GC_STEPS_PER_TICK_URGENT: u32 = 16;
 /// A checkpoint is taken at least this often while data changes, bounding recovery time.
 const CHECKPOINT_INTERVAL_MS: u64 = 30_000;
 /// Commands (volume and snapshot operations) queued for the background task.
@@ -1165,23 +1160,10 @@ async fn background(
         }
         let stats = store.engine().stats();
         report_failed_drives(&stats, &mut failed_seen);
-        let reserve = stats.segments_total / 20;
-        let steps = if stats.segments_free < 2 * reserve.max(8) {
-            GC_STEPS_PER_TICK_URGENT
-        } else {
-            GC_STEPS_PER_TICK
-        };
-        for _ in 0..steps {
-            match store.gc_step().await {
-                Ok(GcOutcome::Cleaned { .. }) => {}
-                Ok(GcOutcome::Idle | GcOutcome::NoVictim) => break,
-                Err(error) => {
-                    if !gc_failed_logged {
-                        tracing::error!(%error, "garbage collection failed");
-                        gc_failed_logged = true;
-                    }
-                    break;
-                }
+        if let Err(error) = store.gc_tick().await {
+            if !gc_failed_logged {
+                tracing::error!(%error, "garbage collection failed");
+                gc_failed_logged = true;
             }
         }
         let written = stats.host_bytes_written;

@@ -84,7 +84,33 @@ fn failure_of(error: &LogError) -> Failure {
     }
 }
 
+/// GC steps per background tick while space is merely getting low: a step relocates at most one
+/// segment, so this bounds how much foreground bandwidth GC takes.
+pub const GC_STEPS_PER_TICK: u32 = 2;
+/// GC steps per tick when the free segments are within twice the reserve: catch up.
+pub const GC_STEPS_PER_TICK_URGENT: u32 = 16;
+
 impl<D: Drive> LogHandle<D> {
+    /// One background tick of paced GC (the node's and the in-process bench's pacing):
+    /// [`GC_STEPS_PER_TICK`] steps, [`GC_STEPS_PER_TICK_URGENT`] when free segments are within
+    /// twice the reserve, stopping at the first step that finds nothing to do.
+    pub async fn gc_tick(&self) -> Result<(), LogError> {
+        let stats = self.engine().stats();
+        let reserve = stats.segments_total / 20;
+        let steps = if stats.segments_free < 2 * reserve.max(8) {
+            GC_STEPS_PER_TICK_URGENT
+        } else {
+            GC_STEPS_PER_TICK
+        };
+        for _ in 0..steps {
+            match self.gc_step().await? {
+                GcOutcome::Cleaned { .. } => {}
+                GcOutcome::Idle | GcOutcome::NoVictim => break,
+            }
+        }
+        Ok(())
+    }
+
     /// Background GC: cleans one segment if free space is getting low. The node calls it from a
     /// background task on some data-path thread, paced as it sees fit.
     pub async fn gc_step(&self) -> Result<GcOutcome, LogError> {

@@ -27,7 +27,7 @@ pub mod segments;
 mod stripes;
 
 pub use engine::{LogEngine, LogHandle, LogStats, VolumeStats};
-pub use gc::GcOutcome;
+pub use gc::{GcOutcome, GC_STEPS_PER_TICK, GC_STEPS_PER_TICK_URGENT};
 pub use rebuild::{RebuildProgress, REBUILD_BACKLOG_MAX, REBUILD_STRIPES_PER_CALL_MAX};
 pub use recovery::RecoveryReport;
 pub use scrub::{ScrubCursor, ScrubDamage, ScrubFinding, ScrubProgress};
