@@ -1,12 +1,15 @@
-//! The bench's in-process target: `ferrite bench --target engine:DIR` drives the log-structured engine in its
-//! own process, with no network in between, so the engine's speed can be set beside fio's on the
-//! same kind of raw files (issue 4's comparison; `ferrite bench` measures the whole path).
+//! The bench's in-process target: `ferrite bench --target engine:DIR` drives the log-structured
+//! engine in its own process, with no network in between, so the engine's speed can be set
+//! beside fio's on the same kind of raw files (issue 4's comparison; `ferrite bench` against a
+//! node measures the whole path).
 //!
 //! [`StoreConnector`] implements [`Connector`] over any [`engine::VolumeStore`]: each queue runs
 //! every request as a local task on the current thread and collects the completions, at most
-//! the queue depth of them, so nothing here is unbounded (the bench keeps at most the depth in
-//! flight). [`EngineBench`] sets up what a node would: drive files in a fresh directory (laid out
-//! with zeros unless asked to stay sparse), the log formatted on them, one handle with its own
+//! the queue depth of them (the bench keeps at most the depth in flight); worker threads take
+//! requests and return completions over channels bounded the same way.
+//!
+//! [`EngineBench`] sets up what a node would: drive files in a fresh directory (laid out with
+//! zeros unless asked to stay sparse), the log formatted on them, one handle with its own
 //! io_uring ring per thread (this one and worker threads, as a node's data-path threads), the
 //! node's background work on this thread (paced GC and periodic checkpoints), and one thin
 //! volume; dropping it removes the directory.
@@ -24,12 +27,16 @@ use engine::{DriveLatches, NodeUuid, StoreError, VolumeId, VolumeMap, VolumeStor
 use io::{DriveFile, Ring};
 use tokio::sync::{mpsc, Notify};
 
+use crate::run::{QUEUE_COUNT_MAX, QUEUE_DEPTH_MAX};
 use crate::target::{BlockQueue, Connector, IoCompletion, IoKind, IoRequest, IoStatus};
 
 /// The background tick of the engine's upkeep, as on a node's thread 0.
 const BACKGROUND_TICK: Duration = Duration::from_millis(50);
 /// A checkpoint after this long with writes since the last one, as on a node.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(30);
+/// Requests queued for one worker thread: every queue's whole depth, the most the bench keeps in
+/// flight.
+const WORKER_JOBS_MAX: usize = QUEUE_COUNT_MAX as usize * QUEUE_DEPTH_MAX as usize;
 /// The volume's ID inside the bench's private log.
 const VOLUME_ID: VolumeId = VolumeId(1);
 
@@ -97,14 +104,14 @@ pub struct EngineBench {
 /// A thread serving requests on its own handle of the engine.
 struct Worker {
     /// Dropping it ends the thread's loop.
-    jobs: Option<mpsc::UnboundedSender<Job>>,
+    jobs: Option<mpsc::Sender<Job>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 /// A request for a worker thread, with where its completion goes.
 struct Job {
     request: IoRequest,
-    reply: mpsc::UnboundedSender<IoCompletion>,
+    reply: mpsc::Sender<IoCompletion>,
 }
 
 /// Starts a current_thread runtime with its own ring on this thread, as a node's data-path
@@ -249,7 +256,7 @@ impl Worker {
         paths: &[PathBuf],
         volume: &Arc<VolumeMap>,
     ) -> Result<Worker, LocalError> {
-        let (jobs, mut inbox) = mpsc::unbounded_channel::<Job>();
+        let (jobs, mut inbox) = mpsc::channel::<Job>(WORKER_JOBS_MAX);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), LocalError>>();
         let engine = Arc::clone(engine);
         let paths = paths.to_vec();
@@ -291,7 +298,7 @@ impl Worker {
                         running.push(tokio::task::spawn_local(async move {
                             let completion = serve(&*handle, &volume, request).await;
                             // The queue may be gone (a failed run): nothing waits then.
-                            let _ = reply.send(completion);
+                            let _ = reply.send(completion).await;
                         }));
                     }
                     for task in running {
@@ -472,7 +479,7 @@ fn status_of(error: &StoreError) -> u16 {
 /// bench's own).
 pub struct EngineConnector {
     local: StoreConnector<LogHandle<DriveFile>>,
-    workers: Vec<mpsc::UnboundedSender<Job>>,
+    workers: Vec<mpsc::Sender<Job>>,
 }
 
 /// A queue of an [`EngineBench`], on the bench's thread or on a worker thread.
@@ -481,13 +488,13 @@ pub enum EngineQueue {
     Remote(RemoteQueue),
 }
 
-/// A queue whose requests run on a worker thread; completions come back over a channel that
-/// holds at most the queue depth of them.
+/// A queue whose requests run on a worker thread; completions come back over a channel of the
+/// queue's depth.
 pub struct RemoteQueue {
     size_bytes: u64,
-    jobs: mpsc::UnboundedSender<Job>,
-    reply: mpsc::UnboundedSender<IoCompletion>,
-    completions: mpsc::UnboundedReceiver<IoCompletion>,
+    jobs: mpsc::Sender<Job>,
+    reply: mpsc::Sender<IoCompletion>,
+    completions: mpsc::Receiver<IoCompletion>,
 }
 
 impl Connector for EngineConnector {
@@ -507,7 +514,7 @@ impl Connector for EngineConnector {
             let queue = match index % threads {
                 0 => EngineQueue::Local(local.next().ok_or(QueueStopped)?),
                 thread => {
-                    let (reply, completions) = mpsc::unbounded_channel();
+                    let (reply, completions) = mpsc::channel(usize::from(queue_depth));
                     EngineQueue::Remote(RemoteQueue {
                         size_bytes,
                         jobs: self.workers[thread - 1].clone(),
@@ -537,7 +544,8 @@ impl BlockQueue for EngineQueue {
             EngineQueue::Local(queue) => queue.submit(request),
             EngineQueue::Remote(queue) => queue
                 .jobs
-                .send(Job { request, reply: queue.reply.clone() })
+                // Never full: at most the queues' depths are in flight (the bench's contract).
+                .try_send(Job { request, reply: queue.reply.clone() })
                 .map_err(|_| QueueStopped),
         }
     }
