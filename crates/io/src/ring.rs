@@ -296,9 +296,7 @@ impl Ring {
         offset_bytes: u64,
         buf: AlignedBuf,
     ) -> (io::Result<usize>, AlignedBuf) {
-        let kind = OpKind::Write { offset_bytes, dsync: false };
-        let (result, buf) = Op::new(self, kind, file, Some(buf)).await;
-        (result.map(|count| count as usize), buf.expect("a write gives its buffer back"))
+        self.write(file, offset_bytes, buf, false).await
     }
 
     /// Writes `buf.len()` bytes at `offset_bytes` with RWF_DSYNC: the write completes once it
@@ -309,7 +307,17 @@ impl Ring {
         offset_bytes: u64,
         buf: AlignedBuf,
     ) -> (io::Result<usize>, AlignedBuf) {
-        let kind = OpKind::Write { offset_bytes, dsync: true };
+        self.write(file, offset_bytes, buf, true).await
+    }
+
+    async fn write(
+        &self,
+        file: &Rc<File>,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+        dsync: bool,
+    ) -> (io::Result<usize>, AlignedBuf) {
+        let kind = OpKind::Write { offset_bytes, dsync };
         let (result, buf) = Op::new(self, kind, file, Some(buf)).await;
         (result.map(|count| count as usize), buf.expect("a write gives its buffer back"))
     }
