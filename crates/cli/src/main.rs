@@ -718,10 +718,27 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", error_chain(&error));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes joined by ": ", leaving out a cause whose text the message before
+/// it already holds (many errors name their source in their own message).
+fn error_chain(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let cause = cause.to_string();
+        if text.contains(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
 }
 
 fn up(args: UpArgs) -> anyhow::Result<()> {
@@ -943,14 +960,63 @@ fn bench_command(args: &bench::BenchArgs) -> anyhow::Result<()> {
         return local.block_on(&runtime, async {
             let engine = bench::local::EngineBench::start(&setup).await?;
             eprintln!("engine: {} drive files in {}", setup.drive_count, engine.dir().display());
-            let result = bench::run_command(args, &mut engine.connector()).await;
+            // Ctrl-C or SIGTERM ends the run early; dropping the bench then removes its
+            // directory, which holds gigabytes of drive files.
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut interrupt = signal(SignalKind::interrupt()).context("watch for SIGINT")?;
+            let mut terminate = signal(SignalKind::terminate()).context("watch for SIGTERM")?;
+            let mut connector = engine.connector();
+            let result = tokio::select! {
+                result = bench::run_command(args, &mut connector) => {
+                    result.map(|_| ()).map_err(anyhow::Error::from)
+                }
+                _ = interrupt.recv() => Err(anyhow::anyhow!("interrupted (SIGINT)")),
+                _ = terminate.recv() => Err(anyhow::anyhow!("stopped (SIGTERM)")),
+            };
             eprintln!("{}", engine.summary());
-            result?;
-            Ok(())
+            if result.is_err() {
+                eprintln!("engine: removing {}", engine.dir().display());
+            }
+            drop(connector);
+            drop(engine);
+            result
         });
     }
     let target = args.nvme_tcp_target()?.clone();
     let mut connector = bench::nvme::nvme_connector(&target);
     runtime.block_on(bench::run_command(args, &mut connector))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    /// An error whose message names its source, as many of ours do.
+    #[derive(Debug)]
+    struct NamesItsSource(std::io::Error);
+
+    impl std::fmt::Display for NamesItsSource {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "cannot lay out drive-001.img: {}", self.0)
+        }
+    }
+
+    impl std::error::Error for NamesItsSource {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_cause_already_named_by_its_error_is_not_repeated() {
+        let io = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let error =
+            anyhow::Error::from(NamesItsSource(io)).context("cannot set up the drive files");
+        let text = error_chain(&error);
+        assert_eq!(text.matches("No space left on device").count(), 1, "{text}");
+        assert!(text.starts_with("cannot set up the drive files: cannot lay out"), "{text}");
+        let plain = anyhow::anyhow!("the root cause").context("the outer step");
+        assert_eq!(error_chain(&plain), "the outer step: the root cause");
+    }
 }

@@ -53,6 +53,8 @@ pub struct SimStats {
     pub syncs: u64,
     pub punches: u64,
     pub faults_injected: u64,
+    /// The most writes and punches that were in flight on the drive at once.
+    pub mutations_in_flight_peak: u64,
 }
 
 #[derive(Clone)]
@@ -298,6 +300,8 @@ impl SimDrive {
         let id = state.in_flight_next;
         state.in_flight_next += 1;
         state.in_flight.insert(id, InFlight { first_block, blocks });
+        state.stats.mutations_in_flight_peak =
+            state.stats.mutations_in_flight_peak.max(state.in_flight.len() as u64);
         id
     }
 
