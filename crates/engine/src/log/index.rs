@@ -1078,6 +1078,15 @@ mod tests {
         }
         let dense_bytes = dense.allocated_bytes() as f64 / blocks as f64;
         assert!(dense_bytes <= 8.2, "{dense_bytes} bytes per densely mapped block");
+        // The tables above the leaves are amortised over more blocks as a volume grows: one
+        // inner table (16 KiB) per 4 GiB of volume.
+        let large = index.get_or_create(3);
+        let large_blocks = 1u64 << 20; // 4 GiB of volume.
+        for block in 0..large_blocks {
+            large.swap(block, pack(block as u32, 0));
+        }
+        let large_bytes = large.allocated_bytes() as f64 / large_blocks as f64;
+        assert!(large_bytes <= 8.04, "{large_bytes} bytes per densely mapped block at 4 GiB");
         let sparse = index.get_or_create(2);
         let mut state = 1u64;
         for _ in 0..blocks {
@@ -1088,8 +1097,8 @@ mod tests {
         let sparse_bytes = sparse.allocated_bytes() as f64 / sparse.mapped_blocks() as f64;
         assert!(sparse_bytes < 40.0, "{sparse_bytes} bytes per sparsely mapped block");
         println!(
-            "RAM per mapped block: {dense_bytes:.3} bytes dense, {sparse_bytes:.2} bytes at 22% \
-             random fill"
+            "RAM per mapped block: {dense_bytes:.3} bytes dense (1 GiB volume), {large_bytes:.3} \
+             bytes dense (4 GiB volume), {sparse_bytes:.2} bytes at 22% random fill"
         );
     }
 }
