@@ -679,6 +679,16 @@ struct InFlight {
     written: Cell<Option<Result<(), Failure>>>,
 }
 
+/// Block `index` of a batch as written: its header block, then its data blocks.
+fn batch_block<'b>(header_block: &'b [u8], data: &'b [u8], index: u32) -> &'b [u8] {
+    if index == 0 {
+        header_block
+    } else {
+        let at = (index as usize - 1) * BLOCK_BYTES;
+        &data[at..at + BLOCK_BYTES]
+    }
+}
+
 /// Completes an in-flight batch as abandoned if the future writing it is dropped.
 struct InFlightGuard<'a, D: Drive> {
     handle: &'a LogHandle<D>,
@@ -1340,15 +1350,7 @@ impl<D: Drive> LogHandle<D> {
         let mut guard = InFlightGuard { handle: self, record: Rc::clone(&record), armed: true };
         // The next batch may be issued while this one is written.
         drop(leadership);
-        let data = &batch.data;
-        let block_of = |index: u32| -> &[u8] {
-            if index == 0 {
-                &header_block
-            } else {
-                let at = (index as usize - 1) * BLOCK_BYTES;
-                &data[at..at + BLOCK_BYTES]
-            }
-        };
+        let block_of = |index: u32| batch_block(&header_block, &batch.data, index);
         let result = self.write_plain(segment, position, written, block_of, true).await;
         guard.armed = false;
         record.written.set(Some(result.map(|_| ())));
@@ -1516,14 +1518,7 @@ impl<D: Drive> LogHandle<D> {
         let header = BatchHeader { segment, segment_seq, position, lsn, entries };
         let mut header_block = self.header_blocks.take(BLOCK_BYTES);
         header_block.copy_from_slice(&header.encode());
-        let block_of = |index: u32| -> &[u8] {
-            if index == 0 {
-                &header_block
-            } else {
-                let at = (index as usize - 1) * BLOCK_BYTES;
-                &data[at..at + BLOCK_BYTES]
-            }
-        };
+        let block_of = |index: u32| batch_block(&header_block, data, index);
         let written = 1 + data_blocks as u32;
         let result = if engine.geometry.is_coded() {
             self.write_positions(segment, position, written, block_of).await
