@@ -1098,6 +1098,7 @@ impl DataThread {
             segments_replayed = report.segments_replayed,
             batches_replayed = report.batches_replayed,
             batches_torn = report.batches_torn,
+            blocks_repaired = report.blocks_repaired,
             erasure_coding = %geometry.scheme(),
             "recovered the log"
         );

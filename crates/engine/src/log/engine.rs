@@ -1118,7 +1118,7 @@ impl<D: Drive> LogHandle<D> {
                 {
                     queue.push_back(Pending {
                         entries: Vec::with_capacity(BATCH_ENTRIES_MAX),
-                        data: self.buffers.take(batch_data_max * BLOCK_BYTES),
+                        data: self.buffers.take((1 + batch_data_max) * BLOCK_BYTES),
                         data_blocks: 0,
                         admitted_blocks: 0,
                         host_bytes: 0,
@@ -1133,8 +1133,8 @@ impl<D: Drive> LogHandle<D> {
                             let packs = batch.packs.get_or_insert_with(Box::default);
                             let block =
                                 CompressedBlock { cells_log2, algorithm: compression, bytes, crc };
-                            let added =
-                                packs.add(block, batch.data_blocks, can_open, &mut batch.data);
+                            let data = &mut batch.data[BLOCK_BYTES..];
+                            let added = packs.add(block, batch.data_blocks, can_open, data);
                             let Some((sub, opens)) = added else {
                                 unreachable!("has_room checked a cell or a data block")
                             };
@@ -1142,7 +1142,7 @@ impl<D: Drive> LogHandle<D> {
                             entry.kind = EntryKind::Packed { crc, cells_log2, sub, opens };
                         }
                         (Some(block), _, _) => {
-                            let at = batch.data_blocks * BLOCK_BYTES;
+                            let at = (1 + batch.data_blocks) * BLOCK_BYTES;
                             batch.data[at..at + BLOCK_BYTES].copy_from_slice(block);
                             batch.data_blocks += 1;
                         }
@@ -1258,12 +1258,12 @@ impl<D: Drive> LogHandle<D> {
         let mut written: Vec<Pending> = Vec::with_capacity(taken.len());
         for mut batch in taken {
             if let Some(mut packs) = batch.packs.take() {
-                packs.finish_all(&mut batch.data);
+                packs.finish_all(&mut batch.data[BLOCK_BYTES..]);
             }
             if result.is_ok() {
                 let entries = std::mem::take(&mut batch.entries);
-                result =
-                    self.write_batch(entries, &batch.data, batch.data_blocks, &mut group).await;
+                let data = &batch.data[BLOCK_BYTES..];
+                result = self.write_batch(entries, data, batch.data_blocks, &mut group).await;
             }
             written.push(batch);
         }
@@ -1272,14 +1272,13 @@ impl<D: Drive> LogHandle<D> {
         } else {
             self.abandon_group(group);
         }
-        let counters = &self.engine.counters;
         for (batch, guard) in written.into_iter().zip(guards.iter_mut()) {
-            counters.admitted_blocks.fetch_sub(batch.admitted_blocks, Ordering::AcqRel);
-            if result.is_ok() {
-                counters.host_bytes_written.fetch_add(batch.host_bytes, Ordering::Relaxed);
-                counters.host_batches.fetch_add(1, Ordering::Relaxed);
-                counters.host_batch_blocks.fetch_add(batch.data_blocks as u64, Ordering::Relaxed);
-            }
+            self.count_batch(
+                result.is_ok(),
+                batch.admitted_blocks,
+                batch.host_bytes,
+                batch.data_blocks,
+            );
             guard.armed = false;
             self.buffers.give(batch.data);
             batch.cell.result.set(Some(result));
@@ -1305,7 +1304,7 @@ impl<D: Drive> LogHandle<D> {
     async fn commit_pipelined(&self, leadership: Leadership<'_>) -> bool {
         let Some(mut batch) = self.queue.borrow_mut().pop_front() else { return false };
         if let Some(mut packs) = batch.packs.take() {
-            packs.finish_all(&mut batch.data);
+            packs.finish_all(&mut batch.data[BLOCK_BYTES..]);
         }
         let engine = &*self.engine;
         let written = 1 + batch.data_blocks as u32;
@@ -1320,20 +1319,12 @@ impl<D: Drive> LogHandle<D> {
             );
             (segment, state.seq, position)
         };
-        let first_in_flight = self.in_flight.borrow().is_empty();
-        // The floor is published before the LSN is taken, as in `write_part`; with batches in
-        // flight it is already the oldest one's, which is lower.
-        if first_in_flight {
-            self.slot.lsn_floor.store(engine.lsn_next.load(Ordering::SeqCst), Ordering::SeqCst);
-        }
-        let lsn = engine.lsn_next.fetch_add(1, Ordering::SeqCst);
-        if first_in_flight {
-            self.slot.lsn_floor.store(lsn, Ordering::SeqCst);
-        }
+        // With batches in flight, the floor is already the oldest one's.
+        let lsn = self.take_lsn(self.in_flight.borrow().is_empty());
         let entries = std::mem::take(&mut batch.entries);
         let header = BatchHeader { segment, segment_seq, position, lsn, entries };
-        let mut header_block = self.header_blocks.take(BLOCK_BYTES);
-        header_block.copy_from_slice(&header.encode());
+        batch.data[..BLOCK_BYTES].copy_from_slice(&header.encode());
+        batch.data.set_len(written as usize * BLOCK_BYTES);
         let record = Rc::new(InFlight {
             header,
             cell: Rc::clone(&batch.cell),
@@ -1350,12 +1341,10 @@ impl<D: Drive> LogHandle<D> {
         let mut guard = InFlightGuard { handle: self, record: Rc::clone(&record), armed: true };
         // The next batch may be issued while this one is written.
         drop(leadership);
-        let block_of = |index: u32| batch_block(&header_block, &batch.data, index);
-        let result = self.write_plain(segment, position, written, block_of, true).await;
+        let (result, data) = self.write_batch_buffer(segment, position, batch.data).await;
         guard.armed = false;
-        record.written.set(Some(result.map(|_| ())));
-        self.buffers.give(batch.data);
-        self.header_blocks.give(header_block);
+        record.written.set(Some(result));
+        self.buffers.give(data);
         self.advance();
         true
     }
@@ -1364,7 +1353,6 @@ impl<D: Drive> LogHandle<D> {
     /// the first still being written; publishes the LSN floor of the rest. A failed batch
     /// seals the segment and fails every later one in flight: recovery would stop at it.
     fn advance(&self) {
-        let counters = &self.engine.counters;
         let mut completed = false;
         let mut in_flight = self.in_flight.borrow_mut();
         while let Some(written) = in_flight.front().and_then(|record| record.written.get()) {
@@ -1376,11 +1364,6 @@ impl<D: Drive> LogHandle<D> {
             match result {
                 Ok(()) => {
                     self.engine.install(&record.header);
-                    counters.host_bytes_written.fetch_add(record.host_bytes, Ordering::Relaxed);
-                    counters.host_batches.fetch_add(1, Ordering::Relaxed);
-                    counters
-                        .host_batch_blocks
-                        .fetch_add(record.data_blocks as u64, Ordering::Relaxed);
                 }
                 Err(failure) => {
                     if self.in_flight_failure.get().is_none() {
@@ -1389,7 +1372,12 @@ impl<D: Drive> LogHandle<D> {
                     }
                 }
             }
-            counters.admitted_blocks.fetch_sub(record.admitted_blocks, Ordering::AcqRel);
+            self.count_batch(
+                result.is_ok(),
+                record.admitted_blocks,
+                record.host_bytes,
+                record.data_blocks,
+            );
             record.cell.result.set(Some(result));
             completed = true;
         }
@@ -1402,6 +1390,34 @@ impl<D: Drive> LogHandle<D> {
         if completed {
             self.changed.notify_all();
         }
+    }
+
+    /// Settles a host batch's accounting once it is done: its admitted blocks leave the
+    /// admission count either way; an installed batch counts as written.
+    fn count_batch(&self, installed: bool, admitted_blocks: u64, host_bytes: u64, blocks: usize) {
+        let counters = &self.engine.counters;
+        counters.admitted_blocks.fetch_sub(admitted_blocks, Ordering::AcqRel);
+        if installed {
+            counters.host_bytes_written.fetch_add(host_bytes, Ordering::Relaxed);
+            counters.host_batches.fetch_add(1, Ordering::Relaxed);
+            counters.host_batch_blocks.fetch_add(blocks as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Takes the next LSN for a batch. The first batch of a handle's unfinished work
+    /// (`publish_floor`) publishes a floor before taking it, so a checkpoint that reads the
+    /// counter after the batch took its LSN also sees the floor (see `checkpoint`), then lowers
+    /// the floor to the LSN taken. Later ones leave the floor alone: it is already lower.
+    fn take_lsn(&self, publish_floor: bool) -> u64 {
+        let engine = &*self.engine;
+        if publish_floor {
+            self.slot.lsn_floor.store(engine.lsn_next.load(Ordering::SeqCst), Ordering::SeqCst);
+        }
+        let lsn = engine.lsn_next.fetch_add(1, Ordering::SeqCst);
+        if publish_floor {
+            self.slot.lsn_floor.store(lsn, Ordering::SeqCst);
+        }
+        lsn
     }
 
     /// Writes a batch to `stream` and installs it once durable (see [`LogHandle::write_batch`]).
@@ -1505,16 +1521,8 @@ impl<D: Drive> LogHandle<D> {
         };
         // Until the group is installed, a failure or an abandoned future seals the segment.
         group.armed = true;
-        // Publish a floor before taking the LSN, so a checkpoint that reads the counter after
-        // this batch took its LSN also sees the floor (see `checkpoint`). The group's first
-        // part sets it; it stays until the group is installed.
-        if group.parts.is_empty() {
-            self.slot.lsn_floor.store(engine.lsn_next.load(Ordering::SeqCst), Ordering::SeqCst);
-        }
-        let lsn = engine.lsn_next.fetch_add(1, Ordering::SeqCst);
-        if group.parts.is_empty() {
-            self.slot.lsn_floor.store(lsn, Ordering::SeqCst);
-        }
+        // The group's first part publishes the floor; it stays until the group is installed.
+        let lsn = self.take_lsn(group.parts.is_empty());
         let header = BatchHeader { segment, segment_seq, position, lsn, entries };
         let mut header_block = self.header_blocks.take(BLOCK_BYTES);
         header_block.copy_from_slice(&header.encode());
@@ -1660,6 +1668,56 @@ impl<D: Drive> LogHandle<D> {
             return self.write_stripes(segment, first, count, block_of).await;
         }
         self.write_plain(segment, first, count, block_of, false).await
+    }
+
+    /// Writes a whole batch, durable as written, to positions `first..` of `segment` of a log
+    /// without parity: `buf` holds the batch as written (its header block, then its data
+    /// blocks). A batch on one drive (most are: a stripe chunk holds up to
+    /// [`super::format::STRIPE_BLOCKS_MAX`] positions) is written from `buf` itself; one that
+    /// spans drives is copied into a buffer per drive. A failed write latches its drive. Hands
+    /// `buf` back.
+    async fn write_batch_buffer(
+        &self,
+        segment: u32,
+        first: u32,
+        buf: AlignedBuf,
+    ) -> (Result<(), Failure>, AlignedBuf) {
+        let geometry = &self.engine.geometry;
+        assert!(!geometry.is_coded());
+        assert!(buf.len() % BLOCK_BYTES == 0 && !buf.is_empty(), "a batch is whole blocks");
+        let count = (buf.len() / BLOCK_BYTES) as u32;
+        let mut runs = geometry.drive_runs(first, count);
+        let single = match (runs.next(), runs.next()) {
+            (Some((drive, first_row, rows)), None) => {
+                assert_eq!(rows, count, "one drive's run holds the whole batch");
+                Some((drive, first_row))
+            }
+            _ => None,
+        };
+        let Some((drive, first_row)) = single else {
+            let block_of = |index: u32| {
+                let at = index as usize * BLOCK_BYTES;
+                &buf[at..at + BLOCK_BYTES]
+            };
+            let result = self.write_plain(segment, first, count, block_of, true).await;
+            return (result.map(|_| ()), buf);
+        };
+        if self.engine.latches.is_failed(drive) {
+            return (Err(Failure::DriveFailed(drive)), buf);
+        }
+        let counters = &self.engine.counters;
+        counters
+            .device_bytes_written
+            .fetch_add(u64::from(count) * BLOCK_BYTES_U64, Ordering::Relaxed);
+        // A durable write is a flush of its drive, as a sync is.
+        counters.drive_syncs.fetch_add(1, Ordering::Relaxed);
+        let offset_bytes = geometry.row_offset_bytes(segment, first_row);
+        let (result, buf) = self.drive(drive).write_durable_at(offset_bytes, buf).await;
+        let result = result.map_err(|error| {
+            self.engine.latches.latch(drive);
+            Failure::from_drive(drive, &error)
+        });
+        (result, buf)
     }
 
     /// [`LogHandle::write_positions`] on a log without parity; with `durable`, each drive write

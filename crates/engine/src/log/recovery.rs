@@ -42,6 +42,9 @@ pub struct RecoveryReport {
     /// Batches whose data failed its CRC (torn by the crash), dropped with the rest of their
     /// segment.
     pub batches_torn: u64,
+    /// Coded logs: data cells of kept batches that were torn by the crash, rebuilt from parity
+    /// and written back in place.
+    pub blocks_repaired: u64,
     pub bytes_read: u64,
     pub mapped_blocks: u64,
     /// Drives whose superblock could not be read, left latched failed (coded logs only).
@@ -257,23 +260,38 @@ impl<D: Drive> LogHandle<D> {
     }
 
     /// Coded logs: whether a batch whose data failed its checksums is whole once the cells of
-    /// one drive are rebuilt from parity instead of read (that drive's cells may be stale).
-    async fn batch_is_whole_rebuilt(&self, header: &BatchHeader) -> bool {
+    /// one drive are rebuilt from parity instead of read (that drive's cells may be stale). If
+    /// so, the rebuilt cells are written back in place, so host reads find them whole and need
+    /// no parity; the count of cells written back is returned. A write-back that fails latches
+    /// its drive and leaves the batch whole through parity.
+    async fn batch_is_whole_rebuilt(&self, header: &BatchHeader) -> Option<u64> {
         let geometry = self.engine.geometry;
+        let first = header.position + 1;
+        let count = header.data_blocks();
         for drive in 0..geometry.drive_count {
             let mut exclude = DriveSet::default();
             exclude.insert(drive);
-            let first = header.position + 1;
-            let Ok(data) =
-                self.read_stripes(header.segment, first, header.data_blocks(), exclude).await
-            else {
+            let Ok(data) = self.read_stripes(header.segment, first, count, exclude).await else {
                 continue;
             };
-            if self.batch_is_whole(header, &data) {
-                return true;
+            if !self.batch_is_whole(header, &data) {
+                continue;
             }
+            let mut repaired = 0;
+            for (index, block) in data.chunks_exact(BLOCK_BYTES).enumerate() {
+                let (on, offset_bytes) = geometry.place(header.segment, first + index as u32);
+                if on != drive {
+                    continue;
+                }
+                let mut cell = AlignedBuf::new(BLOCK_BYTES);
+                cell.copy_from_slice(block);
+                if self.write_cell(drive, offset_bytes, cell).await {
+                    repaired += 1;
+                }
+            }
+            return Some(repaired);
         }
-        false
+        None
     }
 
     async fn recover(&self, report: &mut RecoveryReport) -> Result<(), LogError> {
@@ -410,7 +428,10 @@ impl<D: Drive> LogHandle<D> {
                     report.bytes_read += u64::from(data_blocks) * BLOCK_BYTES as u64;
                     whole = self.batch_is_whole(&header, &data);
                     if !whole && geometry.is_coded() {
-                        whole = self.batch_is_whole_rebuilt(&header).await;
+                        if let Some(repaired) = self.batch_is_whole_rebuilt(&header).await {
+                            whole = true;
+                            report.blocks_repaired += repaired;
+                        }
                     }
                 }
                 if !whole {

@@ -457,7 +457,12 @@ impl<D: Drive> LogHandle<D> {
     }
 
     /// Writes one cell in place and syncs its drive; a failure latches the drive.
-    async fn write_cell(&self, drive: u16, offset_bytes: u64, bytes: AlignedBuf) -> bool {
+    pub(super) async fn write_cell(
+        &self,
+        drive: u16,
+        offset_bytes: u64,
+        bytes: AlignedBuf,
+    ) -> bool {
         if self.engine.latches.is_failed(drive) {
             return false;
         }

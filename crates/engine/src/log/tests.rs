@@ -411,11 +411,12 @@ fn drives_of_another_node_or_format_are_refused() {
 
 /// The model test: several handles (threads) write, trim and read concurrently against the
 /// oracle, across clean restarts and crashes, with a log small enough that GC and checkpoints
-/// run throughout.
+/// run throughout. The log holds the volumes' 7,000 blocks with a little room to spare, so
+/// longer soaks (which map more of them) never fill the node.
 #[test]
 fn model_with_concurrent_handles_restarts_crashes_and_gc() {
     for seed in 0..3 * soak() {
-        let mut node = Node::format(160, seed, 3, 3);
+        let mut node = Node::format(200, seed, 3, 3);
         let (_volumes, maps) = volume_maps(&[4000, 3000]);
         // Uncompressed, LZ4 and zstd in turn: packed blocks go through the same model.
         let compression = Compression::ALL[(seed % 3) as usize];
@@ -424,6 +425,7 @@ fn model_with_concurrent_handles_restarts_crashes_and_gc() {
         }
         let oracle = Oracle::new();
         let mut total = CheckReport::default();
+        let (mut cleaned, mut checkpoints) = (0, 0);
         for round in 0..4u64 {
             let report = RefCell::new(CheckReport::default());
             let progress = LocalNotify::new();
@@ -440,6 +442,9 @@ fn model_with_concurrent_handles_restarts_crashes_and_gc() {
                     block_on(join_all(futures));
                 }
             }
+            let stats = node.engine.stats();
+            cleaned += stats.gc_segments_cleaned;
+            checkpoints += stats.checkpoints;
             node = if crash_round { node.crash() } else { node.restart() };
             let verified = verify_all(&node, &maps, &oracle);
             assert!(verified > 0);
@@ -451,6 +456,7 @@ fn model_with_concurrent_handles_restarts_crashes_and_gc() {
         }
         let stats = node.engine.stats();
         assert!(total.writes > 300 && total.deallocates > 0 && total.write_zeroes > 0, "{total:?}");
+        assert!(cleaned > 0 && checkpoints > 0, "GC cleaned {cleaned}, {checkpoints} checkpoints");
         if compression == Compression::Off {
             assert_eq!(stats.mapped_physical_bytes, stats.mapped_bytes);
         } else {
