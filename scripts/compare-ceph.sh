@@ -73,7 +73,10 @@ Environment (all optional):
   COMPARE_MIN_FREE_GB   stop everything if the disk's free space falls below this [4]
   FERRITE_DRIVE_SIZE_GB each of Ferrite's 4 sparse drive files        [COMPARE_SIZE_GB/2+1, at least 2]
   FERRITE_ERASURE_CODING  parity over each Ferrite node's drives (K+M or none)  [none]
-  FERRITE_UP_ARGS       extra arguments for `ferrite up` (such as --poll-us 200)  [none]
+  FERRITE_UP_ARGS       extra arguments for `ferrite up` (such as --poll-us 200, or
+                        --lay-out-drives: zeros written over Ferrite's drive files at
+                        the first start, so its log never pays the filesystem's block
+                        allocation; Ceph's OSD files stay sparse)  [none]
   CEPH_ANCHOR_DIR       the Ceph anchor scripts            [../shared/anchors/ceph]
   CEPH_DATA_DIR         the Ceph cluster's data            [/var/tmp/ceph-anchor]
   CEPH_OSD_SIZE_GB      each OSD's sparse block file; host disk use can grow to

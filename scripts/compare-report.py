@@ -360,7 +360,10 @@ def markdown(meta, fills, fios, pgbenches, not_run, commit, svg_name):
         "sides), group reporting, total latency (`lat_percentiles`, read and write together). Each volume/image "
         f"({meta.get('size_gb')} GiB) is write-filled first with sequential 1 MiB writes, so reads hit written data. "
         f"Ferrite: one `ferrite up` node per replica (3 in one cluster on a private etcd for the 3-replica row), "
-        f"each with {meta.get('ferrite_drives')} sparse drive files, erasure coding "
+        f"each with {meta.get('ferrite_drives')} "
+        + ("drive files laid out with zeros at the first start (`--lay-out-drives`; Ceph's OSD files stay sparse)"
+           if "--lay-out-drives" in meta.get("ferrite_up_args", "") else "sparse drive files")
+        + ", erasure coding "
         f"`{meta.get('ferrite_erasure_coding', '3+1 (the default then)')}` over them, volume compression "
         f"`{meta.get('compression')}`, scrub at its default"
         + (f", `{meta['ferrite_up_args']}`" if meta.get("ferrite_up_args") else "")

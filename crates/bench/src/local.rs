@@ -145,6 +145,10 @@ impl EngineBench {
             .prefix("ferrite-bench-engine-")
             .tempdir_in(&setup.parent_dir)
             .map_err(|source| LocalError::Directory { dir: setup.parent_dir.clone(), source })?;
+        if setup.lay_out {
+            let needed = u64::from(setup.drive_count).saturating_mul(setup.drive_size_bytes);
+            io::check_lay_out_space(dir.path(), needed)?;
+        }
         let node_uuid = NodeUuid(rand::random());
         let infos =
             io::format_drives(dir.path(), node_uuid, setup.drive_count, setup.drive_size_bytes)?;

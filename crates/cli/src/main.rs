@@ -416,6 +416,13 @@ struct UpArgs {
     /// must pass the same drives, in any order.
     #[arg(long, value_name = "PATH")]
     drive: Vec<PathBuf>,
+    /// On the first start, write zeros over each drive file once (about a second per GiB), so
+    /// the filesystem allocates every block up front. Without it the files start sparse and
+    /// the log's first pass over each segment pays an allocation, a filesystem journal commit,
+    /// on its durable writes (0.55-0.75x the 4 KiB random write rate here, until every segment
+    /// was written once). Drive files only: block devices need no lay-out.
+    #[arg(long, conflicts_with = "drive")]
+    lay_out_drives: bool,
     /// Address to serve NVMe/TCP on; give it several times for several paths (NVMe ports 1, 2,
     /// ... in that order) that hosts' multipath can use [default: 127.0.0.1:4420].
     #[arg(long, value_name = "ADDR")]
@@ -767,6 +774,7 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         drive_count: args.drives,
         drive_size_bytes: args.drive_size.map(ByteSize::bytes),
         drives: args.drive,
+        lay_out_drives: args.lay_out_drives,
         nvme_listen: if args.nvme_listen.is_empty() {
             vec![node::config::DEFAULT_NVME_LISTEN]
         } else {

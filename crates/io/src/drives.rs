@@ -101,6 +101,14 @@ pub enum DriveSetupError {
     )]
     NotADrive { path: PathBuf },
     #[error(
+        "cannot lay out {:.1} GiB of drive files in {}: its filesystem has {:.1} GiB free; free \
+         some space, use fewer or smaller drives, or leave the drive files sparse",
+        *needed_bytes as f64 / GIB_F64,
+        dir.display(),
+        *available_bytes as f64 / GIB_F64
+    )]
+    NoSpaceToLayOut { dir: PathBuf, needed_bytes: u64, available_bytes: u64 },
+    #[error(
         "--drive {} is mounted at {mount_point}; refusing to use it: unmount it first (Ferrite \
          overwrites the whole device)",
         path.display()
@@ -271,6 +279,36 @@ pub fn lay_out_drive_file(path: &Path, from_bytes: u64) -> Result<(), DriveSetup
         offset += length as u64;
     }
     file.sync_all().map_err(io_error("fsync", path))
+}
+
+const GIB_F64: f64 = (1u64 << 30) as f64;
+
+/// Refuses to lay out drive files in `dir` (see [`lay_out_drive_file`]) that would write
+/// `needed_bytes` in all unless its filesystem has that much free (for unprivileged users, as
+/// `df` shows it): a full filesystem stops every process on the machine, not only this one.
+pub fn check_lay_out_space(dir: &Path, needed_bytes: u64) -> Result<(), DriveSetupError> {
+    let available_bytes = available_bytes(dir)?;
+    if needed_bytes > available_bytes {
+        return Err(DriveSetupError::NoSpaceToLayOut {
+            dir: dir.to_owned(),
+            needed_bytes,
+            available_bytes,
+        });
+    }
+    Ok(())
+}
+
+/// Bytes free for unprivileged users on the filesystem holding `path`.
+fn available_bytes(path: &Path) -> Result<u64, DriveSetupError> {
+    let file = File::open(path).map_err(io_error("open", path))?;
+    // SAFETY: statvfs is plain integers, for which all zeros is a valid value.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `stat` is valid for writes of one statvfs for the call; the descriptor is open.
+    let result = unsafe { libc::fstatvfs(file.as_raw_fd(), &mut stat) };
+    if result != 0 {
+        return Err(io_error("find the free space of", path)(io::Error::last_os_error()));
+    }
+    Ok(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
 
 /// Opens the drive files of node `node_uuid` in `dir` and validates every superblock: same node,

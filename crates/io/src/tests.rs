@@ -18,8 +18,8 @@ use engine::{Drive, DriveError, NodeUuid};
 use types::AlignedBuf;
 
 use crate::{
-    drive_path, format_drives, open_drives, DriveFile, DriveSetupError, MemoryDrives, Ring,
-    INFLIGHT_OPS_MAX,
+    check_lay_out_space, drive_path, format_drives, open_drives, DriveFile, DriveSetupError,
+    MemoryDrives, Ring, INFLIGHT_OPS_MAX,
 };
 
 const BLOCK: usize = 4096;
@@ -346,4 +346,15 @@ fn log_engine_conformance_over_memory_drives() {
         settle(&ring).await;
     });
     drop(memory);
+}
+
+#[test]
+fn laying_out_more_than_the_filesystem_holds_is_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    check_lay_out_space(dir.path(), 0).unwrap();
+    let error = check_lay_out_space(dir.path(), u64::MAX).unwrap_err();
+    assert!(matches!(error, DriveSetupError::NoSpaceToLayOut { .. }), "{error:?}");
+    let message = error.to_string();
+    assert!(message.contains("free some space") && message.contains(" free;"), "{message}");
+    assert!(check_lay_out_space(&dir.path().join("missing"), 0).is_err());
 }

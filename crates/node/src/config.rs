@@ -97,6 +97,11 @@ pub struct NodeConfig {
     /// formatted, drive `i` being `drives[i]`; later starts must name the same drives, in any
     /// order. Empty for drive files. Not with `drive_count` or `drive_size_bytes`.
     pub drives: Vec<PathBuf>,
+    /// On the first start, write zeros over each drive file in DATA-DIR/drives (after
+    /// creating it sparse), so the filesystem allocates every block then instead of on the
+    /// log's first pass over it, where each allocation adds a journal commit to a durable
+    /// write (see `io::lay_out_drive_file`). Drive files only: not with `drives` or memory.
+    pub lay_out_drives: bool,
     /// Addresses to serve NVMe/TCP on: each is an NVMe port (IDs 1, 2, ... in this order).
     pub nvme_listen: Vec<SocketAddr>,
     /// Address to serve NBD on (every volume open to any host is an export); `None` serves no
@@ -133,6 +138,7 @@ impl Default for NodeConfig {
             drive_count: None,
             drive_size_bytes: None,
             drives: Vec::new(),
+            lay_out_drives: false,
             nvme_listen: vec![DEFAULT_NVME_LISTEN],
             nbd_listen: Some(DEFAULT_NBD_LISTEN),
             api_listen: DEFAULT_API_LISTEN,
@@ -226,6 +232,12 @@ pub enum ConfigError {
          blocks per stripe, such as 4+1 or 2+1) or none"
     )]
     ErasureCoding { text: String, reason: String },
+    #[error(
+        "--lay-out-drives applies to the drive files Ferrite creates in DATA-DIR/drives, not to \
+         drives given with --drive (a block device needs no lay-out; lay out a file you give \
+         yourself with fallocate or dd before the first start)"
+    )]
+    LayOutExternalDrives,
 }
 
 impl NodeConfig {
@@ -236,6 +248,9 @@ impl NodeConfig {
             }
             if self.drive_count.is_some() || self.drive_size_bytes.is_some() {
                 return Err(ConfigError::DrivePathsWithGeometry);
+            }
+            if self.lay_out_drives {
+                return Err(ConfigError::LayOutExternalDrives);
             }
         }
         if self.poll_us > crate::nvme::POLL_US_MAX {

@@ -263,6 +263,9 @@ pub struct DriveSet {
     /// The erasure coding a first start formats the drives with (later starts keep what the
     /// drives record).
     pub erasure: ErasureScheme,
+    /// A first start writes zeros over the drive files before formatting the log
+    /// (`NodeConfig::lay_out_drives`).
+    pub lay_out: bool,
 }
 
 /// One NVMe/TCP path to a volume: a listener of this node and the volume's ANA state there.

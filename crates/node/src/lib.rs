@@ -116,6 +116,11 @@ pub enum NodeError {
     )]
     ExternalDrivesWithMemory,
     #[error(
+        "--lay-out-drives cannot be used with --drive-backend memory: memory drives are in RAM \
+         and need no lay-out; drop one of them"
+    )]
+    LayOutMemoryDrives,
+    #[error(
         "this node's drives are block devices or files given with --drive when it was created \
          (the data dir {} holds no drive files); pass --drive PATH for each of its {count} \
          drives, in any order",
@@ -218,6 +223,9 @@ impl Node {
         config.validate()?;
         if backend == DriveBackend::Memory && !config.drives.is_empty() {
             return Err(NodeError::ExternalDrivesWithMemory);
+        }
+        if backend == DriveBackend::Memory && config.lay_out_drives {
+            return Err(NodeError::LayOutMemoryDrives);
         }
         // Dropped last on every early return, so a failed start leaves no RAM or files behind.
         let memory = match backend {
@@ -650,6 +658,7 @@ fn drive_set(config: &NodeConfig, record: &NodeRecord, erasure: ErasureScheme) -
         count: record.drive_count,
         size_bytes: record.drive_size_bytes,
         erasure,
+        lay_out: config.lay_out_drives,
     }
 }
 

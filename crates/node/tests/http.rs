@@ -157,6 +157,7 @@ fn config(dir: &Path) -> NodeConfig {
         drive_count: Some(1),
         drive_size_bytes: Some(64 * MIB),
         drives: Vec::new(),
+        lay_out_drives: false,
         nvme_listen: vec!["127.0.0.1:0".parse().unwrap()],
         nbd_listen: None,
         api_listen: "127.0.0.1:0".parse().unwrap(),
@@ -422,6 +423,51 @@ fn the_real_data_path_is_thin() {
     stop.stop();
     waiter.join().unwrap().unwrap();
     assert!(matches!(client.health(), Err(ClientError::Unreachable { .. })));
+}
+
+/// `--lay-out-drives`: the first start writes zeros over every drive file, so none is sparse;
+/// the node then serves as usual, and a restart lays out nothing again. With external drives
+/// or memory drives it is refused with the reason.
+#[test]
+fn drive_files_laid_out_on_the_first_start_are_not_sparse() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let config = NodeConfig { drive_count: Some(2), lay_out_drives: true, ..config(dir.path()) };
+    let allocated = |index: usize| {
+        let path = dir.path().join("data").join("drives").join(format!("drive-00{index}.img"));
+        std::fs::metadata(path).unwrap().blocks() * 512
+    };
+    let node = Node::start(config.clone()).unwrap();
+    assert!(node.nvme_serving());
+    for index in 0..2 {
+        assert!(
+            // All but the header region's unwritten blocks (its first 1 MiB).
+            allocated(index) >= 63 * MIB,
+            "drive {index}: {} bytes allocated",
+            allocated(index)
+        );
+    }
+    let client = Client::new(&node.api_url()).unwrap();
+    create(&client, "a", 1 << 30).unwrap();
+    assert_eq!(client.node().unwrap().capacity.mapped_bytes, 0);
+    node.stop().unwrap();
+    let node = Node::start(config.clone()).unwrap();
+    let client = Client::new(&node.api_url()).unwrap();
+    assert_eq!(client.volume("a").unwrap().size_bytes, 1 << 30);
+    node.stop().unwrap();
+
+    let external = NodeConfig {
+        drive_count: None,
+        drive_size_bytes: None,
+        drives: vec![dir.path().join("some-drive")],
+        ..config.clone()
+    };
+    let error = Node::start(external).err().expect("refused").to_string();
+    assert!(error.contains("--lay-out-drives applies to the drive files"), "{error}");
+    let memory_dir = tempfile::tempdir().unwrap();
+    let memory = NodeConfig { data_dir: memory_dir.path().join("data"), ..config };
+    let error = Node::start_on(memory, node::DriveBackend::Memory).err().expect("refused");
+    assert!(error.to_string().contains("--lay-out-drives cannot be used with"), "{error}");
 }
 
 const HOST_A: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000000a";
