@@ -261,10 +261,14 @@ impl<D: Drive> LogHandle<D> {
 
     /// Coded logs: whether a batch whose data failed its checksums is whole once the cells of
     /// one drive are rebuilt from parity instead of read (that drive's cells may be stale). If
-    /// so, the rebuilt cells are written back in place, so host reads find them whole and need
-    /// no parity; the count of cells written back is returned. A write-back that fails latches
-    /// its drive and leaves the batch whole through parity.
-    async fn batch_is_whole_rebuilt(&self, header: &BatchHeader) -> Option<u64> {
+    /// so and `write_back`, the rebuilt cells are written back in place, so host reads find
+    /// them whole and need no parity; the count of cells written back is returned. A
+    /// write-back that fails latches its drive and leaves the batch whole through parity.
+    ///
+    /// Only batches the checkpoint does not cover are written back: a crash can tear only
+    /// those (a covered batch was durable before the checkpoint was taken), so a bad cell in a
+    /// covered batch is damage, which the scrub finds, reports and repairs.
+    async fn batch_is_whole_rebuilt(&self, header: &BatchHeader, write_back: bool) -> Option<u64> {
         let geometry = self.engine.geometry;
         let first = header.position + 1;
         let count = header.data_blocks();
@@ -276,6 +280,9 @@ impl<D: Drive> LogHandle<D> {
             };
             if !self.batch_is_whole(header, &data) {
                 continue;
+            }
+            if !write_back {
+                return Some(0);
             }
             let mut repaired = 0;
             for (index, block) in data.chunks_exact(BLOCK_BYTES).enumerate() {
@@ -428,7 +435,9 @@ impl<D: Drive> LogHandle<D> {
                     report.bytes_read += u64::from(data_blocks) * BLOCK_BYTES as u64;
                     whole = self.batch_is_whole(&header, &data);
                     if !whole && geometry.is_coded() {
-                        if let Some(repaired) = self.batch_is_whole_rebuilt(&header).await {
+                        let torn_by_crash = header.lsn >= root.lsn_floor;
+                        let rebuilt = self.batch_is_whole_rebuilt(&header, torn_by_crash).await;
+                        if let Some(repaired) = rebuilt {
                             whole = true;
                             report.blocks_repaired += repaired;
                         }
