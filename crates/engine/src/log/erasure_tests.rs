@@ -230,10 +230,7 @@ fn a_corrupt_cell_is_rebuilt_from_parity() {
     let handle = &node.handles[0];
     let (result, _) = block_on(handle.write(map, 0, block_buf(map.volume(), 0, 4, 3)));
     result.unwrap();
-    let index = node.engine.index.get(map.volume().0).unwrap();
-    let (location, _) = super::index::unpack(index.get(2)).unwrap();
-    let (segment, position) = node.engine.geometry.split(location);
-    let (drive, offset_bytes) = node.engine.geometry.place(segment, position);
+    let (drive, offset_bytes) = node.place_of(map, 2);
     let mut bad = AlignedBuf::new(BLOCK_BYTES);
     bad.fill(0x5a);
     block_on(node.drives[usize::from(drive)].write_at(offset_bytes, bad)).0.unwrap();
@@ -257,10 +254,7 @@ fn recovery_writes_back_a_torn_cell_it_rebuilt_from_parity() {
     let map = &maps[0];
     let (result, _) = block_on(node.handles[0].write(map, 0, block_buf(map.volume(), 0, 4, 5)));
     result.unwrap();
-    let index = node.engine.index.get(map.volume().0).unwrap();
-    let (location, _) = super::index::unpack(index.get(1)).unwrap();
-    let (segment, position) = node.engine.geometry.split(location);
-    let (drive, offset_bytes) = node.engine.geometry.place(segment, position);
+    let (drive, offset_bytes) = node.place_of(map, 1);
     // What a torn write leaves: part new, part stale; made durable, as a crash could keep it.
     let mut torn = AlignedBuf::new(BLOCK_BYTES);
     torn.fill(0xa5);

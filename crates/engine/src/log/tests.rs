@@ -147,6 +147,14 @@ impl Node {
         Self::open(drives, threads).unwrap()
     }
 
+    /// Where block `block` of `map`'s volume lives now: its drive and byte offset there.
+    pub fn place_of(&self, map: &VolumeMap, block: u64) -> (u16, u64) {
+        let index = self.engine.index.get(map.volume().0).expect("the volume has an index");
+        let (location, _) = super::index::unpack(index.get(block)).expect("the block is mapped");
+        let (segment, position) = self.engine.geometry.split(location);
+        self.engine.geometry.place(segment, position)
+    }
+
     /// Power loss: unsynced blocks are kept, lost or torn; then recovery.
     pub fn crash(self) -> Self {
         let (drives, threads) = (self.drives.clone(), self.handles.len());
@@ -334,10 +342,7 @@ fn a_corrupt_block_is_an_error_never_garbage() {
     let (result, _) = block_on(handle.write(map, 0, block_buf(map.volume(), 0, 4, 3)));
     result.unwrap();
     // Damage block 2 where it lives on the drive.
-    let index = node.engine.index.get(map.volume().0).unwrap();
-    let (location, _) = super::index::unpack(index.get(2)).unwrap();
-    let (segment, position) = node.engine.geometry.split(location);
-    let (drive, offset_bytes) = node.engine.geometry.place(segment, position);
+    let (drive, offset_bytes) = node.place_of(map, 2);
     let mut bad = AlignedBuf::new(BLOCK_BYTES);
     bad.fill(0x5a);
     block_on(node.drives[usize::from(drive)].write_at(offset_bytes, bad)).0.unwrap();
