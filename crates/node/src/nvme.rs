@@ -1154,9 +1154,10 @@ impl DataThread {
     }
 }
 
-/// The engine's background work, on thread 0: paced GC, periodic checkpoints, volume deletions
-/// and the other engine operations, the paced scrub (`crate::scrub`), drive rebuilds
-/// (`crate::rebuild`), and a final checkpoint when the node stops.
+/// The engine's background work, on thread 0: paced GC (in a task of its own), periodic
+/// checkpoints, volume deletions and the other engine operations, the paced scrub
+/// (`crate::scrub`), drive rebuilds (`crate::rebuild`), and a final checkpoint when the node
+/// stops.
 async fn background(
     store: Rc<LogHandle<DriveFile>>,
     mut commands: mpsc::Receiver<Command>,
@@ -1177,7 +1178,14 @@ async fn background(
     };
     let mut last_checkpoint = Instant::now();
     let mut written_at_checkpoint = store.engine().stats().host_bytes_written;
-    let mut gc_failed_logged = false;
+    // GC has a task of its own: a checkpoint, a scrub step or a command here never holds it up
+    // while host writes use up the free segments.
+    let gc_quit = Rc::new(Cell::new(false));
+    let gc = tokio::task::spawn_local(collect_garbage(
+        Rc::clone(&store),
+        stop.clone(),
+        Rc::clone(&gc_quit),
+    ));
     // Drives latched at open were reported by the open (their superblock was unreadable).
     let mut failed_seen: Vec<u16> = store.engine().latches().failed_drives();
     loop {
@@ -1196,12 +1204,6 @@ async fn background(
         }
         let stats = store.engine().stats();
         report_failed_drives(&stats, &mut failed_seen);
-        if let Err(error) = store.gc_tick().await {
-            if !gc_failed_logged {
-                tracing::error!(%error, "garbage collection failed");
-                gc_failed_logged = true;
-            }
-        }
         let written = stats.host_bytes_written;
         let interval = Duration::from_millis(CHECKPOINT_INTERVAL_MS);
         if written != written_at_checkpoint && last_checkpoint.elapsed() >= interval {
@@ -1216,6 +1218,12 @@ async fn background(
         scrubber.tick(&store, Instant::now()).await;
         rebuilder.tick(&store, &open_drive, Instant::now()).await;
     }
+    // The loop also ends when the command channel closes: GC ends at its next tick then, and
+    // never in the middle of a step (an abandoned victim would stay out of use until restart).
+    gc_quit.set(true);
+    if let Err(error) = gc.await {
+        tracing::error!(%error, "the garbage collection task failed");
+    }
     // A clean stop: a checkpoint now makes the next start read little. A coded log writes one
     // with up to its parity count of drives failed.
     let parity = usize::from(store.engine().geometry().parity_shards);
@@ -1223,6 +1231,36 @@ async fn background(
         match store.checkpoint().await {
             Ok(()) => tracing::info!("took the final checkpoint"),
             Err(error) => tracing::warn!(%error, "the final checkpoint failed"),
+        }
+    }
+}
+
+/// Thread 0's paced GC (see `LogHandle::gc_tick`), every background tick until the node stops
+/// or `quit` is set. A failure is logged once; the next tick tries again (a drive may have been
+/// replaced).
+async fn collect_garbage(
+    store: Rc<LogHandle<DriveFile>>,
+    mut stop: watch::Receiver<bool>,
+    quit: Rc<Cell<bool>>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(BACKGROUND_TICK_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failed_logged = false;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => break,
+        }
+        if quit.get() {
+            break;
+        }
+        match store.gc_tick().await {
+            Ok(()) => failed_logged = false,
+            Err(error) if !failed_logged => {
+                tracing::error!(%error, "garbage collection failed");
+                failed_logged = true;
+            }
+            Err(_) => {}
         }
     }
 }

@@ -288,7 +288,7 @@ impl LogEngine {
             geometry,
             config,
             index: Index::default(),
-            segments: SegmentTable::new(geometry.segment_count),
+            segments: SegmentTable::new(geometry.segment_count, geometry.positions_per_segment()),
             latches,
             lsn_next: AtomicU64::new(1),
             segment_seq_next: AtomicU64::new(1),
@@ -1227,22 +1227,35 @@ impl<D: Drive> LogHandle<D> {
         }
         // Boxed: the group path (segment switches, checkpoints, coded logs) holds far more
         // state than the pipelined one, and inline it would enlarge every host write's future.
-        let group: LocalFuture<'_, bool> = Box::pin(self.commit_group());
+        let group: LocalFuture<'_, Option<bool>> = Box::pin(self.commit_group());
         let committed = group.await;
-        drop(leadership);
-        committed
+        if committed == Some(true) && self.checkpoint_due() {
+            // Bounded recovery: a failure here is reported by the next checkpoint attempt or by
+            // the drive latch on the next write; the batches themselves are durable. The
+            // leadership goes with it and is given up once the LSN floor is fixed, so this
+            // thread's writers wait only for that, not for the index to stream out.
+            // Boxed: a checkpoint's state is large and rare; inline, it would enlarge every
+            // host write's future.
+            let checkpoint: LocalFuture<'_, Result<(), LogError>> =
+                Box::pin(self.checkpoint_as_leader(Some(leadership)));
+            let _ = checkpoint.await;
+        } else {
+            drop(leadership);
+        }
+        committed.is_some()
     }
 
     /// As the leader, with nothing in flight: commits up to [`GROUP_BATCHES_MAX`] queued
-    /// batches with one sync (see [`LogHandle::commit_front`]).
-    async fn commit_group(&self) -> bool {
+    /// batches with one sync (see [`LogHandle::commit_front`]). None if the queue was empty,
+    /// else whether the batches are durable.
+    async fn commit_group(&self) -> Option<bool> {
         let taken: Vec<Pending> = {
             let mut queue = self.queue.borrow_mut();
             let count = queue.len().min(GROUP_BATCHES_MAX);
             queue.drain(..count).collect()
         };
         if taken.is_empty() {
-            return false;
+            return None;
         }
         self.changed.notify_all();
         let mut guards: Vec<CommitGuard<'_>> = taken
@@ -1285,16 +1298,7 @@ impl<D: Drive> LogHandle<D> {
         }
         drop(guards);
         self.changed.notify_all();
-        if result.is_ok() && self.checkpoint_due() {
-            // Bounded recovery: a failure here is reported by the next checkpoint attempt or by
-            // the drive latch on the next write; the batch itself is durable.
-            // Boxed: a checkpoint's state is large and rare; inline, it would enlarge every
-            // host write's future.
-            let checkpoint: LocalFuture<'_, Result<(), LogError>> =
-                Box::pin(self.checkpoint_as_leader());
-            let _ = checkpoint.await;
-        }
-        true
+        Some(result.is_ok())
     }
 
     /// As the leader, on a log without parity, with the oldest queued batch fitting the host
@@ -1319,6 +1323,7 @@ impl<D: Drive> LogHandle<D> {
             );
             (segment, state.seq, position)
         };
+        engine.segments.note_header(segment, position);
         // With batches in flight, the floor is already the oldest one's.
         let lsn = self.take_lsn(self.in_flight.borrow().is_empty());
         let entries = std::mem::take(&mut batch.entries);
@@ -1519,6 +1524,7 @@ impl<D: Drive> LogHandle<D> {
             state.next_position += positions;
             (segment, state.seq, position)
         };
+        engine.segments.note_header(segment, position);
         // Until the group is installed, a failure or an abandoned future seals the segment.
         group.armed = true;
         // The group's first part publishes the floor; it stays until the group is installed.

@@ -1,6 +1,9 @@
-//! Garbage collection and checkpoints, run by a handle's pipeline leader: inline when a host
-//! write finds only the reserve left, or when the node's background task calls
-//! [`LogHandle::gc_step`] / [`LogHandle::checkpoint`].
+//! Garbage collection and checkpoints: inline, by a handle's pipeline leader, when a host write
+//! finds only the reserve left, or when the node's background tasks call [`LogHandle::gc_step`]
+//! / [`LogHandle::checkpoint`]. A background GC step reads its victim without the pipeline
+//! leadership and leads only to commit each relocation batch; a checkpoint gives the
+//! leadership up once its LSN floor is fixed. Either way the thread's host writes do not wait
+//! for the reads and writes of a whole segment or index.
 //!
 //! Background GC starts only when free segments fall to the host reserve plus a small headroom
 //! ([`GC_HEADROOM_SEGMENTS_PER_HANDLE`] per handle): free segments beyond what the writers need
@@ -9,7 +12,8 @@
 //! lets the handle's waiting host writers commit, so GC never starves a thread's host I/O.
 //!
 //! GC picks the sealed segment with the best cost-benefit score `(1 - u) * age / (1 + u)` (LFS:
-//! `u` = live fraction, age = LSNs since its newest batch), walks its batch headers, copies every
+//! `u` = live fraction, age = LSNs since its newest batch), reads its batch headers (side by
+//! side where the segment table knows their positions, else walking their chain), copies every
 //! block the index still maps there into the handle's GC stream as `Relocated` entries, and
 //! installs each copy with a compare-and-swap against the old location, so a host write that
 //! landed meanwhile wins. Only segments opened before the durable checkpoint's segment floor are
@@ -26,10 +30,10 @@ use std::sync::Arc;
 
 use types::AlignedBuf;
 
-use super::engine::{CompressedBlock, DriveSet, Failure, LogHandle, OpenPacks, Stream};
+use super::engine::{CompressedBlock, DriveSet, Failure, Leadership, LogHandle, OpenPacks, Stream};
 use super::format::{
     encode_checkpoint_block, encode_layer_block, BatchHeader, CheckpointEntry, DataSlots, Entry,
-    EntryKind, LayerRecordEntry, Root, BATCH_ENTRIES_MAX, BLOCK_BYTES,
+    EntryKind, Geometry, LayerRecordEntry, Root, BATCH_ENTRIES_MAX, BLOCK_BYTES,
     CHECKPOINT_ENTRIES_PER_BLOCK, LAYER_RECORDS_PER_BLOCK, ROOT_SEGMENTS_MAX, ROOT_SLOT_BLOCKS,
     TOMBSTONE_LOCATION,
 };
@@ -38,7 +42,7 @@ use super::segments::SegmentState;
 use super::LogError;
 use crate::compress::pack_entries;
 use crate::drive::Drive;
-use crate::join::yield_now;
+use crate::join::{join_all, yield_now, LocalFuture};
 
 /// Victims a host write cleans while looking for a segment before it gives up. Each round
 /// frees a segment but may open one for the relocated blocks, so several rounds can be needed
@@ -53,8 +57,25 @@ pub const CHECKPOINT_WAIT_YIELDS_MAX: u64 = 10_000_000;
 /// from 2.16 to about 2.35).
 pub const GC_HEADROOM_SEGMENTS_PER_HANDLE: u32 = 2;
 
+/// Reads GC keeps in flight while it reads a victim whose header positions are known: that
+/// many header blocks, then that many batches' data.
+pub const GC_READS_IN_FLIGHT: usize = 16;
+
+/// Checkpoint blocks encoded between two drive writes (1 MiB; rounded up to whole stripes on
+/// a coded log).
+pub const CHECKPOINT_CHUNK_BLOCKS: u32 = 256;
+
 /// Unreachable blocks one sweep drops at most (a few batches of `Dropped` entries).
 pub const SWEEP_BLOCKS_MAX: usize = 4 * BATCH_ENTRIES_MAX;
+
+/// How GC holds its handle's pipeline leadership while it cleans a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GcLead {
+    /// The caller leads throughout (a host write cleaning inline for space).
+    Held,
+    /// Background GC: reads the victim without leading and leads for each of its commits.
+    PerCommit,
+}
 
 /// What one GC step did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,15 +140,22 @@ impl<D: Drive> LogHandle<D> {
         // this thread's host I/O would wait until free space recovered (seen as 30 s stalls at
         // 90% fill).
         yield_now().await;
-        let _leadership = self.lead().await;
         let engine = &*self.engine;
-        self.sweep_unreachable().await?;
+        {
+            let _leadership = self.lead().await;
+            self.sweep_unreachable().await?;
+        }
         if engine.segments.free_count() > engine.reserve_segments + self.gc_headroom_segments() {
             return Ok(GcOutcome::Idle);
         }
-        let outcome = self.clean_one().await?;
-        if outcome == GcOutcome::NoVictim && self.checkpoint_as_leader().await.is_ok() {
-            return self.clean_one().await;
+        // Not as the leader: the victim's reads would hold up this thread's host writes for as
+        // long as the whole segment takes; each relocation batch leads only for its commit.
+        let outcome = self.clean_one(GcLead::PerCommit).await?;
+        if outcome == GcOutcome::NoVictim {
+            let leadership = self.lead().await;
+            if self.checkpoint_as_leader(Some(leadership)).await.is_ok() {
+                return self.clean_one(GcLead::PerCommit).await;
+            }
         }
         Ok(outcome)
     }
@@ -177,10 +205,9 @@ impl<D: Drive> LogHandle<D> {
     pub async fn checkpoint(&self) -> Result<(), LogError> {
         for _ in 0..CHECKPOINT_WAIT_YIELDS_MAX {
             let leadership = self.lead().await;
-            match self.checkpoint_as_leader().await {
+            match self.checkpoint_as_leader(Some(leadership)).await {
                 Err(LogError::CheckpointBusy) => {
                     // Let the other holder (perhaps a writer of this very handle) finish.
-                    drop(leadership);
                     yield_now().await;
                 }
                 other => return other,
@@ -199,13 +226,13 @@ impl<D: Drive> LogHandle<D> {
 
     /// As the leader, for a host write that found no free segment: frees one if it can.
     pub(super) async fn collect_for_space(&self) -> Result<bool, Failure> {
-        match self.clean_one().await {
+        match self.clean_one(GcLead::Held).await {
             Ok(GcOutcome::Cleaned { .. }) => return Ok(true),
             Ok(_) => {}
             Err(error) => return Err(failure_of(&error)),
         }
         // Perhaps only segments newer than the checkpoint hold garbage: move the floor.
-        match self.checkpoint_as_leader().await {
+        match self.checkpoint_as_leader(None).await {
             Ok(()) => {}
             Err(LogError::CheckpointBusy) => {
                 yield_now().await;
@@ -213,11 +240,26 @@ impl<D: Drive> LogHandle<D> {
             }
             Err(error) => return Err(failure_of(&error)),
         }
-        match self.clean_one().await {
+        match self.clean_one(GcLead::Held).await {
             Ok(GcOutcome::Cleaned { .. }) => Ok(true),
             Ok(_) => Ok(false),
             Err(error) => Err(failure_of(&error)),
         }
+    }
+
+    /// Claims the eligible sealed segment with the best cost-benefit score (see
+    /// [`SegmentTable::claim_for_cleaning`]); None if there is none.
+    ///
+    /// [`SegmentTable::claim_for_cleaning`]: super::segments::SegmentTable::claim_for_cleaning
+    fn claim_victim(&self) -> Option<u32> {
+        // Each failed claim means another collector took that segment: at most one per segment.
+        for _ in 0..self.engine.geometry.segment_count {
+            let victim = self.pick_victim()?;
+            if self.engine.segments.claim_for_cleaning(victim) {
+                return Some(victim);
+            }
+        }
+        None
     }
 
     /// The eligible sealed segment with the best cost-benefit score.
@@ -250,14 +292,13 @@ impl<D: Drive> LogHandle<D> {
         best.map(|(_, segment)| segment)
     }
 
-    /// As the leader: cleans the best victim.
-    async fn clean_one(&self) -> Result<GcOutcome, LogError> {
+    /// Cleans the best victim, as the leader or taking the leadership for each commit (`lead`).
+    async fn clean_one(&self, lead: GcLead) -> Result<GcOutcome, LogError> {
         let engine = &*self.engine;
-        let Some(victim) = self.pick_victim() else { return Ok(GcOutcome::NoVictim) };
-        engine.segments.set_state(victim, SegmentState::Cleaning);
+        let Some(victim) = self.claim_victim() else { return Ok(GcOutcome::NoVictim) };
         let mut relocated_blocks = 0;
         if engine.segments.live_units(victim) > 0 {
-            match self.relocate(victim).await {
+            match self.relocate(victim, lead).await {
                 Ok(count) => relocated_blocks = count,
                 Err(error) => {
                     engine.segments.set_state(victim, SegmentState::Sealed);
@@ -285,105 +326,223 @@ impl<D: Drive> LogHandle<D> {
     /// Copies the live blocks of `victim` to the GC stream; returns how many were installed.
     /// Raw blocks are copied whole; a compressed block's bytes move into a new pack slot of the
     /// same class (never recompressed), so a slot's dead neighbours are left behind.
-    async fn relocate(&self, victim: u32) -> Result<u64, LogError> {
+    ///
+    /// Where the segment's header positions are known (it was written in this run), its headers
+    /// are read [`GC_READS_IN_FLIGHT`] at a time, then the data of the batches holding live
+    /// blocks likewise; else the header chain is walked, one read per batch.
+    async fn relocate(&self, victim: u32, lead: GcLead) -> Result<u64, LogError> {
         let engine = &*self.engine;
-        let geometry = engine.geometry;
-        let seq = engine.segments.seq(victim);
-        let per_segment = geometry.positions_per_segment();
-        let mut batch = RelocationBatch::new(engine.batch_data_max);
-        let mut relocated = 0;
-        let mut dropped: Vec<Entry> = Vec::new();
-        let hidden_layers = engine.index.has_hidden_layers();
+        let mut relocation = Relocation {
+            victim,
+            seq: engine.segments.seq(victim),
+            hidden_layers: engine.index.has_hidden_layers(),
+            lead,
+            batch: RelocationBatch::new(engine.batch_data_max),
+            relocated: 0,
+            dropped: Vec::new(),
+        };
+        match engine.segments.header_positions(victim) {
+            Some(headers) => self.relocate_known(&mut relocation, &headers).await?,
+            None => self.relocate_chain(&mut relocation).await?,
+        }
+        if !relocation.batch.entries.is_empty() {
+            relocation.relocated += self.commit_relocation(&mut relocation.batch, lead).await?;
+        }
+        if !relocation.dropped.is_empty() {
+            let dropped = std::mem::take(&mut relocation.dropped);
+            self.commit_gc(lead, dropped, &[], 0).await?;
+        }
+        Ok(relocation.relocated)
+    }
+
+    /// Relocation from the header positions the segment table recorded.
+    async fn relocate_known(
+        &self,
+        relocation: &mut Relocation,
+        headers: &[u32],
+    ) -> Result<(), LogError> {
+        let engine = &*self.engine;
+        let victim = relocation.victim;
+        for group in headers.chunks(GC_READS_IN_FLIGHT) {
+            if engine.segments.live_units(victim) == 0 {
+                break;
+            }
+            let reads: Vec<LocalFuture<'_, Result<AlignedBuf, LogError>>> = group
+                .iter()
+                .map(|&position| -> LocalFuture<'_, _> {
+                    Box::pin(self.read_positions(victim, position, 1))
+                })
+                .collect();
+            let mut found: Vec<(u32, u32, Vec<LiveBlock>)> = Vec::new();
+            for (&position, block) in group.iter().zip(join_all(reads).await) {
+                // A header whose write was torn (its batch failed, and nothing after it in
+                // the segment was installed) decodes as nothing: skip it.
+                let Some(header) = relocation.header(&block?, &engine.geometry, position) else {
+                    continue;
+                };
+                let live = self.live_blocks(relocation, &header, position);
+                self.commit_full_drops(relocation).await?;
+                if !live.is_empty() {
+                    found.push((position, header.data_blocks(), live));
+                }
+            }
+            let reads: Vec<LocalFuture<'_, Result<AlignedBuf, LogError>>> = found
+                .iter()
+                .map(|&(position, data_blocks, _)| -> LocalFuture<'_, _> {
+                    Box::pin(self.read_positions(victim, position + 1, data_blocks))
+                })
+                .collect();
+            for ((_, _, live), blocks) in found.into_iter().zip(join_all(reads).await) {
+                self.copy_live(relocation, live, &blocks?).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Relocation by walking the segment's header chain.
+    async fn relocate_chain(&self, relocation: &mut Relocation) -> Result<(), LogError> {
+        let engine = &*self.engine;
+        let victim = relocation.victim;
+        let per_segment = engine.geometry.positions_per_segment();
         let mut position = 0;
         // Each batch takes at least one position, so this loop is bounded by the segment size.
         while position < per_segment && engine.segments.live_units(victim) > 0 {
             let block = self.read_positions(victim, position, 1).await?;
-            let header = match BatchHeader::decode(&block, &geometry, victim, position) {
-                Ok(header) if header.segment_seq == seq => header,
-                _ => break,
+            let Some(header) = relocation.header(&block, &engine.geometry, position) else {
+                break;
             };
-            let mut live: Vec<LiveBlock> = Vec::new();
-            let mut slots = DataSlots::default();
-            for entry in &header.entries {
-                let Some(slot) = slots.next(&entry.kind) else { continue };
-                let (crc, tag, packed) = match entry.kind {
-                    EntryKind::Data { crc } | EntryKind::Relocated { crc, .. } => {
-                        (crc, raw_tag(crc), None)
-                    }
-                    EntryKind::Packed { crc, cells_log2, sub, .. }
-                    | EntryKind::RelocatedPacked { crc, cells_log2, sub, .. } => {
-                        (crc, packed_tag(cells_log2, sub, crc), Some((cells_log2, sub)))
-                    }
-                    _ => continue,
-                };
-                let location = geometry.location(victim, position + 1 + slot);
-                // The entry names the layer the block was written to; a snapshot deletion may
-                // have merged that layer into its child since.
-                let owner = engine
-                    .index
-                    .resolve_label(entry.volume)
-                    .filter(|index| index.get(entry.block) == pack(location, tag));
-                let Some(owner) = owner else { continue };
-                if hidden_layers && engine.index.is_hidden_block(owner.volume(), entry.block) {
-                    // No read reaches it: drop it rather than move it.
-                    dropped.push(Entry {
-                        volume: owner.volume(),
-                        block: entry.block,
-                        kind: EntryKind::Dropped { crc: tag, location },
-                    });
-                    if dropped.len() == BATCH_ENTRIES_MAX {
-                        let full = std::mem::take(&mut dropped);
-                        self.commit_batch(Stream::Gc, full, &[], 0)
-                            .await
-                            .map_err(|failure| failure.into_error(engine))?;
-                    }
-                    continue;
-                }
-                live.push(LiveBlock {
-                    volume: owner.volume(),
-                    block: entry.block,
-                    crc,
-                    from: location,
-                    slot,
-                    packed,
-                });
-            }
+            let live = self.live_blocks(relocation, &header, position);
+            self.commit_full_drops(relocation).await?;
             if !live.is_empty() {
                 let blocks =
                     self.read_positions(victim, position + 1, header.data_blocks()).await?;
-                for found in live {
-                    let at = found.slot as usize * BLOCK_BYTES;
-                    let source = &blocks[at..at + BLOCK_BYTES];
-                    if !batch.room_for(found.packed.map(|(cells_log2, _)| cells_log2)) {
-                        relocated += self.commit_relocation(&mut batch).await?;
-                    }
-                    batch.add(&found, source);
-                }
+                self.copy_live(relocation, live, &blocks).await?;
             }
             position += engine.geometry.padded(header.positions());
         }
-        if !batch.entries.is_empty() {
-            relocated += self.commit_relocation(&mut batch).await?;
-        }
-        if !dropped.is_empty() {
-            self.commit_batch(Stream::Gc, dropped, &[], 0)
-                .await
-                .map_err(|failure| failure.into_error(engine))?;
-        }
-        Ok(relocated)
+        Ok(())
     }
 
-    async fn commit_relocation(&self, batch: &mut RelocationBatch) -> Result<u64, LogError> {
+    /// The blocks of the batch at `position` that the index still maps there; blocks no read
+    /// can reach go to `relocation.dropped` instead.
+    fn live_blocks(
+        &self,
+        relocation: &mut Relocation,
+        header: &BatchHeader,
+        position: u32,
+    ) -> Vec<LiveBlock> {
+        let engine = &*self.engine;
+        let mut live: Vec<LiveBlock> = Vec::new();
+        let mut slots = DataSlots::default();
+        for entry in &header.entries {
+            let Some(slot) = slots.next(&entry.kind) else { continue };
+            let (crc, tag, packed) = match entry.kind {
+                EntryKind::Data { crc } | EntryKind::Relocated { crc, .. } => {
+                    (crc, raw_tag(crc), None)
+                }
+                EntryKind::Packed { crc, cells_log2, sub, .. }
+                | EntryKind::RelocatedPacked { crc, cells_log2, sub, .. } => {
+                    (crc, packed_tag(cells_log2, sub, crc), Some((cells_log2, sub)))
+                }
+                _ => continue,
+            };
+            let location = engine.geometry.location(relocation.victim, position + 1 + slot);
+            // The entry names the layer the block was written to; a snapshot deletion may
+            // have merged that layer into its child since.
+            let owner = engine
+                .index
+                .resolve_label(entry.volume)
+                .filter(|index| index.get(entry.block) == pack(location, tag));
+            let Some(owner) = owner else { continue };
+            if relocation.hidden_layers && engine.index.is_hidden_block(owner.volume(), entry.block)
+            {
+                // No read reaches it: drop it rather than move it.
+                relocation.dropped.push(Entry {
+                    volume: owner.volume(),
+                    block: entry.block,
+                    kind: EntryKind::Dropped { crc: tag, location },
+                });
+                continue;
+            }
+            live.push(LiveBlock {
+                volume: owner.volume(),
+                block: entry.block,
+                crc,
+                from: location,
+                slot,
+                packed,
+            });
+        }
+        live
+    }
+
+    /// Commits full batches of `Dropped` entries (a header adds at most a batch's worth).
+    async fn commit_full_drops(&self, relocation: &mut Relocation) -> Result<(), LogError> {
+        while relocation.dropped.len() >= BATCH_ENTRIES_MAX {
+            let rest = relocation.dropped.split_off(BATCH_ENTRIES_MAX);
+            let full = std::mem::replace(&mut relocation.dropped, rest);
+            self.commit_gc(relocation.lead, full, &[], 0).await?;
+        }
+        Ok(())
+    }
+
+    /// Adds the live blocks of one batch (whose data blocks are `blocks`) to the relocation
+    /// batch, committing it whenever it is full.
+    async fn copy_live(
+        &self,
+        relocation: &mut Relocation,
+        live: Vec<LiveBlock>,
+        blocks: &[u8],
+    ) -> Result<(), LogError> {
+        for found in live {
+            let at = found.slot as usize * BLOCK_BYTES;
+            let source = &blocks[at..at + BLOCK_BYTES];
+            if !relocation.batch.room_for(found.packed.map(|(cells_log2, _)| cells_log2)) {
+                relocation.relocated +=
+                    self.commit_relocation(&mut relocation.batch, relocation.lead).await?;
+            }
+            relocation.batch.add(&found, source);
+        }
+        Ok(())
+    }
+
+    async fn commit_relocation(
+        &self,
+        batch: &mut RelocationBatch,
+        lead: GcLead,
+    ) -> Result<u64, LogError> {
         let (entries, data_blocks) = batch.take();
         let count = entries.len() as u64;
-        let result = self.commit_batch(Stream::Gc, entries, &batch.data, data_blocks).await;
+        let result = self.commit_gc(lead, entries, &batch.data, data_blocks).await;
         batch.packs = OpenPacks::default();
-        result.map_err(|failure| failure.into_error(&self.engine))?;
+        result?;
         Ok(count)
     }
 
-    /// As the leader: writes a checkpoint and makes it current.
-    pub(super) async fn checkpoint_as_leader(&self) -> Result<(), LogError> {
+    /// Commits a batch to the GC stream, as the leader already or taking the leadership for it.
+    async fn commit_gc(
+        &self,
+        lead: GcLead,
+        entries: Vec<Entry>,
+        data: &[u8],
+        data_blocks: usize,
+    ) -> Result<(), LogError> {
+        let _leadership = match lead {
+            GcLead::Held => None,
+            GcLead::PerCommit => Some(self.lead().await),
+        };
+        self.commit_batch(Stream::Gc, entries, data, data_blocks)
+            .await
+            .map_err(|failure| failure.into_error(&self.engine))
+    }
+
+    /// As the leader: writes a checkpoint and makes it current. A `leadership` handed over is
+    /// given up once the LSN floor is fixed, so this thread's host writes go on while the
+    /// index streams out (as every other thread's do); without one, the caller keeps leading.
+    pub(super) async fn checkpoint_as_leader(
+        &self,
+        leadership: Option<Leadership<'_>>,
+    ) -> Result<(), LogError> {
         let engine = Arc::clone(&self.engine);
         if engine.checkpoint_busy.swap(true, Ordering::AcqRel) {
             return Err(LogError::CheckpointBusy);
@@ -413,6 +572,9 @@ impl<D: Drive> LogHandle<D> {
             }
             yield_now().await;
         }
+        // Every batch below the floor is installed and every later one is replayed over the
+        // checkpoint: this handle's writers may go on (their batches take LSNs at or above it).
+        drop(leadership);
         let sealed_before = engine.sealed_since_checkpoint.load(Ordering::Acquire);
         let checkpoint_id = engine.checkpoint.lock().unwrap_or_else(|e| e.into_inner()).id + 1;
         // 3. Stream the index into checkpoint segments.
@@ -472,7 +634,13 @@ impl<D: Drive> LogHandle<D> {
     ) -> Result<(u64, u64, DriveSet), LogError> {
         let engine = &*self.engine;
         let per_segment = engine.geometry.positions_per_segment() as usize;
-        let mut buffer = AlignedBuf::new(per_segment * BLOCK_BYTES);
+        // Written a chunk at a time: encoding a chunk is a bounded stretch of CPU between two
+        // awaits, so the thread's host I/O is served in between.
+        let chunk_blocks =
+            (engine.geometry.padded(CHECKPOINT_CHUNK_BLOCKS) as usize).min(per_segment);
+        let mut buffer = AlignedBuf::new(chunk_blocks * BLOCK_BYTES);
+        // The checkpoint segment being filled, and the position its next chunk goes to.
+        let mut current: Option<(u32, usize)> = None;
         let mut filled = 0usize;
         let mut block_index = 0u32;
         let mut entry_count = 0u64;
@@ -525,22 +693,31 @@ impl<D: Drive> LogHandle<D> {
                 layers_at = end;
             }
             let last = entries_done && layers_at >= layer_records.len();
-            if filled > 0 && (filled == per_segment || last) {
-                if segments.len() >= ROOT_SEGMENTS_MAX {
-                    return Err(LogError::CheckpointInvalid {
-                        checkpoint_id,
-                        reason: "the index does not fit in the checkpoint segments a root lists",
-                    });
-                }
-                let Some(segment) = engine.segments.allocate(SegmentState::Checkpoint, 0) else {
-                    return Err(LogError::CheckpointNoSpace {
-                        needed: 1,
-                        free: engine.segments.free_count(),
-                    });
+            let room = per_segment - current.map_or(0, |(_, position)| position);
+            if filled > 0 && (filled == chunk_blocks.min(room) || last) {
+                let (segment, position) = match current {
+                    Some(open) => open,
+                    None => {
+                        if segments.len() >= ROOT_SEGMENTS_MAX {
+                            return Err(LogError::CheckpointInvalid {
+                                checkpoint_id,
+                                reason: "the index does not fit in the checkpoint segments a \
+                                         root lists",
+                            });
+                        }
+                        let Some(segment) = engine.segments.allocate(SegmentState::Checkpoint, 0)
+                        else {
+                            return Err(LogError::CheckpointNoSpace {
+                                needed: 1,
+                                free: engine.segments.free_count(),
+                            });
+                        };
+                        segments.push(segment);
+                        (segment, 0)
+                    }
                 };
-                segments.push(segment);
                 let written = self
-                    .write_positions(segment, 0, filled as u32, |index| {
+                    .write_positions(segment, position as u32, filled as u32, |index| {
                         let at = index as usize * BLOCK_BYTES;
                         &buffer[at..at + BLOCK_BYTES]
                     })
@@ -549,6 +726,8 @@ impl<D: Drive> LogHandle<D> {
                 for drive in written.iter() {
                     touched.insert(drive);
                 }
+                let position = position + filled;
+                current = (position < per_segment).then_some((segment, position));
                 filled = 0;
             }
             if last && pending.is_empty() && filled == 0 {
@@ -587,6 +766,28 @@ impl<D: Drive> LogHandle<D> {
             touched.insert(drive);
         }
         self.sync_drives(touched).await.map_err(|failure| failure.into_error(engine))
+    }
+}
+
+/// One segment's relocation under way.
+struct Relocation {
+    victim: u32,
+    /// The victim's sequence number: a header of another (an earlier use of the segment) is
+    /// not one of its batches.
+    seq: u64,
+    hidden_layers: bool,
+    lead: GcLead,
+    batch: RelocationBatch,
+    relocated: u64,
+    dropped: Vec<Entry>,
+}
+
+impl Relocation {
+    /// The victim's batch header in `block` (read at `position`), if it is one.
+    fn header(&self, block: &[u8], geometry: &Geometry, position: u32) -> Option<BatchHeader> {
+        BatchHeader::decode(block, geometry, self.victim, position)
+            .ok()
+            .filter(|header| header.segment_seq == self.seq)
     }
 }
 

@@ -53,16 +53,28 @@ pub struct SegmentTable {
     /// A segment a drive rebuild is copying, which allocation skips (`NONE_PINNED` if none), so
     /// the rebuild never writes a stale cell into a segment reused meanwhile.
     pinned: AtomicU32,
+    /// One bit per position, set where a batch header was written since the segment was
+    /// allocated in this run (`header_words` words per segment), so GC reads a victim's headers
+    /// side by side instead of walking their chain one read at a time.
+    headers: Box<[AtomicU64]>,
+    header_words: usize,
+    /// Whether `headers` lists every batch of the segment: false for segments recovery found
+    /// (GC walks their chain), true once allocated in this run.
+    headers_known: Box<[AtomicBool]>,
 }
 
 /// [`SegmentTable`]'s `pinned` when no segment is.
 const NONE_PINNED: u32 = u32::MAX;
 
 impl SegmentTable {
-    /// A table where every segment is free.
-    pub fn new(segment_count: u32) -> Self {
+    /// A table where every segment (of `positions_per_segment` positions) is free.
+    pub fn new(segment_count: u32, positions_per_segment: u32) -> Self {
         let count = segment_count as usize;
+        let header_words = (positions_per_segment as usize).div_ceil(64);
         Self {
+            headers: (0..count * header_words).map(|_| AtomicU64::new(0)).collect(),
+            header_words,
+            headers_known: (0..count).map(|_| AtomicBool::new(false)).collect(),
             states: (0..count).map(|_| AtomicU8::new(SegmentState::Free as u8)).collect(),
             seqs: (0..count).map(|_| AtomicU64::new(0)).collect(),
             live_blocks: (0..count).map(|_| AtomicU32::new(0)).collect(),
@@ -86,6 +98,19 @@ impl SegmentTable {
     pub fn set_state(&self, segment: u32, state: SegmentState) {
         assert!(state != SegmentState::Free, "segments become free through release");
         self.states[segment as usize].store(state as u8, Ordering::Release);
+    }
+
+    /// Moves a sealed segment to [`SegmentState::Cleaning`]; false if it is no longer sealed (GC
+    /// on another thread claimed it first), so two collectors never clean one victim.
+    pub fn claim_for_cleaning(&self, segment: u32) -> bool {
+        self.states[segment as usize]
+            .compare_exchange(
+                SegmentState::Sealed as u8,
+                SegmentState::Cleaning as u8,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
     }
 
     pub fn seq(&self, segment: u32) -> u64 {
@@ -137,8 +162,43 @@ impl SegmentTable {
         assert_eq!(self.state(segment), SegmentState::Free);
         assert_eq!(self.live_units(segment), 0, "a free segment holds no live block");
         self.lsn_max[segment as usize].store(0, Ordering::Release);
+        for word in self.header_words_of(segment) {
+            word.store(0, Ordering::Release);
+        }
+        self.headers_known[segment as usize].store(true, Ordering::Release);
         self.states[segment as usize].store(state as u8, Ordering::Release);
         Some(segment)
+    }
+
+    fn header_words_of(&self, segment: u32) -> &[AtomicU64] {
+        let first = segment as usize * self.header_words;
+        &self.headers[first..first + self.header_words]
+    }
+
+    /// Records that a batch header was written at `position` of `segment`.
+    pub fn note_header(&self, segment: u32, position: u32) {
+        let words = self.header_words_of(segment);
+        let word = position as usize / 64;
+        assert!(word < words.len(), "position {position} beyond segment {segment}");
+        words[word].fetch_or(1 << (position % 64), Ordering::AcqRel);
+    }
+
+    /// The positions of the batch headers written to `segment`, in order; None if they are not
+    /// known (the segment was found by recovery).
+    pub fn header_positions(&self, segment: u32) -> Option<Vec<u32>> {
+        if !self.headers_known[segment as usize].load(Ordering::Acquire) {
+            return None;
+        }
+        let mut positions = Vec::new();
+        for (index, word) in self.header_words_of(segment).iter().enumerate() {
+            let mut bits = word.load(Ordering::Acquire);
+            // One iteration per set bit: at most 64.
+            while bits != 0 {
+                positions.push(index as u32 * 64 + bits.trailing_zeros());
+                bits &= bits - 1;
+            }
+        }
+        Some(positions)
     }
 
     /// The end of the last write completed in the segment (coded logs).
@@ -198,6 +258,7 @@ impl SegmentTable {
         };
         free.remove(at);
         self.free_count.store(free.len() as u32, Ordering::Release);
+        self.headers_known[segment as usize].store(false, Ordering::Release);
         self.states[segment as usize].store(state as u8, Ordering::Release);
     }
 }
@@ -207,8 +268,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn header_positions_are_known_only_for_segments_allocated_in_this_run() {
+        let table = SegmentTable::new(3, 130);
+        let segment = table.allocate(SegmentState::Open, 0).unwrap();
+        for position in [0, 5, 63, 64, 129] {
+            table.note_header(segment, position);
+        }
+        assert_eq!(table.header_positions(segment), Some(vec![0, 5, 63, 64, 129]));
+        table.claim(2, SegmentState::Sealed);
+        assert_eq!(table.header_positions(2), None, "recovery's segments are walked");
+        table.set_state(segment, SegmentState::Sealed);
+        assert!(table.claim_for_cleaning(segment));
+        assert!(!table.claim_for_cleaning(segment), "a victim is claimed once");
+        table.release(segment);
+        assert_eq!(table.allocate(SegmentState::Open, 0), Some(segment));
+        assert_eq!(table.header_positions(segment), Some(vec![]), "reuse starts empty");
+    }
+
+    #[test]
     fn allocation_keeps_a_reserve_and_reuses_lowest() {
-        let table = SegmentTable::new(4);
+        let table = SegmentTable::new(4, 128);
         assert_eq!(table.allocate(SegmentState::Open, 0), Some(0));
         assert_eq!(table.allocate(SegmentState::Open, 2), Some(1));
         assert_eq!(table.allocate(SegmentState::Open, 2), None, "the reserve is kept");
