@@ -340,29 +340,44 @@ async fn serve<S: VolumeStore>(store: &S, volume: &VolumeMap, request: IoRequest
     IoCompletion { tag, buffer, status }
 }
 
-/// What a node's thread 0 does for the engine between host I/O: paced GC steps and a periodic
-/// checkpoint. Errors end the upkeep; the host I/O that follows reports them.
+/// What a node's thread 0 does for the engine between host I/O: paced GC steps and, beside
+/// them (as on a node, a checkpoint never holds GC up), a periodic checkpoint. Errors end the
+/// upkeep; the host I/O that follows reports them.
 async fn upkeep(handle: Rc<LogHandle<DriveFile>>) {
-    let mut tick = tokio::time::interval(BACKGROUND_TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_checkpoint = Instant::now();
-    let mut written_at_checkpoint = 0;
-    loop {
-        tick.tick().await;
-        if let Err(error) = handle.gc_tick().await {
-            eprintln!("garbage collection failed: {error}");
-            return;
-        }
-        let stats = handle.engine().stats();
-        let written = stats.host_bytes_written;
-        if written != written_at_checkpoint && last_checkpoint.elapsed() >= CHECKPOINT_INTERVAL {
-            if let Err(error) = handle.checkpoint().await {
-                eprintln!("checkpoint failed: {error}");
+    let collect = async {
+        let mut tick = tokio::time::interval(BACKGROUND_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Err(error) = handle.gc_tick().await {
+                eprintln!("garbage collection failed: {error}");
                 return;
             }
-            last_checkpoint = Instant::now();
-            written_at_checkpoint = written;
         }
+    };
+    let checkpoints = async {
+        let mut tick = tokio::time::interval(BACKGROUND_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_checkpoint = Instant::now();
+        let mut written_at_checkpoint = 0;
+        loop {
+            tick.tick().await;
+            let written = handle.engine().stats().host_bytes_written;
+            if written != written_at_checkpoint && last_checkpoint.elapsed() >= CHECKPOINT_INTERVAL
+            {
+                if let Err(error) = handle.checkpoint().await {
+                    eprintln!("checkpoint failed: {error}");
+                    return;
+                }
+                last_checkpoint = Instant::now();
+                written_at_checkpoint = written;
+            }
+        }
+    };
+    // Each loop returns only on an error, which ends the other too.
+    tokio::select! {
+        () = collect => {}
+        () = checkpoints => {}
     }
 }
 

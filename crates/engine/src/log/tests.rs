@@ -783,6 +783,104 @@ fn background_gc_step_and_checkpoint() {
     }
 }
 
+/// A background GC step reads its victim without the handle's pipeline: a host write on the
+/// same handle, started once the step is under way, completes before the step does (before,
+/// the step led the pipeline throughout and the write waited for the whole segment).
+#[test]
+fn host_writes_go_on_while_a_background_gc_step_reads_its_victim() {
+    let node = Node::format(48, 21, 2, 1);
+    let handle = &node.handles[0];
+    let (_volumes, maps) = volume_maps(&[4_000]);
+    let map = &maps[0];
+    let volume = map.volume();
+    let threshold = node.engine.reserve_segments + handle.gc_headroom_segments();
+    // One-block batches, half of them cold blocks that stay live: every segment holds many
+    // headers and live blocks, so cleaning one takes many reads.
+    let mut round = 0u64;
+    while node.engine.segments.free_count() > threshold {
+        for block in [1_000 + round, round % 50] {
+            let (result, _) =
+                block_on(handle.write(map, block * BLOCK, block_buf(volume, block, 1, 1)));
+            result.unwrap();
+        }
+        round += 1;
+        assert!(round < 2_000, "the log never filled");
+    }
+    // Every sealed segment below the checkpoint's floor is a candidate.
+    block_on(handle.checkpoint()).unwrap();
+    let step_done = std::cell::Cell::new(false);
+    let write_first = std::cell::Cell::new(false);
+    let outcome = std::cell::Cell::new(None);
+    let work: Vec<LocalBoxFuture<'_, ()>> = vec![
+        Box::pin(async {
+            outcome.set(Some(handle.gc_step().await.unwrap()));
+            step_done.set(true);
+        }),
+        Box::pin(async {
+            // Let the step claim its victim and start reading it.
+            for _ in 0..4 {
+                crate::testing::yield_now().await;
+            }
+            let (result, _) = handle.write(map, 10 * BLOCK, block_buf(volume, 10, 1, 9)).await;
+            result.unwrap();
+            write_first.set(!step_done.get());
+        }),
+    ];
+    block_on(join_all(work));
+    let Some(GcOutcome::Cleaned { relocated_blocks, .. }) = outcome.get() else {
+        panic!("the step cleaned nothing: {:?}", outcome.get());
+    };
+    assert!(relocated_blocks > 0, "the victim held live blocks");
+    assert!(write_first.get(), "the host write waited for the GC step");
+    let (result, buf) = block_on(handle.read(map, 10 * BLOCK, AlignedBuf::new(BLOCK_BYTES)));
+    result.unwrap();
+    assert!(block_matches(&buf, volume, 10, 9), "{}", describe_block(&buf));
+}
+
+/// A checkpoint gives its handle's pipeline back once its LSN floor is fixed: a host write on
+/// the same handle, started once the checkpoint is under way, completes before the index has
+/// streamed out; and the write is found after a crash (replayed over that checkpoint).
+#[test]
+fn host_writes_go_on_while_a_checkpoint_streams_the_index() {
+    let node = Node::format(96, 23, 2, 1);
+    let handle = &node.handles[0];
+    let (_volumes, maps) = volume_maps(&[20_000]);
+    let map = &maps[0];
+    let volume = map.volume();
+    // Enough mapped blocks for a checkpoint of many blocks (170 entries per block).
+    for chunk in 0..10u64 {
+        let (result, _) = block_on(handle.write(
+            map,
+            chunk * 256 * BLOCK,
+            block_buf(volume, chunk * 256, 256, 1),
+        ));
+        result.unwrap();
+    }
+    let checkpoint_done = std::cell::Cell::new(false);
+    let write_first = std::cell::Cell::new(false);
+    let work: Vec<LocalBoxFuture<'_, ()>> = vec![
+        Box::pin(async {
+            handle.checkpoint().await.unwrap();
+            checkpoint_done.set(true);
+        }),
+        Box::pin(async {
+            for _ in 0..4 {
+                crate::testing::yield_now().await;
+            }
+            let (result, _) = handle.write(map, 7 * BLOCK, block_buf(volume, 7, 1, 9)).await;
+            result.unwrap();
+            write_first.set(!checkpoint_done.get());
+        }),
+    ];
+    block_on(join_all(work));
+    assert!(write_first.get(), "the host write waited for the whole checkpoint");
+    let node = node.crash();
+    let (result, buf) =
+        block_on(node.handles[0].read(map, 7 * BLOCK, AlignedBuf::new(BLOCK_BYTES)));
+    result.unwrap();
+    assert!(block_matches(&buf, volume, 7, 9), "{}", describe_block(&buf));
+}
+
 #[test]
 fn deleted_volumes_stay_deleted_after_recovery() {
     let node = Node::format(48, 8, 1, 1);

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Where a node's write-latency tails come from under a mixed workload that runs the log full.
+# A fresh node (4 x 2 GiB sparse drive files, no erasure coding), one 2 GiB volume written once
+# sequentially, then fio over NBD: random reads and writes of BS (MIX percent reads), iodepth 32
+# x 4 jobs, for RUNTIME seconds, as in `make compare-ceph`'s mixed workloads. The drives hold
+# four times the volume, so the log fills and GC starts partway through the run.
+#
+#   scripts/bench-tail.sh                     # 32 KiB, 50% reads, 30 s
+#   BS=16k MIX=70 scripts/bench-tail.sh
+#   FERRITE=/path/to/ferrite OUT=/var/tmp/x scripts/bench-tail.sh   # another build; keep results
+#
+# Prints reads/s and writes/s with their p50, p99 and p99.9 (fio's total latency), the largest
+# write latency of each second of the run, and per second of the run the segments GC cleaned,
+# the blocks it relocated and the checkpoints taken (from /metrics, sampled every 0.1 s), so a
+# latency step can be matched with what the node was doing. Needs fio with its nbd engine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bs=${BS:-32k}
+mix=${MIX:-50}
+runtime=${RUNTIME:-30}
+if [[ -n ${FERRITE:-} ]]; then
+    ferrite=$FERRITE
+else
+    cargo build --release --quiet --bin ferrite
+    ferrite=target/release/ferrite
+fi
+keep=${OUT:+1}
+out=${OUT:-$(mktemp -d /var/tmp/ferrite-bench-tail-XXXXXX)}
+mkdir -p "$out"
+port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+api=127.0.0.1:$(port)
+nbd=127.0.0.1:$(port)
+nvme=127.0.0.1:$(port)
+node_pid=
+sampler_pid=
+cleanup() {
+    [[ -n $sampler_pid ]] && kill "$sampler_pid" 2>/dev/null || true
+    if [[ -n $node_pid ]]; then
+        kill -TERM "$node_pid" 2>/dev/null || true
+        wait "$node_pid" 2>/dev/null || true
+    fi
+    [[ -z $keep ]] && rm -rf "$out"
+    return 0
+}
+trap cleanup EXIT
+"$ferrite" up --data-dir "$out/node" --drives 4 --drive-size 2G --erasure-coding none \
+    --api-listen "$api" --nbd-listen "$nbd" --nvme-listen "$nvme" >"$out/node.log" 2>&1 &
+node_pid=$!
+for _ in $(seq 1 150); do
+    "$ferrite" node show --api "http://$api" >/dev/null 2>&1 && break
+    kill -0 "$node_pid" 2>/dev/null || { tail -20 "$out/node.log"; exit 1; }
+    sleep 0.2
+done
+"$ferrite" volume create tail --size 2G --compression off --api "http://$api" >/dev/null
+fio --name=fill --ioengine=nbd --uri="nbd://$nbd/tail" --rw=write --bs=1M --iodepth=8 --size=2G \
+    --direct=1 --output="$out/fill.txt" >/dev/null
+(
+    while kill -0 "$node_pid" 2>/dev/null; do
+        echo "T $(date +%s.%N)"
+        curl -s "http://$api/metrics" | grep -E '^ferrite_(checkpoints_total|gc_segments_cleaned_total|gc_relocated_blocks_total) ' || true
+        sleep 0.1
+    done >"$out/metrics.txt"
+) &
+sampler_pid=$!
+date +%s.%N >"$out/start"
+fio --name=mix --ioengine=nbd --uri="nbd://$nbd/tail" --rw=randrw --rwmixread="$mix" --bs="$bs" \
+    --iodepth=32 --numjobs=4 --size=2G --direct=1 --norandommap --randrepeat=0 --refill_buffers \
+    --group_reporting --time_based --runtime="$runtime" --lat_percentiles=1 \
+    --write_lat_log="$out/lat" --log_avg_msec=100 --log_max_value=1 \
+    --output-format=json --output="$out/mix.json" >/dev/null
+python3 - "$out" <<'EOF'
+import collections, glob, json, sys
+out = sys.argv[1]
+job = json.load(open(f"{out}/mix.json"))["jobs"][0]
+for kind in ("read", "write"):
+    p = job[kind]["lat_ns"]["percentile"]
+    ms = {q: p[key] / 1e6 for q, key in (("p50", "50.000000"), ("p99", "99.000000"), ("p99.9", "99.900000"))}
+    print(f"{kind}s/s {job[kind]['iops']:.0f}  " + "  ".join(f"{q} {v:.1f} ms" for q, v in ms.items()))
+worst = collections.defaultdict(int)
+for path in glob.glob(f"{out}/lat_lat.*.log"):
+    for line in open(path):
+        msec, value, direction, *_ = [field.strip() for field in line.split(",")]
+        if direction == "1":
+            worst[int(msec) // 1000] = max(worst[int(msec) // 1000], int(value))
+print("largest write latency per second, ms:", " ".join(str(round(worst[s] / 1e6)) for s in sorted(worst)))
+start = float(open(f"{out}/start").read())
+per_second = {}
+for line in open(f"{out}/metrics.txt"):
+    if line.startswith("T "):
+        now = int(float(line.split()[1]) - start)
+        per_second.setdefault(now, {})
+    elif per_second:
+        name, value = line.split()
+        per_second[now][name.removeprefix("ferrite_")] = float(value)
+print("second: GC segments cleaned, blocks relocated, checkpoints taken")
+previous = None
+for second in sorted(per_second):
+    sample = per_second[second]
+    if previous is not None and second >= 0 and len(sample) == 3:
+        delta = {name: sample[name] - previous.get(name, 0) for name in sample}
+        print(f"{second:4d}: {delta['gc_segments_cleaned_total']:.0f} {delta['gc_relocated_blocks_total']:.0f} {delta['checkpoints_total']:.0f}")
+    if len(sample) == 3:
+        previous = sample
+EOF
