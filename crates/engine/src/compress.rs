@@ -37,13 +37,9 @@
 //! [`CompressError`], never a panic. The directory CRC protects the listing that recovery and GC
 //! read without decompressing ([`pack_entries`]); the per-entry CRC protects the data.
 //!
-//! # Index tags
-//!
-//! An index entry is 8 bytes: the low half is the position plus one, the high half a tag. A raw
-//! block's CRC-32C can have any top bit, so the "packed" flag cannot share the high half with a
-//! full 32-bit CRC. [`IndexTag`] gives up one CRC bit on raw blocks instead of one location bit:
-//! bit 31 is the flag; a raw tag keeps 31 CRC bits, a packed tag keeps a 4-bit sub-index and 27
-//! CRC bits. The full 32-bit CRC stays in the batch header and the pack directory.
+//! The RAM index names a packed block by its slot's location and a tag holding the cell count,
+//! the sub-index and some of the block's CRC bits (`log::index::packed_tag`); the full 32-bit
+//! CRC stays in the pack directory, which every read of a packed block checks.
 
 use std::fmt;
 use std::str::FromStr;
@@ -63,7 +59,7 @@ pub const ZSTD_LEVEL: i32 = 1;
 pub const PACK_MAGIC: [u8; 4] = *b"FPAK";
 /// The pack format this module writes and reads.
 pub const PACK_VERSION: u8 = 1;
-/// Most compressed blocks in one pack: the 4-bit sub-index of [`IndexTag`] names 16. More entries
+/// Most compressed blocks in one pack: the 4-bit sub-index of an index tag names 16. More entries
 /// cost nothing when they are not used (the directory grows with the count), and highly
 /// compressible data (zeros, sparse pages, logs) reaches a 16:1 reduction instead of 8:1.
 pub const PACK_ENTRIES_MAX: usize = 16;
@@ -75,7 +71,6 @@ const ENTRY_BYTES: usize = 10;
 /// A longer one would sit nearly alone in a slot and save nothing, so it is stored raw.
 pub const PACKED_BYTES_MAX: usize = (BLOCK_BYTES - directory_bytes(2)) / 2;
 
-const _: () = assert!(PACK_ENTRIES_MAX <= 1 << TAG_SUB_BITS);
 const _: () = assert!(directory_bytes(PACK_ENTRIES_MAX) < BLOCK_BYTES);
 const _: () = assert!(BLOCK_BYTES <= u16::MAX as usize);
 const _: () = assert!(PACKED_BYTES_MAX == 2032);
@@ -579,73 +574,6 @@ pub fn unpack(
         });
     }
     Ok(computed)
-}
-
-/// Bits of an [`IndexTag`] that hold the sub-index of a packed block.
-const TAG_SUB_BITS: u32 = 4;
-/// The flag bit of a packed tag.
-const TAG_PACKED_FLAG: u32 = 1 << 31;
-/// The CRC bits a raw tag keeps.
-const TAG_RAW_CRC_MASK: u32 = !TAG_PACKED_FLAG;
-/// Where the sub-index sits in a packed tag, above the CRC bits.
-const TAG_SUB_SHIFT: u32 = 31 - TAG_SUB_BITS;
-/// The CRC bits a packed tag keeps.
-const TAG_PACKED_CRC_MASK: u32 = (1 << TAG_SUB_SHIFT) - 1;
-
-/// The high 32 bits of an index entry: what the location (the low half) holds and the CRC-32C
-/// bits a read checks. Every `u32` decodes, so a tag needs no validation.
-///
-/// Bit 31 clear: a raw block, with bits 0..31 of its CRC. Bit 31 set: a block packed in the slot
-/// at the location, with its sub-index in bits 27..31 and bits 0..27 of its CRC.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IndexTag {
-    /// The location holds the block as is.
-    Raw { crc_bits: u32 },
-    /// The location holds a pack; the block is entry `sub`.
-    Packed { sub: u8, crc_bits: u32 },
-}
-
-impl IndexTag {
-    /// The tag of a raw block whose CRC-32C is `crc`.
-    pub const fn raw(crc: u32) -> IndexTag {
-        IndexTag::Raw { crc_bits: crc & TAG_RAW_CRC_MASK }
-    }
-
-    /// The tag of entry `sub` of a pack, the block's uncompressed CRC-32C being `crc`.
-    pub fn packed(sub: u8, crc: u32) -> IndexTag {
-        assert!(usize::from(sub) < PACK_ENTRIES_MAX, "sub-index {sub} out of range");
-        IndexTag::Packed { sub, crc_bits: crc & TAG_PACKED_CRC_MASK }
-    }
-
-    /// The tag's 32 bits.
-    pub const fn to_bits(self) -> u32 {
-        match self {
-            IndexTag::Raw { crc_bits } => crc_bits & TAG_RAW_CRC_MASK,
-            IndexTag::Packed { sub, crc_bits } => {
-                TAG_PACKED_FLAG | ((sub as u32) << TAG_SUB_SHIFT) | (crc_bits & TAG_PACKED_CRC_MASK)
-            }
-        }
-    }
-
-    /// The tag these 32 bits hold.
-    pub const fn from_bits(bits: u32) -> IndexTag {
-        if bits & TAG_PACKED_FLAG == 0 {
-            IndexTag::Raw { crc_bits: bits }
-        } else {
-            IndexTag::Packed {
-                sub: ((bits & TAG_RAW_CRC_MASK) >> TAG_SUB_SHIFT) as u8,
-                crc_bits: bits & TAG_PACKED_CRC_MASK,
-            }
-        }
-    }
-
-    /// True if a block whose CRC-32C is `crc` agrees with the CRC bits of this tag.
-    pub const fn matches(self, crc: u32) -> bool {
-        match self {
-            IndexTag::Raw { crc_bits } => crc & TAG_RAW_CRC_MASK == crc_bits,
-            IndexTag::Packed { crc_bits, .. } => crc & TAG_PACKED_CRC_MASK == crc_bits,
-        }
-    }
 }
 
 #[cfg(test)]
@@ -1222,37 +1150,7 @@ mod tests {
         }
     }
 
-    #[test]
-    fn index_tags_keep_the_flag_apart_from_raw_crcs() {
-        // A raw CRC with its top bit set stays a raw tag; it loses that bit only.
-        let raw = IndexTag::raw(0xffff_ffff);
-        assert_eq!(raw, IndexTag::Raw { crc_bits: 0x7fff_ffff });
-        assert_eq!(IndexTag::from_bits(raw.to_bits()), raw);
-        assert!(raw.matches(0xffff_ffff));
-        assert!(raw.matches(0x7fff_ffff), "bit 31 of a raw CRC is not kept");
-        assert!(!raw.matches(0xffff_fffe));
-        let packed = IndexTag::packed(15, 0xdead_beef);
-        assert_eq!(packed, IndexTag::Packed { sub: 15, crc_bits: 0xdead_beef & ((1 << 27) - 1) });
-        assert_eq!(packed.to_bits(), 0x8000_0000 | 15 << 27 | (0xdead_beef & ((1 << 27) - 1)));
-        assert_eq!(IndexTag::from_bits(packed.to_bits()), packed);
-        assert!(packed.matches(0xdead_beef));
-        assert!(!packed.matches(0xdead_beee));
-        assert_eq!(IndexTag::packed(0, 0).to_bits(), 0x8000_0000);
-        assert_eq!(IndexTag::raw(0).to_bits(), 0);
-    }
-
     proptest! {
-        #[test]
-        fn any_tag_bits_round_trip(bits in any::<u32>(), crc in any::<u32>(), sub in 0..PACK_ENTRIES_MAX as u8) {
-            prop_assert_eq!(IndexTag::from_bits(bits).to_bits(), bits);
-            prop_assert!(IndexTag::raw(crc).matches(crc));
-            prop_assert!(IndexTag::packed(sub, crc).matches(crc));
-            prop_assert_eq!(IndexTag::from_bits(IndexTag::packed(sub, crc).to_bits()), IndexTag::packed(sub, crc));
-            let raw_stays_raw =
-                matches!(IndexTag::from_bits(IndexTag::raw(crc).to_bits()), IndexTag::Raw { .. });
-            prop_assert!(raw_stays_raw);
-        }
-
         #[test]
         fn random_slots_never_panic(bytes in prop::collection::vec(any::<u8>(), BLOCK_BYTES), sub in any::<u8>()) {
             let slot: Block = bytes.try_into().expect("sized");

@@ -593,7 +593,7 @@ impl LogEngine {
                     self.index.rollback(entry.volume, snapshot, layer, dead);
                     volume = None;
                 }
-                EntryKind::Dropped { crc: tag, location } => {
+                EntryKind::Dropped { tag, location } => {
                     // The named layer only: if it merged since, its blocks have new owners.
                     let expected = pack(location, tag);
                     if let Some(layer) = self.index.get(entry.volume) {

@@ -9,6 +9,7 @@
 
 use std::fmt;
 
+use super::index::TAG_BITS;
 use crate::erasure::ErasureScheme;
 use crate::format::NodeUuid;
 
@@ -16,7 +17,7 @@ use crate::format::NodeUuid;
 pub const BLOCK_BYTES: usize = types::BLOCK_SIZE_BYTES as usize;
 const BLOCK_BYTES_U64: u64 = BLOCK_BYTES as u64;
 /// The log format this build reads and writes.
-pub const LOG_FORMAT_VERSION: u32 = 4;
+pub const LOG_FORMAT_VERSION: u32 = 5;
 /// The first 16 bytes of the log superblock.
 pub const LOG_SUPERBLOCK_MAGIC: [u8; 16] = *b"FERRITE\0LOG\0\0\0\0\0";
 /// Magics of the other structures (the first 8 bytes of their block).
@@ -635,8 +636,9 @@ pub enum EntryKind {
     /// previous layer is released.
     Rollback { snapshot: u64, layer: u64 },
     /// GC dropped the block of a layer kept only for the layers on it, all of which hide it:
-    /// applied only if the layer (not one it merged into) still maps it at `location`.
-    Dropped { crc: u32, location: u32 },
+    /// applied only if the layer (not one it merged into) still maps it at `location` with
+    /// index tag `tag` ([`TAG_BITS`](super::index::TAG_BITS) wide).
+    Dropped { tag: u32, location: u32 },
     /// A host write of one block stored compressed in a pack slot of `1 << cells_log2` cells, at
     /// `sub`. An entry that `opens` a slot takes the batch's next data block; the others are in
     /// the slot the latest opening entry with the same `cells_log2` took.
@@ -772,7 +774,7 @@ impl BatchHeader {
                             (KIND_TRIM, count, 0)
                         }
                         EntryKind::VolumeDeleted => (KIND_VOLUME_DELETED, 0, 0),
-                        EntryKind::Dropped { crc, location } => (KIND_DROPPED, crc, location),
+                        EntryKind::Dropped { tag, location } => (KIND_DROPPED, tag, location),
                         EntryKind::Packed { crc, .. } => (KIND_PACKED, crc, 0),
                         EntryKind::RelocatedPacked { crc, from, .. } => {
                             (KIND_RELOCATED_PACKED, crc, from)
@@ -875,7 +877,8 @@ impl BatchHeader {
                 }
                 KIND_DROPPED => {
                     field(u64::from(from) < geometry.location_count(), "from", from.into())?;
-                    EntryKind::Dropped { crc: word, location: from }
+                    field(word < 1 << TAG_BITS, "tag", word.into())?;
+                    EntryKind::Dropped { tag: word, location: from }
                 }
                 KIND_SNAPSHOT | KIND_CLONE | KIND_ROLLBACK => {
                     let layer = u64::from(word) | (u64::from(from) << 32);
@@ -933,7 +936,8 @@ pub struct CheckpointEntry {
     pub volume: u64,
     pub block: u64,
     pub location: u32,
-    pub crc: u32,
+    /// The entry's index tag ([`TAG_BITS`] wide), or `u32::MAX` with [`TOMBSTONE_LOCATION`].
+    pub tag: u32,
 }
 
 /// Where a checkpoint block keeps its entry count: right after the last entry slot.
@@ -958,7 +962,7 @@ pub fn encode_checkpoint_block(
         put(&mut block, offset, &entry.volume.to_le_bytes());
         put(&mut block, offset + 8, &entry.block.to_le_bytes());
         put(&mut block, offset + 16, &entry.location.to_le_bytes());
-        put(&mut block, offset + 20, &entry.crc.to_le_bytes());
+        put(&mut block, offset + 20, &entry.tag.to_le_bytes());
     }
     put(&mut block, CHECKPOINT_COUNT_OFFSET, &(entries.len() as u32).to_le_bytes());
     seal(&mut block);
@@ -986,10 +990,11 @@ pub fn decode_checkpoint_block(
             volume: le_u64(block, offset),
             block: le_u64(block, offset + 8),
             location: le_u32(block, offset + 16),
-            crc: le_u32(block, offset + 20),
+            tag: le_u32(block, offset + 20),
         };
         field(entry.block < VOLUME_BLOCKS_MAX, "block", entry.block)?;
-        let tombstone = entry.location == TOMBSTONE_LOCATION && entry.crc == u32::MAX;
+        let tombstone = entry.location == TOMBSTONE_LOCATION && entry.tag == u32::MAX;
+        field(tombstone || entry.tag < 1 << TAG_BITS, "tag", entry.tag.into())?;
         field(
             tombstone || u64::from(entry.location) < geometry.location_count(),
             "location",
@@ -1328,7 +1333,7 @@ mod tests {
         assert!(Root::decode(&bad.encode(), &geometry).is_err(), "entries without blocks");
 
         let entries: Vec<CheckpointEntry> = (0..CHECKPOINT_ENTRIES_PER_BLOCK as u64)
-            .map(|i| CheckpointEntry { volume: i, block: i * 3, location: i as u32, crc: 7 })
+            .map(|i| CheckpointEntry { volume: i, block: i * 3, location: i as u32, tag: 7 })
             .collect();
         let block = encode_checkpoint_block(5, 2, &entries);
         let mut out = Vec::new();
@@ -1341,7 +1346,7 @@ mod tests {
             volume: 1 << 62,
             block: 9,
             location: TOMBSTONE_LOCATION,
-            crc: u32::MAX,
+            tag: u32::MAX,
         };
         out.clear();
         decode_checkpoint_block(
@@ -1353,7 +1358,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, [tombstone]);
-        let bogus = CheckpointEntry { crc: 3, ..tombstone };
+        let bogus = CheckpointEntry { tag: 3, ..tombstone };
         assert!(
             decode_checkpoint_block(
                 &encode_checkpoint_block(5, 0, &[bogus]),
@@ -1397,7 +1402,7 @@ mod tests {
                 Entry { volume: 7, block: 0, kind: EntryKind::Clone { snapshot: 6, layer } },
                 Entry { volume: 5, block: 0, kind: EntryKind::Rollback { snapshot: 6, layer } },
                 Entry { volume: 6, block: 0, kind: EntryKind::VolumeDeleted },
-                Entry { volume: layer, block: 9, kind: EntryKind::Dropped { crc: 3, location: 4 } },
+                Entry { volume: layer, block: 9, kind: EntryKind::Dropped { tag: 3, location: 4 } },
             ],
         };
         assert_eq!(BatchHeader::decode(&header.encode(), &geometry, 2, 0), Ok(header));

@@ -181,8 +181,8 @@ impl<D: Drive> LogHandle<D> {
             let entries = chunk
                 .iter()
                 .filter_map(|&(label, block, entry)| {
-                    let (location, crc) = unpack(entry)?;
-                    Some(Entry { volume: label, block, kind: EntryKind::Dropped { crc, location } })
+                    let (location, tag) = unpack(entry)?;
+                    Some(Entry { volume: label, block, kind: EntryKind::Dropped { tag, location } })
                 })
                 .collect();
             self.commit_batch(Stream::Gc, entries, &[], 0)
@@ -460,7 +460,7 @@ impl<D: Drive> LogHandle<D> {
                 relocation.dropped.push(Entry {
                     volume: owner.volume(),
                     block: entry.block,
-                    kind: EntryKind::Dropped { crc: tag, location },
+                    kind: EntryKind::Dropped { tag, location },
                 });
                 continue;
             }
@@ -667,12 +667,12 @@ impl<D: Drive> LogHandle<D> {
                 cursor = volumes[volume_at].collect_mapped(from, limit, &mut chunk);
                 let volume = volumes[volume_at].volume();
                 for &(block, entry) in &chunk {
-                    let (location, crc) = match unpack(entry) {
+                    let (location, tag) = match unpack(entry) {
                         Some(found) => found,
                         None if entry == TOMBSTONE => (TOMBSTONE_LOCATION, u32::MAX),
                         None => continue,
                     };
-                    pending.push(CheckpointEntry { volume, block, location, crc });
+                    pending.push(CheckpointEntry { volume, block, location, tag });
                 }
             }
             let entries_done = volume_at >= volumes.len();

@@ -381,7 +381,7 @@ impl<D: Drive> LogHandle<D> {
                     let value = if entry.location == TOMBSTONE_LOCATION {
                         TOMBSTONE
                     } else {
-                        pack(entry.location, entry.crc)
+                        pack(entry.location, entry.tag)
                     };
                     volume.swap(entry.block, value);
                     loaded += 1;
