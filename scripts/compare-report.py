@@ -49,8 +49,31 @@ SERIES_COLORS = {
 }
 
 
+# The share of reads of each workload, and its I/O size in bytes.
+READ_SHARE = {
+    "4k_randread": 1.0,
+    "4k_randwrite": 0.0,
+    "8k_randrw_80_20": 0.8,
+    "16k_randrw_70_30": 0.7,
+    "32k_randrw_50_50": 0.5,
+}
+IO_BYTES = {
+    "4k_randread": 4096,
+    "4k_randwrite": 4096,
+    "8k_randrw_80_20": 8192,
+    "16k_randrw_70_30": 16384,
+    "32k_randrw_50_50": 32768,
+}
+# Sides of the results that are storage systems; the others ("raw-disk", "nbd-null") are the
+# ceilings' probes.
+SYSTEMS = ("ferrite", "ceph")
+
+
 def load_results(path):
+    """The run's records: meta, fills, fios and pgbenches of the two systems keyed by (side,
+    replicas[, workload]), rows not run, and the ceilings' fills, fios and probes."""
     meta, fills, fios, pgbenches, not_run = {}, {}, {}, {}, {}
+    ceilings = {"fills": {}, "fios": {}, "probes": {}}
     for line_number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -62,6 +85,12 @@ def load_results(path):
         key = (record.get("side"), record.get("replicas"))
         if kind == "meta":
             meta = record
+        elif kind == "probe":
+            ceilings["probes"][record["probe"]] = record | parse_fio(record["fio_json"])
+        elif kind == "fill" and key[0] not in SYSTEMS:
+            ceilings["fills"][key[0]] = record | parse_fill(record["fio_json"])
+        elif kind == "fio" and key[0] not in SYSTEMS:
+            ceilings["fios"][(key[0], record["workload"])] = record | parse_fio(record["fio_json"])
         elif kind == "fill":
             fills[key] = record | parse_fill(record["fio_json"])
         elif kind == "fio":
@@ -70,7 +99,7 @@ def load_results(path):
             pgbenches[key] = record | parse_pgbench(record["log"])
         elif kind == "not_run":
             not_run[key] = record["reason"]
-    return meta, fills, fios, pgbenches, not_run
+    return meta, fills, fios, pgbenches, not_run, ceilings
 
 
 def read_json(path):
@@ -201,6 +230,65 @@ def goal_cells(workload, ferrite, ceph):
     )
 
 
+def ceiling_of(workload, ceilings):
+    """(disk bound, NBD client bound, ceiling) in IOPS for a workload; None where not measured.
+
+    The disk bound: a workload whose share r of I/Os are reads cannot do more than the raw
+    disk's random reads per second at its I/O size, divided by r, whatever its writes cost. For
+    4k_randwrite it is the raw disk's sequential write bandwidth over 4 KiB (a log turns random
+    writes into sequential ones; nothing writes faster than that). The client bound: what fio's
+    nbd engine did with the same job against an NBD server that does nothing."""
+    share = READ_SHARE[workload]
+    size = IO_BYTES[workload]
+    if share > 0:
+        probe = ceilings["probes"].get(f"raw_randread_{size // 1024}k")
+        disk = probe["iops"] / share if probe else None
+    else:
+        fill = ceilings["fills"].get("raw-disk")
+        disk = fill["fill_mb_s"] * 1e6 / size if fill else None
+    client = ceilings["fios"].get(("nbd-null", workload))
+    client = client["iops"] if client else None
+    known = [bound for bound in (disk, client) if bound]
+    return disk, client, (min(known) if known else None)
+
+
+def ceiling_table(counts, workloads, fios, ceilings, lines):
+    """What this machine allows, beside what Ferrite did and what each IOPS goal asks."""
+    lines.append(
+        "| workload | raw disk: random reads/s at this size | disk bound | do-nothing NBD server (nbdkit null) IOPS "
+        "| ceiling | " + " | ".join(
+            f"Ferrite {copies(c).lower()} IOPS (of ceiling) | goal vs Ceph, {copies(c).lower()} | goal within ceiling"
+            for c in counts) + " |"
+    )
+    lines.append("|---|" + "---:|" * 4 + "---:|---:|---|" * len(counts))
+    for workload in workloads:
+        disk, client, ceiling = ceiling_of(workload, ceilings)
+        probe = ceilings["probes"].get(f"raw_randread_{IO_BYTES[workload] // 1024}k")
+        cells = [workload, number(probe["iops"]) if probe and READ_SHARE[workload] > 0 else "-",
+                 number(disk), number(client), number(ceiling)]
+        for replicas in counts:
+            ferrite = fios.get(("ferrite", replicas, workload))
+            ceph = fios.get(("ceph", replicas, workload))
+            share = f" ({ferrite['iops'] / ceiling:.0%})" if ferrite and ceiling else ""
+            cells.append(number(ferrite["iops"]) + share if ferrite else "not run")
+            if ceph:
+                goal = IOPS_RATIO_GOAL[workload] * ceph["iops"]
+                cells.append(number(goal))
+                cells.append("-" if ceiling is None else ("yes" if goal <= ceiling else "**no**"))
+            else:
+                cells += ["-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+
+
+def beyond_ceiling(replicas, workload, fios, ceilings):
+    """The ceiling if the IOPS goal of this row lies above it, else None."""
+    ceph = fios.get(("ceph", replicas, workload))
+    _, _, ceiling = ceiling_of(workload, ceilings)
+    if not ceph or ceiling is None:
+        return None
+    return ceiling if IOPS_RATIO_GOAL[workload] * ceph["iops"] > ceiling else None
+
+
 def performance_table(replicas, workloads, fios, not_run, lines, goals):
     ferrite_key, ceph_key = ("ferrite", replicas), ("ceph", replicas)
     ferrite_missing = not_run.get(ferrite_key)
@@ -295,7 +383,7 @@ def pgbench_table(meta, pgbenches, not_run, counts, lines):
         )
 
 
-def goals_summary(goals, counts, not_run, lines):
+def goals_summary(goals, counts, not_run, fios, ceilings, lines):
     lines.append("**Issue 7 goals** (Ferrite against Ceph with the same number of replicas: 4K random write")
     lines.append(f">= 30x Ceph's IOPS, 4K random read >= 10x, the mixed workloads >= 10x, p99.9 <= 1/{P999_RATIO_GOAL:.0f} of Ceph's):")
     lines.append("")
@@ -309,8 +397,10 @@ def goals_summary(goals, counts, not_run, lines):
         met = [g for g in judged if g[3] and g[5]]
         parts = []
         for _, workload, iops_ratio, iops_met, p999_ratio, p999_met in judged:
+            ceiling = None if iops_met else beyond_ceiling(replicas, workload, fios, ceilings)
+            beyond = f", beyond this machine's ceiling of {number(ceiling)} IOPS" if ceiling else ""
             parts.append(
-                f"{workload} IOPS {ratio(iops_ratio)} ({'met' if iops_met else 'missed'}), "
+                f"{workload} IOPS {ratio(iops_ratio)} ({'met' if iops_met else 'missed'}{beyond}), "
                 f"p99.9 {ratio(p999_ratio)} lower ({'met' if p999_met else 'missed'})"
             )
         verdict = "all met" if len(met) == len(judged) else f"**{len(judged) - len(met)} of {len(judged)} workloads miss a goal**"
@@ -335,7 +425,7 @@ def reference_ratios(counts, workloads, fios, not_run, lines):
             )
 
 
-def markdown(meta, fills, fios, pgbenches, not_run, commit, svg_name):
+def markdown(meta, fills, fios, pgbenches, not_run, ceilings, commit, svg_name):
     counts = replica_counts(meta, fios, not_run)
     workloads = workloads_run(fios)
     lines = [MARKER_BEGIN, "## Ferrite vs Ceph Pacific on the same machine and disk (issue 7)", ""]
@@ -388,8 +478,30 @@ def markdown(meta, fills, fios, pgbenches, not_run, commit, svg_name):
         lines += ["CPU:", ""]
         cpu_table(replicas, workloads, fios, lines)
         lines.append("")
-    goals_summary(goals, counts, not_run, lines)
+    goals_summary(goals, counts, not_run, fios, ceilings, lines)
     lines.append("")
+    if ceilings["probes"] or ceilings["fios"]:
+        raw_fill = ceilings["fills"].get("raw-disk")
+        lines += [
+            "### What this machine allows: the same fio jobs against the raw disk and a do-nothing NBD server",
+            "",
+            "Measured in the same run, before the two systems. **Raw disk:** fio `ioengine=io_uring`, `direct=1`, "
+            f"on a {meta.get('size_gb')} GiB file on the same filesystem, written once "
+            + (f"({raw_fill['fill_mb_s']:,.0f} MB/s sequential) " if raw_fill else "")
+            + "then read at random with the same depth and jobs. No storage system reads faster than its disk, "
+            "so a workload whose share r of I/Os are reads is bounded by the disk's random reads per second at its "
+            "size divided by r (the disk bound; for 4K writes, sequential write bandwidth over 4 KiB, since a log "
+            "makes random writes sequential). **Do-nothing NBD server:** `nbdkit null` (writes dropped, reads "
+            "answered with zeros) under fio's nbd engine with the same jobs: what fio's nbd engine and loopback TCP "
+            "carry on these two cores when the server costs next to nothing; a server doing real work shares the "
+            "cores and the round trips and does less. The ceiling is the lower of the two bounds. A goal above it "
+            "would need Ferrite, reading and writing the disk, to beat the disk itself or a server that does "
+            "nothing; this run cannot show such a goal met, whatever Ferrite does. (With three copies every "
+            "write also reaches the disk three times, so the real ceiling of that row is lower still.)",
+            "",
+        ]
+        ceiling_table(counts, workloads, fios, ceilings, lines)
+        lines.append("")
     if fills:
         lines.append("Write-fill (sequential 1 MiB, iodepth 16): " + "; ".join(
             f"{side_name(*key)} {value['fill_bytes'] / 2**30:.1f} GiB at {value['fill_mb_s']:,.0f} MB/s"
@@ -516,11 +628,11 @@ def main():
     parser.add_argument("--docs-svg", help="also write the chart here (docs/compare-ceph.svg)")
     args = parser.parse_args()
 
-    meta, fills, fios, pgbenches, not_run = load_results(args.results)
+    meta, fills, fios, pgbenches, not_run, ceilings = load_results(args.results)
     if not meta:
         sys.exit(f"compare-report: {args.results} has no meta line; was it written by compare-ceph.sh?")
     commit = meta.get("commit") or git_commit(args.repo)
-    section = markdown(meta, fills, fios, pgbenches, not_run, commit, "compare-ceph.svg")
+    section = markdown(meta, fills, fios, pgbenches, not_run, ceilings, commit, "compare-ceph.svg")
     Path(args.markdown).write_text(section)
     chart = svg_chart(meta, fios, not_run)
     if chart:

@@ -1819,6 +1819,8 @@ impl<D: Drive> LogHandle<D> {
     }
 
     /// Reads positions `first..first + count` of `segment` into one buffer, in position order.
+    /// The buffer comes from the handle's pool; callers that are done with it may hand it back
+    /// with [`LogHandle::recycle`].
     pub(super) async fn read_positions(
         &self,
         segment: u32,
@@ -1829,6 +1831,31 @@ impl<D: Drive> LogHandle<D> {
         if geometry.is_coded() {
             return self.read_stripes(segment, first, count, DriveSet::default()).await;
         }
+        let single = {
+            let mut runs = geometry.drive_runs(first, count);
+            match (runs.next(), runs.next()) {
+                (Some(run), None) => Some(run),
+                _ => None,
+            }
+        };
+        if let Some((drive, first_row, rows)) = single {
+            // On one drive (most reads: a stripe chunk is many positions): straight into the
+            // buffer returned, no copy.
+            debug_assert_eq!(rows, count);
+            if self.engine.latches.is_failed(drive) {
+                return Err(LogError::DriveFailed { drive });
+            }
+            let offset_bytes = geometry.row_offset_bytes(segment, first_row);
+            let buf = self.buffers.take(count as usize * BLOCK_BYTES);
+            let (result, buf) = self.drive(drive).read_at(offset_bytes, buf).await;
+            return match result {
+                Ok(()) => Ok(buf),
+                Err(source) => {
+                    self.buffers.give(buf);
+                    Err(LogError::io(drive, source))
+                }
+            };
+        }
         let mut reads: Vec<LocalFuture<'_, RowsRead>> = Vec::new();
         for (drive, first_row, rows) in geometry.drive_runs(first, count) {
             if self.engine.latches.is_failed(drive) {
@@ -1837,21 +1864,38 @@ impl<D: Drive> LogHandle<D> {
             let offset_bytes = geometry.row_offset_bytes(segment, first_row);
             let target = self.drive(drive);
             reads.push(Box::pin(async move {
-                let buf = AlignedBuf::new(rows as usize * BLOCK_BYTES);
+                let buf = self.buffers.take(rows as usize * BLOCK_BYTES);
                 let (result, buf) = target.read_at(offset_bytes, buf).await;
                 (drive, first_row, result, buf)
             }));
         }
-        let mut out = AlignedBuf::new(count as usize * BLOCK_BYTES);
+        let mut out = self.buffers.take(count as usize * BLOCK_BYTES);
+        let mut failure = None;
         for (drive, first_row, result, buf) in join_all(reads).await {
-            result.map_err(|source| LogError::io(drive, source))?;
-            for (row, block) in buf.chunks(BLOCK_BYTES).enumerate() {
-                let position = geometry.position_of(drive, first_row + row as u32);
-                let at = (position - first) as usize * BLOCK_BYTES;
-                out[at..at + BLOCK_BYTES].copy_from_slice(block);
+            match result {
+                Ok(()) => {
+                    for (row, block) in buf.chunks(BLOCK_BYTES).enumerate() {
+                        let position = geometry.position_of(drive, first_row + row as u32);
+                        let at = (position - first) as usize * BLOCK_BYTES;
+                        out[at..at + BLOCK_BYTES].copy_from_slice(block);
+                    }
+                }
+                Err(source) => failure = failure.or(Some(LogError::io(drive, source))),
+            }
+            self.buffers.give(buf);
+        }
+        match failure {
+            None => Ok(out),
+            Some(error) => {
+                self.buffers.give(out);
+                Err(error)
             }
         }
-        Ok(out)
+    }
+
+    /// Hands a buffer of [`LogHandle::read_positions`] back to the pool.
+    pub(super) fn recycle(&self, buf: AlignedBuf) {
+        self.buffers.give(buf);
     }
 
     /// Reads one block at `location` into `buf` (one block long).

@@ -58,8 +58,13 @@ pub const CHECKPOINT_WAIT_YIELDS_MAX: u64 = 10_000_000;
 pub const GC_HEADROOM_SEGMENTS_PER_HANDLE: u32 = 2;
 
 /// Reads GC keeps in flight while it reads a victim whose header positions are known: that
-/// many header blocks, then that many batches' data.
+/// many header blocks, then that many runs of live data blocks.
 pub const GC_READS_IN_FLIGHT: usize = 16;
+
+/// Dead blocks between two live ones of a batch that GC reads through rather than read the two
+/// apart: one more device read costs about as much as a few more blocks of transfer. Victims
+/// are mostly dead, so reading whole batches would move several times the live bytes.
+pub const GC_READ_GAP_BLOCKS_MAX: u32 = 3;
 
 /// Checkpoint blocks encoded between two drive writes (1 MiB; rounded up to whole stripes on
 /// a coded log).
@@ -328,8 +333,8 @@ impl<D: Drive> LogHandle<D> {
     /// same class (never recompressed), so a slot's dead neighbours are left behind.
     ///
     /// Where the segment's header positions are known (it was written in this run), its headers
-    /// are read [`GC_READS_IN_FLIGHT`] at a time, then the data of the batches holding live
-    /// blocks likewise; else the header chain is walked, one read per batch.
+    /// are read [`GC_READS_IN_FLIGHT`] at a time, then the runs of their live data blocks
+    /// ([`live_runs`]) likewise; else the header chain is walked, one read per batch.
     async fn relocate(&self, victim: u32, lead: GcLead) -> Result<u64, LogError> {
         let engine = &*self.engine;
         let mut relocation = Relocation {
@@ -377,23 +382,54 @@ impl<D: Drive> LogHandle<D> {
             for (&position, block) in group.iter().zip(join_all(reads).await) {
                 // A header whose write was torn (its batch failed, and nothing after it in
                 // the segment was installed) decodes as nothing: skip it.
-                let Some(header) = relocation.header(&block?, &engine.geometry, position) else {
-                    continue;
-                };
+                let block = block?;
+                let header = self.victim_header(relocation, &block, position).await;
+                self.recycle(block);
+                let Some(header) = header else { continue };
                 let live = self.live_blocks(relocation, &header, position);
                 self.commit_full_drops(relocation).await?;
                 if !live.is_empty() {
                     found.push((position, header.data_blocks(), live));
                 }
             }
-            let reads: Vec<LocalFuture<'_, Result<AlignedBuf, LogError>>> = found
+            // (batch of `found`, first data slot, slots): only the live runs are read.
+            let runs: Vec<(usize, u32, u32)> = found
                 .iter()
-                .map(|&(position, data_blocks, _)| -> LocalFuture<'_, _> {
-                    Box::pin(self.read_positions(victim, position + 1, data_blocks))
+                .enumerate()
+                .flat_map(|(batch, (_, _, live))| {
+                    live_runs(live).into_iter().map(move |(first, count)| (batch, first, count))
                 })
                 .collect();
-            for ((_, _, live), blocks) in found.into_iter().zip(join_all(reads).await) {
-                self.copy_live(relocation, live, &blocks?).await?;
+            let mut data: Vec<AlignedBuf> = Vec::with_capacity(runs.len());
+            for window in runs.chunks(GC_READS_IN_FLIGHT) {
+                let reads: Vec<LocalFuture<'_, Result<AlignedBuf, LogError>>> = window
+                    .iter()
+                    .map(|&(batch, first, count)| -> LocalFuture<'_, _> {
+                        Box::pin(self.read_positions(victim, found[batch].0 + 1 + first, count))
+                    })
+                    .collect();
+                for read in join_all(reads).await {
+                    data.push(read?);
+                }
+            }
+            let mut next_run = 0;
+            for (batch, (_, _, live)) in found.into_iter().enumerate() {
+                let count = runs[next_run..].iter().take_while(|run| run.0 == batch).count();
+                let (batch_runs, batch_data) =
+                    (&runs[next_run..next_run + count], &data[next_run..next_run + count]);
+                next_run += count;
+                let source = |slot: u32| -> &[u8] {
+                    let at = batch_runs
+                        .iter()
+                        .position(|&(_, first, count)| (first..first + count).contains(&slot))
+                        .expect("every live slot lies in one of its batch's runs");
+                    let offset = (slot - batch_runs[at].1) as usize * BLOCK_BYTES;
+                    &batch_data[at][offset..offset + BLOCK_BYTES]
+                };
+                self.copy_live(relocation, live, source).await?;
+            }
+            for buf in data {
+                self.recycle(buf);
             }
         }
         Ok(())
@@ -408,19 +444,42 @@ impl<D: Drive> LogHandle<D> {
         // Each batch takes at least one position, so this loop is bounded by the segment size.
         while position < per_segment && engine.segments.live_units(victim) > 0 {
             let block = self.read_positions(victim, position, 1).await?;
-            let Some(header) = relocation.header(&block, &engine.geometry, position) else {
-                break;
-            };
+            let header = self.victim_header(relocation, &block, position).await;
+            self.recycle(block);
+            let Some(header) = header else { break };
             let live = self.live_blocks(relocation, &header, position);
             self.commit_full_drops(relocation).await?;
             if !live.is_empty() {
                 let blocks =
                     self.read_positions(victim, position + 1, header.data_blocks()).await?;
-                self.copy_live(relocation, live, &blocks).await?;
+                let source = |slot: u32| -> &[u8] {
+                    let at = slot as usize * BLOCK_BYTES;
+                    &blocks[at..at + BLOCK_BYTES]
+                };
+                self.copy_live(relocation, live, source).await?;
+                self.recycle(blocks);
             }
             position += engine.geometry.padded(header.positions());
         }
         Ok(())
+    }
+
+    /// The header of the victim's batch at `position` (its block as read is `block`), or, on a
+    /// coded log whose cell does not decode (torn by a crash that recovery repaired through
+    /// parity, or a stale drive), rebuilt from its stripe; None where no batch of this segment
+    /// starts there.
+    async fn victim_header(
+        &self,
+        relocation: &Relocation,
+        block: &[u8],
+        position: u32,
+    ) -> Option<BatchHeader> {
+        if let Some(header) = relocation.header(block, &self.engine.geometry, position) {
+            return Some(header);
+        }
+        let (header, rebuilt) = self.rebuilt_header(relocation.victim, position).await?;
+        self.recycle(rebuilt);
+        (header.segment_seq == relocation.seq).then_some(header)
     }
 
     /// The blocks of the batch at `position` that the index still maps there; blocks no read
@@ -486,17 +545,16 @@ impl<D: Drive> LogHandle<D> {
         Ok(())
     }
 
-    /// Adds the live blocks of one batch (whose data blocks are `blocks`) to the relocation
-    /// batch, committing it whenever it is full.
-    async fn copy_live(
+    /// Adds the live blocks of one batch to the relocation batch, committing it whenever it is
+    /// full; `source(slot)` is the batch's data block `slot` as read.
+    async fn copy_live<'a>(
         &self,
         relocation: &mut Relocation,
         live: Vec<LiveBlock>,
-        blocks: &[u8],
+        source: impl Fn(u32) -> &'a [u8],
     ) -> Result<(), LogError> {
         for found in live {
-            let at = found.slot as usize * BLOCK_BYTES;
-            let source = &blocks[at..at + BLOCK_BYTES];
+            let source = source(found.slot);
             if !relocation.batch.room_for(found.packed.map(|(cells_log2, _)| cells_log2)) {
                 relocation.relocated +=
                     self.commit_relocation(&mut relocation.batch, relocation.lead).await?;
@@ -803,6 +861,26 @@ struct LiveBlock {
     packed: Option<(u8, u8)>,
 }
 
+/// The data slots of one batch's live blocks as runs to read, `(first slot, slots)`, in slot
+/// order: slots at most [`GC_READ_GAP_BLOCKS_MAX`] apart share a run, so a mostly dead batch is
+/// read block by block and a mostly live one whole. (Compressed blocks share pack slots, and a
+/// later entry may name an earlier slot, so the slots are sorted first.)
+fn live_runs(live: &[LiveBlock]) -> Vec<(u32, u32)> {
+    let mut slots: Vec<u32> = live.iter().map(|found| found.slot).collect();
+    slots.sort_unstable();
+    slots.dedup();
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for slot in slots {
+        match runs.last_mut() {
+            Some((first, count)) if slot <= *first + *count + GC_READ_GAP_BLOCKS_MAX => {
+                *count = slot - *first + 1;
+            }
+            _ => runs.push((slot, 1)),
+        }
+    }
+    runs
+}
+
 /// The relocation batch GC is filling.
 struct RelocationBatch {
     entries: Vec<Entry>,
@@ -939,6 +1017,31 @@ mod tests {
     const BLOCK: u64 = BLOCK_BYTES as u64;
     const DRIVES: u16 = 2;
     const SEGMENTS: u64 = 96;
+
+    #[test]
+    fn live_runs_read_through_short_gaps_only() {
+        let live = |slots: &[u32]| -> Vec<super::LiveBlock> {
+            slots
+                .iter()
+                .map(|&slot| super::LiveBlock {
+                    volume: 1,
+                    block: 0,
+                    crc: 0,
+                    from: 0,
+                    slot,
+                    packed: None,
+                })
+                .collect()
+        };
+        let gap = super::GC_READ_GAP_BLOCKS_MAX;
+        assert_eq!(super::live_runs(&live(&[])), []);
+        assert_eq!(super::live_runs(&live(&[5])), [(5, 1)]);
+        // A gap of GC_READ_GAP_BLOCKS_MAX dead blocks is read through; one more splits.
+        assert_eq!(super::live_runs(&live(&[2, 3 + gap])), [(2, 2 + gap)]);
+        assert_eq!(super::live_runs(&live(&[2, 4 + gap])), [(2, 1), (4 + gap, 1)]);
+        // Pack slots shared by several blocks, named out of order.
+        assert_eq!(super::live_runs(&live(&[40, 7, 40, 7, 8])), [(7, 2), (40, 1)]);
+    }
     const GC_STEPS: usize = 8;
 
     /// A background loop of GC steps on a thread whose free space is at the reserve lets that

@@ -42,8 +42,8 @@ pub struct RecoveryReport {
     /// Batches whose data failed its CRC (torn by the crash), dropped with the rest of their
     /// segment.
     pub batches_torn: u64,
-    /// Coded logs: data cells of kept batches that were torn by the crash, rebuilt from parity
-    /// and written back in place.
+    /// Coded logs: data and header cells of kept batches that were torn by the crash, rebuilt
+    /// from parity and written back in place.
     pub blocks_repaired: u64,
     pub bytes_read: u64,
     pub mapped_blocks: u64,
@@ -235,28 +235,45 @@ impl<D: Drive> LogHandle<D> {
         })
     }
 
-    /// The batch header at `position` of `segment`, if one is there. On a coded log a header
-    /// that does not decode is rebuilt from its stripe without its own drive before giving up:
-    /// its cell may be stale (a drive that failed and came back) while the batch is whole.
+    /// The batch header at `position` of `segment`, if one is there, and the header block if it
+    /// had to be rebuilt. On a coded log a header that does not decode is rebuilt from its stripe
+    /// without its own drive before giving up: its cell may be torn by a crash or stale (a drive
+    /// that failed and came back) while the batch is whole.
     async fn read_header(
         &self,
         segment: u32,
         position: u32,
-    ) -> Result<Option<BatchHeader>, LogError> {
+    ) -> Result<Option<(BatchHeader, Option<AlignedBuf>)>, LogError> {
         let geometry = self.engine.geometry;
         let block = self.read_positions(segment, position, 1).await?;
-        if let Ok(header) = BatchHeader::decode(&block, &geometry, segment, position) {
-            return Ok(Some(header));
+        let decoded = BatchHeader::decode(&block, &geometry, segment, position);
+        self.recycle(block);
+        if let Ok(header) = decoded {
+            return Ok(Some((header, None)));
         }
+        Ok(self
+            .rebuilt_header(segment, position)
+            .await
+            .map(|(header, block)| (header, Some(block))))
+    }
+
+    /// Coded logs: the batch header at `position` of `segment` rebuilt from its stripe without
+    /// the drive its cell is on, and the rebuilt block; None if that does not decode either (or
+    /// the log has no parity). GC and recovery use it when the cell itself does not decode.
+    pub(super) async fn rebuilt_header(
+        &self,
+        segment: u32,
+        position: u32,
+    ) -> Option<(BatchHeader, AlignedBuf)> {
+        let geometry = self.engine.geometry;
         if !geometry.is_coded() {
-            return Ok(None);
+            return None;
         }
         let mut exclude = DriveSet::default();
         exclude.insert(geometry.drive_row(position).0);
-        match self.read_stripes(segment, position, 1, exclude).await {
-            Ok(block) => Ok(BatchHeader::decode(&block, &geometry, segment, position).ok()),
-            Err(_) => Ok(None),
-        }
+        let block = self.read_stripes(segment, position, 1, exclude).await.ok()?;
+        let header = BatchHeader::decode(&block, &geometry, segment, position).ok()?;
+        Some((header, block))
     }
 
     /// Coded logs: whether a batch whose data failed its checksums is whole once the cells of
@@ -415,7 +432,9 @@ impl<D: Drive> LogHandle<D> {
             }
             report.segments_probed += 1;
             report.bytes_read += BLOCK_BYTES as u64;
-            let Some(first) = self.read_header(segment, 0).await? else { continue };
+            let Some((first, first_rebuilt)) = self.read_header(segment, 0).await? else {
+                continue;
+            };
             seqs[segment as usize] = Some(first.segment_seq);
             seq_seen = seq_seen.max(first.segment_seq);
             lsn_seen = lsn_seen.max(first.lsn);
@@ -424,6 +443,7 @@ impl<D: Drive> LogHandle<D> {
             }
             report.segments_replayed += 1;
             let mut header = first;
+            let mut rebuilt = first_rebuilt;
             loop {
                 let data_blocks = header.data_blocks();
                 let next = header.position + geometry.padded(header.positions());
@@ -447,6 +467,17 @@ impl<D: Drive> LogHandle<D> {
                     report.batches_torn += 1;
                     break;
                 }
+                if let Some(block) = rebuilt.take() {
+                    // The batch is kept but its header cell does not decode: a crash tore it
+                    // (write it back, as torn data cells are, so GC and the scrub can walk the
+                    // segment's headers) or it is damage in a covered batch (the scrub's).
+                    if header.lsn >= root.lsn_floor {
+                        let (drive, offset_bytes) = geometry.place(segment, header.position);
+                        if self.write_cell(drive, offset_bytes, block).await {
+                            report.blocks_repaired += 1;
+                        }
+                    }
+                }
                 lsn_seen = lsn_seen.max(header.lsn);
                 if header.lsn >= root.lsn_floor {
                     if batches.insert(header.lsn, header).is_some() {
@@ -465,8 +496,11 @@ impl<D: Drive> LogHandle<D> {
                 }
                 report.bytes_read += BLOCK_BYTES as u64;
                 match self.read_header(segment, next).await? {
-                    Some(found) if found.segment_seq == seqs[segment as usize].unwrap_or(0) => {
-                        header = found
+                    Some((found, found_rebuilt))
+                        if found.segment_seq == seqs[segment as usize].unwrap_or(0) =>
+                    {
+                        header = found;
+                        rebuilt = found_rebuilt;
                     }
                     _ => break,
                 }
