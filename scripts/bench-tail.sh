@@ -8,6 +8,9 @@
 #   scripts/bench-tail.sh                     # 32 KiB, 50% reads, 30 s
 #   BS=16k MIX=70 scripts/bench-tail.sh
 #   FERRITE=/path/to/ferrite OUT=/var/tmp/x scripts/bench-tail.sh   # another build; keep results
+#   PRE4K=15 scripts/bench-tail.sh            # 15 s of 4 KiB random writes first, as the 4K write
+#                                             # workload before the mixed ones in `make compare-ceph`:
+#                                             # the volume's blocks end up scattered over the log
 #
 # Prints reads/s and writes/s with their p50, p99 and p99.9 (fio's total latency), the largest
 # write latency of each second of the run, and per second of the run the segments GC cleaned,
@@ -18,6 +21,8 @@ cd "$(dirname "$0")/.."
 bs=${BS:-32k}
 mix=${MIX:-50}
 runtime=${RUNTIME:-30}
+pre4k=${PRE4K:-0}
+[[ $pre4k =~ ^[0-9]+$ ]] || { echo "bench-tail: PRE4K='$pre4k' is not a number of seconds" >&2; exit 2; }
 if [[ -n ${FERRITE:-} ]]; then
     ferrite=$FERRITE
 else
@@ -54,6 +59,11 @@ done
 "$ferrite" volume create tail --size 2G --compression off --api "http://$api" >/dev/null
 fio --name=fill --ioengine=nbd --uri="nbd://$nbd/tail" --rw=write --bs=1M --iodepth=8 --size=2G \
     --direct=1 --output="$out/fill.txt" >/dev/null
+if [[ $pre4k -gt 0 ]]; then
+    fio --name=pre4k --ioengine=nbd --uri="nbd://$nbd/tail" --rw=randwrite --bs=4k --iodepth=32 \
+        --numjobs=4 --size=2G --direct=1 --norandommap --randrepeat=0 --refill_buffers \
+        --group_reporting --time_based --runtime="$pre4k" --output="$out/pre4k.txt" >/dev/null
+fi
 (
     while kill -0 "$node_pid" 2>/dev/null; do
         echo "T $(date +%s.%N)"

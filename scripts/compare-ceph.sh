@@ -33,15 +33,14 @@ with --erasure-coding none unless FERRITE_ERASURE_CODING says otherwise (Ferrite
      created beside the anchor's size-3 pool. For each: fio with ioengine=rbd, the same
      write-fill and the same five workloads, then the same pgbench on ext4 on a loop device
      over an rbd-fuse file of the image. Then down.sh stops Ceph and deletes its data.
-  4. Ceilings (COMPARE_CEILING=1, the default): what this machine allows any NBD server, with
-     the same fio jobs. The raw disk: a file of COMPARE_SIZE_GB on the same filesystem, written
-     once, then random reads of 4, 8, 16 and 32 KiB with ioengine=io_uring (no storage system
-     reads faster than its disk, so a workload with a share r of reads cannot exceed the disk's
-     random reads at its size divided by r). The client: an NBD server that does nothing
-     (`nbdkit null`: writes are dropped, reads return zeros) under fio's nbd engine, the
-     write-fill and the five workloads: what fio's nbd engine and loopback TCP carry on these
-     two cores when the server costs next to nothing. The report names, per workload, the lower of the two as the ceiling and says
-     which goals lie above it: those no NBD server could meet on this machine in this run.
+  4. The disk bound (COMPARE_CEILING=1, the default), measured first: a file of
+     COMPARE_SIZE_GB on the same filesystem, written once with sequential 1 MiB writes, then
+     read at random in 4, 8, 16 and 32 KiB with ioengine=io_uring, the same depth and jobs. A
+     storage system that does not serve reads from RAM reads no faster than its disk, so a
+     workload whose share r of I/Os are reads cannot exceed the disk's random reads at its size
+     divided by r, and 4 KiB writes cannot exceed the disk's sequential bandwidth over 4 KiB.
+     The report says which goals lie above that bound: no such system meets them on this
+     machine.
   5. scripts/compare-report.py turns the results into the tables and the chart.
 
 One run is noisy on a shared machine. To repeat it and report medians, run it again with
@@ -70,7 +69,7 @@ Environment (all optional):
                         the report then shows the other side as not run) [ferrite,ceph]
   COMPARE_COMPRESSION   the Ferrite volume's compression: off, lz4, zstd [off]
   COMPARE_PGBENCH       1 runs pgbench on both sides, 0 skips it          [1]
-  COMPARE_CEILING       1 measures the ceilings (step 4), 0 skips them    [1]
+  COMPARE_CEILING       1 measures the disk bound (step 4), 0 skips it    [1]
   COMPARE_PGBENCH_TIME  pgbench seconds                                  [60]
   COMPARE_PGBENCH_SCALE pgbench scale factor (15 MiB each)               [10]
   COMPARE_PGBENCH_CLIENTS / COMPARE_PGBENCH_JOBS                        [4 / 2]
@@ -94,9 +93,8 @@ Environment (all optional):
   KEEP_CEPH=1           leave the Ceph cluster running at the end (`. CEPH_DATA_DIR/env`
                         to use it; a later run reuses it; down.sh removes it)
 
-Needs root (losetup, mount, FUSE), fio with the nbd and rbd engines, nbdfuse, rbd-fuse,
-nbdkit and postgresql-15; the Ceph packages, rbd-fuse and nbdkit are installed with apt when
-missing. Disk: free
+Needs root (losetup, mount, FUSE), fio with the nbd and rbd engines, nbdfuse, rbd-fuse and
+postgresql-15; the Ceph packages and rbd-fuse are installed with apt when missing. Disk: free
 space for 3 x CEPH_OSD_SIZE_GB + 6 GiB (up.sh's own check; 33 GiB with the defaults). Time: about
 20 minutes with the defaults; the short trial below took 9.5 minutes:
 
@@ -191,8 +189,7 @@ fuse_mounts=()        # their mountpoints
 loop_devices=()       # loop devices attached by this script
 pg_mounts=()          # where pgbench-ext4.sh mounts ext4 (and PostgreSQL runs)
 ceph_started=0
-helper_pids=()        # nbdkit (the do-nothing NBD server of the ceilings)
-raw_file=""           # the raw-disk file of the ceilings
+raw_file=""           # the raw-disk file of the disk bound
 
 ceph_cli() { timeout 120 ceph -c "$ceph_conf" --connect-timeout 20 "$@"; }
 rbd_cli() { timeout 120 rbd -c "$ceph_conf" "$@"; }
@@ -245,17 +242,6 @@ stop_ferrite() {
     ferrite_data_dirs=()
 }
 
-stop_helpers() {
-    local pid
-    for pid in "${helper_pids[@]}"; do
-        [ -n "$pid" ] || continue
-        kill -TERM "$pid" 2>/dev/null || true
-        wait_gone "$pid" 20 || kill -KILL "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
-    helper_pids=()
-}
-
 cleanup() {
     local rc=$? i
     trap - EXIT INT TERM
@@ -273,7 +259,6 @@ cleanup() {
     for i in "${!loop_devices[@]}"; do release_loop "$i"; done
     for i in "${!fuse_pids[@]}"; do release_fuse "$i"; done
     stop_ferrite
-    stop_helpers
     [ -n "$raw_file" ] && rm -f -- "$raw_file"
     if [ "$ceph_started" = 1 ]; then
         if [ "${KEEP_CEPH:-0}" = 1 ]; then
@@ -537,13 +522,12 @@ ferrite_replicated() {  # replicas
     log "ferrite cluster stopped; its drives are deleted"
 }
 
-# ---------------------------------------------------------------- ceilings
-# What this machine allows any NBD server, with the same fio jobs (see --help, step 4): random
-# reads of the raw disk at each I/O size, then an NBD server that does nothing under fio's nbd
-# engine.
-ceilings() {
-    local bs json label=ceiling nbd_port pid
-    log "== Ceilings: the raw disk and an NBD server that does nothing (nbdkit null), same fio jobs =="
+# ---------------------------------------------------------------- disk bound
+# What the disk allows (see --help, step 4): its sequential writes, then its random reads at each
+# I/O size, with the same fio depth and jobs as the workloads.
+disk_bound() {
+    local bs json label=disk-bound
+    log "== Disk bound: the raw disk with the same fio jobs =="
     need_free $((size_gb + min_free_gb)) "the raw-disk file (${size_gb} GiB)"
     raw_file=$out/raw-disk.dat
     server_pids=()
@@ -567,19 +551,6 @@ ceilings() {
     done
     rm -f -- "$raw_file"
     raw_file=""
-    nbd_port=$(port)
-    nbdkit -f -i 127.0.0.1 -p "$nbd_port" null "size=${size_gb}G" >"$out/logs/$label-nbdkit.log" 2>&1 &
-    pid=$!
-    helper_pids+=("$pid")
-    for _ in $(seq 1 100); do
-        nbdinfo --size "nbd://127.0.0.1:$nbd_port" >/dev/null 2>&1 && break
-        kill -0 "$pid" 2>/dev/null || { tail -20 "$out/logs/$label-nbdkit.log"; die "nbdkit exited"; }
-        sleep 0.1
-    done
-    log "nbdkit null up (pid $pid, NBD 127.0.0.1:$nbd_port)"
-    server_pids=("$pid")
-    fio_suite nbd-null 1 "$label-nbd-null" --ioengine=nbd --uri="nbd://127.0.0.1:$nbd_port"
-    stop_helpers
 }
 
 # ---------------------------------------------------------------- Ceph
@@ -671,12 +642,6 @@ chmod 755 "$out" "$out/mnt"   # pgbench-ext4.sh's postgres user walks down to it
 cp target/release/ferrite "$ferrite"
 command -v fio >/dev/null || scripts/deps.sh
 fio --enghelp 2>/dev/null | grep -qw nbd || die "this fio has no nbd engine"
-if [ "$ceiling_enabled" = 1 ] && ! command -v nbdkit >/dev/null; then
-    log "installing nbdkit with apt"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nbdkit >"$out/logs/apt-nbdkit.log" 2>&1 ||
-        { apt-get update -q >>"$out/logs/apt-nbdkit.log" 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nbdkit >>"$out/logs/apt-nbdkit.log" 2>&1; } ||
-        die "could not install nbdkit (see $out/logs/apt-nbdkit.log)"
-fi
 if [ "$pgbench_enabled" = 1 ]; then
     command -v nbdfuse >/dev/null && [ -x /usr/lib/postgresql/15/bin/pgbench ] || scripts/deps.sh
     if ! command -v rbd-fuse >/dev/null; then
@@ -736,7 +701,7 @@ log "results -> $out"
 log "fio: iodepth $iodepth x $numjobs jobs, ramp ${ramp_s} s + ${runtime_s} s per workload, image ${size_gb} GiB; load $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # ---------------------------------------------------------------- run
-[ "$ceiling_enabled" = 1 ] && ceilings
+[ "$ceiling_enabled" = 1 ] && disk_bound
 for replicas in ${replica_counts//,/ }; do
     if ! has_side ferrite; then not_run ferrite "$replicas" "COMPARE_SIDES=$sides"; continue; fi
     if [ "$replicas" = 1 ]; then ferrite_single; else ferrite_replicated "$replicas"; fi

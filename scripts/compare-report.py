@@ -64,14 +64,14 @@ IO_BYTES = {
     "16k_randrw_70_30": 16384,
     "32k_randrw_50_50": 32768,
 }
-# Sides of the results that are storage systems; the others ("raw-disk", "nbd-null") are the
-# ceilings' probes.
+# Sides of the results that are storage systems; the other ("raw-disk") is the disk bound's
+# probe.
 SYSTEMS = ("ferrite", "ceph")
 
 
 def load_results(path):
     """The run's records: meta, fills, fios and pgbenches of the two systems keyed by (side,
-    replicas[, workload]), rows not run, and the ceilings' fills, fios and probes."""
+    replicas[, workload]), rows not run, and the disk bound's fill and probes."""
     meta, fills, fios, pgbenches, not_run = {}, {}, {}, {}, {}
     ceilings = {"fills": {}, "fios": {}, "probes": {}}
     for line_number, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -230,63 +230,56 @@ def goal_cells(workload, ferrite, ceph):
     )
 
 
-def ceiling_of(workload, ceilings):
-    """(disk bound, NBD client bound, ceiling) in IOPS for a workload; None where not measured.
+def disk_bound(workload, ceilings):
+    """The most IOPS a workload can reach on this disk without serving reads from RAM, or None.
 
-    The disk bound: a workload whose share r of I/Os are reads cannot do more than the raw
-    disk's random reads per second at its I/O size, divided by r, whatever its writes cost. For
-    4k_randwrite it is the raw disk's sequential write bandwidth over 4 KiB (a log turns random
-    writes into sequential ones; nothing writes faster than that). The client bound: what fio's
-    nbd engine did with the same job against an NBD server that does nothing."""
+    A workload whose share r of I/Os are reads cannot do more than the raw disk's random reads
+    per second at its I/O size, divided by r, whatever its writes cost. For 4k_randwrite it is
+    the raw disk's sequential write bandwidth over 4 KiB (a log turns random writes into
+    sequential ones; nothing writes faster than that)."""
     share = READ_SHARE[workload]
     size = IO_BYTES[workload]
     if share > 0:
         probe = ceilings["probes"].get(f"raw_randread_{size // 1024}k")
-        disk = probe["iops"] / share if probe else None
-    else:
-        fill = ceilings["fills"].get("raw-disk")
-        disk = fill["fill_mb_s"] * 1e6 / size if fill else None
-    client = ceilings["fios"].get(("nbd-null", workload))
-    client = client["iops"] if client else None
-    known = [bound for bound in (disk, client) if bound]
-    return disk, client, (min(known) if known else None)
+        return probe["iops"] / share if probe else None
+    fill = ceilings["fills"].get("raw-disk")
+    return fill["fill_mb_s"] * 1e6 / size if fill else None
 
 
-def ceiling_table(counts, workloads, fios, ceilings, lines):
-    """What this machine allows, beside what Ferrite did and what each IOPS goal asks."""
+def bound_table(counts, workloads, fios, ceilings, lines):
+    """The disk bound beside what Ferrite did and what each IOPS goal asks."""
     lines.append(
-        "| workload | raw disk: random reads/s at this size | disk bound | do-nothing NBD server (nbdkit null) IOPS "
-        "| ceiling | " + " | ".join(
-            f"Ferrite {copies(c).lower()} IOPS (of ceiling) | goal vs Ceph, {copies(c).lower()} | goal within ceiling"
+        "| workload | raw disk: random reads/s at this size | disk bound | " + " | ".join(
+            f"Ferrite {copies(c).lower()} IOPS (of bound) | goal vs Ceph, {copies(c).lower()} | goal within bound"
             for c in counts) + " |"
     )
-    lines.append("|---|" + "---:|" * 4 + "---:|---:|---|" * len(counts))
+    lines.append("|---|---:|---:|" + "---:|---:|---|" * len(counts))
     for workload in workloads:
-        disk, client, ceiling = ceiling_of(workload, ceilings)
+        bound = disk_bound(workload, ceilings)
         probe = ceilings["probes"].get(f"raw_randread_{IO_BYTES[workload] // 1024}k")
         cells = [workload, number(probe["iops"]) if probe and READ_SHARE[workload] > 0 else "-",
-                 number(disk), number(client), number(ceiling)]
+                 number(bound)]
         for replicas in counts:
             ferrite = fios.get(("ferrite", replicas, workload))
             ceph = fios.get(("ceph", replicas, workload))
-            share = f" ({ferrite['iops'] / ceiling:.0%})" if ferrite and ceiling else ""
+            share = f" ({ferrite['iops'] / bound:.0%})" if ferrite and bound else ""
             cells.append(number(ferrite["iops"]) + share if ferrite else "not run")
             if ceph:
                 goal = IOPS_RATIO_GOAL[workload] * ceph["iops"]
                 cells.append(number(goal))
-                cells.append("-" if ceiling is None else ("yes" if goal <= ceiling else "**no**"))
+                cells.append("-" if bound is None else ("yes" if goal <= bound else "**no**"))
             else:
                 cells += ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
 
 
-def beyond_ceiling(replicas, workload, fios, ceilings):
-    """The ceiling if the IOPS goal of this row lies above it, else None."""
+def beyond_bound(replicas, workload, fios, ceilings):
+    """The disk bound if the IOPS goal of this row lies above it, else None."""
     ceph = fios.get(("ceph", replicas, workload))
-    _, _, ceiling = ceiling_of(workload, ceilings)
-    if not ceph or ceiling is None:
+    bound = disk_bound(workload, ceilings)
+    if not ceph or bound is None:
         return None
-    return ceiling if IOPS_RATIO_GOAL[workload] * ceph["iops"] > ceiling else None
+    return bound if IOPS_RATIO_GOAL[workload] * ceph["iops"] > bound else None
 
 
 def performance_table(replicas, workloads, fios, not_run, lines, goals):
@@ -397,8 +390,8 @@ def goals_summary(goals, counts, not_run, fios, ceilings, lines):
         met = [g for g in judged if g[3] and g[5]]
         parts = []
         for _, workload, iops_ratio, iops_met, p999_ratio, p999_met in judged:
-            ceiling = None if iops_met else beyond_ceiling(replicas, workload, fios, ceilings)
-            beyond = f", beyond this machine's ceiling of {number(ceiling)} IOPS" if ceiling else ""
+            bound = None if iops_met else beyond_bound(replicas, workload, fios, ceilings)
+            beyond = f", above the disk bound of {number(bound)} IOPS" if bound else ""
             parts.append(
                 f"{workload} IOPS {ratio(iops_ratio)} ({'met' if iops_met else 'missed'}{beyond}), "
                 f"p99.9 {ratio(p999_ratio)} lower ({'met' if p999_met else 'missed'})"
@@ -480,27 +473,24 @@ def markdown(meta, fills, fios, pgbenches, not_run, ceilings, commit, svg_name):
         lines.append("")
     goals_summary(goals, counts, not_run, fios, ceilings, lines)
     lines.append("")
-    if ceilings["probes"] or ceilings["fios"]:
+    if ceilings["probes"]:
         raw_fill = ceilings["fills"].get("raw-disk")
         lines += [
-            "### What this machine allows: the same fio jobs against the raw disk and a do-nothing NBD server",
+            "### What the disk allows: the same fio jobs against the raw disk",
             "",
-            "Measured in the same run, before the two systems. **Raw disk:** fio `ioengine=io_uring`, `direct=1`, "
-            f"on a {meta.get('size_gb')} GiB file on the same filesystem, written once "
-            + (f"({raw_fill['fill_mb_s']:,.0f} MB/s sequential) " if raw_fill else "")
-            + "then read at random with the same depth and jobs. No storage system reads faster than its disk, "
-            "so a workload whose share r of I/Os are reads is bounded by the disk's random reads per second at its "
-            "size divided by r (the disk bound; for 4K writes, sequential write bandwidth over 4 KiB, since a log "
-            "makes random writes sequential). **Do-nothing NBD server:** `nbdkit null` (writes dropped, reads "
-            "answered with zeros) under fio's nbd engine with the same jobs: what fio's nbd engine and loopback TCP "
-            "carry on these two cores when the server costs next to nothing; a server doing real work shares the "
-            "cores and the round trips and does less. The ceiling is the lower of the two bounds. A goal above it "
-            "would need Ferrite, reading and writing the disk, to beat the disk itself or a server that does "
-            "nothing; this run cannot show such a goal met, whatever Ferrite does. (With three copies every "
-            "write also reaches the disk three times, so the real ceiling of that row is lower still.)",
+            "Measured in the same run, before the two systems: fio `ioengine=io_uring`, `direct=1`, on a "
+            f"{meta.get('size_gb')} GiB file on the same filesystem, written once with sequential 1 MiB writes "
+            + (f"({raw_fill['fill_mb_s']:,.0f} MB/s) " if raw_fill else "")
+            + "then read at random at each size with the same depth and jobs. A storage system that does not "
+            "serve reads from RAM (neither side here caches a volume's data) reads no faster than its disk, so a "
+            "workload whose share r of I/Os are reads is bounded by the disk's random reads per second at its "
+            "size divided by r, however cheap its writes; 4K writes are bounded by the sequential bandwidth over "
+            "4 KiB, since a log makes them sequential. A goal above the bound cannot be met on this machine. "
+            "The bound is loose for the mixed workloads (their writes share the disk) and for three copies "
+            "(every write reaches the disk three times).",
             "",
         ]
-        ceiling_table(counts, workloads, fios, ceilings, lines)
+        bound_table(counts, workloads, fios, ceilings, lines)
         lines.append("")
     if fills:
         lines.append("Write-fill (sequential 1 MiB, iodepth 16): " + "; ".join(
