@@ -33,7 +33,7 @@ with --erasure-coding none unless FERRITE_ERASURE_CODING says otherwise (Ferrite
      created beside the anchor's size-3 pool. For each: fio with ioengine=rbd, the same
      write-fill and the same five workloads, then the same pgbench on ext4 on a loop device
      over an rbd-fuse file of the image. Then down.sh stops Ceph and deletes its data.
-  4. The disk bound (COMPARE_CEILING=1, the default), measured first: a file of
+  4. The disk bound (COMPARE_DISK_BOUND=1, the default), measured first: a file of
      COMPARE_SIZE_GB on the same filesystem, written once with sequential 1 MiB writes, then
      read at random in 4, 8, 16 and 32 KiB with ioengine=io_uring, the same depth and jobs. A
      storage system that does not serve reads from RAM reads no faster than its disk, so a
@@ -69,7 +69,7 @@ Environment (all optional):
                         the report then shows the other side as not run) [ferrite,ceph]
   COMPARE_COMPRESSION   the Ferrite volume's compression: off, lz4, zstd [off]
   COMPARE_PGBENCH       1 runs pgbench on both sides, 0 skips it          [1]
-  COMPARE_CEILING       1 measures the disk bound (step 4), 0 skips it    [1]
+  COMPARE_DISK_BOUND    1 measures the disk bound (step 4), 0 skips it    [1]
   COMPARE_PGBENCH_TIME  pgbench seconds                                  [60]
   COMPARE_PGBENCH_SCALE pgbench scale factor (15 MiB each)               [10]
   COMPARE_PGBENCH_CLIENTS / COMPARE_PGBENCH_JOBS                        [4 / 2]
@@ -122,7 +122,7 @@ replica_counts=${COMPARE_REPLICAS:-1,3}
 sides=${COMPARE_SIDES:-ferrite,ceph}
 compression=${COMPARE_COMPRESSION:-off}
 pgbench_enabled=${COMPARE_PGBENCH:-1}
-ceiling_enabled=${COMPARE_CEILING:-1}
+disk_bound_enabled=${COMPARE_DISK_BOUND:-1}
 pgbench_time_s=${COMPARE_PGBENCH_TIME:-60}
 pgbench_scale=${COMPARE_PGBENCH_SCALE:-10}
 pgbench_clients=${COMPARE_PGBENCH_CLIENTS:-4}
@@ -171,7 +171,7 @@ for replicas in ${replica_counts//,/ }; do
     [ "$replicas" = 1 ] || [ "$replicas" = 3 ] || die "COMPARE_REPLICAS takes 1 and/or 3, not $replicas"
 done
 case "$compression" in off | lz4 | zstd) ;; *) die "COMPARE_COMPRESSION is off, lz4 or zstd" ;; esac
-case "$ceiling_enabled" in 0 | 1) ;; *) die "COMPARE_CEILING is 0 or 1" ;; esac
+case "$disk_bound_enabled" in 0 | 1) ;; *) die "COMPARE_DISK_BOUND is 0 or 1" ;; esac
 for side in ${sides//,/ }; do
     [ "$side" = ferrite ] || [ "$side" = ceph ] || die "COMPARE_SIDES takes ferrite and/or ceph, not $side"
 done
@@ -691,7 +691,7 @@ git_commit() {
     printf '"ferrite_erasure_coding": "%s", ' "$erasure_coding"
     printf '"ferrite_up_args": %s, "ceph_osds": "%s x %s GiB", ' "$(jq -Rn --arg c "${FERRITE_UP_ARGS:-}" '$c')" \
         "$ceph_osd_count" "$osd_size_gb"
-    printf '"ceiling": %s, ' "$ceiling_enabled"
+    printf '"disk_bound": %s, ' "$disk_bound_enabled"
     printf '"pgbench": %s, "pgbench_scale": %s, "pgbench_clients": %s, "pgbench_jobs": %s, "pgbench_time_s": %s, ' \
         "$pgbench_enabled" "$pgbench_scale" "$pgbench_clients" "$pgbench_jobs" "$pgbench_time_s"
     printf '"load_at_start": "%s"}\n' "$(cut -d' ' -f1-3 /proc/loadavg)"
@@ -701,7 +701,7 @@ log "results -> $out"
 log "fio: iodepth $iodepth x $numjobs jobs, ramp ${ramp_s} s + ${runtime_s} s per workload, image ${size_gb} GiB; load $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # ---------------------------------------------------------------- run
-[ "$ceiling_enabled" = 1 ] && disk_bound
+[ "$disk_bound_enabled" = 1 ] && disk_bound
 for replicas in ${replica_counts//,/ }; do
     if ! has_side ferrite; then not_run ferrite "$replicas" "COMPARE_SIDES=$sides"; continue; fi
     if [ "$replicas" = 1 ]; then ferrite_single; else ferrite_replicated "$replicas"; fi

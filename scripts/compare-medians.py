@@ -39,7 +39,7 @@ def main(argv):
         results = Path(directory) / "results.jsonl"
         if not results.is_file():
             sys.exit(f"compare-medians: {results} does not exist (give each run's COMPARE_OUT_DIR)")
-        meta, _fills, fios, pgbenches, _not_run, _ceilings = report.load_results(results)
+        meta, _fills, fios, pgbenches, _not_run, _disk_bound = report.load_results(results)
         runs.append((meta, fios, pgbenches))
     dates = ", ".join(meta.get("date_utc", "?") for meta, _, _ in runs)
     print(f"Medians of {len(runs)} runs ({dates}); each ratio is taken within one run.\n")

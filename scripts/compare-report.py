@@ -73,7 +73,7 @@ def load_results(path):
     """The run's records: meta, fills, fios and pgbenches of the two systems keyed by (side,
     replicas[, workload]), rows not run, and the disk bound's fill and probes."""
     meta, fills, fios, pgbenches, not_run = {}, {}, {}, {}, {}
-    ceilings = {"fills": {}, "fios": {}, "probes": {}}
+    bound = {"fills": {}, "fios": {}, "probes": {}}
     for line_number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -86,11 +86,11 @@ def load_results(path):
         if kind == "meta":
             meta = record
         elif kind == "probe":
-            ceilings["probes"][record["probe"]] = record | parse_fio(record["fio_json"])
+            bound["probes"][record["probe"]] = record | parse_fio(record["fio_json"])
         elif kind == "fill" and key[0] not in SYSTEMS:
-            ceilings["fills"][key[0]] = record | parse_fill(record["fio_json"])
+            bound["fills"][key[0]] = record | parse_fill(record["fio_json"])
         elif kind == "fio" and key[0] not in SYSTEMS:
-            ceilings["fios"][(key[0], record["workload"])] = record | parse_fio(record["fio_json"])
+            bound["fios"][(key[0], record["workload"])] = record | parse_fio(record["fio_json"])
         elif kind == "fill":
             fills[key] = record | parse_fill(record["fio_json"])
         elif kind == "fio":
@@ -99,7 +99,7 @@ def load_results(path):
             pgbenches[key] = record | parse_pgbench(record["log"])
         elif kind == "not_run":
             not_run[key] = record["reason"]
-    return meta, fills, fios, pgbenches, not_run, ceilings
+    return meta, fills, fios, pgbenches, not_run, bound
 
 
 def read_json(path):
@@ -230,7 +230,7 @@ def goal_cells(workload, ferrite, ceph):
     )
 
 
-def disk_bound(workload, ceilings):
+def disk_bound(workload, bound_records):
     """The most IOPS a workload can reach on this disk without serving reads from RAM, or None.
 
     A workload whose share r of I/Os are reads cannot do more than the raw disk's random reads
@@ -240,13 +240,13 @@ def disk_bound(workload, ceilings):
     share = READ_SHARE[workload]
     size = IO_BYTES[workload]
     if share > 0:
-        probe = ceilings["probes"].get(f"raw_randread_{size // 1024}k")
+        probe = bound_records["probes"].get(f"raw_randread_{size // 1024}k")
         return probe["iops"] / share if probe else None
-    fill = ceilings["fills"].get("raw-disk")
+    fill = bound_records["fills"].get("raw-disk")
     return fill["fill_mb_s"] * 1e6 / size if fill else None
 
 
-def bound_table(counts, workloads, fios, ceilings, lines):
+def bound_table(counts, workloads, fios, bound_records, lines):
     """The disk bound beside what Ferrite did and what each IOPS goal asks."""
     lines.append(
         "| workload | raw disk: random reads/s at this size | disk bound | " + " | ".join(
@@ -255,8 +255,8 @@ def bound_table(counts, workloads, fios, ceilings, lines):
     )
     lines.append("|---|---:|---:|" + "---:|---:|---|" * len(counts))
     for workload in workloads:
-        bound = disk_bound(workload, ceilings)
-        probe = ceilings["probes"].get(f"raw_randread_{IO_BYTES[workload] // 1024}k")
+        bound = disk_bound(workload, bound_records)
+        probe = bound_records["probes"].get(f"raw_randread_{IO_BYTES[workload] // 1024}k")
         cells = [workload, number(probe["iops"]) if probe and READ_SHARE[workload] > 0 else "-",
                  number(bound)]
         for replicas in counts:
@@ -273,10 +273,10 @@ def bound_table(counts, workloads, fios, ceilings, lines):
         lines.append("| " + " | ".join(cells) + " |")
 
 
-def beyond_bound(replicas, workload, fios, ceilings):
+def beyond_bound(replicas, workload, fios, bound_records):
     """The disk bound if the IOPS goal of this row lies above it, else None."""
     ceph = fios.get(("ceph", replicas, workload))
-    bound = disk_bound(workload, ceilings)
+    bound = disk_bound(workload, bound_records)
     if not ceph or bound is None:
         return None
     return bound if IOPS_RATIO_GOAL[workload] * ceph["iops"] > bound else None
@@ -376,7 +376,7 @@ def pgbench_table(meta, pgbenches, not_run, counts, lines):
         )
 
 
-def goals_summary(goals, counts, not_run, fios, ceilings, lines):
+def goals_summary(goals, counts, not_run, fios, bound_records, lines):
     lines.append("**Issue 7 goals** (Ferrite against Ceph with the same number of replicas: 4K random write")
     lines.append(f">= 30x Ceph's IOPS, 4K random read >= 10x, the mixed workloads >= 10x, p99.9 <= 1/{P999_RATIO_GOAL:.0f} of Ceph's):")
     lines.append("")
@@ -390,7 +390,7 @@ def goals_summary(goals, counts, not_run, fios, ceilings, lines):
         met = [g for g in judged if g[3] and g[5]]
         parts = []
         for _, workload, iops_ratio, iops_met, p999_ratio, p999_met in judged:
-            bound = None if iops_met else beyond_bound(replicas, workload, fios, ceilings)
+            bound = None if iops_met else beyond_bound(replicas, workload, fios, bound_records)
             beyond = f", above the disk bound of {number(bound)} IOPS" if bound else ""
             parts.append(
                 f"{workload} IOPS {ratio(iops_ratio)} ({'met' if iops_met else 'missed'}{beyond}), "
@@ -418,7 +418,7 @@ def reference_ratios(counts, workloads, fios, not_run, lines):
             )
 
 
-def markdown(meta, fills, fios, pgbenches, not_run, ceilings, commit, svg_name):
+def markdown(meta, fills, fios, pgbenches, not_run, bound_records, commit, svg_name):
     counts = replica_counts(meta, fios, not_run)
     workloads = workloads_run(fios)
     lines = [MARKER_BEGIN, "## Ferrite vs Ceph Pacific on the same machine and disk (issue 7)", ""]
@@ -471,10 +471,10 @@ def markdown(meta, fills, fios, pgbenches, not_run, ceilings, commit, svg_name):
         lines += ["CPU:", ""]
         cpu_table(replicas, workloads, fios, lines)
         lines.append("")
-    goals_summary(goals, counts, not_run, fios, ceilings, lines)
+    goals_summary(goals, counts, not_run, fios, bound_records, lines)
     lines.append("")
-    if ceilings["probes"]:
-        raw_fill = ceilings["fills"].get("raw-disk")
+    if bound_records["probes"]:
+        raw_fill = bound_records["fills"].get("raw-disk")
         lines += [
             "### What the disk allows: the same fio jobs against the raw disk",
             "",
@@ -490,7 +490,7 @@ def markdown(meta, fills, fios, pgbenches, not_run, ceilings, commit, svg_name):
             "(every write reaches the disk three times).",
             "",
         ]
-        bound_table(counts, workloads, fios, ceilings, lines)
+        bound_table(counts, workloads, fios, bound_records, lines)
         lines.append("")
     if fills:
         lines.append("Write-fill (sequential 1 MiB, iodepth 16): " + "; ".join(
@@ -618,11 +618,11 @@ def main():
     parser.add_argument("--docs-svg", help="also write the chart here (docs/compare-ceph.svg)")
     args = parser.parse_args()
 
-    meta, fills, fios, pgbenches, not_run, ceilings = load_results(args.results)
+    meta, fills, fios, pgbenches, not_run, bound_records = load_results(args.results)
     if not meta:
         sys.exit(f"compare-report: {args.results} has no meta line; was it written by compare-ceph.sh?")
     commit = meta.get("commit") or git_commit(args.repo)
-    section = markdown(meta, fills, fios, pgbenches, not_run, ceilings, commit, "compare-ceph.svg")
+    section = markdown(meta, fills, fios, pgbenches, not_run, bound_records, commit, "compare-ceph.svg")
     Path(args.markdown).write_text(section)
     chart = svg_chart(meta, fios, not_run)
     if chart:
