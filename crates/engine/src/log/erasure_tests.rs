@@ -297,14 +297,15 @@ fn a_torn_header_cell_is_written_back_and_gc_walks_past_a_bad_one() {
     let (segment, data_position) = geometry.split(location);
     let header_position = data_position - 1;
     let (drive, offset_bytes) = geometry.place(segment, header_position);
-    let damage = |fill: u8| {
+    // Bad bytes over the header cell, made durable (as a crash could keep a torn write).
+    let damage = |node: &Node, fill: u8| {
         let mut bad = AlignedBuf::new(BLOCK_BYTES);
         bad.fill(fill);
         let target = &node.drives[usize::from(drive)];
         block_on(target.write_at(offset_bytes, bad)).0.unwrap();
         block_on(target.sync()).unwrap();
     };
-    damage(0xa5);
+    damage(&node, 0xa5);
     let node = node.crash();
     assert_eq!(node.report.batches_torn, 0, "parity rebuilds the header: {:?}", node.report);
     assert_eq!(node.report.blocks_repaired, 1, "{:?}", node.report);
@@ -314,14 +315,7 @@ fn a_torn_header_cell_is_written_back_and_gc_walks_past_a_bad_one() {
     assert!(decoded.is_ok(), "the header is written back durably: {decoded:?}");
     // The header cell goes bad again (a stale drive, say); blocks 1..4 are overwritten, so
     // the segment is mostly garbage, and later writes seal it.
-    let damage = |fill: u8| {
-        let mut bad = AlignedBuf::new(BLOCK_BYTES);
-        bad.fill(fill);
-        let target = &node.drives[usize::from(drive)];
-        block_on(target.write_at(offset_bytes, bad)).0.unwrap();
-        block_on(target.sync()).unwrap();
-    };
-    damage(0x5a);
+    damage(&node, 0x5a);
     let handle = &node.handles[0];
     let (result, _) = block_on(handle.write(map, BLOCK, block_buf(map.volume(), 1, 3, 6)));
     result.unwrap();
