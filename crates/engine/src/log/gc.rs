@@ -350,14 +350,22 @@ impl<D: Drive> LogHandle<D> {
             Some(headers) => self.relocate_known(&mut relocation, &headers).await?,
             None => self.relocate_chain(&mut relocation).await?,
         }
+        self.commit_pending(&mut relocation).await?;
+        Ok(relocation.relocated)
+    }
+
+    /// Commits what the relocation holds: the partly filled relocation batch and the `Dropped`
+    /// entries, so the victim's live count says what is still left in it.
+    async fn commit_pending(&self, relocation: &mut Relocation) -> Result<(), LogError> {
         if !relocation.batch.entries.is_empty() {
-            relocation.relocated += self.commit_relocation(&mut relocation.batch, lead).await?;
+            relocation.relocated +=
+                self.commit_relocation(&mut relocation.batch, relocation.lead).await?;
         }
         if !relocation.dropped.is_empty() {
             let dropped = std::mem::take(&mut relocation.dropped);
-            self.commit_gc(lead, dropped, &[], 0).await?;
+            self.commit_gc(relocation.lead, dropped, &[], 0).await?;
         }
-        Ok(relocation.relocated)
+        Ok(())
     }
 
     /// Relocation from the header positions the segment table recorded.
@@ -383,8 +391,12 @@ impl<D: Drive> LogHandle<D> {
                 // A header whose write was torn (its batch failed, and nothing after it in
                 // the segment was installed) decodes as nothing: skip it.
                 let block = block?;
-                let header = self.victim_header(relocation, &block, position).await;
+                let mut header = relocation.header(&block, &engine.geometry, position);
                 self.recycle(block);
+                if header.is_none() {
+                    // A batch started here in this run: its header cell is torn or stale.
+                    header = self.rebuilt_victim_header(relocation, position).await;
+                }
                 let Some(header) = header else { continue };
                 let live = self.live_blocks(relocation, &header, position);
                 self.commit_full_drops(relocation).await?;
@@ -444,8 +456,16 @@ impl<D: Drive> LogHandle<D> {
         // Each batch takes at least one position, so this loop is bounded by the segment size.
         while position < per_segment && engine.segments.live_units(victim) > 0 {
             let block = self.read_positions(victim, position, 1).await?;
-            let header = self.victim_header(relocation, &block, position).await;
+            let mut header = relocation.header(&block, &engine.geometry, position);
             self.recycle(block);
+            if header.is_none() {
+                // The chain ends here, unless live blocks are left once what was found is
+                // installed: then the header cell is bad, and a coded log rebuilds it.
+                self.commit_pending(relocation).await?;
+                if engine.segments.live_units(victim) > 0 {
+                    header = self.rebuilt_victim_header(relocation, position).await;
+                }
+            }
             let Some(header) = header else { break };
             let live = self.live_blocks(relocation, &header, position);
             self.commit_full_drops(relocation).await?;
@@ -464,19 +484,15 @@ impl<D: Drive> LogHandle<D> {
         Ok(())
     }
 
-    /// The header of the victim's batch at `position` (its block as read is `block`), or, on a
-    /// coded log whose cell does not decode (torn by a crash that recovery repaired through
-    /// parity, or a stale drive), rebuilt from its stripe; None where no batch of this segment
-    /// starts there.
-    async fn victim_header(
+    /// On a coded log, the header of the victim's batch at `position` rebuilt from its stripe,
+    /// for a header cell that does not decode (torn by a crash that recovery repaired through
+    /// parity, or on a drive that came back stale); None where no batch of this segment starts
+    /// there, or without parity.
+    async fn rebuilt_victim_header(
         &self,
         relocation: &Relocation,
-        block: &[u8],
         position: u32,
     ) -> Option<BatchHeader> {
-        if let Some(header) = relocation.header(block, &self.engine.geometry, position) {
-            return Some(header);
-        }
         let (header, rebuilt) = self.rebuilt_header(relocation.victim, position).await?;
         self.recycle(rebuilt);
         (header.segment_seq == relocation.seq).then_some(header)
