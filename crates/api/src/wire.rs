@@ -600,7 +600,8 @@ pub const SCRUB_STATE_OFF: &str = "off";
 /// One piece of damage the scrub found.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScrubFindingInfo {
-    /// [`SCRUB_DAMAGE_BLOCK`], [`SCRUB_DAMAGE_HEADER_CHAIN`] or [`SCRUB_DAMAGE_PARITY`].
+    /// [`SCRUB_DAMAGE_BLOCK`], [`SCRUB_DAMAGE_HEADER`], [`SCRUB_DAMAGE_HEADER_CHAIN`] or
+    /// [`SCRUB_DAMAGE_PARITY`].
     pub kind: String,
     /// For a damaged block: the volume whose own layer holds it (the volume, or its snapshots
     /// taken since, read it). Absent when the block belongs to a layer made by a snapshot or a
@@ -613,7 +614,7 @@ pub struct ScrubFindingInfo {
     /// For a damaged block: its number (in 4 KiB blocks) in that layer's volume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block: Option<u64>,
-    /// For a damaged header chain: the log segment.
+    /// For a damaged header, header chain or parity: the log segment.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub segment: Option<u32>,
     /// The drive holding the damage.
@@ -622,7 +623,7 @@ pub struct ScrubFindingInfo {
     pub location: u32,
     /// The scrub pass that found it, from 1.
     pub pass: u64,
-    /// Whether it was repaired (never yet: the node keeps one copy of each block).
+    /// Whether it was repaired: rebuilt from parity and rewritten (erasure-coded nodes only).
     pub repaired: bool,
 }
 
@@ -631,6 +632,9 @@ pub const SCRUB_DAMAGE_BLOCK: &str = "block";
 /// [`ScrubFindingInfo::kind`]: a segment's chain of batch headers is broken, so garbage
 /// collection and recovery cannot reach some of its blocks (which may still read fine).
 pub const SCRUB_DAMAGE_HEADER_CHAIN: &str = "header_chain";
+/// [`ScrubFindingInfo::kind`] (erasure-coded nodes): a batch header did not decode and was
+/// rebuilt from parity, so garbage collection and recovery still reach the blocks after it.
+pub const SCRUB_DAMAGE_HEADER: &str = "header";
 /// `ScrubFindingInfo.kind` of a stripe whose parity did not match its data (erasure-coded nodes).
 pub const SCRUB_DAMAGE_PARITY: &str = "parity";
 

@@ -292,6 +292,10 @@ fn print_scrub(scrub: &api::ScrubInfo) {
             (api::SCRUB_DAMAGE_BLOCK, None, Some(layer), Some(block)) => format!(
                 "block {block} of snapshot/clone layer {layer} is damaged (reads of it fail)"
             ),
+            (api::SCRUB_DAMAGE_HEADER, ..) => format!(
+                "a batch header of segment {} did not decode and was rebuilt from parity",
+                finding.segment.map_or_else(|| "?".to_owned(), |segment| segment.to_string())
+            ),
             (api::SCRUB_DAMAGE_HEADER_CHAIN, ..) => format!(
                 "the batch header chain of segment {} is broken",
                 finding.segment.map_or_else(|| "?".to_owned(), |segment| segment.to_string())

@@ -768,6 +768,9 @@ fn scrub_info(report: &ScrubReport, volumes: &[VolumeRecord]) -> api::ScrubInfo 
                         .map(|record| record.name.to_string());
                     (api::SCRUB_DAMAGE_BLOCK, volume, Some(label), Some(block), None)
                 }
+                engine::log::ScrubDamage::Header { segment } => {
+                    (api::SCRUB_DAMAGE_HEADER, None, None, None, Some(segment))
+                }
                 engine::log::ScrubDamage::HeaderChain { segment, .. } => {
                     (api::SCRUB_DAMAGE_HEADER_CHAIN, None, None, None, Some(segment))
                 }

@@ -227,10 +227,14 @@ impl Scrubber {
                     return;
                 }
             };
-            if progress.blocks_damaged > 0 || progress.chains_damaged > 0 {
+            if progress.blocks_damaged > 0
+                || progress.chains_damaged > 0
+                || progress.headers_damaged > 0
+            {
                 tracing::error!(
                     pass,
                     blocks = progress.blocks_damaged,
+                    headers = progress.headers_damaged,
                     header_chains = progress.chains_damaged,
                     "scrub found damaged data on the drives; `ferrite node show` lists it"
                 );

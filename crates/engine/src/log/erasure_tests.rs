@@ -349,6 +349,67 @@ fn a_torn_header_cell_is_written_back_and_gc_walks_past_a_bad_one() {
     }
 }
 
+/// Scrub on a coded log meets a batch header cell that does not decode with live blocks after
+/// it: it rebuilds the header from its stripe, writes it back, verifies the batch's blocks and
+/// the rest of the chain (rather than reporting the chain broken), and the next pass is clean.
+#[test]
+fn scrub_rebuilds_a_bad_header_cell_and_walks_on() {
+    let node = Node::format_coded(32, 11, 0, 1, 3, scheme(2, 1));
+    let (_volumes, maps) = volume_maps(&[1000]);
+    let map = &maps[0];
+    // Two batches in one segment: damage the first one's header, the chain goes on after it.
+    for first in [0, 8u64] {
+        let data = block_buf(map.volume(), first, 8, 6);
+        let (result, _) = block_on(node.handles[0].write(map, first * BLOCK, data));
+        result.unwrap();
+    }
+    // A restart seals the segment, which scrub then covers.
+    let node = node.restart();
+    let geometry = *node.engine.geometry();
+    let index = node.engine.index.get(map.volume().0).unwrap();
+    let place = |number: u64| geometry.split(super::index::unpack(index.get(number)).unwrap().0);
+    let (segment, data_position) = place(0);
+    assert_eq!(place(15).0, segment, "both batches are in one segment");
+    // Block 0 is the first data block of its batch: its header is the position before.
+    let header_position = data_position - 1;
+    let (drive, offset_bytes) = geometry.place(segment, header_position);
+    let mut bad = AlignedBuf::new(BLOCK_BYTES);
+    bad.fill(0xa5);
+    block_on(node.drives[usize::from(drive)].write_at(offset_bytes, bad)).0.unwrap();
+    let pass = || {
+        let mut cursor = super::ScrubCursor::new();
+        let mut total = super::ScrubProgress::default();
+        for _ in 0..10_000 {
+            let progress = block_on(node.handles[0].scrub_step(&mut cursor, 4096)).unwrap();
+            total.blocks_verified += progress.blocks_verified;
+            total.blocks_damaged += progress.blocks_damaged;
+            total.chains_damaged += progress.chains_damaged;
+            total.headers_damaged += progress.headers_damaged;
+            total.headers_repaired += progress.headers_repaired;
+            if progress.pass_completed {
+                return total;
+            }
+        }
+        panic!("a scrub pass does not end");
+    };
+    let first = pass();
+    assert_eq!((first.headers_damaged, first.headers_repaired), (1, 1), "{first:?}");
+    assert_eq!(first.chains_damaged + first.blocks_damaged, 0, "{first:?}");
+    assert!(first.blocks_verified >= 16, "every live block is verified: {first:?}");
+    let written_back = node.drives[usize::from(drive)].durable_bytes(offset_bytes, BLOCK);
+    let decoded =
+        super::format::BatchHeader::decode(&written_back, &geometry, segment, header_position);
+    assert!(decoded.is_ok(), "the header is written back durably: {decoded:?}");
+    let findings = node.engine.scrub_findings();
+    assert_eq!(findings.len(), 1, "{findings:?}");
+    assert_eq!(findings[0].damage, super::ScrubDamage::Header { segment });
+    assert_eq!(findings[0].location, geometry.location(segment, header_position));
+    assert_eq!((findings[0].drive, findings[0].repaired), (drive, true));
+    let second = pass();
+    assert_eq!(second.headers_damaged + second.chains_damaged + second.blocks_damaged, 0);
+    assert!(second.blocks_verified >= 16, "{second:?}");
+}
+
 /// Two of three drives lost under 2+1: blocks on the surviving drive still read, every other
 /// block is an error (never wrong data), and writes are refused.
 #[test]

@@ -19,7 +19,11 @@
 //! rewriting it with the verified bytes restores it; the segment is pinned meanwhile so it cannot
 //! be reused underneath). Then, once every live block of a batch is intact, the parity of the
 //! batch's stripes is recomputed from its data and any parity cell that differs is rewritten the
-//! same way ([`ScrubDamage::Parity`]), so a later drive loss rebuilds right. Without parity
+//! same way ([`ScrubDamage::Parity`]), so a later drive loss rebuilds right. A batch header cell
+//! that does not decode where the segment's chain must go on (live blocks remain past it) is
+//! rebuilt from its stripe the same way, written back ([`ScrubDamage::Header`]) and the walk goes
+//! on with it, as GC and recovery do; only a header the stripe cannot rebuild ends the chain
+//! early ([`ScrubDamage::HeaderChain`]). Without parity
 //! nothing can be repaired: damaged blocks stay mapped and their reads keep failing with
 //! [`LogError::ChecksumMismatch`]. Scrub counts damage in `scrub_errors`, not in
 //! `checksum_errors`, which counts failed host reads (a block found by scrub and then read by a
@@ -128,6 +132,10 @@ pub struct ScrubProgress {
     pub blocks_repaired: u32,
     /// Segments whose batch header chain ended before every live block was found.
     pub chains_damaged: u32,
+    /// Coded logs: batch header cells that did not decode although the chain went on, each
+    /// rebuilt from parity (the walk went on with the rebuilt header), and those rewritten.
+    pub headers_damaged: u32,
+    pub headers_repaired: u32,
     /// Coded logs: stripes whose parity did not match their data, and those rewritten.
     pub parity_damaged: u32,
     pub parity_repaired: u32,
@@ -154,6 +162,10 @@ pub enum ScrubDamage {
     /// may be intact (reads check it), but GC cannot relocate them and recovery would not
     /// replay batches past that point.
     HeaderChain { segment: u32, live_units_unreachable: u32 },
+    /// Coded logs: the batch header cell at the finding's location did not decode (damaged, or
+    /// stale on a drive that missed its write) and was rebuilt from the rest of its stripe; GC
+    /// and recovery rebuild it the same way until it is rewritten.
+    Header { segment: u32 },
     /// Coded logs: the parity of stripe `stripe` of the segment did not match its data; a lost
     /// drive would have been rebuilt wrong there (and failed its checksums).
     Parity { segment: u32, stripe: u32 },
@@ -280,14 +292,22 @@ impl<D: Drive> LogHandle<D> {
                     return Err(error);
                 }
             };
-            let header = match BatchHeader::decode(&block, &geometry, segment, position) {
-                Ok(header) if header.segment_seq == seq => header,
+            let decoded = BatchHeader::decode(&block, &geometry, segment, position)
+                .ok()
+                .filter(|header| header.segment_seq == seq);
+            self.recycle(block);
+            let header = match decoded {
+                Some(header) => header,
                 // The chain ends here: normally (the segment's unwritten tail, or a header of an
-                // earlier use of the segment), or at a damaged header (see `end_chain`).
-                _ => {
-                    self.end_chain(cursor, &mut progress);
-                    continue;
-                }
+                // earlier use of the segment), or at a damaged header, which a coded log
+                // rebuilds and a log without parity reports (see `end_chain`).
+                None => match self.rebuilt_chain_header(cursor, seq, &mut progress).await {
+                    Some(header) => header,
+                    None => {
+                        self.end_chain(cursor, &mut progress);
+                        continue;
+                    }
+                },
             };
             self.scrub_batch(cursor, &header, budget, &mut progress).await?;
         }
@@ -431,6 +451,49 @@ impl<D: Drive> LogHandle<D> {
             cursor.batch_unrepaired = false;
         }
         Ok(())
+    }
+
+    /// Coded logs: the header cell at the cursor does not hold a header of the segment's
+    /// sequence `seq`, yet the segment holds more live units than the walk found (so a batch of
+    /// it lies here or further on): the cell is damaged or stale. Rebuilds it from its stripe;
+    /// if that is a header of this segment, writes it back in place (as a damaged block is),
+    /// reports it ([`ScrubDamage::Header`]) and returns it, so the walk goes on past it. None
+    /// where the chain really ends, without parity, or if the stripe cannot rebuild it.
+    async fn rebuilt_chain_header(
+        &self,
+        cursor: &ScrubCursor,
+        seq: u64,
+        progress: &mut ScrubProgress,
+    ) -> Option<BatchHeader> {
+        let engine = &*self.engine;
+        let geometry = engine.geometry;
+        let (segment, position) = (cursor.segment, cursor.position);
+        if !geometry.is_coded() || engine.segments.live_units(segment) <= cursor.live_units_found {
+            return None;
+        }
+        let (header, rebuilt) = self.rebuilt_header(segment, position).await?;
+        self.recycle(rebuilt);
+        if header.segment_seq != seq {
+            return None;
+        }
+        let repaired = self
+            .repair_position(segment, seq, position, |bytes| {
+                BatchHeader::decode(bytes, &geometry, segment, position)
+                    .is_ok_and(|decoded| decoded.segment_seq == seq)
+            })
+            .await;
+        progress.headers_damaged += 1;
+        if repaired {
+            progress.headers_repaired += 1;
+        }
+        engine.record_scrub_finding(ScrubFinding {
+            damage: ScrubDamage::Header { segment },
+            location: geometry.location(segment, position),
+            drive: geometry.place(segment, position).0,
+            pass: cursor.passes_completed + 1,
+            repaired,
+        });
+        Some(header)
     }
 
     /// The walk of the cursor's segment reached the end of its header chain: reports the chain
