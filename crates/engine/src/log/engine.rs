@@ -64,8 +64,10 @@ pub const GROUP_BATCHES_MAX: usize = 4;
 /// Host batches a handle of a log without parity has written (O_DSYNC) and not yet installed:
 /// the next batch's write starts while the previous one's flush runs. A drive takes a few
 /// durable writes at once about as fast as one (fio, 160 KiB O_DSYNC writes, 2 jobs: 2,363/s
-/// at depth 1, 4,499 at 2, 6,974 at 4), so one commit at a time left most of it idle.
-pub const COMMITS_IN_FLIGHT_MAX: usize = 4;
+/// at depth 1, 4,499 at 2, 6,974 at 4), so one commit at a time left most of it idle. Eight,
+/// not four: 128 KiB O_DSYNC writes still gain from depth 4 to 8 here (11,982/s to 14,370/s),
+/// and the engine's 4K random writes at QD 128 gained 8% (median of 12 alternating rounds).
+pub const COMMITS_IN_FLIGHT_MAX: usize = 8;
 /// Times a read re-reads a block whose checksum failed because GC moved it meanwhile.
 pub const READ_RETRIES_MAX: u32 = 4;
 /// The most blocks one drive read of a multi-block host read covers.
