@@ -349,6 +349,27 @@ fn a_torn_header_cell_is_written_back_and_gc_walks_past_a_bad_one() {
     }
 }
 
+/// One whole scrub pass from a new cursor on handle 0: the sum of its steps' counts.
+fn scrub_pass(node: &Node) -> super::ScrubProgress {
+    let mut cursor = super::ScrubCursor::new();
+    let mut total = super::ScrubProgress::default();
+    for _ in 0..10_000 {
+        let progress = block_on(node.handles[0].scrub_step(&mut cursor, 4096)).unwrap();
+        total.blocks_verified += progress.blocks_verified;
+        total.blocks_damaged += progress.blocks_damaged;
+        total.blocks_repaired += progress.blocks_repaired;
+        total.chains_damaged += progress.chains_damaged;
+        total.headers_damaged += progress.headers_damaged;
+        total.headers_repaired += progress.headers_repaired;
+        total.parity_damaged += progress.parity_damaged;
+        total.parity_repaired += progress.parity_repaired;
+        if progress.pass_completed {
+            return total;
+        }
+    }
+    panic!("a scrub pass does not end");
+}
+
 /// Scrub on a coded log meets a batch header cell that does not decode with live blocks after
 /// it: it rebuilds the header from its stripe, writes it back, verifies the batch's blocks and
 /// the rest of the chain (rather than reporting the chain broken), and the next pass is clean.
@@ -376,22 +397,7 @@ fn scrub_rebuilds_a_bad_header_cell_and_walks_on() {
     let mut bad = AlignedBuf::new(BLOCK_BYTES);
     bad.fill(0xa5);
     block_on(node.drives[usize::from(drive)].write_at(offset_bytes, bad)).0.unwrap();
-    let pass = || {
-        let mut cursor = super::ScrubCursor::new();
-        let mut total = super::ScrubProgress::default();
-        for _ in 0..10_000 {
-            let progress = block_on(node.handles[0].scrub_step(&mut cursor, 4096)).unwrap();
-            total.blocks_verified += progress.blocks_verified;
-            total.blocks_damaged += progress.blocks_damaged;
-            total.chains_damaged += progress.chains_damaged;
-            total.headers_damaged += progress.headers_damaged;
-            total.headers_repaired += progress.headers_repaired;
-            if progress.pass_completed {
-                return total;
-            }
-        }
-        panic!("a scrub pass does not end");
-    };
+    let pass = || scrub_pass(&node);
     let first = pass();
     assert_eq!((first.headers_damaged, first.headers_repaired), (1, 1), "{first:?}");
     assert_eq!(first.chains_damaged + first.blocks_damaged, 0, "{first:?}");
@@ -484,22 +490,7 @@ fn scrub_repairs_damaged_blocks_and_parity_in_place() {
         geometry.cell_drive_row(geometry.cell(stripe, u32::from(geometry.data_shards)));
     let parity_offset = geometry.row_offset_bytes(parity_segment, row);
     block_on(node.drives[usize::from(parity_drive)].write_at(parity_offset, garbage())).0.unwrap();
-    let pass = || {
-        let mut cursor = super::ScrubCursor::new();
-        let mut total = super::ScrubProgress::default();
-        for _ in 0..10_000 {
-            let progress = block_on(node.handles[0].scrub_step(&mut cursor, 4096)).unwrap();
-            total.blocks_verified += progress.blocks_verified;
-            total.blocks_damaged += progress.blocks_damaged;
-            total.blocks_repaired += progress.blocks_repaired;
-            total.parity_damaged += progress.parity_damaged;
-            total.parity_repaired += progress.parity_repaired;
-            if progress.pass_completed {
-                return total;
-            }
-        }
-        panic!("a scrub pass does not end");
-    };
+    let pass = || scrub_pass(&node);
     let first = pass();
     assert_eq!((first.blocks_damaged, first.blocks_repaired), (1, 1), "{first:?}");
     assert_eq!((first.parity_damaged, first.parity_repaired), (1, 1), "{first:?}");
