@@ -395,7 +395,7 @@ impl<D: Drive> LogHandle<D> {
                 self.recycle(block);
                 if header.is_none() {
                     // A batch started here in this run: its header cell is torn or stale.
-                    header = self.rebuilt_victim_header(relocation, position).await;
+                    header = self.rebuilt_header_of(victim, relocation.seq, position).await;
                 }
                 let Some(header) = header else { continue };
                 let live = self.live_blocks(relocation, &header, position);
@@ -463,7 +463,7 @@ impl<D: Drive> LogHandle<D> {
                 // installed: then the header cell is bad, and a coded log rebuilds it.
                 self.commit_pending(relocation).await?;
                 if engine.segments.live_units(victim) > 0 {
-                    header = self.rebuilt_victim_header(relocation, position).await;
+                    header = self.rebuilt_header_of(victim, relocation.seq, position).await;
                 }
             }
             let Some(header) = header else { break };
@@ -482,20 +482,6 @@ impl<D: Drive> LogHandle<D> {
             position += engine.geometry.padded(header.positions());
         }
         Ok(())
-    }
-
-    /// On a coded log, the header of the victim's batch at `position` rebuilt from its stripe,
-    /// for a header cell that does not decode (torn by a crash that recovery repaired through
-    /// parity, or on a drive that came back stale); None where no batch of this segment starts
-    /// there, or without parity.
-    async fn rebuilt_victim_header(
-        &self,
-        relocation: &Relocation,
-        position: u32,
-    ) -> Option<BatchHeader> {
-        let (header, rebuilt) = self.rebuilt_header(relocation.victim, position).await?;
-        self.recycle(rebuilt);
-        (header.segment_seq == relocation.seq).then_some(header)
     }
 
     /// The blocks of the batch at `position` that the index still maps there; blocks no read

@@ -276,6 +276,21 @@ impl<D: Drive> LogHandle<D> {
         Some((header, block))
     }
 
+    /// Coded logs: the header of the batch of `segment`'s use with sequence `seq` at `position`,
+    /// rebuilt from its stripe, for a header cell that does not decode (torn by a crash that
+    /// recovery repaired through parity, or on a drive that came back stale); None where no batch
+    /// of that use starts there, or without parity. GC and the scrub walk on with it.
+    pub(super) async fn rebuilt_header_of(
+        &self,
+        segment: u32,
+        seq: u64,
+        position: u32,
+    ) -> Option<BatchHeader> {
+        let (header, rebuilt) = self.rebuilt_header(segment, position).await?;
+        self.recycle(rebuilt);
+        (header.segment_seq == seq).then_some(header)
+    }
+
     /// Coded logs: whether a batch whose data failed its checksums is whole once the cells of
     /// one drive are rebuilt from parity instead of read (that drive's cells may be stale). If
     /// so and `write_back`, the rebuilt cells are written back in place, so host reads find

@@ -471,11 +471,7 @@ impl<D: Drive> LogHandle<D> {
         if !geometry.is_coded() || engine.segments.live_units(segment) <= cursor.live_units_found {
             return None;
         }
-        let (header, rebuilt) = self.rebuilt_header(segment, position).await?;
-        self.recycle(rebuilt);
-        if header.segment_seq != seq {
-            return None;
-        }
+        let header = self.rebuilt_header_of(segment, seq, position).await?;
         let repaired = self
             .repair_position(segment, seq, position, |bytes| {
                 BatchHeader::decode(bytes, &geometry, segment, position)
