@@ -484,7 +484,12 @@ impl<'r> Op<'r> {
             if let Ok(consumed) = state.uring.submit() {
                 state.unsubmitted -= consumed.min(state.unsubmitted);
             }
-            state.driver.take()
+            // The driver only needs a turn for what the kernel did not take (or refused).
+            if state.unsubmitted > 0 {
+                state.driver.take()
+            } else {
+                None
+            }
         };
         if let Some(driver) = driver {
             driver.wake();
