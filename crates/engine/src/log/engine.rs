@@ -865,7 +865,10 @@ impl Drop for CommitGuard<'_> {
 
 /// First-come first-served entry to a full batch queue: a writer that finds no room takes a
 /// ticket; while tickets are waiting, only the oldest may add to the queue, so under overload
-/// no writer waits behind an unbounded number of later ones.
+/// no writer waits behind an unbounded number of later ones. A served ticket keeps the turn
+/// until its writer has added every block of its request ([`LogHandle::turn`]): handing the
+/// turn on after each block interleaved the blocks of all waiting writers in the log, and a
+/// later read of any of those ranges took a drive read per block.
 #[derive(Debug, Default)]
 struct Admission {
     next_ticket: Cell<u64>,
@@ -900,7 +903,8 @@ impl Admission {
     }
 }
 
-/// Gives a ticket back if its writer is dropped while waiting.
+/// A writer's turn at the batch queue: dropping it (request fully queued, or the writer
+/// dropped while waiting) hands the turn to the next ticket.
 struct Ticket<'a> {
     admission: &'a Admission,
     ticket: Option<u64>,
@@ -1076,8 +1080,19 @@ impl<D: Drive> LogHandle<D> {
     }
 
     /// Adds one entry (and its block) to the batch being formed; returns that batch.
+    /// A fresh admission turn for [`LogHandle::enqueue`]: hold it across every entry of one
+    /// request, so a request's blocks sit back to back in the batches, not interleaved with
+    /// those of the writers waiting beside it.
+    fn turn(&self) -> Ticket<'_> {
+        Ticket { admission: &self.admission, ticket: None, changed: &self.changed }
+    }
+
+    /// Adds one entry (and its block) to the forming batch. `ticket` is the caller's turn
+    /// ([`LogHandle::turn`]): once served it keeps the queue until the caller drops it, so the
+    /// entries of one call sequence are contiguous in the log (a batch boundary aside).
     async fn enqueue(
         &self,
+        ticket: &mut Ticket<'_>,
         mut entry: Entry,
         data: Option<&[u8]>,
         compression: Compression,
@@ -1092,8 +1107,6 @@ impl<D: Drive> LogHandle<D> {
             batch.entries.len() < BATCH_ENTRIES_MAX
                 && (data.is_none() || cell || batch.data_blocks < batch_data_max)
         };
-        let mut ticket =
-            Ticket { admission: &self.admission, ticket: None, changed: &self.changed };
         loop {
             let my_turn = match ticket.ticket {
                 None => !self.admission.waiting(),
@@ -1156,8 +1169,7 @@ impl<D: Drive> LogHandle<D> {
                     batch.host_bytes += host_bytes;
                     let cell = Rc::clone(&batch.cell);
                     drop(queue);
-                    // Served: the next ticket's turn (dropping the guard does it).
-                    drop(ticket);
+                    // Served; the next ticket's turn comes when the caller drops its own.
                     return cell;
                 }
             }
@@ -2228,17 +2240,22 @@ impl<D: Drive> LogHandle<D> {
         let new_blocks = unmapped.iter().filter(|new| **new).count() as u64;
         self.engine.admit(new_blocks)?;
         let mut cells: Vec<Rc<BatchCell>> = Vec::new();
+        // One turn for the whole write: its blocks go into the log back to back, so a later
+        // read of the range is one drive read, however many writers wait beside this one.
+        let mut turn = self.turn();
         for (slot, block_data) in data.chunks(BLOCK_BYTES).enumerate() {
             let crc = crc32c::crc32c(block_data);
             let entry =
                 Entry { volume: label, block: first + slot as u64, kind: EntryKind::Data { crc } };
+            let (admitted, bytes) = (unmapped[slot], BLOCK_BYTES_U64);
             let cell = self
-                .enqueue(entry, Some(block_data), compression, unmapped[slot], BLOCK_BYTES_U64)
+                .enqueue(&mut turn, entry, Some(block_data), compression, admitted, bytes)
                 .await;
             if cells.last().is_none_or(|last| !Rc::ptr_eq(last, &cell)) {
                 cells.push(cell);
             }
         }
+        drop(turn);
         self.wait_all(&cells).await
     }
 
@@ -2272,16 +2289,18 @@ impl<D: Drive> LogHandle<D> {
         let mut first = offset_bytes / BLOCK_BYTES_U64;
         let mut remaining = length_bytes / BLOCK_BYTES_U64;
         let mut cells: Vec<Rc<BatchCell>> = Vec::new();
+        let mut turn = self.turn();
         while remaining > 0 {
             let count = remaining.min(u64::from(u32::MAX)) as u32;
             let entry = Entry { volume: label, block: first, kind: EntryKind::Trim { count } };
-            let cell = self.enqueue(entry, None, Compression::Off, false, 0).await;
+            let cell = self.enqueue(&mut turn, entry, None, Compression::Off, false, 0).await;
             if cells.last().is_none_or(|last| !Rc::ptr_eq(last, &cell)) {
                 cells.push(cell);
             }
             first += u64::from(count);
             remaining -= u64::from(count);
         }
+        drop(turn);
         self.wait_all(&cells).await
     }
 
@@ -2291,7 +2310,7 @@ impl<D: Drive> LogHandle<D> {
     pub async fn delete_volume(&self, volume: u64) -> Result<(), LogError> {
         let _exclusive = self.layer_operation().await;
         let entry = Entry { volume, block: 0, kind: EntryKind::VolumeDeleted };
-        let cell = self.enqueue(entry, None, Compression::Off, false, 0).await;
+        let cell = self.enqueue(&mut self.turn(), entry, None, Compression::Off, false, 0).await;
         self.volumes.borrow_mut().remove(&volume);
         self.wait_all(&[cell]).await
     }
@@ -2328,8 +2347,8 @@ impl<D: Drive> LogHandle<D> {
     }
 
     async fn log_layer_operation(&self, volume: u64, kind: EntryKind) -> Result<(), LogError> {
-        let cell =
-            self.enqueue(Entry { volume, block: 0, kind }, None, Compression::Off, false, 0).await;
+        let entry = Entry { volume, block: 0, kind };
+        let cell = self.enqueue(&mut self.turn(), entry, None, Compression::Off, false, 0).await;
         self.volumes.borrow_mut().remove(&volume);
         self.wait_all(&[cell]).await
     }

@@ -355,7 +355,11 @@ fn a_corrupt_block_is_an_error_never_garbage() {
 
 /// Drive reads the node's drives have served so far.
 fn drive_reads(node: &Node) -> u64 {
-    node.drives.iter().map(|drive| drive.stats().reads).sum()
+    drive_reads_of(&node.drives)
+}
+
+fn drive_reads_of(drives: &[SimDrive]) -> u64 {
+    drives.iter().map(|drive| drive.stats().reads).sum()
 }
 
 #[test]
@@ -395,6 +399,60 @@ fn multi_block_reads_take_back_to_back_blocks_in_one_drive_read() {
     block_on(handle.deallocate(map, 9 * BLOCK, BLOCK)).unwrap();
     expected[9 * BLOCK_BYTES..10 * BLOCK_BYTES].fill(0);
     assert_eq!(&read(3, 12)[..], &expected[3 * BLOCK_BYTES..15 * BLOCK_BYTES]);
+}
+
+#[test]
+fn each_write_lands_back_to_back_while_many_writers_wait() {
+    // Segments of 1 MiB per drive (256 positions, chunks of 128), so segment switches are rare.
+    const UNIT: u64 = 1 << 20;
+    const WRITERS: u64 = 256;
+    const WRITES: u64 = 4;
+    const BLOCKS: u64 = 8;
+    let config = LogConfig { unit_bytes: UNIT, ..config() };
+    let size_bytes = HEADER_REGION_BYTES + LOG_HEADER_BYTES + 40 * UNIT;
+    let drives: Vec<SimDrive> = (0..DRIVES)
+        .map(|index| SimDrive::new(index, size_bytes, 11 ^ u64::from(index), 3))
+        .collect();
+    block_on(LogEngine::format(&drives, &config)).unwrap();
+    let latches = Arc::new(DriveLatches::new(DRIVES));
+    let (_engine, handle, _) = block_on(LogEngine::open(drives.clone(), config, latches)).unwrap();
+    let (_volumes, maps) = volume_maps(&[WRITERS * WRITES * BLOCKS]);
+    let map = &maps[0];
+    let volume = map.volume();
+    // 256 writers of 8 blocks at once keep the batch queue full (8 batches of at most 126 data
+    // blocks), so most of them wait for their turn; each range is written once.
+    let futures: Vec<LocalBoxFuture<'_, ()>> = (0..WRITERS)
+        .map(|writer| {
+            let handle = &handle;
+            Box::pin(async move {
+                for write in 0..WRITES {
+                    let first = (write * WRITERS + writer) * BLOCKS;
+                    let data = block_buf(volume, first, BLOCKS, 1);
+                    let (result, _) = handle.write(map, first * BLOCK, data).await;
+                    result.unwrap();
+                }
+            }) as LocalBoxFuture<'_, ()>
+        })
+        .collect();
+    block_on(join_all(futures));
+    let mut split = 0;
+    for range in 0..WRITERS * WRITES {
+        let first = range * BLOCKS;
+        let before = drive_reads_of(&drives);
+        let (result, buf) = block_on(handle.read_blocks(
+            map,
+            first * BLOCK,
+            AlignedBuf::new((BLOCKS * BLOCK) as usize),
+        ));
+        result.unwrap();
+        assert_eq!(&buf[..], &block_buf(volume, first, BLOCKS, 1)[..]);
+        let runs_read = drive_reads_of(&drives) - before;
+        // A batch, chunk or segment boundary may cut a write once (rarely twice); interleaved
+        // with the other writers' blocks it would take up to eight drive reads.
+        assert!(runs_read <= 3, "blocks {first}.. written together took {runs_read} drive reads");
+        split += u64::from(runs_read > 1);
+    }
+    assert!(split <= WRITERS * WRITES / 4, "{split} of {} writes were cut", WRITERS * WRITES);
 }
 
 #[test]
