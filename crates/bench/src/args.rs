@@ -155,6 +155,10 @@ pub struct BenchArgs {
     /// engine:DIR only: leave the drive files sparse instead of laying them out first
     #[arg(long)]
     pub sparse_drives: bool,
+
+    /// engine:DIR only: no read-triggered defragmentation (as `ferrite up --no-read-defrag`)
+    #[arg(long)]
+    pub no_read_defrag: bool,
 }
 
 /// The drive files of an `engine:DIR` run when not given.
@@ -191,11 +195,12 @@ impl BenchArgs {
                 || self.drive_size.is_some()
                 || self.erasure_coding.is_some()
                 || self.threads.is_some()
-                || self.sparse_drives;
+                || self.sparse_drives
+                || self.no_read_defrag;
             if engine_only {
                 return invalid(
-                    "--drives, --drive-size, --erasure-coding, --threads and --sparse-drives \
-                     apply to engine:DIR targets only",
+                    "--drives, --drive-size, --erasure-coding, --threads, --sparse-drives and \
+                     --no-read-defrag apply to engine:DIR targets only",
                 );
             }
             return Ok(None);
@@ -217,6 +222,7 @@ impl BenchArgs {
                 u16::try_from(cpus).unwrap_or(u16::MAX).clamp(1, 64)
             }),
             lay_out: !self.sparse_drives,
+            read_defrag: !self.no_read_defrag,
         }))
     }
 

@@ -87,6 +87,9 @@ pub struct EngineSetup {
     /// Write zeros over the drive files before formatting (see [`io::lay_out_drive_file`]),
     /// as fio lays out its file; otherwise they stay sparse.
     pub lay_out: bool,
+    /// Read-triggered defragmentation, as a node has it by default
+    /// (`LogEngine::set_read_defrag`); every thread runs its handle's defragmenter.
+    pub read_defrag: bool,
 }
 
 /// The engine with one volume: handles on this thread (with the upkeep task) and on
@@ -176,6 +179,7 @@ impl EngineBench {
                 return Err(error);
             }
         };
+        engine.set_read_defrag(setup.read_defrag);
         let capacity_bytes = engine.stats().capacity_bytes;
         if setup.volume_size_bytes > capacity_bytes {
             ring_driver.abort();
@@ -219,7 +223,8 @@ impl EngineBench {
         let per_batch = |count: u64| count as f64 / stats.host_batches.max(1) as f64;
         format!(
             "engine: host wrote {}, drives took {} (write amplification {:.2}); {} batches of \
-             {:.1} blocks, {:.2} drive syncs per batch; {} GC segments cleaned; {} checkpoints",
+             {:.1} blocks, {:.2} drive syncs per batch; {} GC segments cleaned; {} checkpoints; \
+             {} blocks rewritten back to back after scattered reads",
             crate::output::format_bytes(stats.host_bytes_written),
             crate::output::format_bytes(stats.device_bytes_written),
             stats.write_amplification,
@@ -228,6 +233,7 @@ impl EngineBench {
             per_batch(stats.drive_syncs),
             crate::output::group_digits(&stats.gc_segments_cleaned.to_string()),
             stats.checkpoints,
+            crate::output::group_digits(&stats.defrag_relocated_blocks.to_string()),
         )
     }
 
@@ -294,6 +300,10 @@ impl Worker {
                         }
                     };
                     let _ = ready_tx.send(Ok(()));
+                    let defragmenter = tokio::task::spawn_local({
+                        let handle = Rc::clone(&handle);
+                        async move { handle.defragmenter().await }
+                    });
                     let mut running = Vec::new();
                     while let Some(Job { request, reply }) = inbox.recv().await {
                         let handle = Rc::clone(&handle);
@@ -308,6 +318,7 @@ impl Worker {
                     for task in running {
                         let _ = task.await;
                     }
+                    defragmenter.abort();
                     driver.abort();
                 });
             })
@@ -341,7 +352,8 @@ async fn serve<S: VolumeStore>(store: &S, volume: &VolumeMap, request: IoRequest
 }
 
 /// What a node's thread 0 does for the engine between host I/O: paced GC steps and, beside
-/// them (as on a node, a checkpoint never holds GC up), a periodic checkpoint. Errors end the
+/// them (as on a node, a checkpoint never holds GC up), a periodic checkpoint; and, as on every
+/// data-path thread, the handle's defragmenter. Errors end the
 /// upkeep; the host I/O that follows reports them.
 async fn upkeep(handle: Rc<LogHandle<DriveFile>>) {
     let collect = async {
@@ -374,10 +386,11 @@ async fn upkeep(handle: Rc<LogHandle<DriveFile>>) {
             }
         }
     };
-    // Each loop returns only on an error, which ends the other too.
+    // Each loop returns only on an error, which ends the others too.
     tokio::select! {
         () = collect => {}
         () = checkpoints => {}
+        () = handle.defragmenter() => {}
     }
 }
 

@@ -53,7 +53,8 @@ fn a_verified_run_on_two_threads_passes_and_the_directory_goes_with_the_bench() 
     let parent = tempfile::tempdir().unwrap();
     let line = format!(
         "bench --target engine:{} --drives 4 --drive-size 256M --sparse-drives --threads 2 \
-         --size 64M --workloads 4k_randwrite,4k_randread --verify --queues 4 --iodepth 8 \
+         --size 64M --workloads 4k_randwrite,4k_randread,16k_randrw_70_30 --verify --queues 4 \
+         --iodepth 8 \
          --runtime 1 --ramp 0 --quiet",
         parent.path().display()
     );
@@ -73,9 +74,10 @@ fn a_verified_run_on_two_threads_passes_and_the_directory_goes_with_the_bench() 
             Ok(reports) => reports,
             Err(error) => panic!("the verified run failed: {error}\n{}", engine.summary()),
         };
-        assert_eq!(reports.len(), 2);
+        assert_eq!(reports.len(), 3);
         assert_eq!(reports[0].workload.name, "4k_randwrite");
         assert_eq!(reports[1].workload.name, "4k_randread");
+        assert_eq!(reports[2].workload.name, "16k_randrw_70_30");
         for report in &reports {
             let name = report.workload.name;
             assert!(report.verify, "{name}");
@@ -88,6 +90,10 @@ fn a_verified_run_on_two_threads_passes_and_the_directory_goes_with_the_bench() 
         let stats = engine.engine().stats();
         assert!(stats.host_bytes_written >= reports[0].write_bytes, "{}", engine.summary());
         assert!(engine.summary().starts_with("engine: host wrote"), "{}", engine.summary());
+        // The 16K reads found ranges the 4K writes scattered, and every byte they read back
+        // afterwards (verified) was right: read-triggered defragmentation ran, on both threads'
+        // handles, beside verified host writes.
+        assert!(stats.defrag_relocated_blocks > 0, "{}", engine.summary());
         drive_dir
     });
     // The bench was dropped at the end of the block: its directory and drive files are gone.
@@ -122,9 +128,14 @@ fn a_volume_larger_than_the_drives_is_refused_and_leaves_nothing() {
 #[test]
 fn engine_options_need_an_engine_target_and_the_engine_target_keeps_no_map() {
     let remote = "bench --target nvme+tcp://127.0.0.1:4420/db-1";
-    for option in
-        ["--drives 2", "--drive-size 1G", "--erasure-coding 2+1", "--threads 2", "--sparse-drives"]
-    {
+    for option in [
+        "--drives 2",
+        "--drive-size 1G",
+        "--erasure-coding 2+1",
+        "--threads 2",
+        "--sparse-drives",
+        "--no-read-defrag",
+    ] {
         let error = args(&format!("{remote} {option}")).engine_setup().unwrap_err();
         assert!(matches!(error, BenchError::InvalidConfig(_)), "{option}: {error}");
         let message = error.to_string();

@@ -447,6 +447,17 @@ struct UpArgs {
     /// off when the node shares its cores with the applications using it. Example: --poll-us 200.
     #[arg(long, value_name = "US", default_value_t = 0)]
     poll_us: u64,
+    /// Do not rewrite scattered blocks that hosts read together.
+    ///
+    /// By default, a read of several blocks that lie scattered over the log (each written on
+    /// its own, by random small writes) has them written again back to back in the background,
+    /// so the next read of that range is one drive read instead of one per block. The rewrite
+    /// reuses the data just read, never overrides a newer write, stops while free space is low
+    /// (before GC needs it), and counts in the write amplification (`ferrite node show`,
+    /// `ferrite_defrag_relocated_blocks_total`). Turn it off to keep reads from ever causing
+    /// writes, for example on media with little write endurance.
+    #[arg(long)]
+    no_read_defrag: bool,
     /// The most the background scrub reads per second, in MiB; 0 turns it off.
     ///
     /// The scrub reads every live block back and checks it against its checksum, so damage on
@@ -785,6 +796,7 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         stop_on_signals: true,
         data_threads: args.data_threads,
         poll_us: args.poll_us,
+        read_defrag: !args.no_read_defrag,
         scrub_mb_per_s: args.scrub_mb_per_s,
         erasure_coding: args.erasure_coding,
         rebuild_mb_per_s: args.rebuild_mb_per_s,

@@ -186,6 +186,8 @@ pub struct EngineCounters {
     pub drive_syncs: u64,
     pub gc_relocated_blocks: u64,
     pub gc_segments_cleaned: u64,
+    /// Blocks read-triggered defragmentation rewrote back to back.
+    pub defrag_relocated_blocks: u64,
     pub checkpoints: u64,
 }
 

@@ -42,6 +42,7 @@
 //! - `ferrite_host_bytes_written_total`, `ferrite_device_bytes_written_total`,
 //!   `ferrite_log_batches_total`, `ferrite_log_batch_blocks_total`, `ferrite_drive_syncs_total`,
 //!   `ferrite_gc_relocated_blocks_total`, `ferrite_gc_segments_cleaned_total`,
+//!   `ferrite_defrag_relocated_blocks_total`,
 //!   `ferrite_checkpoints_total` (counters): the engine's traffic since the node started
 //! - `ferrite_volume_operations_total{volume,volume_id,op}` (counter), `op` one of `read`,
 //!   `write`, `flush`, `write_zeroes`, `deallocate`
@@ -442,6 +443,11 @@ impl Registry {
                 "ferrite_gc_relocated_blocks_total",
                 "Live blocks garbage collection copied.",
                 counters.gc_relocated_blocks,
+            ),
+            (
+                "ferrite_defrag_relocated_blocks_total",
+                "Scattered blocks rewritten back to back after a host read them together.",
+                counters.defrag_relocated_blocks,
             ),
             (
                 "ferrite_gc_segments_cleaned_total",

@@ -98,6 +98,8 @@ pub struct NvmeDataPathBuilder {
     scrub_mb_per_s: u64,
     /// The drive rebuild's rate (0: no limit).
     rebuild_mb_per_s: u64,
+    /// Read-triggered defragmentation (`LogEngine::set_read_defrag`).
+    read_defrag: bool,
 }
 
 impl NvmeDataPathBuilder {
@@ -110,7 +112,15 @@ impl NvmeDataPathBuilder {
             poll: Duration::ZERO,
             scrub_mb_per_s: crate::scrub::DEFAULT_SCRUB_MB_PER_S,
             rebuild_mb_per_s: crate::rebuild::DEFAULT_REBUILD_MB_PER_S,
+            read_defrag: true,
         }
+    }
+
+    /// Whether a multi-block read of blocks scattered over the log has them rewritten back to
+    /// back by its thread's defragmenter (on by default).
+    pub fn with_read_defrag(mut self, on: bool) -> Self {
+        self.read_defrag = on;
+        self
     }
 
     /// Rebuilds a replaced drive writing at most `mb_per_s` MiB per second (see
@@ -446,6 +456,7 @@ impl DataPathBuilder for NvmeDataPathBuilder {
             latches: Arc::new(DriveLatches::new(drive_count)),
             scrub: Arc::new(ScrubStatus::new(self.scrub_mb_per_s)),
             rebuild: Arc::new(RebuildStatus::new(self.rebuild_mb_per_s)),
+            read_defrag: self.read_defrag,
             log_config: log_config(&context.drives, self.data_threads),
             known_ids: context
                 .volumes
@@ -849,6 +860,8 @@ struct ThreadShared {
     scrub: Arc<ScrubStatus>,
     /// The drive rebuilds' state, written by thread 0's rebuilder, read by the control plane.
     rebuild: Arc<RebuildStatus>,
+    /// Read-triggered defragmentation on (set on the engine by thread 0 when it opens it).
+    read_defrag: bool,
     log_config: LogConfig,
     /// The volume and snapshot ids the metadata store held at start: the engine's data of any
     /// other id (deleted just before a crash) is dropped once recovery is done.
@@ -1054,6 +1067,17 @@ impl DataThread {
                 }
             }
         }
+        // This thread's defragmenter: rewrites the scattered ranges its reads find.
+        {
+            let store = Rc::clone(&store);
+            let mut stop = self.stop.clone();
+            tokio::task::spawn_local(async move {
+                tokio::select! {
+                    () = store.defragmenter() => {}
+                    _ = stop.changed() => {}
+                }
+            });
+        }
         let poller = Rc::new(Poller::new(self.poll));
         if !self.poll.is_zero() {
             tokio::task::spawn_local(Rc::clone(&poller).run());
@@ -1116,6 +1140,7 @@ impl DataThread {
                 .await
                 .map_err(|error| format!("cannot open the log: {error}"))?;
         handle.set_reopen(reopen);
+        handle.engine().set_read_defrag(self.shared.read_defrag);
         let geometry = handle.engine().geometry();
         if report.drives_unusable > 0 {
             tracing::warn!(
@@ -2100,6 +2125,7 @@ impl DataPlane for NvmeDataPlane {
                 host_batch_blocks: stats.host_batch_blocks,
                 drive_syncs: stats.drive_syncs,
                 gc_relocated_blocks: stats.gc_relocated_blocks,
+                defrag_relocated_blocks: stats.defrag_relocated_blocks,
                 gc_segments_cleaned: stats.gc_segments_cleaned,
                 checkpoints: stats.checkpoints,
             },

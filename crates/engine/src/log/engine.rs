@@ -109,6 +109,8 @@ pub(super) struct Counters {
     pub device_bytes_written: AtomicU64,
     pub gc_relocated_blocks: AtomicU64,
     pub gc_segments_cleaned: AtomicU64,
+    /// Blocks read-triggered defragmentation rewrote back to back (`defrag`).
+    pub defrag_relocated_blocks: AtomicU64,
     pub checkpoints: AtomicU64,
     pub checksum_errors: AtomicU64,
     pub mapped_blocks: AtomicU64,
@@ -171,6 +173,8 @@ pub struct LogStats {
     pub write_amplification: f64,
     pub gc_relocated_blocks: u64,
     pub gc_segments_cleaned: u64,
+    /// Blocks rewritten back to back by read-triggered defragmentation.
+    pub defrag_relocated_blocks: u64,
     pub checkpoints: u64,
     pub checksum_errors: u64,
     pub index_ram_bytes: u64,
@@ -248,6 +252,8 @@ pub struct LogEngine {
     drive_generations: Box<[AtomicU64]>,
     /// The drive rebuild in progress (coded logs), if any.
     pub(super) rebuild: Mutex<Option<super::rebuild::RebuildState>>,
+    /// Whether scattered multi-block reads queue a rewrite (`defrag`); off until set.
+    pub(super) read_defrag: AtomicBool,
 }
 
 impl std::fmt::Debug for LogEngine {
@@ -308,11 +314,19 @@ impl LogEngine {
             sweep_mark: AtomicU64::new(u64::MAX),
             drive_generations: (0..geometry.drive_count).map(|_| AtomicU64::new(0)).collect(),
             rebuild: Mutex::new(None),
+            read_defrag: AtomicBool::new(false),
         })
     }
 
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
+    }
+
+    /// Turns read-triggered defragmentation on or off for every handle: a multi-block read of
+    /// blocks scattered over the log queues a rewrite of them back to back, which each handle's
+    /// [`LogHandle::defragmenter`] carries out (see the `defrag` module).
+    pub fn set_read_defrag(&self, on: bool) {
+        self.read_defrag.store(on, Ordering::Relaxed);
     }
 
     pub fn latches(&self) -> &Arc<DriveLatches> {
@@ -372,6 +386,9 @@ impl LogEngine {
             header_blocks: BufferPool::new(BLOCK_BYTES),
             compress: RefCell::new(CompressScratch::new()),
             erasure: RefCell::new(Encoder::new()),
+            defrag: RefCell::new(VecDeque::new()),
+            defrag_queued_blocks: Cell::new(0),
+            defrag_ready: LocalNotify::new(),
         }
     }
 
@@ -401,6 +418,7 @@ impl LogEngine {
             device_bytes_written: device,
             write_amplification: if host == 0 { 0.0 } else { device as f64 / host as f64 },
             gc_relocated_blocks: counters.gc_relocated_blocks.load(Ordering::Relaxed),
+            defrag_relocated_blocks: counters.defrag_relocated_blocks.load(Ordering::Relaxed),
             gc_segments_cleaned: counters.gc_segments_cleaned.load(Ordering::Relaxed),
             checkpoints: counters.checkpoints.load(Ordering::Relaxed),
             checksum_errors: counters.checksum_errors.load(Ordering::Relaxed),
@@ -665,7 +683,7 @@ impl Failure {
     }
 }
 
-struct BatchCell {
+pub(super) struct BatchCell {
     result: Cell<Option<Result<(), Failure>>>,
 }
 
@@ -905,7 +923,7 @@ impl Admission {
 
 /// A writer's turn at the batch queue: dropping it (request fully queued, or the writer
 /// dropped while waiting) hands the turn to the next ticket.
-struct Ticket<'a> {
+pub(super) struct Ticket<'a> {
     admission: &'a Admission,
     ticket: Option<u64>,
     changed: &'a LocalNotify,
@@ -980,6 +998,11 @@ pub struct LogHandle<D> {
     pub(super) compress: RefCell<CompressScratch>,
     /// The erasure codec's working space (coded logs).
     pub(super) erasure: RefCell<Encoder>,
+    /// Scattered ranges reads found, waiting for the defragmenter (at most
+    /// `defrag::DEFRAG_QUEUED_BLOCKS_MAX` blocks), and its wake-up.
+    pub(super) defrag: RefCell<VecDeque<super::defrag::DefragJob>>,
+    pub(super) defrag_queued_blocks: Cell<usize>,
+    pub(super) defrag_ready: LocalNotify,
 }
 
 /// How a handle opens its own handle of a replaced drive (given the drive index).
@@ -1083,14 +1106,14 @@ impl<D: Drive> LogHandle<D> {
     /// A fresh admission turn for [`LogHandle::enqueue`]: hold it across every entry of one
     /// request, so a request's blocks sit back to back in the batches, not interleaved with
     /// those of the writers waiting beside it.
-    fn turn(&self) -> Ticket<'_> {
+    pub(super) fn turn(&self) -> Ticket<'_> {
         Ticket { admission: &self.admission, ticket: None, changed: &self.changed }
     }
 
     /// Adds one entry (and its block) to the forming batch. `ticket` is the caller's turn
     /// ([`LogHandle::turn`]): once served it keeps the queue until the caller drops it, so the
     /// entries of one call sequence are contiguous in the log (a batch boundary aside).
-    async fn enqueue(
+    pub(super) async fn enqueue(
         &self,
         ticket: &mut Ticket<'_>,
         mut entry: Entry,
@@ -2106,6 +2129,7 @@ impl<D: Drive> LogHandle<D> {
             }
         }
         rest.fill(0);
+        self.note_read(&index, first, &entries, runs.len(), &buf);
         (Ok(()), buf)
     }
 
@@ -2259,7 +2283,7 @@ impl<D: Drive> LogHandle<D> {
         self.wait_all(&cells).await
     }
 
-    async fn wait_all(&self, cells: &[Rc<BatchCell>]) -> Result<(), LogError> {
+    pub(super) async fn wait_all(&self, cells: &[Rc<BatchCell>]) -> Result<(), LogError> {
         let mut first_failure = None;
         for cell in cells {
             if let Err(failure) = self.wait_batch(cell).await {

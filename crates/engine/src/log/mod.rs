@@ -9,12 +9,14 @@
 //! - [`segments`]: the segment table (state, sequence, live blocks) and free list;
 //! - `engine`: [`LogEngine`] (shared by all threads, `Send + Sync`) and [`LogHandle`] (one per
 //!   data-path thread, over that thread's drive handles): group commit, reads, stats;
-//! - `gc`: garbage collection and checkpoints; `recovery`: format and open.
+//! - `gc`: garbage collection and checkpoints; `recovery`: format and open;
+//! - `defrag`: read-triggered defragmentation (scattered ranges rewritten back to back).
 //!
 //! Sans-IO like the rest of the engine: generic over [`Drive`](crate::Drive), no clock, no
 //! runtime. Background work (GC, checkpoints) runs when a handle's caller asks for it, or inline
 //! when a write needs space.
 
+mod defrag;
 mod engine;
 pub mod format;
 mod gc;
@@ -26,6 +28,7 @@ mod scrub;
 pub mod segments;
 mod stripes;
 
+pub use defrag::{DEFRAG_BLOCKS_MAX, DEFRAG_FREE_SEGMENTS_MIN, DEFRAG_QUEUED_BLOCKS_MAX};
 pub use engine::{LogEngine, LogHandle, LogStats, VolumeStats};
 pub use gc::{GcOutcome, GC_STEPS_PER_TICK, GC_STEPS_PER_TICK_URGENT};
 pub use rebuild::{RebuildProgress, REBUILD_BACKLOG_MAX, REBUILD_STRIPES_PER_CALL_MAX};
