@@ -1102,7 +1102,6 @@ impl<D: Drive> LogHandle<D> {
         }
     }
 
-    /// Adds one entry (and its block) to the batch being formed; returns that batch.
     /// A fresh admission turn for [`LogHandle::enqueue`]: hold it across every entry of one
     /// request, so a request's blocks sit back to back in the batches, not interleaved with
     /// those of the writers waiting beside it.
@@ -1110,9 +1109,10 @@ impl<D: Drive> LogHandle<D> {
         Ticket { admission: &self.admission, ticket: None, changed: &self.changed }
     }
 
-    /// Adds one entry (and its block) to the forming batch. `ticket` is the caller's turn
-    /// ([`LogHandle::turn`]): once served it keeps the queue until the caller drops it, so the
-    /// entries of one call sequence are contiguous in the log (a batch boundary aside).
+    /// Adds one entry (and its block) to the forming batch and returns that batch. `ticket` is
+    /// the caller's turn ([`LogHandle::turn`]): once served it keeps the queue until the caller
+    /// drops it, so the entries of one call sequence are contiguous in the log (a batch
+    /// boundary aside).
     pub(super) async fn enqueue(
         &self,
         ticket: &mut Ticket<'_>,
