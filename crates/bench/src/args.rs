@@ -156,7 +156,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub sparse_drives: bool,
 
-    /// engine:DIR only: no read-triggered defragmentation (as `ferrite up --no-read-defrag`)
+    /// engine:DIR only: no read-triggered defragmentation (as `ferrite up --read-defrag off`)
     #[arg(long)]
     pub no_read_defrag: bool,
 }

@@ -164,7 +164,7 @@ fn config(dir: &Path) -> NodeConfig {
         stop_on_signals: false,
         data_threads: 1,
         poll_us: 0,
-        read_defrag: true,
+        read_defrag: None,
         scrub_mb_per_s: 0,
         erasure_coding: None,
         rebuild_mb_per_s: 0,
