@@ -205,6 +205,17 @@ pub(super) fn run_until<F: Future>(future: F, stop: impl Fn() -> bool, polls_max
     false
 }
 
+/// Runs a round's futures to the end, or in a crash round only for a seeded number of polls
+/// (the crash then lands in the middle of their I/O).
+fn run_round(futures: Vec<LocalBoxFuture<'_, ()>>, crash_round: bool, phase_seed: u64) {
+    if crash_round {
+        let budget = 2_000 + Rng::new(phase_seed).below(30_000);
+        run_until(join_all(futures), || false, budget);
+    } else {
+        block_on(join_all(futures));
+    }
+}
+
 /// Writers spread over every handle of the node, on every volume, concurrently.
 pub(super) fn writers<'a>(
     node: &'a Node,
@@ -497,13 +508,7 @@ fn model_with_concurrent_handles_restarts_crashes_and_gc() {
             {
                 let contexts = contexts(&node, &maps, &oracle, &report, &progress, 3, false);
                 let futures = writers(&node, &maps, &contexts, 3, phase_seed, 120 * soak() as u32);
-                if crash_round {
-                    let mut rng = Rng::new(phase_seed);
-                    let budget = 2_000 + rng.below(30_000);
-                    run_until(join_all(futures), || false, budget);
-                } else {
-                    block_on(join_all(futures));
-                }
+                run_round(futures, crash_round, phase_seed);
             }
             let stats = node.engine.stats();
             cleaned += stats.gc_segments_cleaned;
@@ -639,13 +644,7 @@ fn model_with_read_defragmentation_restarts_and_crashes() {
                         }
                     }));
                 }
-                if crash_round {
-                    let mut rng = Rng::new(phase_seed);
-                    let budget = 2_000 + rng.below(30_000);
-                    run_until(join_all(futures), || false, budget);
-                } else {
-                    block_on(join_all(futures));
-                }
+                run_round(futures, crash_round, phase_seed);
             }
             rewritten += node.engine.stats().defrag_relocated_blocks;
             node = if crash_round { node.crash() } else { node.restart() };
