@@ -16,9 +16,8 @@
 //!
 //! Bounded: at most [`DEFRAG_QUEUED_BLOCKS_MAX`] blocks in ranges of at most
 //! [`DEFRAG_BLOCKS_MAX`] wait per handle (a read finding no room queues nothing); nothing is
-//! queued or rewritten
-//! while free space is low enough for background GC to work, so defragmentation never takes
-//! the space host writes need. Only ranges whose blocks are all stored raw (not compressed) in
+//! queued or rewritten while free space is low enough for background GC to work, so
+//! defragmentation never takes the space host writes need. Only ranges whose blocks are all stored raw (not compressed) in
 //! the volume's own layer (not a snapshot's under it) are rewritten, on logs without parity.
 
 use std::rc::Rc;
@@ -105,11 +104,12 @@ impl<D: Drive> LogHandle<D> {
         self.defrag_ready.notify_all();
     }
 
-    /// The handle's defragmenter: rewrites the ranges reads queue, for as long as it runs. The caller spawns it on the handle's thread beside the host I/O (the node
-    /// does on every data-path thread) and drops it to stop; a range it was rewriting then
-    /// stays as it was or is rewritten, never half installed (each block is its own
-    /// compare-and-swap). [`LogEngine::set_read_defrag`](super::LogEngine::set_read_defrag)
-    /// turns the queueing on.
+    /// The handle's defragmenter: rewrites the ranges reads queue, for as long as it runs.
+    /// The caller spawns it on the handle's thread beside the host I/O (the node does on every
+    /// data-path thread) and drops it to stop. Each block of a range it was rewriting then
+    /// stays at its old place or is at its new one (its own compare-and-swap): a range may be
+    /// left partly moved, which only leaves it partly scattered.
+    /// [`LogEngine::set_read_defrag`](super::LogEngine::set_read_defrag) turns the queueing on.
     pub async fn defragmenter(&self) {
         loop {
             if self.defrag_step().await.is_none() {
