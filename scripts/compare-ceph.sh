@@ -82,6 +82,8 @@ Environment (all optional):
   COMPARE_MIN_FREE_GB   stop everything if the disk's free space falls below this [4]
   FERRITE_DRIVE_SIZE_GB each of Ferrite's 4 sparse drive files        [COMPARE_SIZE_GB/2+1, at least 2]
   FERRITE_ERASURE_CODING  parity over each Ferrite node's drives (K+M or none)  [none]
+  FERRITE_BIN           the ferrite binary to measure (an A/B of two builds)
+                        [target/release/ferrite, built if missing]
   FERRITE_UP_ARGS       extra arguments for `ferrite up` (such as --poll-us 200, or
                         --lay-out-drives: zeros written over Ferrite's drive files at
                         the first start, so its log never pays the filesystem's block
@@ -150,7 +152,7 @@ all_workloads="4k_randread 4k_randwrite 8k_randrw_80_20 16k_randrw_70_30 32k_ran
 # The command as the user gave it, for the report: the knobs that were set (except the two that
 # only say where the results go), then the entry point.
 command_line=""
-for knob in $(compgen -e | grep -E '^(COMPARE_[A-Z_]+|FERRITE_DRIVE_SIZE_GB|FERRITE_ERASURE_CODING|FERRITE_UP_ARGS|CEPH_ANCHOR_DIR|CEPH_DATA_DIR|CEPH_OSD_SIZE_GB|KEEP_CEPH)$' | grep -vE '^COMPARE_(OUT_DIR|WRITE_DOCS)$' | sort); do
+for knob in $(compgen -e | grep -E '^(COMPARE_[A-Z_]+|FERRITE_BIN|FERRITE_DRIVE_SIZE_GB|FERRITE_ERASURE_CODING|FERRITE_UP_ARGS|CEPH_ANCHOR_DIR|CEPH_DATA_DIR|CEPH_OSD_SIZE_GB|KEEP_CEPH)$' | grep -vE '^COMPARE_(OUT_DIR|WRITE_DOCS)$' | sort); do
     command_line+="$knob=${!knob@Q} "
 done
 if [ -n "${MAKELEVEL:-}" ]; then command_line+="make compare-ceph"; else command_line+="scripts/compare-ceph.sh"; fi
@@ -637,9 +639,13 @@ ceph_measure() {  # replicas pool image
 mkdir -p "$out/fio" "$out/logs" "$out/bin" "$out/mnt"
 chmod 755 "$out" "$out/mnt"   # pgbench-ext4.sh's postgres user walks down to its mount
 : >"$results"
-[ -x target/release/ferrite ] || cargo build --release --locked --bin ferrite
+if [ -n "${FERRITE_BIN:-}" ]; then
+    [ -x "$FERRITE_BIN" ] || die "FERRITE_BIN=$FERRITE_BIN is not an executable"
+else
+    [ -x target/release/ferrite ] || cargo build --release --locked --bin ferrite
+fi
 # A copy, so that a rebuild by someone else during the run cannot change the binary under us.
-cp target/release/ferrite "$ferrite"
+cp "${FERRITE_BIN:-target/release/ferrite}" "$ferrite"
 command -v fio >/dev/null || scripts/deps.sh
 fio --enghelp 2>/dev/null | grep -qw nbd || die "this fio has no nbd engine"
 if [ "$pgbench_enabled" = 1 ]; then
