@@ -7,6 +7,9 @@
 //! overwritten by a stale write, and the node that came back must be in sync again. Each test
 //! ends by killing every node but the one whose data is in question, so that node alone serves
 //! the final check of every block: a replica must really hold the data, not only the primary.
+//! A frozen primary must also refuse the reads a host sent it while it was frozen, the moment
+//! it continues: its data path serves reads without its replication service, and must not
+//! once its lease has run out.
 //!
 //! The resync tests pace copies to 4 MiB/s (`--resync-mb-per-s`) and write known blocks in
 //! order instead of running the workload, so they know what a replica missed: its copy must
@@ -228,6 +231,10 @@ fn isolate_the_primary_and_bring_it_back(isolation: Isolation) {
 
     let old = primary(&first);
     let old_index = cluster.index(&old);
+    // A host that stays on the old primary alone, whatever ANA says: it reads there at once
+    // when the node comes back from the freeze, before the node has looked at anything.
+    let probe = matches!(isolation, Isolation::Freeze)
+        .then(|| StaleReadProbe::start(cluster.node(old_index).nvme_address()));
     let what = match isolation {
         Isolation::Freeze => "SIGSTOP of the primary",
         Isolation::Cut => "cutting the primary off the network",
@@ -243,11 +250,24 @@ fn isolate_the_primary_and_bring_it_back(isolation: Isolation) {
     step(&workload, "while the old primary is away");
     step(&workload, "while the old primary is away");
 
+    if let Some(probe) = &probe {
+        probe.send_reads();
+    }
     match isolation {
         Isolation::Freeze => cluster.resume(old_index),
         Isolation::Cut => cluster.set_link(old_index, true),
     }
     let back = Instant::now();
+    if let Some(probe) = probe {
+        // Its lease ran out while it was frozen and others wrote since: it must refuse them.
+        match probe.statuses() {
+            Ok(statuses) if statuses.iter().any(|status| status.is_success()) => {
+                panic!("{old} served reads after its lease expired (stale data): {statuses:?}")
+            }
+            Ok(statuses) => println!("{old} refused the reads waiting at SIGCONT: {statuses:?}"),
+            Err(error) => panic!("the probe on {old} failed before the node answered: {error}"),
+        }
+    }
     // It steps down: its own view says it does not serve and all its paths are inaccessible.
     let not_serving = |cluster: &Cluster| {
         let local = cluster.replication_at(old_index, VOLUME).and_then(|state| state.local);
@@ -293,6 +313,116 @@ fn isolate_the_primary_and_bring_it_back(isolation: Isolation) {
     leave_only(&mut cluster, &workload, old_index, second.epoch);
     stop_and_check(workload);
     cluster.assert_no_error_lines(&[]);
+}
+
+/// One host on one node's path only (no multipath, no keep-alive, so neither ANA nor a
+/// keep-alive timeout takes it off that node), on a thread of its own. It reads once at the
+/// start (the node serves, so that read must succeed). Asked while the node is frozen, it
+/// sends [`StaleReadProbe::READS`] reads, which wait in the node's socket, so the node's data
+/// path meets them the moment it continues, before its replication service has run.
+struct StaleReadProbe {
+    send: std::sync::mpsc::Sender<()>,
+    sent: std::sync::mpsc::Receiver<()>,
+    results:
+        std::sync::mpsc::Receiver<Result<Vec<nvmf::command::Status>, initiator::InitiatorError>>,
+}
+
+impl StaleReadProbe {
+    const READS: u16 = 4;
+    /// How long the probe lets its reads go out before it reports them sent.
+    const SEND_WAIT: Duration = Duration::from_millis(200);
+
+    fn start(address: String) -> Self {
+        let (send, asked) = std::sync::mpsc::channel::<()>();
+        let (sent_tx, sent) = std::sync::mpsc::channel();
+        let (results_tx, results) = std::sync::mpsc::channel();
+        let (ready, is_ready) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            runtime().block_on(async move {
+                let options = initiator::ConnectOptions {
+                    keep_alive_timeout: Duration::ZERO,
+                    ..initiator::ConnectOptions::default()
+                };
+                let controller =
+                    initiator::Controller::connect(&*address, &volume_nqn(VOLUME), options)
+                        .await
+                        .unwrap_or_else(|error| panic!("probe: connect to {address}: {error}"));
+                let mut queue = controller
+                    .open_io_queue(Self::READS)
+                    .await
+                    .unwrap_or_else(|error| panic!("probe: I/O queue on {address}: {error}"));
+                let _ = ready.send(Self::read_all(&mut queue, 1).await);
+                if tokio::task::block_in_place(|| asked.recv()).is_ok() {
+                    for tag in 0..Self::READS {
+                        let mut buffer = types::AlignedBuf::new(BLOCK_BYTES);
+                        buffer.set_len(BLOCK_BYTES);
+                        if let Err(error) = queue.submit_read(tag, u64::from(tag), buffer) {
+                            let _ = results_tx.send(Err(error));
+                            return;
+                        }
+                    }
+                    // Sends them; the frozen node cannot answer (cancel-safe: the completions
+                    // come with the next call).
+                    let early = tokio::time::timeout(Self::SEND_WAIT, queue.next_completion());
+                    let mut statuses = Vec::new();
+                    match early.await {
+                        Ok(Ok(completion)) => statuses.push(completion.status),
+                        Ok(Err(error)) => {
+                            let _ = results_tx.send(Err(error));
+                            return;
+                        }
+                        Err(_) => {}
+                    }
+                    let _ = sent_tx.send(());
+                    let rest = Self::READS as usize - statuses.len();
+                    let _ = results_tx.send(Self::collect(&mut queue, rest, statuses).await);
+                }
+                drop(controller);
+            });
+        });
+        match is_ready.recv_timeout(CONVERGE_TIMEOUT) {
+            Ok(Ok(statuses)) if statuses.iter().all(|status| status.is_success()) => {}
+            Ok(Ok(statuses)) => panic!("probe: the serving primary refused a read: {statuses:?}"),
+            Ok(Err(error)) => panic!("probe: the serving primary's read failed: {error}"),
+            Err(error) => panic!("probe: not connected within {CONVERGE_TIMEOUT:?}: {error}"),
+        }
+        Self { send, sent, results }
+    }
+
+    /// Submits `count` reads and returns their statuses.
+    async fn read_all(
+        queue: &mut initiator::IoQueue,
+        count: u16,
+    ) -> Result<Vec<nvmf::command::Status>, initiator::InitiatorError> {
+        for tag in 0..count {
+            let mut buffer = types::AlignedBuf::new(BLOCK_BYTES);
+            buffer.set_len(BLOCK_BYTES);
+            queue.submit_read(tag, u64::from(tag), buffer)?;
+        }
+        Self::collect(queue, usize::from(count), Vec::new()).await
+    }
+
+    async fn collect(
+        queue: &mut initiator::IoQueue,
+        count: usize,
+        mut statuses: Vec<nvmf::command::Status>,
+    ) -> Result<Vec<nvmf::command::Status>, initiator::InitiatorError> {
+        for _ in 0..count {
+            statuses.push(queue.next_completion().await?.status);
+        }
+        Ok(statuses)
+    }
+
+    /// Sends the reads to the frozen node and returns once they are on their way.
+    fn send_reads(&self) {
+        self.send.send(()).expect("the probe waits to send its reads");
+        self.sent.recv_timeout(CONVERGE_TIMEOUT).expect("the probe sends its reads");
+    }
+
+    /// The statuses of the reads sent by [`StaleReadProbe::send_reads`].
+    fn statuses(self) -> Result<Vec<nvmf::command::Status>, initiator::InitiatorError> {
+        self.results.recv_timeout(CONVERGE_TIMEOUT).expect("the probe's reads complete")
+    }
 }
 
 #[test]

@@ -467,7 +467,7 @@ async fn run_admitted(
 ) {
     let started = Instant::now();
     let (result, buf) = match &handle.route {
-        Some(route) => execute(route, &handle.map, kind).await,
+        Some(route) => execute(&route.with_local(&store), &handle.map, kind).await,
         None => execute(&*store, &handle.map, kind).await,
     };
     let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);

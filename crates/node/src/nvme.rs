@@ -1570,7 +1570,7 @@ fn start_request(
         let started = Instant::now();
         let id = request.id;
         let (result, buf) = match &handle.route {
-            Some(route) => execute(route, &handle, request.operation).await,
+            Some(route) => execute(&route.with_local(&store), &handle, request.operation).await,
             None => execute(&*store, &handle, request.operation).await,
         };
         let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);

@@ -340,6 +340,9 @@ pub(crate) enum Input {
 #[derive(Clone)]
 pub(crate) struct ServiceLink {
     inbox: mpsc::Sender<Input>,
+    /// The service's clock: its state machines' times (leases included) are milliseconds
+    /// since this instant.
+    origin: Instant,
 }
 
 impl ServiceLink {
@@ -348,16 +351,53 @@ impl ServiceLink {
     }
 }
 
+/// Whether host reads of one replicated volume may be served from local storage on the thread
+/// that received them, without a trip through the service: the service opens it while this
+/// node serves the volume, up to the end of the lease it serves under, and closes it before it
+/// carries out anything an event made of the term's end (a resignation to the store included).
+/// A read passes it when it starts and again when its data is back, the two checks the state
+/// machine makes of a read it runs itself; so it returns nothing the state machine would not.
+pub(crate) struct ServingGate {
+    origin: Instant,
+    /// Milliseconds since `origin` until which reads may be served here; 0 while closed.
+    until_ms: AtomicU64,
+}
+
+impl ServingGate {
+    fn new(origin: Instant) -> Self {
+        Self { origin, until_ms: AtomicU64::new(0) }
+    }
+
+    /// Whether a read may be served from local storage now.
+    pub(crate) fn open(&self) -> bool {
+        let now_ms = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        now_ms < self.until_ms.load(Ordering::Acquire)
+    }
+
+    fn set(&self, until_ms: Option<u64>) {
+        self.until_ms.store(until_ms.unwrap_or(0), Ordering::Release);
+    }
+}
+
 /// A replicated volume as the data path stores to it: every command goes to the service, which
-/// runs it through the volume's `VolumeNode` (replicated writes, reads from the primary).
+/// runs it through the volume's `VolumeNode` (replicated writes, reads from the primary),
+/// except reads the serving gate lets through ([`LocalReads`]).
 pub(crate) struct ReplicaRoute {
     pub(crate) volume: u64,
     link: ServiceLink,
+    gate: Arc<ServingGate>,
 }
 
 impl ReplicaRoute {
     pub(crate) fn new(volume: u64, link: ServiceLink) -> Self {
-        Self { volume, link }
+        let gate = Arc::new(ServingGate::new(link.origin));
+        Self { volume, link, gate }
+    }
+
+    /// This route's reads, served from `local` (the calling thread's log) while the gate is
+    /// open.
+    pub(crate) fn with_local<'a>(&'a self, local: &'a LogHandle<DriveFile>) -> LocalReads<'a> {
+        LocalReads { route: self, local }
     }
 
     async fn run(&self, op: HostOp) -> HostResult {
@@ -538,10 +578,77 @@ impl VolumeStore for ReplicaRoute {
     }
 }
 
+/// A replicated volume's route with the calling thread's log: reads are served from local
+/// storage while this node serves the volume (the [`ServingGate`] is open when the read starts
+/// and when its data is back), everything else goes through the service. A local read that
+/// fails is run again through the service, whose state machine then latches the failure as it
+/// would have.
+pub(crate) struct LocalReads<'a> {
+    route: &'a ReplicaRoute,
+    local: &'a LogHandle<DriveFile>,
+}
+
+impl VolumeStore for LocalReads<'_> {
+    async fn read(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+    ) -> (Result<(), StoreError>, AlignedBuf) {
+        if !self.route.gate.open() {
+            return self.route.read(volume, offset_bytes, buf).await;
+        }
+        let (result, buf) = self.local.read(volume, offset_bytes, buf).await;
+        match result {
+            Ok(()) if self.route.gate.open() => (Ok(()), buf),
+            Ok(()) => {
+                let error = StoreError::NotServing { volume: engine::VolumeId(self.route.volume) };
+                (Err(error), buf)
+            }
+            // Out of range or unaligned: the same answer the service would give.
+            Err(error @ (StoreError::OutOfRange { .. } | StoreError::Unaligned { .. })) => {
+                (Err(error), buf)
+            }
+            Err(_) => self.route.read(volume, offset_bytes, buf).await,
+        }
+    }
+
+    async fn write(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        buf: AlignedBuf,
+    ) -> (Result<(), StoreError>, AlignedBuf) {
+        self.route.write(volume, offset_bytes, buf).await
+    }
+
+    async fn flush(&self, volume: &VolumeMap) -> Result<(), StoreError> {
+        self.route.flush(volume).await
+    }
+
+    async fn write_zeroes(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Result<(), StoreError> {
+        self.route.write_zeroes(volume, offset_bytes, length_bytes).await
+    }
+
+    async fn deallocate(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Result<(), StoreError> {
+        self.route.deallocate(volume, offset_bytes, length_bytes).await
+    }
+}
+
 /// Makes the service's inbox; the receiver goes to [`spawn`].
 pub(crate) fn link() -> (ServiceLink, mpsc::Receiver<Input>) {
     let (inbox, receiver) = mpsc::channel(INBOX_INPUTS_MAX);
-    (ServiceLink { inbox }, receiver)
+    (ServiceLink { inbox, origin: Instant::now() }, receiver)
 }
 
 /// Controllers one cluster node's target serves at once: its share of the controller IDs.
@@ -589,7 +696,7 @@ pub(crate) fn spawn(
     let service = Service {
         me: setup.me,
         incarnation: setup.incarnation,
-        clock: Instant::now(),
+        clock: link.origin,
         keeper: LeaseKeeper::new(setup.me, setup.incarnation, &setup.config),
         config: setup.config,
         lease: None,
@@ -667,6 +774,8 @@ struct Replica {
     ana: Option<AnaState>,
     /// Different for every state machine this process creates (`Service::next_generation`).
     generation: u64,
+    /// Lets the data path read local storage while this node serves the volume.
+    gate: Arc<ServingGate>,
 }
 
 struct Service {
@@ -886,6 +995,10 @@ impl Service {
         } else {
             self.incarnation
         };
+        let Some(gate) = handle.route.as_ref().map(|route| Arc::clone(&route.gate)) else {
+            tracing::error!(volume = %handle.name, "a replicated volume without its route");
+            return;
+        };
         let intent = persisted_intent(&self.state_dir, volume);
         self.next_generation += 1;
         let config = replication::Config { volume_blocks: size_blocks, ..self.config.clone() };
@@ -905,6 +1018,7 @@ impl Service {
                 next_host_id: 1,
                 ana: None,
                 generation: self.next_generation,
+                gate,
             },
         );
         self.set_ana(volume);
@@ -1010,6 +1124,14 @@ impl Service {
     /// state and admits waiting host commands into freed slots.
     fn run_actions(&mut self, volume: u64) {
         let mut freed = false;
+        // A term that just ended closes the gate before anything it led to is done: a
+        // resignation may let another node serve before this lease would expire.
+        let now = self.now_ms();
+        if let Some(replica) = self.volumes.get(&volume) {
+            if replica.node.serving_until(now).is_none() {
+                replica.gate.set(None);
+            }
+        }
         let actions = std::mem::take(&mut self.actions);
         for action in actions {
             match action {
@@ -1053,14 +1175,14 @@ impl Service {
         }
     }
 
+    /// Publishes whether (and until when) this node serves the volume: the serving gate and
+    /// the ANA state of its ports.
     fn set_ana(&mut self, volume: u64) {
         let now = self.now_ms();
         let Some(replica) = self.volumes.get_mut(&volume) else { return };
-        let state = if replica.node.serving_epoch(now).is_some() {
-            AnaState::Optimized
-        } else {
-            AnaState::Inaccessible
-        };
+        let until = replica.node.serving_until(now);
+        replica.gate.set(until);
+        let state = if until.is_some() { AnaState::Optimized } else { AnaState::Inaccessible };
         if replica.ana == Some(state) {
             return;
         }
@@ -1212,6 +1334,7 @@ enum StorageWork {
 
 /// Fails every host command of a volume that is no longer replicated here.
 fn fail_all(replica: Replica) {
+    replica.gate.set(None);
     for (_, (_, reply)) in replica.pending {
         let _ = reply.send(Err(HostError::NotPrimary));
     }

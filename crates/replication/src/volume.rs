@@ -463,6 +463,16 @@ impl VolumeNode {
         }
     }
 
+    /// While this node serves host I/O, until when it may (the lease it serves under expires
+    /// then, in `now_ms`'s clock); `None` while it does not. Only an event can end a term
+    /// sooner, so a caller that reads the answer again after every event may serve reads of
+    /// local storage on its own, without the state machine, before that time.
+    pub fn serving_until(&self, now_ms: u64) -> Option<u64> {
+        self.serving_epoch(now_ms)?;
+        let lease = self.shared.lease.as_ref()?;
+        Some(lease.valid_until_ms)
+    }
+
     /// Whether storage failed in this process.
     pub fn latched(&self) -> bool {
         self.shared.latched

@@ -886,6 +886,7 @@ fn a_node_named_primary_steps_down_before_its_term_starts() {
     poll(&mut node, 0, StoreReply::Volume(named(1, 2)));
     persist(&mut node, 1);
     assert_eq!(node.serving_epoch(0), None, "no lease yet");
+    assert_eq!(node.serving_until(0), None);
 
     let mut actions = Vec::new();
     node.step_down(1, &mut actions);
@@ -903,6 +904,7 @@ fn a_node_named_primary_steps_down_before_its_term_starts() {
     assert_eq!(actions, vec![]);
     let actions = poll(&mut node, 200, StoreReply::Volume(named(1, 2)));
     assert_eq!(node.serving_epoch(200), None);
+    assert_eq!(node.serving_until(200), None, "a lease, but no term: nothing may be read");
     assert!(resigned(&actions), "the resignation is made again: {actions:?}");
 
     // The manager had no one else to promote: epoch 2 names the node again, and it serves.
@@ -911,6 +913,10 @@ fn a_node_named_primary_steps_down_before_its_term_starts() {
     assert!(actions.contains(&Action::PersistEpoch { epoch: 2 }), "{actions:?}");
     persist(&mut node, 2);
     assert_eq!(node.serving_epoch(400), Some(2));
+    // Until the lease it serves under expires, and not a millisecond longer.
+    assert_eq!(node.serving_until(400), Some(10_000));
+    assert_eq!(node.serving_until(9_999), Some(10_000));
+    assert_eq!(node.serving_until(10_000), None);
 }
 
 /// Runs until node 1 serves epoch 2 (node 0's lease expired while it was cut off).
