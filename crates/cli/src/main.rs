@@ -11,6 +11,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use types::ByteSize;
 
+/// mimalloc instead of glibc's malloc: the data path allocates per request (buffers, tasks,
+/// replicated blocks), and glibc's bins and consolidation cost more there.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const ROOT_EXAMPLES: &str = "\
 Examples:
   Start a single-node cluster in ./ferrite-data, then make a volume and attach it:
