@@ -227,6 +227,9 @@ pub(crate) struct Term {
     next_op: u64,
     committed_op: u64,
     pending: BTreeMap<u64, PendingWrite>,
+    /// The pending writes not yet issued locally (`Local::Deferred`), so that issuing them
+    /// looks only at those, not at every pending write.
+    deferred: BTreeSet<u64>,
     reads_in_flight: usize,
     peers: BTreeMap<NodeId, Peer>,
     next_stream: u64,
@@ -258,6 +261,7 @@ impl Term {
             next_op: RECONCILE_OP + 1,
             committed_op: 0,
             pending: BTreeMap::new(),
+            deferred: BTreeSet::new(),
             reads_in_flight: 0,
             peers: BTreeMap::new(),
             next_stream: 1,
@@ -513,17 +517,23 @@ impl Term {
         shared.intent.want(lbas.clone(), now_ms);
         let write = PendingWrite { host, deallocate, lbas, blocks, local: Local::Deferred, sent };
         self.pending.insert(op, write);
+        self.deferred.insert(op);
         self.issue_deferred(shared, now_ms, out);
     }
 
     /// Issues local writes in op order, each once no earlier write to its blocks is in flight
     /// and its regions are in the durable write intent (it is uncommitted until it completes).
     fn issue_deferred(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        if self.deferred.is_empty() {
+            return;
+        }
         let mut waiting: Vec<Range<u64>> = Vec::new();
-        for (&op, write) in self.pending.iter_mut() {
-            if write.local != Local::Deferred {
-                continue;
-            }
+        let mut issued: Vec<u64> = Vec::new();
+        for &op in &self.deferred {
+            let Some(write) = self.pending.get_mut(&op) else {
+                unreachable!("a deferred write is pending until it completes");
+            };
+            assert_eq!(write.local, Local::Deferred);
             let overlaps_waiting = waiting
                 .iter()
                 .any(|other| other.start < write.lbas.end && write.lbas.start < other.end);
@@ -535,8 +545,12 @@ impl Term {
                 continue;
             }
             write.local = Local::InFlight;
+            issued.push(op);
             let purpose = Purpose::LocalWrite { epoch: self.epoch, op };
             shared.storage_write(write.lbas.start, write.blocks.clone(), purpose, out);
+        }
+        for op in issued {
+            self.deferred.remove(&op);
         }
     }
 
@@ -588,19 +602,39 @@ impl Term {
         if self.peers.values().any(|peer| matches!(peer.state, PeerState::Removing(_))) {
             return;
         }
-        let peers = &self.peers;
-        let complete: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, write)| write.local == Local::Durable)
-            .filter(|(_, write)| {
-                peers.iter().all(|(node, peer)| match peer.state {
-                    PeerState::InSync | PeerState::Adding => acked(*node, peer, write),
-                    _ => true,
-                })
-            })
-            .map(|(&op, _)| op)
-            .collect();
+        // In op order, up to the first write an in-sync peer has not acknowledged on the
+        // stream it still has: every later write went to it after, on that stream, with a
+        // higher sequence number, and acknowledgements are cumulative, so none of them is
+        // acknowledged either. The scan stays short however many writes are pending.
+        let mut complete: Vec<u64> = Vec::new();
+        'writes: for (&op, write) in &self.pending {
+            let mut all_acked = true;
+            for (&node, peer) in &self.peers {
+                if !matches!(peer.state, PeerState::InSync | PeerState::Adding) {
+                    continue;
+                }
+                let sent = write.sent.iter().find(|(sent_to, _, _)| *sent_to == node);
+                let current = |stream_id| peer.stream.as_ref().filter(|s| s.id == stream_id);
+                match sent {
+                    Some(&(_, stream_id, seq)) => match current(stream_id) {
+                        Some(stream) if stream.acked_seq >= seq => {}
+                        Some(_) => break 'writes,
+                        None => all_acked = false,
+                    },
+                    None => {
+                        assert!(
+                            write.local != Local::Durable,
+                            "{node} must acknowledge a write it was never sent: in-sync peers \
+                             get every write"
+                        );
+                        all_acked = false;
+                    }
+                }
+            }
+            if all_acked && write.local == Local::Durable {
+                complete.push(op);
+            }
+        }
         for op in complete {
             let Some(write) = self.pending.remove(&op) else { continue };
             let result = if write.deallocate {
@@ -1147,14 +1181,6 @@ fn new_stream(next_stream: &mut u64, incarnation: u64) -> OutStream {
     let id = StreamId(*next_stream);
     *next_stream += 1;
     OutStream { id, incarnation, next_seq: 1, acked_seq: 0, unacked: VecDeque::new() }
-}
-
-fn acked(node: NodeId, peer: &Peer, write: &PendingWrite) -> bool {
-    let Some(&(_, stream_id, seq)) = write.sent.iter().find(|(sent_to, _, _)| *sent_to == node)
-    else {
-        panic!("{node} must acknowledge a write it was never sent: in-sync peers get every write");
-    };
-    peer.stream.as_ref().is_some_and(|stream| stream.id == stream_id && stream.acked_seq >= seq)
 }
 
 #[allow(clippy::too_many_arguments)]
