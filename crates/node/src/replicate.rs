@@ -1356,7 +1356,16 @@ async fn write_blocks(
         let data = blocks[index].is_some();
         let run = blocks[index..].iter().take_while(|item| item.is_some() == data).count();
         let offset = (lba + index as u64) * block as u64;
-        let ok = if data {
+        let ok = if data && run == 1 {
+            // One block (every 4 KiB write): the log copies it into its batch straight from
+            // the message's buffer.
+            match &blocks[index] {
+                Some(bytes) if bytes.len() == block => {
+                    store.write_blocks(map, offset, bytes).await.is_ok()
+                }
+                _ => return StorageResult::Failed,
+            }
+        } else if data {
             let mut buf = AlignedBuf::new(run * block);
             buf.set_len(run * block);
             for (slot, item) in buf.chunks_exact_mut(block).zip(&blocks[index..index + run]) {
