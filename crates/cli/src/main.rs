@@ -452,19 +452,19 @@ struct UpArgs {
     /// off when the node shares its cores with the applications using it. Example: --poll-us 200.
     #[arg(long, value_name = "US", default_value_t = 0)]
     poll_us: u64,
-    /// Rewrite scattered blocks that hosts read together: auto (on for a single node, off on a
-    /// cluster node), on or off.
+    /// Rewrite scattered blocks that hosts read together: on or off.
     ///
     /// A read of several blocks that lie scattered over the log (each written on its own, by
     /// random small writes) has them written again back to back in the background, so the next
     /// read of that range is one drive read instead of one per block. The rewrite reuses the
     /// data just read, never overrides a newer write, stops while free space is low (before GC
     /// needs it), and counts in the write amplification (`ferrite node show`,
-    /// `ferrite_defrag_relocated_blocks_total`). It pays where the drives are the bottleneck;
-    /// where the CPU is, it costs: on a 2-core machine running three replicating nodes it cost
-    /// 15% of 16 KiB mixed I/O, hence off on cluster nodes unless asked for. Turn it off to keep
-    /// reads from ever causing writes, for example on media with little write endurance.
-    #[arg(long, value_name = "auto|on|off", default_value = "auto")]
+    /// `ferrite_defrag_relocated_blocks_total`). It pays where the drives are the bottleneck,
+    /// on a single node and on cluster nodes alike (docs/BENCHMARKS.md); where the CPU is, the
+    /// rewrite costs more than it saves. Turn it off to keep reads from ever causing writes,
+    /// for example on media with little write endurance. `auto`, once off on cluster nodes, is
+    /// accepted and now means on.
+    #[arg(long, value_name = "on|off", default_value = "on")]
     read_defrag: ReadDefragArg,
     /// The most the background scrub reads per second, in MiB; 0 turns it off.
     ///
@@ -591,8 +591,7 @@ impl std::str::FromStr for ListenOrOff {
 /// `--read-defrag`.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum ReadDefragArg {
-    /// On for a single node, off on a cluster node.
-    Auto,
+    #[value(alias = "auto")]
     On,
     Off,
 }
@@ -814,7 +813,6 @@ fn up(args: UpArgs) -> anyhow::Result<()> {
         data_threads: args.data_threads,
         poll_us: args.poll_us,
         read_defrag: match args.read_defrag {
-            ReadDefragArg::Auto => None,
             ReadDefragArg::On => Some(true),
             ReadDefragArg::Off => Some(false),
         },

@@ -117,9 +117,9 @@ pub struct NodeConfig {
     /// microseconds; 0 never polls (see `nvme::Poller`).
     pub poll_us: u64,
     /// Read-triggered defragmentation: a multi-block read of blocks scattered over the log
-    /// has them rewritten back to back (see `engine::log`'s `defrag`). `None`: on for a single
-    /// node, off on a cluster node (measured: it costs where the CPU, not the drives, is the
-    /// bottleneck, as with three replicating nodes on one small machine).
+    /// has them rewritten back to back (see `engine::log`'s `defrag`). `None`: on (on cluster
+    /// nodes too since their reads stopped going through the replication service's thread:
+    /// docs/BENCHMARKS.md, session 15).
     pub read_defrag: Option<bool>,
     /// The most the background scrub reads, in MiB per second; 0 runs no scrub (see
     /// `crate::scrub`).

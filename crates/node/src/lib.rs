@@ -201,7 +201,7 @@ impl Node {
     pub fn start_on(config: NodeConfig, backend: DriveBackend) -> Result<Self, NodeError> {
         let data_path = nvme::NvmeDataPathBuilder::new(config.data_threads)
             .with_poll(std::time::Duration::from_micros(config.poll_us))
-            .with_read_defrag(config.read_defrag.unwrap_or(config.cluster.is_none()))
+            .with_read_defrag(config.read_defrag.unwrap_or(true))
             .with_scrub(config.scrub_mb_per_s)
             .with_rebuild(config.rebuild_mb_per_s);
         Self::start_with_backend(config, backend, Box::new(data_path))
