@@ -528,9 +528,10 @@ impl Term {
             return;
         }
         let mut waiting: Vec<Range<u64>> = Vec::new();
-        let mut issued: Vec<u64> = Vec::new();
-        for &op in &self.deferred {
-            let Some(write) = self.pending.get_mut(&op) else {
+        let (pending, epoch) = (&mut self.pending, self.epoch);
+        // In op order; a write issued leaves the deferred set.
+        self.deferred.retain(|&op| {
+            let Some(write) = pending.get_mut(&op) else {
                 unreachable!("a deferred write is pending until it completes");
             };
             assert_eq!(write.local, Local::Deferred);
@@ -542,16 +543,13 @@ impl Term {
                 || !shared.intend(write.lbas.clone(), now_ms, out)
             {
                 waiting.push(write.lbas.clone());
-                continue;
+                return true;
             }
             write.local = Local::InFlight;
-            issued.push(op);
-            let purpose = Purpose::LocalWrite { epoch: self.epoch, op };
+            let purpose = Purpose::LocalWrite { epoch, op };
             shared.storage_write(write.lbas.start, write.blocks.clone(), purpose, out);
-        }
-        for op in issued {
-            self.deferred.remove(&op);
-        }
+            false
+        });
     }
 
     pub fn on_local_write_done(
