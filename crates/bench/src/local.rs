@@ -352,7 +352,8 @@ async fn serve<S: VolumeStore>(store: &S, volume: &VolumeMap, request: IoRequest
 }
 
 /// What a node's thread 0 does for the engine between host I/O: paced GC steps and, beside
-/// them (as on a node, a checkpoint never holds GC up), a periodic checkpoint; and, as on every
+/// them (as on a node, a checkpoint never holds GC up), a periodic checkpoint and the lay-out
+/// of the next free segments; and, as on every
 /// data-path thread, the handle's defragmenter. Errors end the
 /// upkeep; the host I/O that follows reports them.
 async fn upkeep(handle: Rc<LogHandle<DriveFile>>) {
@@ -386,10 +387,30 @@ async fn upkeep(handle: Rc<LogHandle<DriveFile>>) {
             }
         }
     };
+    // The lay-out of the next free segments (sparse drive files only; laid-out ones have no
+    // holes left). A failure stops only this loop: writes then allocate as they go.
+    let lay_out = async {
+        let mut tick = tokio::time::interval(BACKGROUND_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            for _ in 0..engine::log::LAY_OUT_AHEAD_SEGMENTS {
+                match handle.lay_out_step().await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(error) => {
+                        eprintln!("laying out free segments failed: {error}");
+                        return std::future::pending().await;
+                    }
+                }
+            }
+        }
+    };
     // Each loop returns only on an error, which ends the others too.
     tokio::select! {
         () = collect => {}
         () = checkpoints => {}
+        () = lay_out => {}
         () = handle.defragmenter() => {}
     }
 }

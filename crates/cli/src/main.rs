@@ -422,10 +422,12 @@ struct UpArgs {
     #[arg(long, value_name = "PATH")]
     drive: Vec<PathBuf>,
     /// On the first start, write zeros over each drive file once (about a second per GiB), so
-    /// the filesystem allocates every block up front. Without it the files start sparse and
-    /// the log's first pass over each segment pays an allocation, a filesystem journal commit,
-    /// on its durable writes (0.55-0.75x the 4 KiB random write rate here, until every segment
-    /// was written once). Drive files only: block devices need no lay-out.
+    /// the filesystem allocates every block up front. Without it the files start sparse, and
+    /// the node lays out the few free segments its log takes next in the background (zeros
+    /// written over their holes, `ferrite_laid_out_bytes_total`), so the log's durable writes
+    /// do not pay the filesystem's allocation and journal commit; this option does it all
+    /// before serving instead, at the cost of the time and the disk space. Drive files only:
+    /// block devices need no lay-out.
     #[arg(long, conflicts_with = "drive")]
     lay_out_drives: bool,
     /// Address to serve NVMe/TCP on; give it several times for several paths (NVMe ports 1, 2,

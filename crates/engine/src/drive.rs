@@ -16,6 +16,7 @@ pub enum DriveOperation {
     Write,
     Sync,
     PunchHole,
+    LayOut,
 }
 
 impl fmt::Display for DriveOperation {
@@ -25,6 +26,7 @@ impl fmt::Display for DriveOperation {
             Self::Write => "write",
             Self::Sync => "sync",
             Self::PunchHole => "punch hole",
+            Self::LayOut => "lay out",
         })
     }
 }
@@ -117,5 +119,18 @@ pub trait Drive {
     }
     /// Deallocates a range; it reads as zeros afterwards.
     async fn punch_hole(&self, offset_bytes: u64, length_bytes: u64) -> Result<(), DriveError>;
+    /// Lays out a range: gives every hole in it (a part of a sparse file with no blocks behind
+    /// it, which reads as zeros) blocks of its own by writing zeros over it, durably, and
+    /// returns the bytes written. What the range reads as does not change. A later write there
+    /// then overwrites blocks in place instead of making the filesystem allocate them (and, for
+    /// a durable write, commit its journal) on the write's path.
+    ///
+    /// The caller makes sure nothing writes to the range meanwhile: a write landing in a hole
+    /// after it was found could be overwritten with zeros. By default nothing is done: a device
+    /// has no holes.
+    async fn fill_holes(&self, offset_bytes: u64, length_bytes: u64) -> Result<u64, DriveError> {
+        check_request(DriveOperation::LayOut, offset_bytes, length_bytes, self.size_bytes())?;
+        Ok(0)
+    }
     fn size_bytes(&self) -> u64;
 }

@@ -147,6 +147,54 @@ fn fallocate_now(file: &File, offset_bytes: u64, length_bytes: u64, mode: i32) -
     }
 }
 
+/// The zero writes [`DriveFile::fill_holes`] issues, one at a time: small enough that the
+/// log's own writes to the drive never queue long behind one (measured, session 16: with 1 MiB
+/// writes on every drive at once, 4 KiB write p99.9 went from 4-5 ms to 13-14 ms; 64 KiB writes
+/// cost more CPU per byte).
+const FILL_WRITE_BYTES: usize = 256 << 10;
+
+/// The holes of `file` in `start..end`, as byte ranges rounded inwards to whole blocks (a
+/// filesystem with blocks under 4 KiB may report finer ones; what is left is a few partial
+/// blocks the filesystem allocates on first write, as before).
+fn hole_ranges(file: &File, start: u64, end: u64) -> io::Result<Vec<(u64, u64)>> {
+    let block = u64::from(types::BLOCK_SIZE_BYTES);
+    let seek = |from: u64, whence: i32| -> io::Result<Option<u64>> {
+        let from = libc::off_t::try_from(from).map_err(io::Error::other)?;
+        // SAFETY: lseek takes an open descriptor and integers; it shares no memory with us.
+        let at = unsafe { libc::lseek(file.as_raw_fd(), from, whence) };
+        if at >= 0 {
+            return Ok(Some(at as u64));
+        }
+        let error = io::Error::last_os_error();
+        // ENXIO: no hole (or no data) at or after `from` before the end of the file.
+        if error.raw_os_error() == Some(libc::ENXIO) {
+            Ok(None)
+        } else {
+            Err(error)
+        }
+    };
+    let mut holes = Vec::new();
+    let mut at = start;
+    // Each turn moves `at` past a hole and the data after it, so the loop ends within
+    // (end - start) / block turns.
+    while at < end {
+        let Some(hole) = seek(at, libc::SEEK_HOLE)? else { break };
+        if hole >= end {
+            break;
+        }
+        let data = seek(hole, libc::SEEK_DATA)?.unwrap_or(end).min(end);
+        let (first, last) = (hole.next_multiple_of(block), data / block * block);
+        if first < last {
+            holes.push((first, last));
+        }
+        if data <= at {
+            break; // a filesystem that contradicts itself: stop rather than loop
+        }
+        at = data;
+    }
+    Ok(holes)
+}
+
 impl Drive for DriveFile {
     async fn read_at(
         &self,
@@ -244,6 +292,47 @@ impl Drive for DriveFile {
             length_bytes,
             source,
         })
+    }
+
+    /// Finds the holes with SEEK_HOLE and SEEK_DATA (on ext4 and XFS a range fallocate left
+    /// unwritten counts as a hole too), allocates each with one fallocate (so the filesystem
+    /// gives it a few large extents at once, not one per write) and writes zeros over it with
+    /// direct writes of 256 KiB, one at a time (which turns the unwritten extents written),
+    /// then one fdatasync. A memory drive took all its RAM at open and a block device has no
+    /// holes: nothing to do for either.
+    async fn fill_holes(&self, offset_bytes: u64, length_bytes: u64) -> Result<u64, DriveError> {
+        self.check(DriveOperation::LayOut, offset_bytes, length_bytes)?;
+        if self.memory || self.block_device || length_bytes == 0 {
+            return Ok(0);
+        }
+        let failed = |source| DriveError::Io {
+            operation: DriveOperation::LayOut,
+            offset_bytes,
+            length_bytes,
+            source,
+        };
+        let holes =
+            hole_ranges(&self.file, offset_bytes, offset_bytes + length_bytes).map_err(failed)?;
+        let Some(largest) = holes.iter().map(|(start, end)| end - start).max() else {
+            return Ok(0);
+        };
+        let mut zeros = AlignedBuf::new((largest as usize).min(FILL_WRITE_BYTES));
+        let mut written = 0;
+        for (start, end) in holes {
+            self.ring.fallocate(&self.file, start, end - start, 0).await.map_err(failed)?;
+            let mut at = start;
+            while at < end {
+                let length = (end - at).min(zeros.capacity() as u64);
+                zeros.set_len(length as usize);
+                let (result, buf) = self.ring.write_at(&self.file, at, zeros).await;
+                zeros = buf;
+                transfer_result(DriveOperation::LayOut, at, length, result)?;
+                at += length;
+                written += length;
+            }
+        }
+        self.ring.fdatasync(&self.file).await.map_err(failed)?;
+        Ok(written)
     }
 
     fn size_bytes(&self) -> u64 {

@@ -236,6 +236,41 @@ fn drive_file_checks_bounds_and_names_files() {
 }
 
 #[test]
+fn fill_holes_allocates_the_holes_of_a_range_and_keeps_its_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("drive.img");
+    let size: u64 = 8 << 20;
+    File::create(&path).unwrap().set_len(size).unwrap();
+    let allocated = |path: &Path| std::fs::metadata(path).unwrap().blocks() * 512;
+    run_on_ring(|ring| async move {
+        let drive = DriveFile::open(&path, &ring).unwrap();
+        // Data at 1 MiB + 8 KiB (two blocks); the rest of the file is a hole.
+        let (result, _) = drive.write_at((1 << 20) + 8192, pattern(3, 2 * BLOCK)).await;
+        result.unwrap();
+        drive.sync().await.unwrap();
+        let before = allocated(&path);
+        assert!(before < (64 << 10), "{before} bytes allocated in a sparse file");
+        // Lay out 1 MiB .. 4 MiB: everything but the two data blocks is a hole.
+        let written = drive.fill_holes(1 << 20, 3 << 20).await.unwrap();
+        assert_eq!(written, (3 << 20) - 2 * BLOCK as u64);
+        assert!(allocated(&path) >= before + written, "the holes now have blocks");
+        let (result, read) = drive.read_at((1 << 20) + 8192, AlignedBuf::new(2 * BLOCK)).await;
+        result.unwrap();
+        assert_eq!(&read[..], &pattern(3, 2 * BLOCK)[..], "the data was not touched");
+        let (result, read) = drive.read_at(1 << 20, AlignedBuf::new(8192)).await;
+        result.unwrap();
+        assert!(read.iter().all(|byte| *byte == 0));
+        // Done once: the range has no holes left. Outside it the file is still sparse.
+        assert_eq!(drive.fill_holes(1 << 20, 3 << 20).await.unwrap(), 0);
+        assert!(allocated(&path) < before + written + (1 << 20));
+        assert!(matches!(
+            drive.fill_holes(size - 4096, 8192).await,
+            Err(DriveError::OutOfBounds { .. })
+        ));
+    });
+}
+
+#[test]
 fn log_engine_conformance_over_io_uring() {
     let dir = tempfile::tempdir().unwrap();
     let node = NodeUuid([0x5a; 16]);
@@ -251,6 +286,8 @@ fn log_engine_conformance_over_io_uring() {
         let config = CheckConfig { seed: 7, volume_blocks: 4000, ..CheckConfig::default() };
         let report = check_log_engine(open, &log_config, &config).await;
         assert!(report.blocks_verified > 1000, "{report:?}");
+        // The sparse drive files had their next segments laid out while writers ran.
+        assert!(report.laid_out_bytes > 0, "{report:?}");
         assert_eq!((report.restarts, report.crashes), (2, 2), "{report:?}");
         settle(&ring).await;
     });
@@ -342,6 +379,7 @@ fn log_engine_conformance_over_memory_drives() {
         let config = CheckConfig { seed: 11, volume_blocks: 4000, ..CheckConfig::default() };
         let report = check_log_engine(open, &log_config, &config).await;
         assert!(report.blocks_verified > 1000, "{report:?}");
+        assert_eq!(report.laid_out_bytes, 0, "memory drives have no holes to fill: {report:?}");
         assert_eq!((report.restarts, report.crashes), (2, 2), "{report:?}");
         settle(&ring).await;
     });

@@ -188,6 +188,9 @@ pub struct EngineCounters {
     pub gc_segments_cleaned: u64,
     /// Blocks read-triggered defragmentation rewrote back to back.
     pub defrag_relocated_blocks: u64,
+    /// Free segments laid out ahead of the log, and the zeros written over holes for it.
+    pub segments_laid_out: u64,
+    pub laid_out_bytes: u64,
     pub checkpoints: u64,
 }
 

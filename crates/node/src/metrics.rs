@@ -42,7 +42,8 @@
 //! - `ferrite_host_bytes_written_total`, `ferrite_device_bytes_written_total`,
 //!   `ferrite_log_batches_total`, `ferrite_log_batch_blocks_total`, `ferrite_drive_syncs_total`,
 //!   `ferrite_gc_relocated_blocks_total`, `ferrite_gc_segments_cleaned_total`,
-//!   `ferrite_defrag_relocated_blocks_total`,
+//!   `ferrite_defrag_relocated_blocks_total`, `ferrite_segments_laid_out_total`,
+//!   `ferrite_laid_out_bytes_total`,
 //!   `ferrite_checkpoints_total` (counters): the engine's traffic since the node started
 //! - `ferrite_volume_operations_total{volume,volume_id,op}` (counter), `op` one of `read`,
 //!   `write`, `flush`, `write_zeroes`, `deallocate`
@@ -448,6 +449,16 @@ impl Registry {
                 "ferrite_defrag_relocated_blocks_total",
                 "Scattered blocks rewritten back to back after a host read them together.",
                 counters.defrag_relocated_blocks,
+            ),
+            (
+                "ferrite_segments_laid_out_total",
+                "Free log segments laid out ahead of the log (holes of drive files filled).",
+                counters.segments_laid_out,
+            ),
+            (
+                "ferrite_laid_out_bytes_total",
+                "Zeros written over holes of drive files to lay out free segments (not host data).",
+                counters.laid_out_bytes,
             ),
             (
                 "ferrite_gc_segments_cleaned_total",

@@ -1211,6 +1211,12 @@ async fn background(
         stop.clone(),
         Rc::clone(&gc_quit),
     ));
+    // And so has the lay-out of the drive files' next free segments.
+    let lay_out = tokio::task::spawn_local(lay_out_ahead(
+        Rc::clone(&store),
+        stop.clone(),
+        Rc::clone(&gc_quit),
+    ));
     // Drives latched at open were reported by the open (their superblock was unreadable).
     let mut failed_seen: Vec<u16> = store.engine().latches().failed_drives();
     loop {
@@ -1248,6 +1254,9 @@ async fn background(
     gc_quit.set(true);
     if let Err(error) = gc.await {
         tracing::error!(%error, "the garbage collection task failed");
+    }
+    if let Err(error) = lay_out.await {
+        tracing::error!(%error, "the lay-out task failed");
     }
     // A clean stop: a checkpoint now makes the next start read little. A coded log writes one
     // with up to its parity count of drives failed.
@@ -1289,6 +1298,59 @@ async fn collect_garbage(
         }
     }
 }
+
+/// Thread 0's lay-out of free segments ahead of the log (see `LogHandle::lay_out_step`):
+/// every background tick, as many steps as find work, so the segments the log takes next are
+/// laid out before it writes there. Ends when the node stops or `quit` is set, never in the
+/// middle of a step (the segment it lays out is withheld from allocation until the step ends).
+/// After a failure (a full filesystem, say) it says so and waits [`LAY_OUT_RETRY`].
+async fn lay_out_ahead(
+    store: Rc<LogHandle<DriveFile>>,
+    mut stop: watch::Receiver<bool>,
+    quit: Rc<Cell<bool>>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(BACKGROUND_TICK_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut paused_until: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => break,
+        }
+        if quit.get() {
+            break;
+        }
+        if paused_until.is_some_and(|until| Instant::now() < until) {
+            continue;
+        }
+        paused_until = None;
+        // Bounded: each step withholds a segment among the next few allocation hands out and
+        // marks it laid out, so a tick finds at most that many to do.
+        for _ in 0..engine::log::LAY_OUT_AHEAD_SEGMENTS {
+            match store.lay_out_step().await {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(error) => {
+                    tracing::warn!(
+                        %error,
+                        retry_in_s = LAY_OUT_RETRY.as_secs(),
+                        "cannot lay out the next free segments of the drive files: the log's \
+                         first writes there make the filesystem allocate blocks on the write \
+                         path (slower, and a full filesystem fails them)"
+                    );
+                    paused_until = Some(Instant::now() + LAY_OUT_RETRY);
+                    break;
+                }
+            }
+            if quit.get() {
+                break;
+            }
+        }
+    }
+}
+
+/// How long the lay-out task waits after a failure.
+const LAY_OUT_RETRY: Duration = Duration::from_secs(60);
 
 /// Logs each drive that became latched failed since the last call (`seen` holds the failed
 /// drives already reported; a replaced drive leaves it).
@@ -2126,6 +2188,8 @@ impl DataPlane for NvmeDataPlane {
                 drive_syncs: stats.drive_syncs,
                 gc_relocated_blocks: stats.gc_relocated_blocks,
                 defrag_relocated_blocks: stats.defrag_relocated_blocks,
+                segments_laid_out: stats.segments_laid_out,
+                laid_out_bytes: stats.laid_out_bytes,
                 gc_segments_cleaned: stats.gc_segments_cleaned,
                 checkpoints: stats.checkpoints,
             },

@@ -111,6 +111,9 @@ pub(super) struct Counters {
     pub gc_segments_cleaned: AtomicU64,
     /// Blocks read-triggered defragmentation rewrote back to back (`defrag`).
     pub defrag_relocated_blocks: AtomicU64,
+    /// Segments laid out (`lay_out`), and the zeros written over holes to do it.
+    pub segments_laid_out: AtomicU64,
+    pub laid_out_bytes: AtomicU64,
     pub checkpoints: AtomicU64,
     pub checksum_errors: AtomicU64,
     pub mapped_blocks: AtomicU64,
@@ -175,6 +178,10 @@ pub struct LogStats {
     pub gc_segments_cleaned: u64,
     /// Blocks rewritten back to back by read-triggered defragmentation.
     pub defrag_relocated_blocks: u64,
+    /// Free segments laid out ahead of the log (`LogHandle::lay_out_step`), and the zeros
+    /// written over drive-file holes to do it (not host data: not in the write amplification).
+    pub segments_laid_out: u64,
+    pub laid_out_bytes: u64,
     pub checkpoints: u64,
     pub checksum_errors: u64,
     pub index_ram_bytes: u64,
@@ -333,6 +340,12 @@ impl LogEngine {
         &self.latches
     }
 
+    /// Counts a segment laid out with `bytes` of zeros (`lay_out`).
+    pub(super) fn note_laid_out(&self, bytes: u64) {
+        self.counters.segments_laid_out.fetch_add(1, Ordering::Relaxed);
+        self.counters.laid_out_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     /// How many times drive `index` was replaced in this process.
     pub fn drive_generation(&self, index: u16) -> u64 {
         self.drive_generations[usize::from(index)].load(Ordering::Acquire)
@@ -419,6 +432,8 @@ impl LogEngine {
             write_amplification: if host == 0 { 0.0 } else { device as f64 / host as f64 },
             gc_relocated_blocks: counters.gc_relocated_blocks.load(Ordering::Relaxed),
             defrag_relocated_blocks: counters.defrag_relocated_blocks.load(Ordering::Relaxed),
+            segments_laid_out: counters.segments_laid_out.load(Ordering::Relaxed),
+            laid_out_bytes: counters.laid_out_bytes.load(Ordering::Relaxed),
             gc_segments_cleaned: counters.gc_segments_cleaned.load(Ordering::Relaxed),
             checkpoints: counters.checkpoints.load(Ordering::Relaxed),
             checksum_errors: counters.checksum_errors.load(Ordering::Relaxed),

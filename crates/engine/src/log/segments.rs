@@ -53,6 +53,14 @@ pub struct SegmentTable {
     /// A segment a drive rebuild is copying, which allocation skips (`NONE_PINNED` if none), so
     /// the rebuild never writes a stale cell into a segment reused meanwhile.
     pinned: AtomicU32,
+    /// A free segment being laid out (`Drive::fill_holes`), which allocation skips
+    /// (`NONE_PINNED` if none): a write landing in one of its holes meanwhile could be
+    /// overwritten with zeros.
+    laying_out: AtomicU32,
+    /// Whether the segment's unit on every drive is known to have no holes (laid out, or found
+    /// so), in this run: the lay-out skips it. Never cleared: nothing punches a hole after the
+    /// log is formatted.
+    laid_out: Box<[AtomicBool]>,
     /// One bit per position, set where a batch header was written since the segment was
     /// allocated in this run (`header_words` words per segment), so GC reads a victim's headers
     /// side by side instead of walking their chain one read at a time.
@@ -84,6 +92,8 @@ impl SegmentTable {
             written: (0..count).map(|_| AtomicU32::new(0)).collect(),
             rebuilt: (0..count).map(|_| AtomicBool::new(true)).collect(),
             pinned: AtomicU32::new(NONE_PINNED),
+            laying_out: AtomicU32::new(NONE_PINNED),
+            laid_out: (0..count).map(|_| AtomicBool::new(false)).collect(),
         }
     }
 
@@ -154,7 +164,9 @@ impl SegmentTable {
             return None;
         }
         let pinned = self.pinned.load(Ordering::Acquire);
-        let at = free.iter().rposition(|candidate| *candidate != pinned)?;
+        let laying_out = self.laying_out.load(Ordering::Acquire);
+        let at =
+            free.iter().rposition(|candidate| *candidate != pinned && *candidate != laying_out)?;
         let segment = free.remove(at);
         self.free_count.store(free.len() as u32, Ordering::Release);
         self.written[segment as usize].store(0, Ordering::Release);
@@ -236,6 +248,33 @@ impl SegmentTable {
 
     pub fn unpin(&self) {
         self.pinned.store(NONE_PINNED, Ordering::Release);
+    }
+
+    /// Picks a free segment to lay out and keeps allocation from taking it until
+    /// [`SegmentTable::end_lay_out`]: the first of the next `ahead` segments allocation will
+    /// hand out (the lowest free ones) not known to be laid out. None if all of them are, if
+    /// no more than `keep_free` segments are free (one withheld must not make a writer run
+    /// out), or if a lay-out is under way already (one at a time).
+    pub fn begin_lay_out(&self, ahead: usize, keep_free: u32) -> Option<u32> {
+        let free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() as u32 <= keep_free || self.laying_out.load(Ordering::Acquire) != NONE_PINNED
+        {
+            return None;
+        }
+        let pinned = self.pinned.load(Ordering::Acquire);
+        let segment = free.iter().rev().take(ahead).copied().find(|candidate| {
+            *candidate != pinned && !self.laid_out[*candidate as usize].load(Ordering::Acquire)
+        })?;
+        self.laying_out.store(segment, Ordering::Release);
+        Some(segment)
+    }
+
+    /// Ends the lay-out [`SegmentTable::begin_lay_out`] began; `laid_out` if it succeeded.
+    pub fn end_lay_out(&self, segment: u32, laid_out: bool) {
+        assert_eq!(self.laying_out.load(Ordering::Acquire), segment, "not being laid out");
+        assert_eq!(self.state(segment), SegmentState::Free, "allocated while laid out");
+        self.laid_out[segment as usize].store(laid_out, Ordering::Release);
+        self.laying_out.store(NONE_PINNED, Ordering::Release);
     }
 
     /// Gives a segment back to the free list.

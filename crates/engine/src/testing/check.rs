@@ -80,6 +80,8 @@ pub struct CheckReport {
     pub restarts: u64,
     pub crashes: u64,
     pub gc_cleaned: u64,
+    /// Zeros the background lay-out wrote over holes of free segments while writers ran.
+    pub laid_out_bytes: u64,
     pub failed_operations: u64,
     pub blocks_verified: u64,
 }
@@ -466,6 +468,12 @@ pub async fn check_log_engine<D: Drive>(
         futures.push(Box::pin(async move {
             for step in 0..4 {
                 yield_now().await;
+                // Lay out the segments writers are about to take, while they take them.
+                match background.lay_out_step().await {
+                    Ok(Some(bytes)) => report_ref.borrow_mut().laid_out_bytes += bytes,
+                    Ok(None) => {}
+                    Err(error) => panic!("lay-out step: {error}"),
+                }
                 if step == 2 {
                     background.checkpoint().await.unwrap_or_else(|e| panic!("checkpoint: {e}"));
                 }

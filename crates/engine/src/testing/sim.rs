@@ -52,6 +52,9 @@ pub struct SimStats {
     pub writes: u64,
     pub syncs: u64,
     pub punches: u64,
+    /// Calls of `fill_holes`, and the blocks they wrote zeros over.
+    pub lay_outs: u64,
+    pub blocks_laid_out: u64,
     pub faults_injected: u64,
     /// The most writes and punches that were in flight on the drive at once.
     pub mutations_in_flight_peak: u64,
@@ -401,6 +404,43 @@ impl Drive for SimDrive {
         }
         state.log(SimEvent::SyncDone { drive: state.index });
         Ok(())
+    }
+
+    /// A hole is a block never written or punched since (a crash keeps zeros written over one
+    /// as data). The holes are found when the call starts and filled after a pause, so a
+    /// write that lands in one meanwhile (which the caller must prevent) is overwritten with
+    /// zeros, as it could be on a real filesystem.
+    async fn fill_holes(&self, offset_bytes: u64, length_bytes: u64) -> Result<u64, DriveError> {
+        self.check(DriveOperation::LayOut, offset_bytes, length_bytes)?;
+        let first = offset_bytes / BLOCK_BYTES;
+        let end = first + length_bytes / BLOCK_BYTES;
+        let holes: Vec<u64> = {
+            let mut state = self.state.borrow_mut();
+            state.stats.lay_outs += 1;
+            (first..end).filter(|number| state.block(*number).is_none()).collect()
+        };
+        self.pause(1).await;
+        if holes.is_empty() {
+            return Ok(0);
+        }
+        let zeros: Rc<[u8]> = Rc::from(vec![0u8; BLOCK_BYTES as usize]);
+        let mut index = 0;
+        while index < holes.len() {
+            let run_start = holes[index];
+            let mut run_length = 1;
+            while index + run_length < holes.len()
+                && holes[index + run_length] == run_start + run_length as u64
+            {
+                run_length += 1;
+            }
+            let id = self.begin(run_start, vec![Some(Rc::clone(&zeros)); run_length]);
+            self.pause(1).await;
+            self.finish(id);
+            index += run_length;
+        }
+        self.state.borrow_mut().stats.blocks_laid_out += holes.len() as u64;
+        self.sync().await?;
+        Ok(holes.len() as u64 * BLOCK_BYTES)
     }
 
     async fn punch_hole(&self, offset_bytes: u64, length_bytes: u64) -> Result<(), DriveError> {
