@@ -10,8 +10,8 @@
 mod common;
 
 use common::{
-    assert_no_error_lines, ferrite_ok, free_port, pattern, pattern_mismatch, runtime, volume_nqn,
-    Node, BLOCK_BYTES,
+    assert_no_error_lines, ferrite_ok, free_port, metric, pattern, pattern_mismatch, runtime,
+    volume_nqn, Node, BLOCK_BYTES,
 };
 use initiator::{AlignedBuf, ConnectOptions, Controller};
 use std::os::unix::fs::MetadataExt;
@@ -28,12 +28,13 @@ const WRITE_BLOCKS_PER_IO: usize = 256;
 const TAG: u64 = 0x1A_0017;
 const WAIT: Duration = Duration::from_secs(30);
 
-fn metric(metrics: &str, series: &str) -> u64 {
-    let line = metrics
-        .lines()
-        .find(|line| line.starts_with(series) && line[series.len()..].starts_with(' '))
-        .unwrap_or_else(|| panic!("no series {series} in the metrics"));
-    line[series.len() + 1..].parse().expect("a counter")
+/// A controller of volume `vol` and an I/O queue on it.
+async fn open_queue(address: &str) -> (Controller, initiator::IoQueue) {
+    let controller = Controller::connect(address, &volume_nqn("vol"), ConnectOptions::default())
+        .await
+        .expect("connect");
+    let queue = controller.open_io_queue(8).await.expect("open an I/O queue");
+    (controller, queue)
 }
 
 /// (segments laid out, bytes of zeros written) from the node's metrics.
@@ -95,11 +96,7 @@ fn free_segments_are_laid_out_ahead_of_the_log_and_the_files_stay_sparse_beyond(
     let address = node.nvme_address();
     let ios = WRITE_BYTES / (WRITE_BLOCKS_PER_IO * BLOCK_BYTES) as u64;
     rt.block_on(async {
-        let controller =
-            Controller::connect(&address, &volume_nqn("vol"), ConnectOptions::default())
-                .await
-                .expect("connect");
-        let mut queue = controller.open_io_queue(8).await.expect("queue");
+        let (controller, mut queue) = open_queue(&address).await;
         for io in 0..ios {
             let lba = io * WRITE_BLOCKS_PER_IO as u64;
             queue.write(lba, pattern(lba, WRITE_BLOCKS_PER_IO, TAG)).await.expect("write");
@@ -116,11 +113,7 @@ fn free_segments_are_laid_out_ahead_of_the_log_and_the_files_stay_sparse_beyond(
     let node = Node::start_with_drives(&data_dir, nvme_port, &NODE_ARGS);
     let address = node.nvme_address();
     rt.block_on(async {
-        let controller =
-            Controller::connect(&address, &volume_nqn("vol"), ConnectOptions::default())
-                .await
-                .expect("connect after the restart");
-        let mut queue = controller.open_io_queue(8).await.expect("queue");
+        let (controller, mut queue) = open_queue(&address).await;
         for io in 0..ios {
             let lba = io * WRITE_BLOCKS_PER_IO as u64;
             let data = queue

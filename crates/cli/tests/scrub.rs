@@ -14,8 +14,8 @@
 mod common;
 
 use common::{
-    assert_no_error_lines, ferrite_ok, free_port, pattern, pattern_mismatch, runtime, volume_nqn,
-    Node, BLOCK_BYTES,
+    assert_no_error_lines, ferrite_ok, free_port, metric, pattern, pattern_mismatch, runtime,
+    volume_nqn, Node, BLOCK_BYTES,
 };
 use initiator::{AlignedBuf, ConnectOptions, Controller};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -56,14 +56,6 @@ fn wait_for_pass(api: &str) -> serde_json::Value {
         assert!(Instant::now() < deadline, "no scrub pass within {SCRUB_TIMEOUT:?}: {scrub}");
         std::thread::sleep(Duration::from_millis(100));
     }
-}
-
-fn metric(metrics: &str, series: &str) -> u64 {
-    let line = metrics
-        .lines()
-        .find(|line| line.starts_with(series) && line[series.len()..].starts_with(' '))
-        .unwrap_or_else(|| panic!("no series {series} in the metrics"));
-    line[series.len() + 1..].parse().expect("a counter")
 }
 
 async fn connect(node: &Node, volume: &str) -> (Controller, initiator::IoQueue) {

@@ -337,6 +337,16 @@ pub fn ferrite_ok(api_url: &str, args: &[&str]) -> String {
     stdout
 }
 
+/// The value of a counter or gauge without labels in a node's Prometheus metrics text.
+#[track_caller]
+pub fn metric(metrics: &str, series: &str) -> u64 {
+    let line = metrics
+        .lines()
+        .find(|line| line.starts_with(series) && line[series.len()..].starts_with(' '))
+        .unwrap_or_else(|| panic!("no series {series} in the metrics"));
+    line[series.len() + 1..].parse().expect("a counter")
+}
+
 /// The volumes as `ferrite volume list --json` prints them.
 pub fn volume_list(api_url: &str) -> serde_json::Value {
     let text = ferrite_ok(api_url, &["volume", "list", "--json"]);
