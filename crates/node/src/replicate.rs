@@ -1356,25 +1356,14 @@ async fn write_blocks(
         let data = blocks[index].is_some();
         let run = blocks[index..].iter().take_while(|item| item.is_some() == data).count();
         let offset = (lba + index as u64) * block as u64;
-        let ok = if data && run == 1 {
-            // One block (every 4 KiB write): the log copies it into its batch straight from
-            // the message's buffer.
-            match &blocks[index] {
-                Some(bytes) if bytes.len() == block => {
-                    store.write_blocks(map, offset, bytes).await.is_ok()
-                }
-                _ => return StorageResult::Failed,
+        let ok = if data {
+            let items = &blocks[index..index + run];
+            if !items.iter().all(|item| item.as_ref().is_some_and(|bytes| bytes.len() == block)) {
+                return StorageResult::Failed;
             }
-        } else if data {
-            let mut buf = AlignedBuf::new(run * block);
-            buf.set_len(run * block);
-            for (slot, item) in buf.chunks_exact_mut(block).zip(&blocks[index..index + run]) {
-                match item {
-                    Some(bytes) if bytes.len() == block => slot.copy_from_slice(bytes),
-                    _ => return StorageResult::Failed,
-                }
-            }
-            store.write(map, offset, buf).await.0.is_ok()
+            // Each block is copied into the log's batch straight from the message's buffer.
+            let run_blocks = items.iter().map(|item| item.as_deref().unwrap_or_default());
+            store.write_block_list(map, offset, run_blocks).await.is_ok()
         } else {
             store.deallocate(map, offset, (run * block) as u64).await.is_ok()
         };

@@ -2259,9 +2259,22 @@ impl<D: Drive> LogHandle<D> {
         data: &[u8],
     ) -> Result<(), LogError> {
         volume.check_range(offset_bytes, data.len() as u64)?;
+        self.write_block_list(volume, offset_bytes, data.chunks_exact(BLOCK_BYTES)).await
+    }
+
+    /// Writes the blocks `blocks` yields, each exactly one block long, back to back from
+    /// `offset_bytes`, as [`LogHandle::write_blocks`] writes them from one buffer: each is
+    /// copied into its batch from where it lies (a replica's blocks arrive one buffer each).
+    pub async fn write_block_list<'d>(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        blocks: impl ExactSizeIterator<Item = &'d [u8]>,
+    ) -> Result<(), LogError> {
+        let count = blocks.len();
+        volume.check_range(offset_bytes, (count * BLOCK_BYTES) as u64)?;
         let volume_id = volume.volume().0;
         let first = offset_bytes / BLOCK_BYTES_U64;
-        let count = data.len() / BLOCK_BYTES;
         if count == 0 {
             return Ok(());
         }
@@ -2282,7 +2295,8 @@ impl<D: Drive> LogHandle<D> {
         // One turn for the whole write: its blocks go into the log back to back, so a later
         // read of the range is one drive read, however many writers wait beside this one.
         let mut turn = self.turn();
-        for (slot, block_data) in data.chunks(BLOCK_BYTES).enumerate() {
+        for (slot, block_data) in blocks.enumerate() {
+            assert_eq!(block_data.len(), BLOCK_BYTES, "the blocks of a write are whole blocks");
             let crc = crc32c::crc32c(block_data);
             let entry =
                 Entry { volume: label, block: first + slot as u64, kind: EntryKind::Data { crc } };

@@ -23,7 +23,7 @@ use crate::erasure::ErasureScheme;
 use crate::format::{NodeUuid, HEADER_REGION_BYTES};
 use crate::latches::DriveLatches;
 use crate::local_sync::LocalNotify;
-use crate::store::VolumeStore;
+use crate::store::{StoreError, VolumeStore};
 use crate::testing::{
     block_matches, block_on, describe_block, fill_block, join_all, run_writer, verify_volume,
     CheckReport, LocalBoxFuture, Oracle, Rng, SimDrive, WriterContext,
@@ -410,6 +410,40 @@ fn multi_block_reads_take_back_to_back_blocks_in_one_drive_read() {
     block_on(handle.deallocate(map, 9 * BLOCK, BLOCK)).unwrap();
     expected[9 * BLOCK_BYTES..10 * BLOCK_BYTES].fill(0);
     assert_eq!(&read(3, 12)[..], &expected[3 * BLOCK_BYTES..15 * BLOCK_BYTES]);
+}
+
+/// Blocks handed over one buffer each (as a replica receives them) are written as one buffer's
+/// are: back to back, so the range reads in one drive read, and durably, so they survive a
+/// power loss. An empty list writes nothing; a list past the volume's end is refused.
+#[test]
+fn a_list_of_block_buffers_writes_as_one_buffer_would() {
+    let node = Node::format(32, 5, 3, 1);
+    let (_volumes, maps) = volume_maps(&[64]);
+    let map = &maps[0];
+    let volume = map.volume();
+    let expected = block_buf(volume, 8, 12, 3);
+    let buffers: Vec<Vec<u8>> = expected.chunks(BLOCK_BYTES).map(<[u8]>::to_vec).collect();
+    let handle = &node.handles[0];
+    block_on(handle.write_block_list(map, 8 * BLOCK, buffers.iter().map(Vec::as_slice))).unwrap();
+    block_on(handle.write_block_list(map, 0, std::iter::empty())).unwrap();
+    let past_end =
+        block_on(handle.write_block_list(map, 60 * BLOCK, buffers.iter().map(Vec::as_slice)));
+    assert!(
+        matches!(past_end, Err(LogError::Request(StoreError::OutOfRange { .. }))),
+        "{past_end:?}"
+    );
+    let node = node.restart();
+    let before = drive_reads(&node);
+    let (result, buf) =
+        block_on(node.handles[0].read_blocks(map, 8 * BLOCK, AlignedBuf::new(12 * BLOCK_BYTES)));
+    result.unwrap();
+    assert_eq!(&buf[..], &expected[..]);
+    let runs_read = drive_reads(&node) - before;
+    assert!(runs_read <= 2, "12 blocks written together took {runs_read} drive reads");
+    let (result, buf) =
+        block_on(node.handles[0].read_blocks(map, 0, AlignedBuf::new(8 * BLOCK_BYTES)));
+    result.unwrap();
+    assert!(buf.iter().all(|byte| *byte == 0), "the empty list wrote something");
 }
 
 #[test]
