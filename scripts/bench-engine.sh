@@ -20,8 +20,12 @@
 #
 # Disk: every `ferrite bench` run lays out its 4 drive files first (writes 4 x DRIVE_SIZE of
 # zeros, 16 GiB by default, about a second per GiB; two runs per round) and removes them at the
-# end; fio's file stays for the whole run. The run refuses to start unless the filesystem of
+# end; fio's file is written whole before each of fio's two sets per round (see fio_fill()), as
+# each engine run fills its volume first. The run refuses to start unless the filesystem of
 # ${TMPDIR:-/var/tmp} has SIZE + 4 x DRIVE_SIZE + 1 GiB free.
+#
+# Before each measured set the script waits until the device has received the discards of the
+# files removed before it (see settle()), so neither side runs beside another run's clean-up.
 #
 # Note what the peer is: fio writes without fsync, so its random-write figure is the drive's
 # volatile-cache speed, while every engine write is durable when acknowledged.
@@ -70,6 +74,39 @@ if [ "$free_bytes" -lt "$need_bytes" ]; then
     exit 1
 fi
 
+# The block device under $parent, for settle(); empty if sysfs does not show one.
+device_stat=""
+device=$(df -P "$parent" | awk 'NR == 2 { print $1 }')
+if [ -b "$device" ] && [ -r "/sys/class/block/$(basename "$(readlink -f "$device")")/stat" ]; then
+    device_stat="/sys/class/block/$(basename "$(readlink -f "$device")")/stat"
+fi
+
+# Waits until the filesystem has sent the device the discards of the files removed before.
+# Each `ferrite bench` removes its drive files (16 GiB by default) at the end; on a filesystem
+# mounted with `discard` (this machine's root) their discards reach the device at the next
+# journal commit, seconds later, and a read workload started meanwhile shares the device with
+# them (measured once: the engine's 4K random reads 69K beside them, 70-76K in three runs
+# without). So syncfs forces the commit, then the device's discarded-sector count must stay
+# unchanged for 2 s (at most 120 s).
+settle() {
+    sync -f "$parent"
+    [ -n "$device_stat" ] || { sleep 2; return; }
+    local last now quiet=0
+    last=$(awk '{ print $14 }' "$device_stat")
+    for _ in $(seq 1 120); do
+        sleep 1
+        now=$(awk '{ print $14 }' "$device_stat")
+        if [ "$now" = "$last" ]; then
+            quiet=$((quiet + 1))
+            [ "$quiet" -lt 2 ] || return 0
+        else
+            quiet=0
+        fi
+        last=$now
+    done
+    echo "bench-engine: the device still discarded after 120 s; going on" >&2
+}
+
 work=$(mktemp -d "$parent/ferrite-bench-engine.XXXXXX")
 cleanup() { rm -rf "$work"; }
 trap cleanup EXIT
@@ -86,6 +123,7 @@ engine_run() {
         echo "bench-engine: ferrite bench failed in round $round ($label)" >&2
         exit 1
     fi
+    settle
     printf '%s\t%s\t%s\n' "$round" "$label" "$(grep '^engine:' "$work/ferrite.err" | tail -n 1)" \
         >>"$work/summaries.tsv"
     python3 - "$work/ferrite.json" "$round" "$label" >>"$results" <<'PY'
@@ -117,9 +155,19 @@ print(f"{sys.argv[2]}\tfio\t{sys.argv[3]}\t{iops:.0f}\t{mean:.1f}\t{pct('99.0000
 PY
 }
 
-echo "laying out the raw file ($size); each engine run lays out $drives x $drive_size" >&2
-fio --name=fill --filename="$work/raw.dat" --size="$size" --rw=write --bs=1M --direct=1 \
-    --ioengine=io_uring --iodepth=16 >/dev/null
+# fio's file written whole, as `ferrite bench --fill` writes the engine's volume before each
+# of its sets: data written long before reads slower on a virtual disk whose host caches what
+# was written lately (measured here: fio's first 4K read round, on a file written minutes and
+# 20 GiB of engine writes earlier, 9.9K, 12.7K and 30.1K in three sessions, against 74-98K in
+# the others).
+fio_fill() {
+    fio --name=fill --filename="$work/raw.dat" --size="$size" --rw=write --bs=1M --direct=1 \
+        --ioengine=io_uring --iodepth=16 >/dev/null
+    settle
+}
+
+echo "each round writes the raw file ($size) before each fio set; each engine run lays out" \
+    "$drives x $drive_size" >&2
 
 workloads="4k_randread:randread:4k: 4k_randwrite:randwrite:4k: 8k_randrw_80_20:randrw:8k:80 16k_randrw_70_30:randrw:16k:70 32k_randrw_50_50:randrw:32k:50"
 qd1_workloads="qd1_4k_randread:randread:4k: qd1_4k_randwrite:randwrite:4k:"
@@ -130,11 +178,13 @@ for round in $(seq 1 "$rounds"); do
     echo "round $round/$rounds: engine, engine QD1, fio, fio QD1" >&2
     engine_run "$round" standard --iodepth "$iodepth" --queues "$queues"
     engine_run "$round" qd1 --iodepth 1 --queues 1 --workloads 4k_randread,4k_randwrite
+    fio_fill
     for spec in $workloads; do
         IFS=: read -r name rw bs mix <<<"$spec"
         fio_run "$name" "$rw" "$bs" "$mix" "$queues" "$iodepth" >"$work/fio.json"
         fio_row "$round" "$name" >>"$results"
     done
+    fio_fill
     for spec in $qd1_workloads; do
         IFS=: read -r name rw bs mix <<<"$spec"
         fio_run "$name" "$rw" "$bs" "$mix" 1 1 >"$work/fio.json"

@@ -229,9 +229,12 @@ release_loop() {  # index into loop_devices
     loop_devices[$1]=""
 }
 
+# Stops in the reverse order of the starts: the nodes before the etcd they report to, so each
+# steps its volumes down through etcd instead of waiting out its step-down timeout.
 stop_ferrite() {
-    local pid dir
-    for pid in "${ferrite_pids[@]}"; do
+    local pid dir i
+    for ((i = ${#ferrite_pids[@]} - 1; i >= 0; i--)); do
+        pid=${ferrite_pids[i]}
         [ -n "$pid" ] || continue
         if kill -0 "$pid" 2>/dev/null; then
             kill -TERM "$pid" 2>/dev/null || true
