@@ -81,13 +81,13 @@ if [ -b "$device" ] && [ -r "/sys/class/block/$(basename "$(readlink -f "$device
     device_stat="/sys/class/block/$(basename "$(readlink -f "$device")")/stat"
 fi
 
-# Waits until the filesystem has sent the device the discards of the files removed before.
-# Each `ferrite bench` removes its drive files (16 GiB by default) at the end; on a filesystem
-# mounted with `discard` (this machine's root) their discards reach the device at the next
-# journal commit, seconds later, and a read workload started meanwhile shares the device with
+# Waits until the device has taken the discards of the files removed before. Each `ferrite
+# bench` removes its drive files (16 GiB by default) at the end; on a filesystem mounted with
+# `discard` (this machine's root) that sends the device discards it may take seconds to finish
+# (a journal delays them further), and a read workload started meanwhile shares the device with
 # them (measured once: the engine's 4K random reads 69K beside them, 70-76K in three runs
-# without). So syncfs forces the commit, then the device's discarded-sector count must stay
-# unchanged for 2 s (at most 120 s).
+# without). So syncfs first, then the device's discarded-sector count must stay unchanged for
+# 2 s (at most 120 s).
 settle() {
     sync -f "$parent"
     [ -n "$device_stat" ] || { sleep 2; return; }

@@ -425,7 +425,7 @@ struct UpArgs {
     /// the filesystem allocates every block up front. Without it the files start sparse, and
     /// the node lays out the few free segments its log takes next in the background (zeros
     /// written over their holes, `ferrite_laid_out_bytes_total`), so the log's durable writes
-    /// do not pay the filesystem's allocation and journal commit; this option does it all
+    /// do not pay the filesystem's allocation and its metadata update; this option does it all
     /// before serving instead, at the cost of the time and the disk space. Drive files only:
     /// block devices need no lay-out.
     #[arg(long, conflicts_with = "drive")]

@@ -259,8 +259,8 @@ const LAY_OUT_WRITE_BYTES: usize = 4 << 20;
 
 /// Writes zeros over a drive file from `from_bytes` (a multiple of 4 KiB) to its end with
 /// O_DIRECT and syncs it, so the filesystem allocates every block now instead of on the log's
-/// first pass over it (where each allocation adds a journal commit to the sync of a group
-/// commit). fio lays out its files the same way before it measures. Call it on freshly
+/// first pass over it (where each allocation adds a metadata update, on a journalled
+/// filesystem a journal commit, to the sync of a group commit). fio lays out its files the same way before it measures. Call it on freshly
 /// formatted drive files only; the log format may then skip its punch
 /// (`engine::log::LogConfig::area_zeroed`).
 pub fn lay_out_drive_file(path: &Path, from_bytes: u64) -> Result<(), DriveSetupError> {

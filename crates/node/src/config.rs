@@ -99,8 +99,9 @@ pub struct NodeConfig {
     pub drives: Vec<PathBuf>,
     /// On the first start, write zeros over each drive file in DATA-DIR/drives (after
     /// creating it sparse), so the filesystem allocates every block then instead of on the
-    /// log's first pass over it, where each allocation adds a journal commit to a durable
-    /// write (see `io::lay_out_drive_file`). Drive files only: not with `drives` or memory.
+    /// log's first pass over it, where each allocation adds a metadata update (a journal commit
+    /// on a journalled filesystem) to a durable write (see `io::lay_out_drive_file`). Drive
+    /// files only: not with `drives` or memory.
     pub lay_out_drives: bool,
     /// Addresses to serve NVMe/TCP on: each is an NVMe port (IDs 1, 2, ... in this order).
     pub nvme_listen: Vec<SocketAddr>,

@@ -2,9 +2,9 @@
 //!
 //! On a drive that is a sparse file (the drive files `ferrite up` creates), the first write to
 //! any part of a segment makes the filesystem allocate its blocks, and a durable write there
-//! (O_DSYNC) waits for the filesystem's journal to record that allocation as well: on ext4, a
-//! worker thread converts the extent and commits the journal for every batch the log writes
-//! into fresh space. Measured on three replicating nodes (docs/BENCHMARKS.md, session 16), that
+//! (O_DSYNC) waits for the filesystem to make that allocation durable as well: on ext4, a worker
+//! thread converts the extent and writes its metadata (with a journal: commits the journal) for
+//! every batch the log writes into fresh space. Measured on three replicating nodes (docs/BENCHMARKS.md, session 16), that
 //! work took about a fifth of the machine's CPU while the log's first pass over its drives
 //! lasted.
 //!
