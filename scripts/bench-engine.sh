@@ -156,10 +156,9 @@ PY
 }
 
 # fio's file written whole, as `ferrite bench --fill` writes the engine's volume before each
-# of its sets: data written long before reads slower on a virtual disk whose host caches what
-# was written lately (measured here: fio's first 4K read round, on a file written minutes and
-# 20 GiB of engine writes earlier, 9.9K, 12.7K and 30.1K in three sessions, against 74-98K in
-# the others).
+# of its sets, so both sides read data written just before. With the file written once at the
+# start, fio's first 4K read round (minutes and two engine runs after that write) was an outlier
+# in three sessions here: 30.1K, 12.7K, 9.9K against 74-98K in the others; why was not found.
 fio_fill() {
     fio --name=fill --filename="$work/raw.dat" --size="$size" --rw=write --bs=1M --direct=1 \
         --ioengine=io_uring --iodepth=16 >/dev/null
