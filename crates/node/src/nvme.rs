@@ -1269,25 +1269,42 @@ async fn background(
     }
 }
 
+/// The background tick of thread 0's tasks: every [`BACKGROUND_TICK_MS`] (a late tick is
+/// delayed, not bunched), until the node stops or `quit` is set.
+struct BackgroundTicks {
+    tick: tokio::time::Interval,
+    stop: watch::Receiver<bool>,
+    quit: Rc<Cell<bool>>,
+}
+
+impl BackgroundTicks {
+    fn new(stop: watch::Receiver<bool>, quit: Rc<Cell<bool>>) -> Self {
+        let mut tick = tokio::time::interval(Duration::from_millis(BACKGROUND_TICK_MS));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        BackgroundTicks { tick, stop, quit }
+    }
+
+    /// Waits for the next tick; false once the task is to end instead.
+    async fn next(&mut self) -> bool {
+        tokio::select! {
+            _ = self.tick.tick() => {}
+            _ = self.stop.changed() => return false,
+        }
+        !self.quit.get()
+    }
+}
+
 /// Thread 0's paced GC (see `LogHandle::gc_tick`), every background tick until the node stops
 /// or `quit` is set. A failure is logged once; the next tick tries again (a drive may have been
 /// replaced).
 async fn collect_garbage(
     store: Rc<LogHandle<DriveFile>>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     quit: Rc<Cell<bool>>,
 ) {
-    let mut tick = tokio::time::interval(Duration::from_millis(BACKGROUND_TICK_MS));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ticks = BackgroundTicks::new(stop, quit);
     let mut failed_logged = false;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.changed() => break,
-        }
-        if quit.get() {
-            break;
-        }
+    while ticks.next().await {
         match store.gc_tick().await {
             Ok(()) => failed_logged = false,
             Err(error) if !failed_logged => {
@@ -1306,20 +1323,12 @@ async fn collect_garbage(
 /// After a failure (a full filesystem, say) it says so and waits [`LAY_OUT_RETRY`].
 async fn lay_out_ahead(
     store: Rc<LogHandle<DriveFile>>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     quit: Rc<Cell<bool>>,
 ) {
-    let mut tick = tokio::time::interval(Duration::from_millis(BACKGROUND_TICK_MS));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ticks = BackgroundTicks::new(stop, Rc::clone(&quit));
     let mut paused_until: Option<Instant> = None;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.changed() => break,
-        }
-        if quit.get() {
-            break;
-        }
+    while ticks.next().await {
         if paused_until.is_some_and(|until| Instant::now() < until) {
             continue;
         }
