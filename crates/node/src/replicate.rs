@@ -521,10 +521,10 @@ impl VolumeStore for ReplicaRoute {
         let mut outcome = Ok(());
         for (lba, count) in pieces {
             let start = usize::try_from(lba - first_lba).unwrap_or(usize::MAX) * block;
-            let blocks: Vec<Block> = buf[start..start + count as usize * block]
-                .chunks_exact(block)
-                .map(Block::from)
-                .collect();
+            // One copy per piece, shared by its blocks (and by every replica they go to).
+            let piece = Block::copy_from_slice(&buf[start..start + count as usize * block]);
+            let blocks: Vec<Block> =
+                (0..count as usize).map(|i| piece.slice(i * block..(i + 1) * block)).collect();
             match self.submit(HostOp::Write { lba, blocks }).await {
                 Ok(answer) => answers.push(answer),
                 Err(error) => {
@@ -1391,9 +1391,15 @@ async fn read_blocks(
     }
     // A block of zeros reads the same as an unmapped one: copied as unmapped, so a resync or
     // a rebuild keeps the copy thin.
+    let shared = Block::copy_from_slice(&buf);
     StorageResult::Read(
-        buf.chunks_exact(block)
-            .map(|bytes| (!bytes.iter().all(|byte| *byte == 0)).then(|| Block::from(bytes)))
+        shared
+            .chunks_exact(block)
+            .enumerate()
+            .map(|(i, bytes)| {
+                (!bytes.iter().all(|byte| *byte == 0))
+                    .then(|| shared.slice(i * block..(i + 1) * block))
+            })
             .collect(),
     )
 }
@@ -1437,13 +1443,15 @@ async fn read_frames(
     let _ = stream.set_nodelay(true);
     let mut reader = FrameReader::new();
     loop {
+        // Read straight into the reader's buffer: the blocks of the frames are slices of it.
+        let mut target = reader.read_buffer();
         let read = tokio::select! {
-            read = stream.read(reader.unfilled()) => read,
+            read = stream.read_buf(&mut target) => read,
             _ = stop.changed() => return,
         };
         match read {
             Ok(0) => return,
-            Ok(count) => reader.filled(count),
+            Ok(_) => {}
             Err(error) => {
                 tracing::debug!(%peer, %error, "replication connection closed");
                 return;

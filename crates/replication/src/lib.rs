@@ -304,8 +304,6 @@ pub use store::{
 };
 pub use volume::{Action, Event, HostError, HostOp, HostReply, Stats, StorageResult, VolumeNode};
 
-use std::sync::Arc;
-
 /// One replica being copied to by this primary: the resync of a returning member, the rebuild
 /// of a new one, or a reconciliation push after a failover ([`VolumeNode::resync_progress`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -355,8 +353,9 @@ pub struct StorageOpId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StoreRequestId(pub u64);
 
-/// The contents of one block. Shared, so one host write feeds every replica without a copy.
-pub type Block = Arc<[u8]>;
+/// The contents of one block. Shared, so one host write feeds every replica without a copy,
+/// and a block received from a peer is a slice of the buffer its frame was read into.
+pub type Block = bytes::Bytes;
 
 /// A block as storage holds it: `None` is a block never written (or deallocated): it reads as
 /// zeros, and copying it to a replica deallocates it there.

@@ -24,10 +24,12 @@
 //! [`DIVERGENCE_RANGES_MAX`], block sizes against [`BLOCK_BYTES_MAX`]) before it allocates for it.
 //! It never panics, and never reads or allocates more than [`MESSAGE_BYTES_MAX`] for one frame.
 //! The encoding is canonical: a decoded frame encodes back to the same bytes. [`FrameReader`]
-//! cuts a byte stream into messages with a buffer of one largest frame.
+//! cuts a byte stream into messages, buffering at most one largest frame, and hands out each
+//! block as a slice of the buffer it was read into (no copy per block).
 
 use std::ops::{Range, RangeInclusive};
-use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
 
 pub use crate::message::Envelope;
 use crate::message::{ranges_canonical, DivergenceReport, Entry, EntryKind, Message};
@@ -425,18 +427,30 @@ fn le_u64(bytes: &[u8], at: usize) -> u64 {
 
 /// Decodes the frame at the start of `bytes`: the envelope and the bytes it took. Bytes after
 /// the frame are left alone. A valid beginning of a frame gives [`WireError::Incomplete`].
+/// The blocks are copied out of `bytes` ([`FrameReader`] slices them out of its buffer instead).
 pub fn decode(bytes: &[u8]) -> Result<(Envelope, usize), WireError> {
     let (message_type, frame_bytes) = decode_header(bytes)?;
     let Some(frame) = bytes.get(..frame_bytes) else {
         return Err(WireError::Incomplete { needed_bytes: frame_bytes });
     };
+    Ok((decode_frame(message_type, frame, None)?, frame_bytes))
+}
+
+/// Decodes one whole frame whose header [`decode_header`] accepted. With `shared` (the same
+/// bytes as `frame`), the blocks are slices of it; without, copies.
+fn decode_frame(
+    message_type: MessageType,
+    frame: &[u8],
+    shared: Option<&Bytes>,
+) -> Result<Envelope, WireError> {
+    debug_assert!(shared.is_none_or(|shared| shared.as_ref() == frame));
     let (header, payload) = frame.split_at(HEADER_BYTES);
     let stored = le_u32(header, offset::CHECKSUM);
     let computed = frame_checksum(&header[..offset::CHECKSUM], payload);
     if stored != computed {
         return Err(WireError::ChecksumMismatch { stored, computed });
     }
-    let message = decode_payload(message_type, payload)?;
+    let message = decode_payload(message_type, payload, shared)?;
     // Any volume and sender are well-formed; whether this node holds that volume, and whether
     // the sender is the peer of this connection, is the receiver's to check.
     let envelope = Envelope {
@@ -444,7 +458,7 @@ pub fn decode(bytes: &[u8]) -> Result<(Envelope, usize), WireError> {
         sender: NodeId(le_u32(header, offset::SENDER)),
         message,
     };
-    Ok((envelope, frame_bytes))
+    Ok(envelope)
 }
 
 /// Checks the header; returns the type and the length of the whole frame.
@@ -489,6 +503,8 @@ struct Fields<'a> {
     message_type: MessageType,
     payload: &'a [u8],
     position: usize,
+    /// The whole frame (header, then `payload`) as shared bytes: blocks are sliced out of it.
+    frame: Option<&'a Bytes>,
 }
 
 impl<'a> Fields<'a> {
@@ -511,6 +527,16 @@ impl<'a> Fields<'a> {
         let bytes = &self.payload[self.position..self.position + count];
         self.position += count;
         Ok(bytes)
+    }
+
+    /// The next `count` bytes as a block: a slice of the shared frame, or a copy.
+    fn block(&mut self, count: usize) -> Result<Bytes, WireError> {
+        let start = self.position;
+        let bytes = self.take(count)?;
+        Ok(match self.frame {
+            Some(frame) => frame.slice(HEADER_BYTES + start..HEADER_BYTES + start + count),
+            None => Bytes::copy_from_slice(bytes),
+        })
     }
 
     fn u8(&mut self) -> Result<u8, WireError> {
@@ -575,7 +601,7 @@ impl<'a> Fields<'a> {
                             self.invalid_at(length_at, "block length outside 1..=BLOCK_BYTES_MAX")
                         );
                     }
-                    blocks.push(Some(Arc::from(self.take(length)?)));
+                    blocks.push(Some(self.block(length)?));
                 }
                 _ => return Err(self.invalid_at(tag_at, "unknown block tag")),
             }
@@ -621,8 +647,12 @@ impl<'a> Fields<'a> {
     }
 }
 
-fn decode_payload(message_type: MessageType, payload: &[u8]) -> Result<Message, WireError> {
-    let mut fields = Fields { message_type, payload, position: 0 };
+fn decode_payload(
+    message_type: MessageType,
+    payload: &[u8],
+    frame: Option<&Bytes>,
+) -> Result<Message, WireError> {
+    let mut fields = Fields { message_type, payload, position: 0, frame };
     let message = match message_type {
         MessageType::Append => Message::Append {
             epoch: fields.u64()?,
@@ -666,15 +696,19 @@ fn decode_payload(message_type: MessageType, payload: &[u8]) -> Result<Message, 
 /// Bytes a [`FrameReader`] buffers: one largest frame. Once the complete frames are taken out,
 /// what remains is part of one frame, so there is always room for more bytes.
 pub const FRAME_READER_BUFFER_BYTES: usize = MESSAGE_BYTES_MAX;
+/// Room a [`FrameReader`] offers a read at least (less only when less completes its buffer).
+const READ_BYTES_MIN: usize = 64 << 10;
+/// Bytes of each buffer a [`FrameReader`] allocates: one largest frame and one read. A frame
+/// taken out stays in it, shared by its blocks, until the last of them is dropped; the reader
+/// moves the part of a frame it holds to a fresh buffer once the room left is short of a read.
+const FRAME_READER_ALLOCATION_BYTES: usize = FRAME_READER_BUFFER_BYTES + READ_BYTES_MIN;
 
 /// Cuts the bytes of one connection, as they arrive in pieces of any size, into messages.
 /// After an error (other than needing more bytes) the stream's framing is lost: the reader
 /// returns that error from then on, and the caller closes the connection.
 pub struct FrameReader {
-    buffer: Box<[u8]>,
-    /// Buffered bytes not yet decoded: `buffer[start..end]`.
-    start: usize,
-    end: usize,
+    /// Bytes received and not yet decoded; the next bytes go into its spare capacity.
+    buffer: BytesMut,
     error: Option<WireError>,
 }
 
@@ -695,47 +729,39 @@ impl Default for FrameReader {
 
 impl FrameReader {
     pub fn new() -> Self {
-        Self {
-            buffer: vec![0; FRAME_READER_BUFFER_BYTES].into_boxed_slice(),
-            start: 0,
-            end: 0,
-            error: None,
-        }
+        Self { buffer: BytesMut::with_capacity(FRAME_READER_ALLOCATION_BYTES), error: None }
     }
 
     /// Bytes received and not yet returned as messages.
     pub fn buffered_bytes(&self) -> usize {
-        self.end - self.start
+        self.buffer.len()
     }
 
-    /// Where the next bytes of the stream go (read the socket into it, then call [`filled`]).
-    /// Empty only while a whole frame is buffered: take messages out with [`next_message`]
-    /// until it returns `None` first.
+    /// Where the next bytes of the stream go: read the socket into it (`read_buf`), which
+    /// appends them. Never larger than the room left of [`FRAME_READER_BUFFER_BYTES`]; empty
+    /// only while a whole frame is buffered: take messages out with [`next_message`] until it
+    /// returns `None` first.
     ///
-    /// [`filled`]: FrameReader::filled
     /// [`next_message`]: FrameReader::next_message
-    pub fn unfilled(&mut self) -> &mut [u8] {
-        if self.start > 0 {
-            self.buffer.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
+    pub fn read_buffer(&mut self) -> bytes::buf::Limit<&mut BytesMut> {
+        let room = FRAME_READER_BUFFER_BYTES - self.buffer.len();
+        let wanted = room.min(READ_BYTES_MIN);
+        if self.buffer.capacity() - self.buffer.len() < wanted && !self.buffer.try_reclaim(wanted) {
+            // Frames taken out still share this allocation: continue in a fresh one.
+            let mut fresh = BytesMut::with_capacity(FRAME_READER_ALLOCATION_BYTES);
+            fresh.extend_from_slice(&self.buffer);
+            self.buffer = fresh;
         }
-        &mut self.buffer[self.end..]
-    }
-
-    /// Records that the first `count` bytes of [`FrameReader::unfilled`] now hold stream bytes.
-    pub fn filled(&mut self, count: usize) {
-        assert!(count <= self.buffer.len() - self.end, "filled more than unfilled() gave");
-        self.end += count;
+        assert!(self.buffer.capacity() - self.buffer.len() >= wanted);
+        (&mut self.buffer).limit(room)
     }
 
     /// Copies as much of `bytes` as fits and returns how many it took; the caller offers the
     /// rest after taking messages out.
     pub fn push(&mut self, bytes: &[u8]) -> usize {
-        let unfilled = self.unfilled();
-        let count = bytes.len().min(unfilled.len());
-        unfilled[..count].copy_from_slice(&bytes[..count]);
-        self.filled(count);
+        let mut target = self.read_buffer();
+        let count = bytes.len().min(target.remaining_mut());
+        target.put_slice(&bytes[..count]);
         count
     }
 
@@ -744,17 +770,18 @@ impl FrameReader {
         if let Some(error) = &self.error {
             return Err(error.clone());
         }
-        match decode(&self.buffer[self.start..self.end]) {
-            Ok((envelope, frame_bytes)) => {
-                self.start += frame_bytes;
-                if self.start == self.end {
-                    self.start = 0;
-                    self.end = 0;
-                }
-                Ok(Some(envelope))
+        let decoded = match decode_header(&self.buffer) {
+            Ok((message_type, frame_bytes)) if frame_bytes <= self.buffer.len() => {
+                let frame = self.buffer.split_to(frame_bytes).freeze();
+                decode_frame(message_type, &frame, Some(&frame))
             }
+            Ok((_, frame_bytes)) => Err(WireError::Incomplete { needed_bytes: frame_bytes }),
+            Err(error) => Err(error),
+        };
+        match decoded {
+            Ok(envelope) => Ok(Some(envelope)),
             Err(WireError::Incomplete { needed_bytes }) => {
-                assert!(needed_bytes <= self.buffer.len());
+                assert!(needed_bytes <= FRAME_READER_BUFFER_BYTES);
                 Ok(None)
             }
             Err(error) => {
@@ -1336,7 +1363,7 @@ mod tests {
     }
 
     /// Feeds `bytes` to a reader in chunks of the sizes `chunk` draws, alternating `push` and
-    /// `unfilled`/`filled`, and returns the messages in order.
+    /// writing into `read_buffer`, and returns the messages in order.
     fn read_all(bytes: &[u8], mut chunk: impl FnMut() -> usize) -> Vec<Envelope> {
         let mut reader = FrameReader::new();
         let mut messages = Vec::new();
@@ -1347,10 +1374,9 @@ mod tests {
             let taken = if use_push {
                 reader.push(&bytes[position..position + wanted])
             } else {
-                let unfilled = reader.unfilled();
-                let count = wanted.min(unfilled.len());
-                unfilled[..count].copy_from_slice(&bytes[position..position + count]);
-                reader.filled(count);
+                let mut target = reader.read_buffer();
+                let count = wanted.min(target.remaining_mut());
+                target.put_slice(&bytes[position..position + count]);
                 count
             };
             use_push = !use_push;
@@ -1358,7 +1384,11 @@ mod tests {
             while let Some(message) = reader.next_message().unwrap() {
                 messages.push(message);
             }
-            assert!(!reader.unfilled().is_empty(), "no room after taking every message out");
+            assert!(
+                reader.read_buffer().remaining_mut() > 0,
+                "no room after taking every message out"
+            );
+            assert!(reader.buffered_bytes() <= FRAME_READER_BUFFER_BYTES);
         }
         assert_eq!(reader.buffered_bytes(), 0);
         messages
@@ -1384,6 +1414,42 @@ mod tests {
             let chunk_max = [3, 17, 64, 1500, 9000, 65536, 300_000, 1 << 20][round];
             assert_eq!(read_all(&stream, || rng.random_range(1..=chunk_max)), messages);
         }
+    }
+
+    #[test]
+    fn frame_reader_hands_out_blocks_without_copying_them() {
+        let write = |lba: u64, seed: u8| {
+            let blocks = (0..3).map(|i| block(BLOCK_BYTES_MAX, seed + i)).collect();
+            envelope(append(EntryKind::Write { op: lba }, lba, blocks))
+        };
+        let messages = [write(1, 10), write(2, 20)];
+        let mut stream = Vec::new();
+        for message in &messages {
+            encode(message, &mut stream).unwrap();
+        }
+        let mut reader = FrameReader::new();
+        assert_eq!(reader.push(&stream), stream.len());
+        let mut received = Vec::new();
+        while let Some(envelope) = reader.next_message().unwrap() {
+            received.push(envelope);
+        }
+        assert_eq!(received, messages);
+        let starts: Vec<usize> = received
+            .iter()
+            .flat_map(|envelope| match &envelope.message {
+                Message::Append { entry, .. } => entry.blocks.clone(),
+                _ => unreachable!("only appends were sent"),
+            })
+            .map(|block| block.expect("every block is mapped").as_ptr() as usize)
+            .collect();
+        // Each block sits in the reader's buffer where the stream put it: one block's bytes and
+        // its tag and length after the one before, one frame's header and fields between frames.
+        let frame_bytes = stream.len() / 2;
+        let after_block = BLOCK_BYTES_MAX + BLOCK_MAPPED_FIXED_BYTES;
+        assert_eq!(
+            starts.windows(2).map(|pair| pair[1].wrapping_sub(pair[0])).collect::<Vec<_>>(),
+            [after_block, after_block, frame_bytes - 2 * after_block, after_block, after_block]
+        );
     }
 
     #[test]

@@ -9,7 +9,6 @@
 //! write intent (after a restart), and one that restarted without its intent is copied in full.
 
 use std::collections::{BTreeSet, VecDeque};
-use std::sync::Arc;
 
 use replication::{
     Action, BlockData, Config, Entry, EntryKind, Event, HostError, HostOp, HostOpId, HostReply,
@@ -42,8 +41,8 @@ fn config() -> Config {
     }
 }
 
-fn block(byte: u8) -> Arc<[u8]> {
-    Arc::from(vec![byte; BLOCK_BYTES])
+fn block(byte: u8) -> replication::Block {
+    replication::Block::from(vec![byte; BLOCK_BYTES])
 }
 
 #[derive(Debug)]

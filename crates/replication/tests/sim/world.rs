@@ -19,7 +19,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
-use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -1275,7 +1274,7 @@ impl World {
             Command::Write { lba, count } => HostOp::Write {
                 lba,
                 blocks: (lba..lba + count)
-                    .map(|block| Arc::<[u8]>::from(encode(block, op, block_bytes)))
+                    .map(|block| replication::Block::from(encode(block, op, block_bytes)))
                     .collect(),
             },
         };
