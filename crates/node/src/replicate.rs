@@ -1211,21 +1211,17 @@ impl Service {
             ));
             link
         });
-        // Encoded straight into the link's queue: one copy of the data per peer.
-        let mut queued = link.queued.borrow_mut();
-        if link.down.get() || queued.len() >= LINK_QUEUED_BYTES_MAX {
-            self.status.frames_dropped.fetch_add(1, Ordering::Relaxed);
-            return;
+        match link.queue(&envelope) {
+            Queued::Appended => {
+                self.status.frames_sent.fetch_add(1, Ordering::Relaxed);
+                link.ready.notify_one();
+            }
+            // The frame already queued goes out with the newer acknowledgement instead.
+            Queued::Replaced => {}
+            Queued::Dropped => {
+                self.status.frames_dropped.fetch_add(1, Ordering::Relaxed);
+            }
         }
-        let before = queued.len();
-        if let Err(error) = replication::wire::encode(&envelope, &mut queued) {
-            queued.truncate(before);
-            tracing::error!(%error, "cannot encode a replication message");
-            return;
-        }
-        drop(queued);
-        self.status.frames_sent.fetch_add(1, Ordering::Relaxed);
-        link.ready.notify_one();
     }
 
     /// Runs one local storage request of a volume's state machine as a task on this thread,
@@ -1482,6 +1478,87 @@ struct PeerLink {
     ready: tokio::sync::Notify,
     /// Set while the peer cannot be reached: frames are dropped instead of queued.
     down: std::cell::Cell<bool>,
+    /// The acknowledgement that ends `queued`, if the last frame queued is one.
+    last_ack: std::cell::Cell<Option<QueuedAck>>,
+}
+
+/// Where an `Ack` frame sits at the end of a link's queue, and what it acknowledges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct QueuedAck {
+    volume: u64,
+    epoch: u64,
+    stream: replication::StreamId,
+    durable_seq: u64,
+    /// Its first byte in `queued`.
+    offset: usize,
+}
+
+/// What [`PeerLink::queue`] did with a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Queued {
+    /// Encoded at the end of the queue.
+    Appended,
+    /// An acknowledgement that took the place of the one ending the queue (same volume, epoch
+    /// and stream, not behind it): acknowledgements are cumulative, so the older one says
+    /// nothing the newer one does not, and nothing was queued between them.
+    Replaced,
+    /// The peer is unreachable or the queue full (the protocol sends again), or the message
+    /// could not be encoded.
+    Dropped,
+}
+
+impl PeerLink {
+    /// Encodes a message into the queue, straight from the blocks it holds (one copy of the
+    /// data per peer). A replica completes the writes of a batch together and acknowledges each
+    /// one; those acknowledgements reach the queue back to back, and only the last is kept.
+    fn queue(&self, envelope: &Envelope) -> Queued {
+        let mut queued = self.queued.borrow_mut();
+        if self.down.get() || queued.len() >= LINK_QUEUED_BYTES_MAX {
+            return Queued::Dropped;
+        }
+        let ack = match envelope.message {
+            replication::Message::Ack { epoch, stream, durable_seq } => Some(QueuedAck {
+                volume: envelope.volume,
+                epoch,
+                stream,
+                durable_seq,
+                offset: queued.len(),
+            }),
+            _ => None,
+        };
+        // Whatever is queued now, the frame ending the queue will not be this acknowledgement
+        // unless it is replaced below.
+        let replaced = match (ack, self.last_ack.take()) {
+            (Some(new), Some(old))
+                if (new.volume, new.epoch, new.stream) == (old.volume, old.epoch, old.stream)
+                    && new.durable_seq >= old.durable_seq =>
+            {
+                assert!(old.offset < queued.len(), "the acknowledgement ends the queue");
+                Some(old.offset)
+            }
+            _ => None,
+        };
+        let before = replaced.unwrap_or(queued.len());
+        queued.truncate(before);
+        if let Err(error) = replication::wire::encode(envelope, &mut queued) {
+            queued.truncate(before);
+            tracing::error!(%error, "cannot encode a replication message");
+            return Queued::Dropped;
+        }
+        self.last_ack.set(ack.map(|ack| QueuedAck { offset: before, ..ack }));
+        if replaced.is_some() {
+            Queued::Replaced
+        } else {
+            Queued::Appended
+        }
+    }
+
+    /// Takes every queued frame out (into `into`, which must be empty) for the link to write.
+    fn take_queued(&self, into: &mut Vec<u8>) {
+        assert!(into.is_empty(), "the link's write buffer is taken empty");
+        std::mem::swap(into, &mut *self.queued.borrow_mut());
+        self.last_ack.set(None);
+    }
 }
 
 /// Keeps one connection to `peer` and writes the frames queued for it, gathered into large
@@ -1513,6 +1590,7 @@ async fn peer_link(
             // Unreachable: what is queued would be stale by the time it arrives.
             link.down.set(true);
             link.queued.borrow_mut().clear();
+            link.last_ack.set(None);
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(LINK_RECONNECT_MS)) => {}
                 _ = stop.changed() => return,
@@ -1530,12 +1608,90 @@ async fn peer_link(
                 continue;
             }
             writing.clear();
-            std::mem::swap(&mut writing, &mut *link.queued.borrow_mut());
+            link.take_queued(&mut writing);
             if let Err(error) = stream.write_all(&writing).await {
                 tracing::debug!(%peer, %error, "replication link broke; reconnecting");
                 status.frames_dropped.fetch_add(1, Ordering::Relaxed);
                 break;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use replication::{Message, StreamId};
+
+    fn ack(volume: u64, epoch: u64, stream: u64, durable_seq: u64) -> Envelope {
+        let message = Message::Ack { epoch, stream: StreamId(stream), durable_seq };
+        Envelope { volume, sender: NodeId(2), message }
+    }
+
+    /// Every frame the link would write now, decoded.
+    fn frames(link: &PeerLink) -> Vec<Envelope> {
+        let bytes = link.queued.borrow().clone();
+        let mut reader = FrameReader::new();
+        assert_eq!(reader.push(&bytes), bytes.len());
+        let mut envelopes = Vec::new();
+        while let Some(envelope) = reader.next_message().expect("the queue holds whole frames") {
+            envelopes.push(envelope);
+        }
+        assert_eq!(reader.buffered_bytes(), 0);
+        envelopes
+    }
+
+    #[test]
+    fn back_to_back_acknowledgements_of_one_stream_leave_only_the_newest_queued() {
+        let link = PeerLink::default();
+        assert_eq!(link.queue(&ack(7, 3, 1, 10)), Queued::Appended);
+        for seq in 11..=18 {
+            assert_eq!(link.queue(&ack(7, 3, 1, seq)), Queued::Replaced);
+        }
+        assert_eq!(frames(&link), [ack(7, 3, 1, 18)]);
+        // A repeat of the same point replaces too; an older one does not.
+        assert_eq!(link.queue(&ack(7, 3, 1, 18)), Queued::Replaced);
+        assert_eq!(link.queue(&ack(7, 3, 1, 17)), Queued::Appended);
+        assert_eq!(frames(&link), [ack(7, 3, 1, 18), ack(7, 3, 1, 17)]);
+    }
+
+    #[test]
+    fn acknowledgements_are_not_merged_across_other_frames_streams_epochs_or_a_taken_queue() {
+        let link = PeerLink::default();
+        let heartbeat = Envelope {
+            volume: 7,
+            sender: NodeId(2),
+            message: Message::Heartbeat {
+                epoch: 3,
+                stream: StreamId(1),
+                incarnation: 5,
+                commit_op: 9,
+            },
+        };
+        let sent = [
+            ack(7, 3, 1, 10),
+            heartbeat.clone(),
+            ack(7, 3, 1, 11),
+            ack(8, 3, 1, 12),
+            ack(8, 4, 1, 13),
+            ack(8, 4, 2, 14),
+        ];
+        for envelope in &sent {
+            assert_eq!(link.queue(envelope), Queued::Appended);
+        }
+        assert_eq!(frames(&link), sent);
+
+        // Once the link took the queue out to write it, a newer acknowledgement is a new frame:
+        // the one taken is on its way.
+        let mut writing = Vec::new();
+        link.take_queued(&mut writing);
+        assert!(link.queued.borrow().is_empty());
+        assert_eq!(link.queue(&ack(8, 4, 2, 15)), Queued::Appended);
+        assert_eq!(frames(&link), [ack(8, 4, 2, 15)]);
+
+        // Nothing is queued while the peer is down.
+        link.down.set(true);
+        assert_eq!(link.queue(&ack(8, 4, 2, 16)), Queued::Dropped);
+        assert_eq!(frames(&link), [ack(8, 4, 2, 15)]);
     }
 }
