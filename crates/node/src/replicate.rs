@@ -1386,16 +1386,17 @@ async fn read_blocks(
         return StorageResult::Failed;
     }
     // A block of zeros reads the same as an unmapped one: copied as unmapped, so a resync or
-    // a rebuild keeps the copy thin.
+    // a rebuild keeps the copy thin (and a read of zeros alone copies nothing).
+    let zeros = |bytes: &[u8]| bytes.iter().all(|byte| *byte == 0);
+    if buf.chunks_exact(block).all(zeros) {
+        return StorageResult::Read(vec![None; count as usize]);
+    }
     let shared = Block::copy_from_slice(&buf);
     StorageResult::Read(
         shared
             .chunks_exact(block)
             .enumerate()
-            .map(|(i, bytes)| {
-                (!bytes.iter().all(|byte| *byte == 0))
-                    .then(|| shared.slice(i * block..(i + 1) * block))
-            })
+            .map(|(i, bytes)| (!zeros(bytes)).then(|| shared.slice(i * block..(i + 1) * block)))
             .collect(),
     )
 }
