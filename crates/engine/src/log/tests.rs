@@ -1272,3 +1272,49 @@ fn writers_beyond_a_full_batch_queue_wait_their_turn() {
         .recv_timeout(std::time::Duration::from_secs(120))
         .expect("the writers finish (a writer spinning on the full queue never lets them)");
 }
+
+/// Writers that arrive together while a batch is in flight share the next batch (one drive
+/// write and one flush), as the writes of one replication frame or one socket read do: the
+/// leader lets the other ready writers join before it takes the batch. Without that, each of
+/// them took a batch of its own, up to the pipeline's depth.
+#[test]
+fn writers_arriving_together_beside_a_batch_in_flight_share_one_batch() {
+    const WRITERS: u64 = 16;
+    for seed in 0..6u64 {
+        let node = Node::format(64, seed, 8, 1);
+        let (_volumes, maps) = volume_maps(&[64]);
+        let map = &maps[0];
+        let volume = map.volume();
+        let handle = &node.handles[0];
+        // A first write opens the host stream's segment; batches after it are pipelined.
+        let (result, _) = block_on(handle.write(map, 63 * BLOCK, block_buf(volume, 63, 1, 2)));
+        result.unwrap();
+        let before = node.engine.stats().host_batches;
+        let writes: Vec<LocalBoxFuture<'_, ()>> = (0..=WRITERS)
+            .map(|number| -> LocalBoxFuture<'_, ()> {
+                Box::pin(async move {
+                    // Writer 0 goes first; the others arrive together one poll later.
+                    if number > 0 {
+                        crate::join::yield_now().await;
+                    }
+                    let buf = block_buf(volume, number, 1, 3);
+                    handle.write(map, number * BLOCK, buf).await.0.unwrap();
+                })
+            })
+            .collect();
+        block_on(join_all(writes));
+        let batches = node.engine.stats().host_batches - before;
+        // Writer 0's batch, then one for the rest (or, if writer 0's was durable before they
+        // came, the first of them alone and one for the others).
+        assert!(
+            batches <= 3,
+            "seed {seed}: {batches} batches for a first writer and {WRITERS} arriving together"
+        );
+        for number in 0..=WRITERS {
+            let (result, buf) =
+                block_on(handle.read(map, number * BLOCK, AlignedBuf::new(BLOCK_BYTES)));
+            result.unwrap();
+            assert!(block_matches(&buf, volume, number, 3), "seed {seed} block {number}");
+        }
+    }
+}
