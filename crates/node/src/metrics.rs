@@ -34,8 +34,9 @@
 //!   `ferrite_replication_frames_dropped_total` (counters, cluster nodes): replication messages
 //!   to and from other nodes, and those dropped because a peer's link was full or down (the
 //!   protocol sends them again); an acknowledgement that a newer one of the same stream
-//!   replaced in the link's queue before it was written is not counted as sent; `ferrite_volume_replication_epoch{volume_id}` and
-//!   `ferrite_volume_serving{volume_id}` (gauges): each replicated volume's epoch as this node
+//!   replaced in the link's queue before it was written is not counted as sent;
+//!   `ferrite_volume_replication_epoch{volume_id}` and `ferrite_volume_serving{volume_id}`
+//!   (gauges): each replicated volume's epoch as this node
 //!   knows it, and 1 while this node serves it
 //! - `ferrite_volume_mapped_bytes{volume,volume_id}`,
 //!   `ferrite_volume_physical_used_bytes{volume,volume_id}` (gauges): each volume's written

@@ -1560,6 +1560,12 @@ impl PeerLink {
         std::mem::swap(into, &mut *self.queued.borrow_mut());
         self.last_ack.set(None);
     }
+
+    /// Drops every queued frame (the peer is unreachable: they would be stale).
+    fn clear(&self) {
+        self.queued.borrow_mut().clear();
+        self.last_ack.set(None);
+    }
 }
 
 /// Keeps one connection to `peer` and writes the frames queued for it, gathered into large
@@ -1590,8 +1596,7 @@ async fn peer_link(
         let Some(mut stream) = connected else {
             // Unreachable: what is queued would be stale by the time it arrives.
             link.down.set(true);
-            link.queued.borrow_mut().clear();
-            link.last_ack.set(None);
+            link.clear();
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(LINK_RECONNECT_MS)) => {}
                 _ = stop.changed() => return,
