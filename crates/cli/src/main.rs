@@ -441,7 +441,14 @@ struct UpArgs {
     /// Address to serve the REST API on.
     #[arg(long, value_name = "ADDR", default_value_t = node::config::DEFAULT_API_LISTEN)]
     api_listen: SocketAddr,
-    /// Data-path threads serving NVMe/TCP (one runtime and io_uring ring each) [default: one per CPU].
+    /// Data-path threads serving NVMe/TCP and NBD (one runtime and io_uring ring each)
+    /// [default: one per CPU; one on a cluster node].
+    ///
+    /// On a cluster node (--cluster-etcd) every volume's I/O goes through the replication
+    /// service, which runs on the first data-path thread, so a host connection served on
+    /// another thread hands each command across threads and back; one thread spent less CPU
+    /// per I/O in the measurements (docs/BENCHMARKS.md). More threads spread the nodes' reads
+    /// and protocol work over more cores, at that price.
     #[arg(long, value_name = "N", default_value_t = 0, hide_default_value = true)]
     data_threads: usize,
     /// Busy-poll each data-path thread for this many microseconds after the last bytes it

@@ -112,7 +112,9 @@ pub struct NodeConfig {
     /// Stop when the process receives SIGINT (Ctrl-C) or SIGTERM. The `ferrite up` binary sets
     /// this; tests that run nodes in-process leave it off.
     pub stop_on_signals: bool,
-    /// Data-path threads serving NVMe/TCP; 0 means one per CPU.
+    /// Data-path threads serving NVMe/TCP and NBD; 0 takes the default
+    /// ([`NodeConfig::data_threads_default`]): one per CPU on a single node, one on a cluster
+    /// node.
     pub data_threads: usize,
     /// Busy-poll window of each data-path thread after the last received bytes, in
     /// microseconds; 0 never polls (see `nvme::Poller`).
@@ -248,6 +250,29 @@ pub enum ConfigError {
 }
 
 impl NodeConfig {
+    /// The data-path threads a node starts with `data_threads` of 0, given the CPUs it may
+    /// use. A cluster node takes one: every I/O of its volumes goes through the replication
+    /// service, a task on data-path thread 0, so a host connection served on another thread
+    /// hands every command across threads and back (two wake-ups of a sleeping thread). On
+    /// this project's 2-vCPU machine, three nodes with three copies spent 8-14% less server CPU
+    /// per I/O with one thread each than with two (docs/BENCHMARKS.md, session 20).
+    pub fn data_threads_default(&self, cpus: usize) -> usize {
+        if self.cluster.is_some() {
+            1
+        } else {
+            cpus.max(1)
+        }
+    }
+
+    /// The data-path threads to start: `data_threads`, or the default for 0.
+    pub fn data_threads_resolved(&self, cpus: usize) -> usize {
+        if self.data_threads == 0 {
+            self.data_threads_default(cpus)
+        } else {
+            self.data_threads
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !self.drives.is_empty() {
             if self.drives.len() > usize::from(DRIVE_COUNT_MAX) {
@@ -325,6 +350,30 @@ mod tests {
             Some("127.0.0.1:10809")
         );
         assert_eq!(config.drives_dir(), PathBuf::from("ferrite-data/drives"));
+    }
+
+    #[test]
+    fn a_cluster_node_serves_on_the_replication_services_thread_unless_told_otherwise() {
+        let single = NodeConfig::default();
+        assert_eq!(single.data_threads_resolved(8), 8);
+        assert_eq!(single.data_threads_resolved(0), 1);
+        let cluster = NodeConfig {
+            cluster: Some(crate::cluster::ClusterConfig {
+                etcd_endpoints: vec!["http://127.0.0.1:2379".to_owned()],
+                name: "c".to_owned(),
+                node_name: "n1".to_owned(),
+                replication_listen: "127.0.0.1:0".parse().expect("address"),
+                labels: std::collections::BTreeMap::new(),
+                lease_ms: 2_000,
+                rebuild_grace_s: 60,
+                resync_mb_per_s: 100,
+            }),
+            ..NodeConfig::default()
+        };
+        assert_eq!(cluster.data_threads_resolved(8), 1);
+        // A count given by hand is kept on either kind of node.
+        assert_eq!(NodeConfig { data_threads: 3, ..cluster }.data_threads_resolved(8), 3);
+        assert_eq!(NodeConfig { data_threads: 3, ..single }.data_threads_resolved(8), 3);
     }
 
     #[test]

@@ -199,7 +199,8 @@ impl Node {
     /// Starts a node with this build's data path, on drives held by `backend`. With
     /// [`DriveBackend::Memory`], `config.data_dir` is not used (see the module comment).
     pub fn start_on(config: NodeConfig, backend: DriveBackend) -> Result<Self, NodeError> {
-        let data_path = nvme::NvmeDataPathBuilder::new(config.data_threads)
+        let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        let data_path = nvme::NvmeDataPathBuilder::new(config.data_threads_resolved(cpus))
             .with_poll(std::time::Duration::from_micros(config.poll_us))
             .with_read_defrag(config.read_defrag.unwrap_or(true))
             .with_scrub(config.scrub_mb_per_s)
