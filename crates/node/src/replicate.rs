@@ -34,6 +34,8 @@
 use crate::nvme::VolumeHandle;
 use engine::log::LogHandle;
 use engine::{StoreError, VolumeMap, VolumeStore};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_util::FutureExt;
 use io::DriveFile;
 use meta::ClusterStore;
 use nvmf::target::{AnaState, Target};
@@ -60,6 +62,9 @@ use types::{AlignedBuf, Nqn, LOGICAL_BLOCK_SIZE_BYTES};
 const PIECES_PER_COMMAND_MAX: usize = 16;
 /// Inputs waiting for the service at most; senders wait when it is full.
 pub(crate) const INBOX_INPUTS_MAX: usize = 4096;
+/// Local writes queued while the service takes its inbox before they start anyway (each
+/// input asks for a few at most; a task runs them all at once).
+const WRITES_QUEUED_MAX: usize = 256;
 /// Host commands of one volume waiting for a slot (the state machine takes at most
 /// `INFLIGHT_WRITES_MAX` writes and `INFLIGHT_READS_MAX` reads); more are refused as busy.
 const WAITING_HOST_COMMANDS_MAX: usize = 1024;
@@ -317,10 +322,10 @@ pub(crate) enum Input {
         reply: StoreReply,
     },
     Manager(NodeId),
+    /// Local storage requests of one volume's state machine that finished.
     Storage {
         volume: u64,
-        id: StorageOpId,
-        result: StorageResult,
+        results: Vec<(StorageOpId, StorageResult)>,
     },
     EpochPersisted {
         volume: u64,
@@ -719,6 +724,8 @@ pub(crate) fn spawn(
         status: setup.status,
         actions: Vec::new(),
         stop: stop.clone(),
+        writes_queued: Vec::new(),
+        now_cached: None,
     };
     let mut service = service;
     for (handle, size_blocks) in volumes {
@@ -810,10 +817,19 @@ struct Service {
     status: Arc<ReplicationStatus>,
     actions: Vec<Action>,
     stop: watch::Receiver<bool>,
+    /// Local writes asked for by the inputs being handled, started together after them.
+    writes_queued: Vec<QueuedWrite>,
+    /// The clock as read when the input being handled arrived, so that handling one input
+    /// reads it once (the state machine takes one `now` per event anyway).
+    now_cached: Option<u64>,
 }
 
 impl Service {
     fn now_ms(&self) -> u64 {
+        self.now_cached.unwrap_or_else(|| self.clock_ms())
+    }
+
+    fn clock_ms(&self) -> u64 {
         u64::try_from(self.clock.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
@@ -845,6 +861,7 @@ impl Service {
                 }
                 _ = stop.changed() => break,
             }
+            self.start_queued_writes();
         }
         for (_, replica) in std::mem::take(&mut self.volumes) {
             fail_all(replica);
@@ -852,6 +869,12 @@ impl Service {
     }
 
     fn input(&mut self, input: Input) {
+        self.now_cached = Some(self.clock_ms());
+        self.handle_input(input);
+        self.now_cached = None;
+    }
+
+    fn handle_input(&mut self, input: Input) {
         let now = self.now_ms();
         match input {
             Input::Host(request) => self.host(request),
@@ -901,8 +924,10 @@ impl Service {
                     self.managers.clear();
                 }
             }
-            Input::Storage { volume, id, result } => {
-                self.event(volume, Event::Storage { id, result });
+            Input::Storage { volume, results } => {
+                for (id, result) in results {
+                    self.event(volume, Event::Storage { id, result });
+                }
             }
             Input::IntentPersisted { volume, generation, version } => {
                 if self.volumes.get(&volume).is_some_and(|replica| replica.generation == generation)
@@ -1224,31 +1249,80 @@ impl Service {
         }
     }
 
-    /// Runs one local storage request of a volume's state machine as a task on this thread,
-    /// counted as the volume's I/O (so deleting the volume fences and drains it), and posts
-    /// its result back to the inbox.
+    /// Runs one local storage request of a volume's state machine, counted as the volume's I/O
+    /// (so deleting the volume fences and drains it), and posts its result back to the inbox.
+    /// A read runs as a task of its own; writes wait in `writes_queued` until the service has
+    /// taken what its inbox holds, then run together ([`Service::start_queued_writes`]).
     fn storage(&mut self, volume: u64, id: StorageOpId, work: StorageWork) {
         let Some(replica) = self.volumes.get(&volume) else { return };
+        let (lba, count) = match work {
+            StorageWork::Write { lba, blocks } => {
+                if self.writes_queued.len() >= WRITES_QUEUED_MAX {
+                    self.start_queued_writes();
+                }
+                self.writes_queued.push(QueuedWrite { volume, id, lba, blocks });
+                return;
+            }
+            StorageWork::Read { lba, count } => (lba, count),
+        };
         let handle = Arc::clone(&replica.handle);
         let store = Rc::clone(&self.store);
         let inbox = self.link.inbox.clone();
         tokio::task::spawn_local(async move {
             let result = if handle.begin() {
-                let result = match work {
-                    StorageWork::Write { lba, blocks } => {
-                        write_blocks(&store, &handle.map, lba, &blocks).await
-                    }
-                    StorageWork::Read { lba, count } => {
-                        read_blocks(&store, &handle.map, lba, count).await
-                    }
-                };
+                let result = read_blocks(&store, &handle.map, lba, count).await;
                 handle.end();
                 result
             } else {
                 StorageResult::Failed
             };
-            let _ = inbox.send(Input::Storage { volume, id, result }).await;
+            let _ = inbox.send(Input::Storage { volume, results: vec![(id, result)] }).await;
         });
+    }
+
+    /// Starts the writes the inputs just handled asked for: one task per volume runs them all
+    /// at once (they join the same log batches as separate tasks would) and posts the results
+    /// of those that finished together (a group commit) in one input, instead of a task and an
+    /// inbox message per write. A write does not wait for the others of its group.
+    fn start_queued_writes(&mut self) {
+        while let Some(first) = self.writes_queued.first() {
+            let volume = first.volume;
+            let (writes, rest): (Vec<QueuedWrite>, Vec<QueuedWrite>) =
+                std::mem::take(&mut self.writes_queued)
+                    .into_iter()
+                    .partition(|write| write.volume == volume);
+            self.writes_queued = rest;
+            // A volume removed meanwhile took its state machine with it: nobody waits.
+            let Some(replica) = self.volumes.get(&volume) else { continue };
+            let handle = Arc::clone(&replica.handle);
+            let store = Rc::clone(&self.store);
+            let inbox = self.link.inbox.clone();
+            tokio::task::spawn_local(async move {
+                if !handle.begin() {
+                    let results = writes.iter().map(|write| (write.id, StorageResult::Failed));
+                    let _ = inbox.send(Input::Storage { volume, results: results.collect() }).await;
+                    return;
+                }
+                let map = &handle.map;
+                let store = &store;
+                let mut running: FuturesUnordered<_> = writes
+                    .iter()
+                    .map(|write| async move {
+                        (write.id, write_blocks(store, map, write.lba, &write.blocks).await)
+                    })
+                    .collect();
+                while let Some(first) = running.next().await {
+                    let mut results = vec![first];
+                    // The writes that finished with it, without waiting for the others.
+                    while let Some(Some(result)) = running.next().now_or_never() {
+                        results.push(result);
+                    }
+                    // Every write runs to its end even if nobody is left to hear of it.
+                    let _ = inbox.send(Input::Storage { volume, results }).await;
+                }
+                handle.end();
+            });
+        }
     }
 
     fn persist_intent(&mut self, volume: u64, version: u64, intent: &replication::WriteIntent) {
@@ -1326,6 +1400,14 @@ impl Service {
 enum StorageWork {
     Write { lba: u64, blocks: Vec<BlockData> },
     Read { lba: u64, count: u32 },
+}
+
+/// A local write a state machine asked for, waiting for the inbox to be taken.
+struct QueuedWrite {
+    volume: u64,
+    id: StorageOpId,
+    lba: u64,
+    blocks: Vec<BlockData>,
 }
 
 /// Fails every host command of a volume that is no longer replicated here.

@@ -12,10 +12,13 @@
 //! they have not been wanted for that long; leaving never makes a write wait.
 //!
 //! Hot path: `covered` and `want` run for every write that needs the intent; they look up the
-//! one or two regions the write touches and allocate only when a region joins.
+//! one or two regions the write touches in hash sets and allocate only when a region joins.
+//! Whatever leaves the set in order (a persist's ranges, a shrink) sorts first.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Range;
+
+use foldhash::fast::RandomState;
 
 use crate::message::ranges_canonical;
 use crate::volume::Action;
@@ -38,7 +41,7 @@ pub struct WriteIntent {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Snapshot {
     term_epoch: u64,
-    regions: Option<BTreeSet<u64>>,
+    regions: Option<HashSet<u64, RandomState>>,
 }
 
 impl Snapshot {
@@ -55,7 +58,7 @@ pub(crate) struct IntentSet {
     linger_ms: u64,
     volume_blocks: u64,
     /// The regions the next persist holds, each with when a write last wanted it.
-    members: BTreeMap<u64, u64>,
+    members: HashMap<u64, u64, RandomState>,
     /// More regions were wanted than `regions_max`: persists say unknown until a shrink finds
     /// that the regions still needed fit again.
     overflow: bool,
@@ -81,7 +84,7 @@ impl IntentSet {
             regions_max: config.intent_regions_max,
             linger_ms: config.intent_linger_ms,
             volume_blocks: config.volume_blocks,
-            members: BTreeMap::new(),
+            members: HashMap::default(),
             overflow: false,
             term_epoch: persisted.map_or(0, |intent| intent.term_epoch),
             durable: Snapshot { term_epoch: 0, regions: None },
@@ -100,7 +103,7 @@ impl IntentSet {
         };
         // Only regions the file covers whole count as durable (it may have been written with
         // another region size); every region it touches is needed.
-        let mut covered = BTreeSet::new();
+        let mut covered = HashSet::default();
         'ranges: for range in ranges {
             for region in set.regions(range.clone()) {
                 if set.members.len() == set.regions_max && !set.members.contains_key(&region) {
@@ -177,7 +180,7 @@ impl IntentSet {
     /// which may lie anywhere, so the intent is unknown until they resolve.
     fn target(&self, divergence_lost: bool) -> Snapshot {
         let regions = (!divergence_lost && !self.overflow)
-            .then(|| self.members.keys().copied().collect::<BTreeSet<u64>>());
+            .then(|| self.members.keys().copied().collect::<HashSet<u64, RandomState>>());
         Snapshot { term_epoch: self.term_epoch, regions }
     }
 
@@ -202,9 +205,11 @@ impl IntentSet {
     }
 
     /// Regions as canonical LBA ranges: consecutive regions make one range.
-    fn lba_ranges(&self, regions: &BTreeSet<u64>) -> Vec<Range<u64>> {
+    fn lba_ranges(&self, regions: &HashSet<u64, RandomState>) -> Vec<Range<u64>> {
+        let mut sorted: Vec<u64> = regions.iter().copied().collect();
+        sorted.sort_unstable();
         let mut ranges: Vec<Range<u64>> = Vec::new();
-        for &region in regions {
+        for region in sorted {
             let lbas = self.region_lbas(region);
             match ranges.last_mut() {
                 Some(last) if last.end == lbas.start => last.end = lbas.end,
@@ -261,11 +266,16 @@ impl IntentSet {
             }
         }
         if fits {
-            let mut members: BTreeMap<u64, u64> = needed_regions
+            let mut members: HashMap<u64, u64, RandomState> = needed_regions
                 .into_iter()
                 .map(|region| (region, self.members.get(&region).copied().unwrap_or(now_ms)))
                 .collect();
-            for (&region, &last_ms) in &self.members {
+            // Lingering regions join lowest first, so which stay when they do not all fit
+            // does not depend on the hash.
+            let mut lingering: Vec<(u64, u64)> =
+                self.members.iter().map(|(&region, &last_ms)| (region, last_ms)).collect();
+            lingering.sort_unstable();
+            for (region, last_ms) in lingering {
                 if members.len() == self.regions_max {
                     break;
                 }

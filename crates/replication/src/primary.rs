@@ -230,6 +230,9 @@ pub(crate) struct Term {
     /// The pending writes not yet issued locally (`Local::Deferred`), so that issuing them
     /// looks only at those, not at every pending write.
     deferred: BTreeSet<u64>,
+    /// The pending writes durable here (`Local::Durable`), so that completing looks only at
+    /// those: writes still in flight locally cannot complete, however many peers acked them.
+    durable: BTreeSet<u64>,
     reads_in_flight: usize,
     peers: BTreeMap<NodeId, Peer>,
     next_stream: u64,
@@ -262,6 +265,7 @@ impl Term {
             committed_op: 0,
             pending: BTreeMap::new(),
             deferred: BTreeSet::new(),
+            durable: BTreeSet::new(),
             reads_in_flight: 0,
             peers: BTreeMap::new(),
             next_stream: 1,
@@ -562,6 +566,7 @@ impl Term {
         if let Some(write) = self.pending.get_mut(&op) {
             assert_eq!(write.local, Local::InFlight);
             write.local = Local::Durable;
+            self.durable.insert(op);
         }
         self.try_complete(shared, now_ms, out);
     }
@@ -600,12 +605,16 @@ impl Term {
         if self.peers.values().any(|peer| matches!(peer.state, PeerState::Removing(_))) {
             return;
         }
-        // In op order, up to the first write an in-sync peer has not acknowledged on the
-        // stream it still has: every later write went to it after, on that stream, with a
-        // higher sequence number, and acknowledgements are cumulative, so none of them is
-        // acknowledged either. The scan stays short however many writes are pending.
+        // The durable writes in op order, up to the first one an in-sync peer has not
+        // acknowledged on the stream it still has: every later write went to it after, on that
+        // stream, with a higher sequence number, and acknowledgements are cumulative, so none
+        // of them is acknowledged either. The scan stays short however many writes are pending.
         let mut complete: Vec<u64> = Vec::new();
-        'writes: for (&op, write) in &self.pending {
+        'writes: for &op in &self.durable {
+            let Some(write) = self.pending.get(&op) else {
+                unreachable!("a durable write stays pending until it completes")
+            };
+            assert_eq!(write.local, Local::Durable);
             let mut all_acked = true;
             for (&node, peer) in &self.peers {
                 if !matches!(peer.state, PeerState::InSync | PeerState::Adding) {
@@ -619,21 +628,18 @@ impl Term {
                         Some(_) => break 'writes,
                         None => all_acked = false,
                     },
-                    None => {
-                        assert!(
-                            write.local != Local::Durable,
-                            "{node} must acknowledge a write it was never sent: in-sync peers \
-                             get every write"
-                        );
-                        all_acked = false;
-                    }
+                    None => unreachable!(
+                        "{node} must acknowledge a write it was never sent: in-sync peers get \
+                         every write"
+                    ),
                 }
             }
-            if all_acked && write.local == Local::Durable {
+            if all_acked {
                 complete.push(op);
             }
         }
         for op in complete {
+            self.durable.remove(&op);
             let Some(write) = self.pending.remove(&op) else { continue };
             let result = if write.deallocate {
                 shared.stats.deallocates_completed += 1;
@@ -646,10 +652,13 @@ impl Term {
             out.push(Action::CompleteHost { id: write.host, epoch: self.epoch, result });
         }
         self.committed_op = self.pending.keys().next().map_or(self.next_op - 1, |first| first - 1);
-        // Peers waiting for the writes from before they took live writes may be done now.
-        let nodes: Vec<NodeId> = self.peers.keys().copied().collect();
-        for node in nodes {
-            self.advance_peer(shared, node);
+        // Peers waiting for the writes from before they took live writes may be done now
+        // (only those copying can be; the peers neither come nor go here).
+        for index in 0..self.peers.len() {
+            let Some((&node, peer)) = self.peers.iter().nth(index) else { break };
+            if matches!(peer.state, PeerState::Pushing(_) | PeerState::CatchingUp { .. }) {
+                self.advance_peer(shared, node);
+            }
         }
     }
 

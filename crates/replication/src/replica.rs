@@ -140,10 +140,16 @@ impl Replica {
         if seq - stream.durable_seq > STREAM_WINDOW_MAX as u64 {
             return;
         }
-        stream.early.entry(seq).or_insert(entry);
-        while let Some(entry) = stream.early.remove(&stream.next_seq) {
-            stream.ready.push_back((stream.next_seq, entry));
+        if seq == stream.next_seq && stream.early.is_empty() {
+            // In order, as the stream almost always is: no early entry to look through.
+            stream.ready.push_back((seq, entry));
             stream.next_seq += 1;
+        } else {
+            stream.early.entry(seq).or_insert(entry);
+            while let Some(entry) = stream.early.remove(&stream.next_seq) {
+                stream.ready.push_back((stream.next_seq, entry));
+                stream.next_seq += 1;
+            }
         }
         self.pump(shared, now_ms, out);
     }
@@ -203,8 +209,14 @@ impl Replica {
             return;
         }
         assert!(seq > stream.durable_seq && seq < stream.next_seq, "entries complete once");
-        stream.durable_above.insert(seq);
-        while stream.durable_above.remove(&(stream.durable_seq + 1)) {
+        if seq == stream.durable_seq + 1 {
+            stream.durable_seq = seq;
+        } else {
+            stream.durable_above.insert(seq);
+        }
+        while !stream.durable_above.is_empty()
+            && stream.durable_above.remove(&(stream.durable_seq + 1))
+        {
             stream.durable_seq += 1;
         }
         send_ack(shared, stream, out);

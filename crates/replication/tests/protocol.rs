@@ -1,6 +1,7 @@
 //! Targeted protocol tests: small scripted clusters (instant storage and network, links cut by
-//! hand) that check one rule each: a stale epoch is refused; a write waits until a laggard is
-//! removed from the in-sync set; a deposed primary fails its pending writes; a resync copies
+//! hand) that check one rule each: a stale epoch is refused; a write completes as soon as it is
+//! durable everywhere, whatever the order the primary's local writes finish in; a write waits
+//! until a laggard is removed from the in-sync set; a deposed primary fails its pending writes; a resync copies
 //! only the blocks written while the replica was away; a deallocate is replicated, ordered and
 //! resynced exactly like a write of unmapped blocks; a primary that steps down fails its pending
 //! commands, resigns, and another member serves within a few store polls; an old primary (or an
@@ -79,6 +80,10 @@ struct Cluster {
     next_host_op: u64,
     /// Every change of each node's `resync_progress`, in order.
     progress: Vec<Vec<Vec<ResyncProgress>>>,
+    /// Nodes whose local writes stay in flight until `finish_write` (they still land on disk).
+    storage_held: BTreeSet<usize>,
+    /// The completions of those writes, in the order they were issued.
+    held_writes: Vec<(usize, StorageOpId)>,
 }
 
 impl Cluster {
@@ -114,7 +119,17 @@ impl Cluster {
             completions: Vec::new(),
             next_host_op: 1,
             progress: vec![Vec::new(); 3],
+            storage_held: BTreeSet::new(),
+            held_writes: Vec::new(),
         }
+    }
+
+    /// Completes the `index`th write held in flight (in issue order) and what it causes.
+    fn finish_write(&mut self, index: usize) {
+        let (node, id) = self.held_writes.remove(index);
+        let event = Event::Storage { id, result: StorageResult::Written };
+        self.queue.push_back(Input::Node(node, event));
+        self.drain();
     }
 
     fn state(&self) -> VolumeState {
@@ -247,6 +262,10 @@ impl Cluster {
                     let disk = &mut self.nodes[node].disk;
                     for (index, data) in blocks.into_iter().enumerate() {
                         disk[lba as usize + index] = data;
+                    }
+                    if self.storage_held.contains(&node) {
+                        self.held_writes.push((node, id));
+                        continue;
                     }
                     let event = Event::Storage { id, result: StorageResult::Written };
                     self.queue.push_back(Input::Node(node, event));
@@ -423,6 +442,30 @@ fn a_write_completes_only_after_the_laggard_is_removed() {
     assert!(done_ms > healed_ms && healed_ms > cut_ms, "not before the CAS that removed node 2");
     assert_eq!(cluster.nodes[1].disk[3], Some(block(7)), "the in-sync replica holds it");
     assert_eq!(cluster.nodes[2].disk[3], None);
+}
+
+#[test]
+fn each_write_completes_once_durable_on_the_primary_whatever_the_order_its_writes_finish_in() {
+    let mut cluster = Cluster::started(config());
+    cluster.storage_held.insert(0);
+    let ops = (0..4u8).map(|index| write_op(u64::from(index) * 5, &[index + 1])).collect();
+    let ids = cluster.host_batch(0, ops);
+    cluster.run(20);
+    assert_eq!(cluster.held_writes.len(), 4, "every local write is in flight");
+    for id in &ids {
+        assert!(cluster.completion(*id).is_none(), "both replicas acked, the primary did not");
+    }
+    // The third finishes first, then the first, the last and the second.
+    for (finish, done) in [(2, vec![2]), (0, vec![0, 2]), (1, vec![0, 2, 3]), (0, vec![0, 1, 2, 3])]
+    {
+        cluster.finish_write(finish);
+        let completed: Vec<usize> =
+            (0..ids.len()).filter(|&index| cluster.completion(ids[index]).is_some()).collect();
+        assert_eq!(completed, done);
+    }
+    for id in ids {
+        assert_eq!(cluster.result(id), Ok(HostReply::Written));
+    }
 }
 
 #[test]
