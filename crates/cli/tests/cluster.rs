@@ -625,10 +625,11 @@ const TAG_AWAY: u64 = 0xa3a7;
 /// is the whole volume (so a copy of all it ever wrote is a full copy).
 const WRITTEN_AFTER_KILL: Range<u64> = 2048..3072;
 /// The wait between the incremental-copy test's baseline and its kill: longer than a primary
-/// keeps the regions of finished writes in its persisted write intent (`intent_linger_ms`,
-/// 2 s in crates/node) and then persists it, so the baseline is no longer a possible
-/// divergence of the old primary when it is killed.
-const INTENT_SETTLE: Duration = Duration::from_secs(4);
+/// keeps the regions of finished writes in its persisted write intent (a region leaves at the
+/// first shrink after `intent_linger_ms`, 10 s in crates/node, and shrinks run at most once
+/// per that period, so up to twice that) and then persists it, so the baseline is no longer a
+/// possible divergence of the old primary when it is killed.
+const INTENT_SETTLE: Duration = Duration::from_secs(22);
 /// The copy of [`WRITTEN_AWAY`] may not finish sooner than this share of the time the limit
 /// allows it (a burst at the start is fine; copying faster than the limit is not).
 const RATE_LIMIT_SLACK: f64 = 0.7;

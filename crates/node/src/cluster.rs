@@ -134,10 +134,14 @@ impl ClusterConfig {
             dirty_lbas_max: 1 << 20,
             divergence_ranges_max: 1 << 14,
             // 1 MiB regions; up to 16 GiB of a volume hot at once before a restarted node's
-            // return needs a full copy; a region leaves 2 s after its last write.
+            // return needs a full copy; a region leaves 10 s after its last write. A write to a
+            // region that left waits for a persist (a file synced and renamed, tens of ms on a
+            // busy disk): with 2 s, random writes of a few thousand per second over a 2 GiB
+            // volume made about seven persists a second on every node (docs/BENCHMARKS.md,
+            // session 21), in the latency tail of the writes that waited.
             intent_region_blocks: 256,
             intent_regions_max: 1 << 14,
-            intent_linger_ms: 2_000,
+            intent_linger_ms: 10_000,
             grace_ms: self.rebuild_grace_s.saturating_mul(1000),
         }
     }
