@@ -9,6 +9,7 @@ use std::cell::RefCell;
 use std::future::Future;
 use std::pin::pin;
 use std::rc::Rc;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Waker};
 use std::time::Instant;
@@ -1094,6 +1095,70 @@ fn host_writes_go_on_while_a_checkpoint_streams_the_index() {
         block_on(node.handles[0].read(map, 7 * BLOCK, AlignedBuf::new(BLOCK_BYTES)));
     result.unwrap();
     assert!(block_matches(&buf, volume, 7, 9), "{}", describe_block(&buf));
+}
+
+/// A due checkpoint sends commits down the group path only until one starts: while it streams
+/// the index, commits are pipelined again (several batches in flight), not one at a time.
+#[test]
+fn commits_pipeline_again_while_a_due_checkpoint_streams_the_index() {
+    let node = Node::format(96, 29, 2, 1);
+    let handle = &node.handles[0];
+    let (_volumes, maps) = volume_maps(&[20_000]);
+    let map = &maps[0];
+    let volume = map.volume();
+    for chunk in 0..10u64 {
+        let (result, _) = block_on(handle.write(
+            map,
+            chunk * 256 * BLOCK,
+            block_buf(volume, chunk * 256, 256, 1),
+        ));
+        result.unwrap();
+    }
+    // As many segments sealed since the last checkpoint as make the next one due.
+    node.engine
+        .sealed_since_checkpoint
+        .store(node.engine.geometry().segment_count, Ordering::Release);
+    assert!(handle.checkpoint_due());
+    let checkpoint_done = std::cell::Cell::new(false);
+    let due_while_streaming = std::cell::Cell::new(None);
+    let work: Vec<LocalBoxFuture<'_, ()>> = vec![
+        Box::pin(async {
+            handle.checkpoint().await.unwrap();
+            checkpoint_done.set(true);
+        }),
+        Box::pin(async {
+            for _ in 0..4 {
+                crate::testing::yield_now().await;
+            }
+            if !checkpoint_done.get() {
+                due_while_streaming.set(Some(handle.checkpoint_due()));
+            }
+            let writes = (0..8u64).map(|number| -> LocalBoxFuture<'_, ()> {
+                Box::pin(async move {
+                    let block = 3000 + number;
+                    let (result, _) =
+                        handle.write(map, block * BLOCK, block_buf(volume, block, 1, 5)).await;
+                    result.unwrap();
+                })
+            });
+            join_all(writes.collect()).await;
+        }),
+    ];
+    block_on(join_all(work));
+    assert_eq!(
+        due_while_streaming.get(),
+        Some(false),
+        "a checkpoint under way still counted as due (None: it ended before the writers came)"
+    );
+    assert!(!handle.checkpoint_due(), "the checkpoint did not take the sealed count off");
+    let node = node.crash();
+    for number in 0..8u64 {
+        let block = 3000 + number;
+        let (result, buf) =
+            block_on(node.handles[0].read(map, block * BLOCK, AlignedBuf::new(BLOCK_BYTES)));
+        result.unwrap();
+        assert!(block_matches(&buf, volume, block, 5), "{}", describe_block(&buf));
+    }
 }
 
 #[test]
