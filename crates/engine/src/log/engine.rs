@@ -1255,9 +1255,10 @@ impl<D: Drive> LogHandle<D> {
     /// As the leader (given up on return, or once a pipelined batch is issued): commits the
     /// oldest queued batch pipelined (see [`COMMITS_IN_FLIGHT_MAX`]) when it fits the open
     /// segment of a log without parity; else, once nothing is in flight, the queued batches,
-    /// oldest first, at most [`GROUP_BATCHES_MAX`] of them with one sync of their drives (each
-    /// batch is written as soon as it is taken; all are installed, in order, once the sync
-    /// covers them). False if the queue was empty.
+    /// oldest first, at most [`GROUP_BATCHES_MAX`] of them with one sync of their drives on a
+    /// coded log, the oldest alone on a log without parity (each batch is written as soon as it
+    /// is taken; all are installed, in order, once the sync covers them). False if the queue
+    /// was empty.
     async fn commit_front(&self, leadership: Leadership<'_>) -> bool {
         let mut yielded = false;
         loop {
@@ -1319,12 +1320,19 @@ impl<D: Drive> LogHandle<D> {
     }
 
     /// As the leader, with nothing in flight: commits up to [`GROUP_BATCHES_MAX`] queued
-    /// batches with one sync (see [`LogHandle::commit_front`]). None if the queue was empty,
+    /// batches (one on a log without parity) with one sync (see [`LogHandle::commit_front`]). None if the queue was empty,
     /// else whether the batches are durable.
     async fn commit_group(&self) -> Option<bool> {
         let taken: Vec<Pending> = {
             let mut queue = self.queue.borrow_mut();
-            let count = queue.len().min(GROUP_BATCHES_MAX);
+            // A log without parity writes each batch durable as written, so a group saves it no
+            // sync: it takes the one batch that could not go pipelined (the one that opens a new
+            // segment, say), and the batches behind it go pipelined again from the next leader
+            // on instead of one drive round trip after another while nothing else is in flight
+            // (three-copy 32K mix, about nine group commits a second on each node: 10-16 ms
+            // each on average with up to four batches, 6-8 ms with one).
+            let group_max = if self.engine.geometry.is_coded() { GROUP_BATCHES_MAX } else { 1 };
+            let count = queue.len().min(group_max);
             queue.drain(..count).collect()
         };
         if taken.is_empty() {
