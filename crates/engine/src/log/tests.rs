@@ -1053,6 +1053,43 @@ fn host_writes_go_on_while_a_background_gc_step_reads_its_victim() {
     assert!(block_matches(&buf, volume, 10, 9), "{}", describe_block(&buf));
 }
 
+/// Writes blocks 0..2560 of `map` (tag 1): a checkpoint of many blocks (170 entries per block),
+/// so one started is still streaming the index after a few yields.
+fn map_blocks_for_a_long_checkpoint(handle: &LogHandle<SimDrive>, map: &VolumeMap) {
+    let volume = map.volume();
+    for chunk in 0..10u64 {
+        let (result, _) = block_on(handle.write(
+            map,
+            chunk * 256 * BLOCK,
+            block_buf(volume, chunk * 256, 256, 1),
+        ));
+        result.unwrap();
+    }
+}
+
+/// Takes a checkpoint of `handle` beside `work`, which starts once the checkpoint has had a
+/// few turns (with [`map_blocks_for_a_long_checkpoint`], while it streams the index);
+/// `checkpoint_done` is set when the checkpoint ends.
+fn beside_a_checkpoint<'a>(
+    handle: &'a LogHandle<SimDrive>,
+    checkpoint_done: &'a std::cell::Cell<bool>,
+    work: LocalBoxFuture<'a, ()>,
+) {
+    let tasks: Vec<LocalBoxFuture<'a, ()>> = vec![
+        Box::pin(async move {
+            handle.checkpoint().await.unwrap();
+            checkpoint_done.set(true);
+        }),
+        Box::pin(async move {
+            for _ in 0..4 {
+                crate::testing::yield_now().await;
+            }
+            work.await;
+        }),
+    ];
+    block_on(join_all(tasks));
+}
+
 /// A checkpoint gives its handle's pipeline back once its LSN floor is fixed: a host write on
 /// the same handle, started once the checkpoint is under way, completes before the index has
 /// streamed out; and the write is found after a crash (replayed over that checkpoint).
@@ -1063,32 +1100,18 @@ fn host_writes_go_on_while_a_checkpoint_streams_the_index() {
     let (_volumes, maps) = volume_maps(&[20_000]);
     let map = &maps[0];
     let volume = map.volume();
-    // Enough mapped blocks for a checkpoint of many blocks (170 entries per block).
-    for chunk in 0..10u64 {
-        let (result, _) = block_on(handle.write(
-            map,
-            chunk * 256 * BLOCK,
-            block_buf(volume, chunk * 256, 256, 1),
-        ));
-        result.unwrap();
-    }
+    map_blocks_for_a_long_checkpoint(handle, map);
     let checkpoint_done = std::cell::Cell::new(false);
     let write_first = std::cell::Cell::new(false);
-    let work: Vec<LocalBoxFuture<'_, ()>> = vec![
+    beside_a_checkpoint(
+        handle,
+        &checkpoint_done,
         Box::pin(async {
-            handle.checkpoint().await.unwrap();
-            checkpoint_done.set(true);
-        }),
-        Box::pin(async {
-            for _ in 0..4 {
-                crate::testing::yield_now().await;
-            }
             let (result, _) = handle.write(map, 7 * BLOCK, block_buf(volume, 7, 1, 9)).await;
             result.unwrap();
             write_first.set(!checkpoint_done.get());
         }),
-    ];
-    block_on(join_all(work));
+    );
     assert!(write_first.get(), "the host write waited for the whole checkpoint");
     let node = node.crash();
     let (result, buf) =
@@ -1098,7 +1121,8 @@ fn host_writes_go_on_while_a_checkpoint_streams_the_index() {
 }
 
 /// A due checkpoint sends commits down the group path only until one starts: while it streams
-/// the index, commits are pipelined again (several batches in flight), not one at a time.
+/// the index none counts as due, so commits go pipelined again instead of one group at a time;
+/// writes made meanwhile are found after a crash.
 #[test]
 fn commits_pipeline_again_while_a_due_checkpoint_streams_the_index() {
     let node = Node::format(96, 29, 2, 1);
@@ -1106,14 +1130,7 @@ fn commits_pipeline_again_while_a_due_checkpoint_streams_the_index() {
     let (_volumes, maps) = volume_maps(&[20_000]);
     let map = &maps[0];
     let volume = map.volume();
-    for chunk in 0..10u64 {
-        let (result, _) = block_on(handle.write(
-            map,
-            chunk * 256 * BLOCK,
-            block_buf(volume, chunk * 256, 256, 1),
-        ));
-        result.unwrap();
-    }
+    map_blocks_for_a_long_checkpoint(handle, map);
     // As many segments sealed since the last checkpoint as make the next one due.
     node.engine
         .sealed_since_checkpoint
@@ -1121,15 +1138,10 @@ fn commits_pipeline_again_while_a_due_checkpoint_streams_the_index() {
     assert!(handle.checkpoint_due());
     let checkpoint_done = std::cell::Cell::new(false);
     let due_while_streaming = std::cell::Cell::new(None);
-    let work: Vec<LocalBoxFuture<'_, ()>> = vec![
+    beside_a_checkpoint(
+        handle,
+        &checkpoint_done,
         Box::pin(async {
-            handle.checkpoint().await.unwrap();
-            checkpoint_done.set(true);
-        }),
-        Box::pin(async {
-            for _ in 0..4 {
-                crate::testing::yield_now().await;
-            }
             if !checkpoint_done.get() {
                 due_while_streaming.set(Some(handle.checkpoint_due()));
             }
@@ -1143,8 +1155,7 @@ fn commits_pipeline_again_while_a_due_checkpoint_streams_the_index() {
             });
             join_all(writes.collect()).await;
         }),
-    ];
-    block_on(join_all(work));
+    );
     assert_eq!(
         due_while_streaming.get(),
         Some(false),
