@@ -1320,8 +1320,8 @@ impl<D: Drive> LogHandle<D> {
     }
 
     /// As the leader, with nothing in flight: commits up to [`GROUP_BATCHES_MAX`] queued
-    /// batches (one on a log without parity) with one sync (see [`LogHandle::commit_front`]). None if the queue was empty,
-    /// else whether the batches are durable.
+    /// batches (one on a log without parity) with one sync (see [`LogHandle::commit_front`]).
+    /// None if the queue was empty, else whether the batches are durable.
     async fn commit_group(&self) -> Option<bool> {
         let taken: Vec<Pending> = {
             let mut queue = self.queue.borrow_mut();
