@@ -192,6 +192,8 @@ pub struct EngineCounters {
     pub segments_laid_out: u64,
     pub laid_out_bytes: u64,
     pub checkpoints: u64,
+    /// Bytes of index checkpoints written (in `device_bytes_written` too).
+    pub checkpoint_bytes_written: u64,
 }
 
 /// One drive of the node as the data path sees it.

@@ -46,7 +46,7 @@
 //!   `ferrite_gc_relocated_blocks_total`, `ferrite_gc_segments_cleaned_total`,
 //!   `ferrite_defrag_relocated_blocks_total`, `ferrite_segments_laid_out_total`,
 //!   `ferrite_laid_out_bytes_total`,
-//!   `ferrite_checkpoints_total` (counters): the engine's traffic since the node started
+//!   `ferrite_checkpoints_total`, `ferrite_checkpoint_bytes_written_total` (counters): the engine's traffic since the node started
 //! - `ferrite_volume_operations_total{volume,volume_id,op}` (counter), `op` one of `read`,
 //!   `write`, `flush`, `write_zeroes`, `deallocate`
 //! - `ferrite_volume_bytes_total{volume,volume_id,op}` (counter), all but `flush`
@@ -468,6 +468,11 @@ impl Registry {
                 counters.gc_segments_cleaned,
             ),
             ("ferrite_checkpoints_total", "Index checkpoints written.", counters.checkpoints),
+            (
+                "ferrite_checkpoint_bytes_written_total",
+                "Bytes of index checkpoints written (part of the device bytes written).",
+                counters.checkpoint_bytes_written,
+            ),
             (
                 "ferrite_scrub_blocks_verified_total",
                 "Blocks the background scrub read back and found intact.",

@@ -2201,6 +2201,7 @@ impl DataPlane for NvmeDataPlane {
                 laid_out_bytes: stats.laid_out_bytes,
                 gc_segments_cleaned: stats.gc_segments_cleaned,
                 checkpoints: stats.checkpoints,
+                checkpoint_bytes_written: stats.checkpoint_bytes_written,
             },
             drives: (0u16..)
                 .zip(paths)

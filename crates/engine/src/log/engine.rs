@@ -36,7 +36,7 @@ use types::AlignedBuf;
 use super::format::DataSlots;
 use super::format::{
     BatchHeader, Entry, EntryKind, Geometry, BATCH_ENTRIES_MAX, BLOCK_BYTES,
-    CHECKPOINT_ENTRIES_PER_BLOCK, ROOT_SEGMENTS_MAX,
+    CHECKPOINT_ENTRIES_PER_BLOCK_MIN, ROOT_SEGMENTS_MAX,
 };
 use super::index::{
     entry_units, is_block, pack, packed_tag, raw_tag, unpack, Index, LayerError, Tag, VolumeIndex,
@@ -125,6 +125,8 @@ pub(super) struct Counters {
     pub segments_laid_out: AtomicU64,
     pub laid_out_bytes: AtomicU64,
     pub checkpoints: AtomicU64,
+    /// Checkpoint blocks written (entries and layer records; in device bytes too).
+    pub checkpoint_blocks: AtomicU64,
     pub checksum_errors: AtomicU64,
     pub mapped_blocks: AtomicU64,
     /// Live-space units of the mapped blocks (16 per raw block, fewer when compressed).
@@ -193,6 +195,8 @@ pub struct LogStats {
     pub segments_laid_out: u64,
     pub laid_out_bytes: u64,
     pub checkpoints: u64,
+    /// Bytes of checkpoint blocks written (part of `device_bytes_written`).
+    pub checkpoint_bytes_written: u64,
     pub checksum_errors: u64,
     pub index_ram_bytes: u64,
     pub failed_drives: Vec<u16>,
@@ -290,7 +294,7 @@ impl LogEngine {
         let positions = u64::from(geometry.positions_per_segment());
         let batch_data_max = BATCH_ENTRIES_MAX.min(positions as usize - 1);
         let checkpoint_blocks =
-            geometry.location_count().div_ceil(CHECKPOINT_ENTRIES_PER_BLOCK as u64);
+            geometry.location_count().div_ceil(CHECKPOINT_ENTRIES_PER_BLOCK_MIN as u64);
         let checkpoint_segments_max = checkpoint_blocks.div_ceil(positions) + 1;
         let reserve = 2 * u64::from(config.handles_max)
             + checkpoint_segments_max
@@ -446,6 +450,8 @@ impl LogEngine {
             laid_out_bytes: counters.laid_out_bytes.load(Ordering::Relaxed),
             gc_segments_cleaned: counters.gc_segments_cleaned.load(Ordering::Relaxed),
             checkpoints: counters.checkpoints.load(Ordering::Relaxed),
+            checkpoint_bytes_written: counters.checkpoint_blocks.load(Ordering::Relaxed)
+                * BLOCK_BYTES as u64,
             checksum_errors: counters.checksum_errors.load(Ordering::Relaxed),
             index_ram_bytes: self.index.allocated_bytes(),
             failed_drives: self.latches.failed_drives(),

@@ -17,7 +17,7 @@ use crate::format::NodeUuid;
 pub const BLOCK_BYTES: usize = types::BLOCK_SIZE_BYTES as usize;
 const BLOCK_BYTES_U64: u64 = BLOCK_BYTES as u64;
 /// The log format this build reads and writes.
-pub const LOG_FORMAT_VERSION: u32 = 5;
+pub const LOG_FORMAT_VERSION: u32 = 6;
 /// The first 16 bytes of the log superblock.
 pub const LOG_SUPERBLOCK_MAGIC: [u8; 16] = *b"FERRITE\0LOG\0\0\0\0\0";
 /// Magics of the other structures (the first 8 bytes of their block).
@@ -37,9 +37,13 @@ pub const UNIT_BYTES_MIN: u64 = 64 << 10;
 pub const UNIT_BYTES_MAX: u64 = 1 << 30;
 /// Entries in one batch header, and so the most data blocks in one batch.
 pub const BATCH_ENTRIES_MAX: usize = (BLOCK_BYTES - 4 - BATCH_ENTRIES_OFFSET) / ENTRY_BYTES;
-/// Index entries in one checkpoint block.
-pub const CHECKPOINT_ENTRIES_PER_BLOCK: usize =
-    (BLOCK_BYTES - 4 - CHECKPOINT_ENTRIES_OFFSET) / CHECKPOINT_ENTRY_BYTES;
+/// Index entries one checkpoint block holds at least: each in a run of its own (a run header
+/// and one slot), as the entries of a sparsely written volume are.
+pub const CHECKPOINT_ENTRIES_PER_BLOCK_MIN: usize =
+    CHECKPOINT_RUNS_BYTES / (CHECKPOINT_RUN_HEADER_BYTES + CHECKPOINT_SLOT_BYTES);
+/// Index entries one checkpoint block holds at most: one run of consecutive blocks.
+pub const CHECKPOINT_ENTRIES_PER_BLOCK_MAX: usize =
+    (CHECKPOINT_RUNS_BYTES - CHECKPOINT_RUN_HEADER_BYTES) / CHECKPOINT_SLOT_BYTES;
 /// Layer-table records in one checkpoint layer block.
 pub const LAYER_RECORDS_PER_BLOCK: usize =
     (BLOCK_BYTES - 4 - LAYER_RECORDS_OFFSET) / LAYER_RECORD_BYTES;
@@ -60,16 +64,24 @@ pub const DRIVE_COUNT_MAX: u16 = crate::format::DRIVE_COUNT_MAX;
 const CHECKSUM_OFFSET: usize = BLOCK_BYTES - 4;
 const ENTRY_BYTES: usize = 32;
 const BATCH_ENTRIES_OFFSET: usize = 48;
-const CHECKPOINT_ENTRY_BYTES: usize = 24;
-const CHECKPOINT_ENTRIES_OFFSET: usize = 24;
+/// Where a checkpoint block's runs start, and the bytes they may fill before the checksum.
+const CHECKPOINT_RUNS_OFFSET: usize = 32;
+const CHECKPOINT_RUNS_BYTES: usize = CHECKSUM_OFFSET - CHECKPOINT_RUNS_OFFSET;
+/// A run: layer label, first block (48 bits) and slot count (16 bits), then its slots.
+const CHECKPOINT_RUN_HEADER_BYTES: usize = 16;
+/// A slot: location and index tag of one block.
+const CHECKPOINT_SLOT_BYTES: usize = 8;
 const ROOT_OPEN_COUNT_OFFSET: usize = 64;
 const ROOT_LAYER_COUNT_OFFSET: usize = 68;
-const ROOT_SEGMENTS_OFFSET: usize = 76;
+const ROOT_ENTRY_BLOCKS_OFFSET: usize = 76;
+const ROOT_SEGMENTS_OFFSET: usize = 84;
 const LAYER_RECORD_BYTES: usize = 32;
 const LAYER_RECORDS_OFFSET: usize = 32;
 
 const _: () = assert!(BATCH_ENTRIES_MAX == 126);
-const _: () = assert!(CHECKPOINT_ENTRIES_PER_BLOCK == 169);
+const _: () = assert!(CHECKPOINT_ENTRIES_PER_BLOCK_MIN == 169);
+const _: () = assert!(CHECKPOINT_ENTRIES_PER_BLOCK_MAX == 505);
+const _: () = assert!(VOLUME_BLOCKS_MAX <= 1 << 48);
 const _: () = assert!(LAYER_RECORDS_PER_BLOCK == 126);
 const _: () = assert!(LOG_HEADER_BYTES % BLOCK_BYTES_U64 == 0);
 const _: () = assert!((ROOT_SLOT_BLOCKS[1] + 1) * BLOCK_BYTES_U64 <= LOG_HEADER_BYTES);
@@ -534,6 +546,9 @@ pub struct Root {
     pub lsn_next: u64,
     pub segment_seq_next: u64,
     pub entry_count: u64,
+    /// Blocks of index entries (each holds 169 to 505 of them: see
+    /// [`CheckpointBlockWriter`]).
+    pub entry_blocks: u64,
     /// Layer-table records, in blocks after the entry blocks.
     pub layer_record_count: u64,
     /// The segments holding the checkpoint blocks, in order.
@@ -545,12 +560,8 @@ pub struct Root {
 
 impl Root {
     /// Blocks of index entries, then blocks of layer records.
-    pub fn entry_blocks(&self) -> u64 {
-        self.entry_count.div_ceil(CHECKPOINT_ENTRIES_PER_BLOCK as u64)
-    }
-
     pub fn checkpoint_blocks(&self) -> u64 {
-        self.entry_blocks()
+        self.entry_blocks
             .saturating_add(self.layer_record_count.div_ceil(LAYER_RECORDS_PER_BLOCK as u64))
     }
 
@@ -569,6 +580,7 @@ impl Root {
         put(&mut block, 56, &self.segment_seq_next.to_le_bytes());
         put(&mut block, ROOT_OPEN_COUNT_OFFSET, &(self.open_seqs.len() as u32).to_le_bytes());
         put(&mut block, ROOT_LAYER_COUNT_OFFSET, &self.layer_record_count.to_le_bytes());
+        put(&mut block, ROOT_ENTRY_BLOCKS_OFFSET, &self.entry_blocks.to_le_bytes());
         for (index, segment) in self.segments.iter().enumerate() {
             put(&mut block, ROOT_SEGMENTS_OFFSET + 4 * index, &segment.to_le_bytes());
         }
@@ -592,6 +604,7 @@ impl Root {
             lsn_floor: le_u64(block, 24),
             segment_seq_floor: le_u64(block, 32),
             entry_count: le_u64(block, 40),
+            entry_blocks: le_u64(block, ROOT_ENTRY_BLOCKS_OFFSET),
             layer_record_count: le_u64(block, ROOT_LAYER_COUNT_OFFSET),
             lsn_next: le_u64(block, 48),
             segment_seq_next: le_u64(block, 56),
@@ -605,9 +618,17 @@ impl Root {
             "segment_seq_floor",
             root.segment_seq_floor,
         )?;
+        // Every entry block holds at least one entry and at most a run's worth.
+        field(root.entry_blocks <= root.entry_count, "entry_blocks", root.entry_blocks)?;
+        field(
+            root.entry_count
+                <= root.entry_blocks.saturating_mul(CHECKPOINT_ENTRIES_PER_BLOCK_MAX as u64),
+            "entry_count",
+            root.entry_count,
+        )?;
         let blocks_needed = root.checkpoint_blocks();
         let blocks_held = count as u64 * u64::from(geometry.positions_per_segment());
-        field(blocks_needed <= blocks_held, "entry_count", root.entry_count)?;
+        field(blocks_needed <= blocks_held, "entry_blocks", root.entry_blocks)?;
         for segment in &root.segments {
             field(*segment < geometry.segment_count, "checkpoint_segment", (*segment).into())?;
         }
@@ -940,36 +961,94 @@ pub struct CheckpointEntry {
     pub tag: u32,
 }
 
-/// Where a checkpoint block keeps its entry count: right after the last entry slot.
-const CHECKPOINT_COUNT_OFFSET: usize =
-    CHECKPOINT_ENTRIES_OFFSET + CHECKPOINT_ENTRIES_PER_BLOCK * CHECKPOINT_ENTRY_BYTES;
-const _: () = assert!(CHECKPOINT_COUNT_OFFSET + 4 <= CHECKSUM_OFFSET);
+/// Where a checkpoint entry block keeps its entry and run counts.
+const CHECKPOINT_ENTRY_COUNT_OFFSET: usize = 24;
+const CHECKPOINT_RUN_COUNT_OFFSET: usize = 28;
+/// The most blocks one run may cover (its count is 16 bits).
+const CHECKPOINT_RUN_SLOTS_MAX: u16 = u16::MAX;
+const _: () = assert!(CHECKPOINT_ENTRIES_PER_BLOCK_MAX <= CHECKPOINT_RUN_SLOTS_MAX as usize);
 
-/// Encodes block `index` of checkpoint `checkpoint_id`.
-pub fn encode_checkpoint_block(
-    checkpoint_id: u64,
-    index: u32,
-    entries: &[CheckpointEntry],
-) -> [u8; BLOCK_BYTES] {
-    assert!(entries.len() <= CHECKPOINT_ENTRIES_PER_BLOCK);
-    let mut block = [0u8; BLOCK_BYTES];
-    put(&mut block, 0, &CHECKPOINT_MAGIC);
-    put(&mut block, 8, &LOG_FORMAT_VERSION.to_le_bytes());
-    put(&mut block, 12, &index.to_le_bytes());
-    put(&mut block, 16, &checkpoint_id.to_le_bytes());
-    for (slot, entry) in entries.iter().enumerate() {
-        let offset = CHECKPOINT_ENTRIES_OFFSET + slot * CHECKPOINT_ENTRY_BYTES;
-        put(&mut block, offset, &entry.volume.to_le_bytes());
-        put(&mut block, offset + 8, &entry.block.to_le_bytes());
-        put(&mut block, offset + 16, &entry.location.to_le_bytes());
-        put(&mut block, offset + 20, &entry.tag.to_le_bytes());
-    }
-    put(&mut block, CHECKPOINT_COUNT_OFFSET, &(entries.len() as u32).to_le_bytes());
-    seal(&mut block);
-    block
+/// Fills checkpoint entry block `index` of checkpoint `checkpoint_id` in place: entries are
+/// pushed in the order the index is walked (by layer, then by block), and consecutive blocks
+/// of one layer share a run, so a densely mapped volume costs 8 bytes per block and a sparse
+/// one at most 24.
+pub struct CheckpointBlockWriter<'a> {
+    block: &'a mut [u8],
+    /// Bytes of runs written so far.
+    used: usize,
+    entries: u32,
+    runs: u32,
+    /// The open run: its layer, the block its next slot would hold, and its header's offset.
+    run: Option<(u64, u64, usize)>,
 }
 
-/// Decodes block `index` of checkpoint `checkpoint_id`, appending its entries to `out`.
+impl<'a> CheckpointBlockWriter<'a> {
+    /// Starts a block in `block` (one block's bytes, overwritten).
+    pub fn new(block: &'a mut [u8]) -> Self {
+        assert_eq!(block.len(), BLOCK_BYTES, "on-disk structures are one block");
+        block.fill(0);
+        Self { block, used: 0, entries: 0, runs: 0, run: None }
+    }
+
+    pub fn entries(&self) -> u32 {
+        self.entries
+    }
+
+    /// Adds one entry; false (and nothing written) when the block has no room left for it.
+    /// Entries of one layer come in ascending block order.
+    pub fn push(&mut self, entry: &CheckpointEntry) -> bool {
+        assert!(entry.block < VOLUME_BLOCKS_MAX, "block {} beyond any volume", entry.block);
+        let extends = match self.run {
+            Some((volume, next, header)) => {
+                volume == entry.volume
+                    && next == entry.block
+                    && le_u16(self.block, CHECKPOINT_RUNS_OFFSET + header + 14)
+                        < CHECKPOINT_RUN_SLOTS_MAX
+            }
+            None => false,
+        };
+        let needed = CHECKPOINT_SLOT_BYTES + if extends { 0 } else { CHECKPOINT_RUN_HEADER_BYTES };
+        if self.used + needed > CHECKPOINT_RUNS_BYTES {
+            return false;
+        }
+        let base = CHECKPOINT_RUNS_OFFSET;
+        let header = match self.run {
+            Some((_, _, header)) if extends => header,
+            _ => {
+                let header = self.used;
+                let at = base + header;
+                put(self.block, at, &entry.volume.to_le_bytes());
+                put(self.block, at + 8, &entry.block.to_le_bytes()[..6]);
+                self.used += CHECKPOINT_RUN_HEADER_BYTES;
+                self.runs += 1;
+                header
+            }
+        };
+        let count_at = base + header + 14;
+        let count = le_u16(self.block, count_at) + 1;
+        put(self.block, count_at, &count.to_le_bytes());
+        put(self.block, base + self.used, &entry.location.to_le_bytes());
+        put(self.block, base + self.used + 4, &entry.tag.to_le_bytes());
+        self.used += CHECKPOINT_SLOT_BYTES;
+        self.entries += 1;
+        self.run = Some((entry.volume, entry.block + 1, header));
+        true
+    }
+
+    /// Writes the header and the checksum; returns the entries the block holds.
+    pub fn finish(self, checkpoint_id: u64, index: u32) -> u32 {
+        put(self.block, 0, &CHECKPOINT_MAGIC);
+        put(self.block, 8, &LOG_FORMAT_VERSION.to_le_bytes());
+        put(self.block, 12, &index.to_le_bytes());
+        put(self.block, 16, &checkpoint_id.to_le_bytes());
+        put(self.block, CHECKPOINT_ENTRY_COUNT_OFFSET, &self.entries.to_le_bytes());
+        put(self.block, CHECKPOINT_RUN_COUNT_OFFSET, &self.runs.to_le_bytes());
+        seal(self.block);
+        self.entries
+    }
+}
+
+/// Decodes entry block `index` of checkpoint `checkpoint_id`, appending its entries to `out`.
 pub fn decode_checkpoint_block(
     block: &[u8],
     geometry: &Geometry,
@@ -982,26 +1061,47 @@ pub fn decode_checkpoint_block(
     let found_id = le_u64(block, 16);
     field(found_index == index, "block_index", found_index.into())?;
     field(found_id == checkpoint_id, "checkpoint_id", found_id)?;
-    let count = le_u32(block, CHECKPOINT_COUNT_OFFSET) as usize;
-    field(count <= CHECKPOINT_ENTRIES_PER_BLOCK, "entry_count", count as u64)?;
-    for slot in 0..count {
-        let offset = CHECKPOINT_ENTRIES_OFFSET + slot * CHECKPOINT_ENTRY_BYTES;
-        let entry = CheckpointEntry {
-            volume: le_u64(block, offset),
-            block: le_u64(block, offset + 8),
-            location: le_u32(block, offset + 16),
-            tag: le_u32(block, offset + 20),
-        };
-        field(entry.block < VOLUME_BLOCKS_MAX, "block", entry.block)?;
-        let tombstone = entry.location == TOMBSTONE_LOCATION && entry.tag == u32::MAX;
-        field(tombstone || entry.tag < 1 << TAG_BITS, "tag", entry.tag.into())?;
-        field(
-            tombstone || u64::from(entry.location) < geometry.location_count(),
-            "location",
-            entry.location.into(),
-        )?;
-        out.push(entry);
+    let entry_count = le_u32(block, CHECKPOINT_ENTRY_COUNT_OFFSET);
+    let run_count = le_u32(block, CHECKPOINT_RUN_COUNT_OFFSET);
+    let entries_max = CHECKPOINT_ENTRIES_PER_BLOCK_MAX as u32;
+    field((1..=entries_max).contains(&entry_count), "entry_count", entry_count.into())?;
+    field((1..=entry_count).contains(&run_count), "run_count", run_count.into())?;
+    let mut at = CHECKPOINT_RUNS_OFFSET;
+    let mut decoded = 0u32;
+    for _ in 0..run_count {
+        // Each run's header and slots lie before the checksum (checked before reading them).
+        field(at + CHECKPOINT_RUN_HEADER_BYTES <= CHECKSUM_OFFSET, "run_count", run_count.into())?;
+        let volume = le_u64(block, at);
+        let mut first = [0u8; 8];
+        first[..6].copy_from_slice(&block[at + 8..at + 14]);
+        let first = u64::from_le_bytes(first);
+        let slots = le_u16(block, at + 14);
+        field(slots > 0, "run_slots", 0)?;
+        field(first + u64::from(slots) <= VOLUME_BLOCKS_MAX, "block", first)?;
+        at += CHECKPOINT_RUN_HEADER_BYTES;
+        let end = at + usize::from(slots) * CHECKPOINT_SLOT_BYTES;
+        field(end <= CHECKSUM_OFFSET, "run_slots", slots.into())?;
+        decoded += u32::from(slots);
+        field(decoded <= entry_count, "entry_count", entry_count.into())?;
+        for (slot, offset) in (at..end).step_by(CHECKPOINT_SLOT_BYTES).enumerate() {
+            let entry = CheckpointEntry {
+                volume,
+                block: first + slot as u64,
+                location: le_u32(block, offset),
+                tag: le_u32(block, offset + 4),
+            };
+            let tombstone = entry.location == TOMBSTONE_LOCATION && entry.tag == u32::MAX;
+            field(tombstone || entry.tag < 1 << TAG_BITS, "tag", entry.tag.into())?;
+            field(
+                tombstone || u64::from(entry.location) < geometry.location_count(),
+                "location",
+                entry.location.into(),
+            )?;
+            out.push(entry);
+        }
+        at = end;
     }
+    field(decoded == entry_count, "entry_count", entry_count.into())?;
     Ok(())
 }
 
@@ -1312,6 +1412,97 @@ mod tests {
         }
     }
 
+    /// Encodes as many of `entries` as fit into checkpoint entry block `index`.
+    fn checkpoint_block(
+        checkpoint_id: u64,
+        index: u32,
+        entries: &[CheckpointEntry],
+    ) -> ([u8; BLOCK_BYTES], usize) {
+        let mut block = [0u8; BLOCK_BYTES];
+        let mut writer = CheckpointBlockWriter::new(&mut block);
+        let written = entries.iter().take_while(|entry| writer.push(entry)).count();
+        assert_eq!(writer.finish(checkpoint_id, index) as usize, written);
+        (block, written)
+    }
+
+    fn entry(volume: u64, block: u64, location: u32) -> CheckpointEntry {
+        CheckpointEntry { volume, block, location, tag: location % 1000 }
+    }
+
+    #[test]
+    fn checkpoint_blocks_hold_runs_of_consecutive_blocks() {
+        let geometry = geometry();
+        let decode = |block: &[u8; BLOCK_BYTES]| {
+            let mut out = Vec::new();
+            decode_checkpoint_block(block, &geometry, 5, 2, &mut out).map(|()| out)
+        };
+        // One layer's consecutive blocks: one run, 8 bytes per entry.
+        let dense: Vec<_> = (0..600).map(|i| entry(7, 1000 + i, i as u32)).collect();
+        let (block, written) = checkpoint_block(5, 2, &dense);
+        assert_eq!(written, CHECKPOINT_ENTRIES_PER_BLOCK_MAX);
+        assert_eq!(decode(&block).unwrap(), dense[..written]);
+        // Every entry alone (gaps between blocks): a run each, 24 bytes per entry.
+        let sparse: Vec<_> = (0..600).map(|i| entry(1 << 62, 2 * i, i as u32)).collect();
+        let (block, written) = checkpoint_block(5, 2, &sparse);
+        assert_eq!(written, CHECKPOINT_ENTRIES_PER_BLOCK_MIN);
+        assert_eq!(decode(&block).unwrap(), sparse[..written]);
+        // Runs broken by a gap, by another layer and by a block of another layer that would
+        // continue the first; tombstones are slots like any other.
+        let tombstone = |volume, block| CheckpointEntry {
+            volume,
+            block,
+            location: TOMBSTONE_LOCATION,
+            tag: u32::MAX,
+        };
+        let mixed = vec![
+            entry(3, 10, 1),
+            tombstone(3, 11),
+            entry(3, 12, 2),
+            entry(3, 20, 3),
+            entry(4, 21, 4),
+            tombstone(4, 22),
+            entry(VOLUME_BLOCKS_MAX, VOLUME_BLOCKS_MAX - 1, 5),
+        ];
+        let (block, written) = checkpoint_block(5, 2, &mixed);
+        assert_eq!(written, mixed.len());
+        assert_eq!(le_u32(&block, CHECKPOINT_RUN_COUNT_OFFSET), 4);
+        assert_eq!(decode(&block).unwrap(), mixed);
+        assert!(decode_checkpoint_block(&block, &geometry, 6, 2, &mut Vec::new()).is_err());
+        assert!(decode_checkpoint_block(&block, &geometry, 5, 3, &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn damaged_checkpoint_blocks_are_refused() {
+        let geometry = geometry();
+        let entries: Vec<_> = (0..40).map(|i| entry(7, 100 + i + i / 10, i as u32)).collect();
+        let (good, written) = checkpoint_block(5, 0, &entries);
+        assert_eq!(written, 40);
+        let refused = |change: &dyn Fn(&mut [u8; BLOCK_BYTES])| {
+            let mut block = good;
+            change(&mut block);
+            seal(&mut block);
+            decode_checkpoint_block(&block, &geometry, 5, 0, &mut Vec::new()).is_err()
+        };
+        assert!(!refused(&|_| {}));
+        let run_slots = CHECKPOINT_RUNS_OFFSET + 14;
+        assert!(refused(&|b| put(b, run_slots, &0u16.to_le_bytes())), "an empty run");
+        assert!(refused(&|b| put(b, run_slots, &11u16.to_le_bytes())), "slots beyond the count");
+        assert!(refused(&|b| put(b, run_slots, &600u16.to_le_bytes())), "a run past the block");
+        assert!(refused(&|b| put(b, CHECKPOINT_ENTRY_COUNT_OFFSET, &41u32.to_le_bytes())));
+        assert!(refused(&|b| put(b, CHECKPOINT_ENTRY_COUNT_OFFSET, &0u32.to_le_bytes())));
+        assert!(refused(&|b| put(b, CHECKPOINT_RUN_COUNT_OFFSET, &0u32.to_le_bytes())));
+        assert!(refused(&|b| put(b, CHECKPOINT_RUN_COUNT_OFFSET, &5u32.to_le_bytes())));
+        let first = CHECKPOINT_RUNS_OFFSET + 8;
+        assert!(refused(&|b| put(b, first, &[0xff; 6])), "blocks beyond any volume");
+        let location = CHECKPOINT_RUNS_OFFSET + CHECKPOINT_RUN_HEADER_BYTES;
+        assert!(refused(&|b| put(b, location, &u32::MAX.to_le_bytes())), "no such location");
+        assert!(refused(&|b| put(b, location + 4, &(1u32 << TAG_BITS).to_le_bytes())));
+        assert!(refused(&|b| put(b, 8, &5u32.to_le_bytes())), "the previous format version");
+        let mut torn = good;
+        torn[CHECKPOINT_RUNS_OFFSET + 20] ^= 1;
+        assert!(decode_checkpoint_block(&torn, &geometry, 5, 0, &mut Vec::new()).is_err());
+    }
+
     #[test]
     fn root_and_checkpoint_blocks_round_trip() {
         let geometry = geometry();
@@ -1322,6 +1513,7 @@ mod tests {
             lsn_next: 120,
             segment_seq_next: 9,
             entry_count: 400,
+            entry_blocks: 3,
             layer_record_count: 130,
             segments: vec![3, 8],
             open_seqs: vec![5, 6],
@@ -1329,18 +1521,12 @@ mod tests {
         assert_eq!(Root::decode(&root.encode(), &geometry), Ok(root.clone()));
         let bad = Root { segments: vec![10], ..root.clone() };
         assert!(Root::decode(&bad.encode(), &geometry).is_err(), "segment out of range");
-        let bad = Root { segments: vec![], ..root };
+        let bad = Root { segments: vec![], ..root.clone() };
         assert!(Root::decode(&bad.encode(), &geometry).is_err(), "entries without blocks");
-
-        let entries: Vec<CheckpointEntry> = (0..CHECKPOINT_ENTRIES_PER_BLOCK as u64)
-            .map(|i| CheckpointEntry { volume: i, block: i * 3, location: i as u32, tag: 7 })
-            .collect();
-        let block = encode_checkpoint_block(5, 2, &entries);
-        let mut out = Vec::new();
-        decode_checkpoint_block(&block, &geometry, 5, 2, &mut out).unwrap();
-        assert_eq!(out, entries);
-        assert!(decode_checkpoint_block(&block, &geometry, 6, 2, &mut out).is_err());
-        assert!(decode_checkpoint_block(&block, &geometry, 5, 3, &mut out).is_err());
+        let bad = Root { entry_blocks: 401, ..root.clone() };
+        assert!(Root::decode(&bad.encode(), &geometry).is_err(), "an entry block without entries");
+        let bad = Root { entry_count: 3 * 505 + 1, ..root };
+        assert!(Root::decode(&bad.encode(), &geometry).is_err(), "more entries than blocks hold");
 
         let tombstone = CheckpointEntry {
             volume: 1 << 62,
@@ -1348,26 +1534,15 @@ mod tests {
             location: TOMBSTONE_LOCATION,
             tag: u32::MAX,
         };
-        out.clear();
-        decode_checkpoint_block(
-            &encode_checkpoint_block(5, 0, &[tombstone]),
-            &geometry,
-            5,
-            0,
-            &mut out,
-        )
-        .unwrap();
+        let (block, written) = checkpoint_block(5, 0, &[tombstone]);
+        assert_eq!(written, 1);
+        let mut out = Vec::new();
+        decode_checkpoint_block(&block, &geometry, 5, 0, &mut out).unwrap();
         assert_eq!(out, [tombstone]);
         let bogus = CheckpointEntry { tag: 3, ..tombstone };
         assert!(
-            decode_checkpoint_block(
-                &encode_checkpoint_block(5, 0, &[bogus]),
-                &geometry,
-                5,
-                0,
-                &mut out
-            )
-            .is_err(),
+            decode_checkpoint_block(&checkpoint_block(5, 0, &[bogus]).0, &geometry, 5, 0, &mut out)
+                .is_err(),
             "a tombstone location with a CRC is no tombstone"
         );
 

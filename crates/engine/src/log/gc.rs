@@ -32,9 +32,9 @@ use types::AlignedBuf;
 
 use super::engine::{CompressedBlock, DriveSet, Failure, Leadership, LogHandle, OpenPacks, Stream};
 use super::format::{
-    encode_checkpoint_block, encode_layer_block, BatchHeader, CheckpointEntry, DataSlots, Entry,
+    encode_layer_block, BatchHeader, CheckpointBlockWriter, CheckpointEntry, DataSlots, Entry,
     EntryKind, Geometry, LayerRecordEntry, Root, BATCH_ENTRIES_MAX, BLOCK_BYTES,
-    CHECKPOINT_ENTRIES_PER_BLOCK, LAYER_RECORDS_PER_BLOCK, ROOT_SEGMENTS_MAX, ROOT_SLOT_BLOCKS,
+    CHECKPOINT_ENTRIES_PER_BLOCK_MAX, LAYER_RECORDS_PER_BLOCK, ROOT_SEGMENTS_MAX, ROOT_SLOT_BLOCKS,
     TOMBSTONE_LOCATION,
 };
 use super::index::{pack, packed_tag, raw_tag, unpack, LayerTable, TOMBSTONE, UNITS_PER_POSITION};
@@ -91,6 +91,15 @@ pub enum GcOutcome {
     Cleaned { segment: u32, relocated_blocks: u64 },
     /// No eligible segment holds garbage.
     NoVictim,
+}
+
+/// What [`LogHandle::write_checkpoint`] wrote.
+struct CheckpointWritten {
+    entry_count: u64,
+    entry_blocks: u64,
+    layer_record_count: u64,
+    /// The drives written (to sync).
+    touched: DriveSet,
 }
 
 /// Clears the engine's checkpoint-in-progress flag when dropped.
@@ -648,15 +657,16 @@ impl<D: Drive> LogHandle<D> {
         // 3. Stream the index into checkpoint segments.
         let mut segments = Vec::new();
         let result = self.write_checkpoint(checkpoint_id, &mut segments).await;
-        let (entry_count, layer_record_count, touched) = match result {
-            Ok(written) => written,
-            Err(error) => {
-                for segment in segments {
-                    engine.segments.release(segment);
+        let CheckpointWritten { entry_count, entry_blocks, layer_record_count, touched } =
+            match result {
+                Ok(written) => written,
+                Err(error) => {
+                    for segment in segments {
+                        engine.segments.release(segment);
+                    }
+                    return Err(error);
                 }
-                return Err(error);
-            }
-        };
+            };
         let synced = self.sync_drives(touched).await;
         if let Err(failure) = synced {
             for segment in segments {
@@ -672,6 +682,7 @@ impl<D: Drive> LogHandle<D> {
             lsn_next: engine.lsn_next.load(Ordering::SeqCst),
             segment_seq_next: engine.segment_seq_next.load(Ordering::SeqCst),
             entry_count,
+            entry_blocks,
             layer_record_count,
             segments: segments.clone(),
             open_seqs: open_seqs.clone(),
@@ -693,13 +704,12 @@ impl<D: Drive> LogHandle<D> {
     }
 
     /// Writes every index entry (blocks and tombstones), then the layer table, into newly
-    /// allocated checkpoint segments (appended to `segments`); returns the entry count, the
-    /// layer record count and the drives written.
+    /// allocated checkpoint segments (appended to `segments`).
     async fn write_checkpoint(
         &self,
         checkpoint_id: u64,
         segments: &mut Vec<u32>,
-    ) -> Result<(u64, u64, DriveSet), LogError> {
+    ) -> Result<CheckpointWritten, LogError> {
         let engine = &*self.engine;
         let per_segment = engine.geometry.positions_per_segment() as usize;
         // Written a chunk at a time: encoding a chunk is a bounded stretch of CPU between two
@@ -712,9 +722,12 @@ impl<D: Drive> LogHandle<D> {
         let mut filled = 0usize;
         let mut block_index = 0u32;
         let mut entry_count = 0u64;
+        let mut entry_blocks = 0u64;
         let mut touched = DriveSet::default();
-        let mut pending: Vec<CheckpointEntry> = Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK);
-        let mut chunk: Vec<(u64, u64)> = Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK);
+        // Index entries read but not yet written: `chunk[chunk_at..]`, of layer `chunk_volume`.
+        let mut chunk: Vec<(u64, u64)> = Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK_MAX);
+        let mut chunk_at = 0;
+        let mut chunk_volume = 0;
         // Layer operations never run during a checkpoint (they hold `checkpoint_busy`), so the
         // table is the one every batch below the LSN floor left.
         let layer_records = layer_records(&engine.index.layer_table());
@@ -723,34 +736,49 @@ impl<D: Drive> LogHandle<D> {
         let mut volume_at = 0;
         let mut cursor = Some(0);
         loop {
-            // Fill one block's worth of entries.
-            while pending.len() < CHECKPOINT_ENTRIES_PER_BLOCK && volume_at < volumes.len() {
-                let Some(from) = cursor else {
-                    volume_at += 1;
-                    cursor = Some(0);
-                    continue;
-                };
-                chunk.clear();
-                let limit = CHECKPOINT_ENTRIES_PER_BLOCK - pending.len();
-                cursor = volumes[volume_at].collect_mapped(from, limit, &mut chunk);
-                let volume = volumes[volume_at].volume();
-                for &(block, entry) in &chunk {
-                    let (location, tag) = match unpack(entry) {
-                        Some(found) => found,
-                        None if entry == TOMBSTONE => (TOMBSTONE_LOCATION, u32::MAX),
-                        None => continue,
+            // Fill one block with as many entries as it takes, straight into the buffer.
+            let slot = &mut buffer[filled * BLOCK_BYTES..(filled + 1) * BLOCK_BYTES];
+            let mut writer = CheckpointBlockWriter::new(slot);
+            loop {
+                if chunk_at == chunk.len() {
+                    if volume_at >= volumes.len() {
+                        break;
+                    }
+                    let Some(from) = cursor else {
+                        volume_at += 1;
+                        cursor = Some(0);
+                        continue;
                     };
-                    pending.push(CheckpointEntry { volume, block, location, tag });
+                    chunk.clear();
+                    chunk_at = 0;
+                    cursor = volumes[volume_at].collect_mapped(
+                        from,
+                        CHECKPOINT_ENTRIES_PER_BLOCK_MAX,
+                        &mut chunk,
+                    );
+                    chunk_volume = volumes[volume_at].volume();
+                    continue;
                 }
+                let (block, entry) = chunk[chunk_at];
+                let (location, tag) = match unpack(entry) {
+                    Some(found) => found,
+                    None if entry == TOMBSTONE => (TOMBSTONE_LOCATION, u32::MAX),
+                    None => {
+                        chunk_at += 1;
+                        continue;
+                    }
+                };
+                if !writer.push(&CheckpointEntry { volume: chunk_volume, block, location, tag }) {
+                    break;
+                }
+                chunk_at += 1;
             }
-            let entries_done = volume_at >= volumes.len();
-            if !pending.is_empty() {
-                let block = encode_checkpoint_block(checkpoint_id, block_index, &pending);
-                buffer[filled * BLOCK_BYTES..(filled + 1) * BLOCK_BYTES].copy_from_slice(&block);
+            let entries_done = volume_at >= volumes.len() && chunk_at == chunk.len();
+            if writer.entries() > 0 {
+                entry_count += u64::from(writer.finish(checkpoint_id, block_index));
+                entry_blocks += 1;
                 filled += 1;
                 block_index += 1;
-                entry_count += pending.len() as u64;
-                pending.clear();
             } else if entries_done && layers_at < layer_records.len() {
                 let end = (layers_at + LAYER_RECORDS_PER_BLOCK).min(layer_records.len());
                 let block =
@@ -794,12 +822,18 @@ impl<D: Drive> LogHandle<D> {
                 for drive in written.iter() {
                     touched.insert(drive);
                 }
+                engine.counters.checkpoint_blocks.fetch_add(filled as u64, Ordering::Relaxed);
                 let position = position + filled;
                 current = (position < per_segment).then_some((segment, position));
                 filled = 0;
             }
-            if last && pending.is_empty() && filled == 0 {
-                return Ok((entry_count, layer_records.len() as u64, touched));
+            if last && filled == 0 {
+                return Ok(CheckpointWritten {
+                    entry_count,
+                    entry_blocks,
+                    layer_record_count: layer_records.len() as u64,
+                    touched,
+                });
             }
         }
     }

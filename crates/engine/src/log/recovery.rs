@@ -19,10 +19,10 @@ use super::engine::{CheckpointRecord, DriveSet, LogEngine, LogHandle};
 use super::format::{
     decode_checkpoint_block, decode_layer_block, BatchHeader, CheckpointEntry, DataSlots,
     EntryKind, Geometry, LayerRecordEntry, LogSuperblock, Root, BLOCK_BYTES,
-    CHECKPOINT_ENTRIES_PER_BLOCK, LOG_HEADER_BYTES, ROOT_SLOT_BLOCKS, SUPERBLOCK_BLOCK,
+    CHECKPOINT_ENTRIES_PER_BLOCK_MAX, LOG_HEADER_BYTES, ROOT_SLOT_BLOCKS, SUPERBLOCK_BLOCK,
     TOMBSTONE_LOCATION,
 };
-use super::index::{entry_units, pack, unpack, TOMBSTONE};
+use super::index::{entry_units, pack, unpack, VolumeIndex, TOMBSTONE};
 use super::segments::SegmentState;
 use super::{LogConfig, LogError};
 use crate::compress::unpack as unpack_slot;
@@ -87,6 +87,7 @@ impl LogEngine {
             lsn_next: 1,
             segment_seq_next: 1,
             entry_count: 0,
+            entry_blocks: 0,
             layer_record_count: 0,
             segments: Vec::new(),
             open_seqs: Vec::new(),
@@ -375,11 +376,13 @@ impl<D: Drive> LogHandle<D> {
             }
             engine.segments.claim(*segment, SegmentState::Checkpoint);
         }
-        let entry_blocks = root.entry_blocks();
+        let entry_blocks = root.entry_blocks;
         let block_count = root.checkpoint_blocks();
         let mut layer_records: Vec<LayerRecordEntry> = Vec::new();
-        let mut entries: Vec<CheckpointEntry> = Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK);
+        let mut entries: Vec<CheckpointEntry> =
+            Vec::with_capacity(CHECKPOINT_ENTRIES_PER_BLOCK_MAX);
         let mut loaded = 0u64;
+        let mut layer: Option<Arc<VolumeIndex>> = None;
         let mut block_index = 0u64;
         while block_index < block_count {
             let segment = root.segments[(block_index / u64::from(per_segment)) as usize];
@@ -409,7 +412,11 @@ impl<D: Drive> LogHandle<D> {
                 )
                 .map_err(corrupt)?;
                 for entry in &entries {
-                    let volume = engine.index.get_or_create(entry.volume);
+                    // Entries come in runs of one layer: look it up once per run.
+                    let volume = match &layer {
+                        Some(index) if index.volume() == entry.volume => Arc::clone(index),
+                        _ => engine.index.get_or_create(entry.volume),
+                    };
                     let value = if entry.location == TOMBSTONE_LOCATION {
                         TOMBSTONE
                     } else {
@@ -417,6 +424,7 @@ impl<D: Drive> LogHandle<D> {
                     };
                     volume.swap(entry.block, value);
                     loaded += 1;
+                    layer = Some(volume);
                 }
             }
             block_index += u64::from(count);

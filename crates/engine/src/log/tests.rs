@@ -1053,11 +1053,11 @@ fn host_writes_go_on_while_a_background_gc_step_reads_its_victim() {
     assert!(block_matches(&buf, volume, 10, 9), "{}", describe_block(&buf));
 }
 
-/// Writes blocks 0..2560 of `map` (tag 1): a checkpoint of many blocks (170 entries per block),
-/// so one started is still streaming the index after a few yields.
+/// Writes blocks 0..7680 of `map` (tag 1): a checkpoint of many blocks (505 entries per block
+/// of consecutive ones), so one started is still streaming the index after a few yields.
 fn map_blocks_for_a_long_checkpoint(handle: &LogHandle<SimDrive>, map: &VolumeMap) {
     let volume = map.volume();
-    for chunk in 0..10u64 {
+    for chunk in 0..30u64 {
         let (result, _) = block_on(handle.write(
             map,
             chunk * 256 * BLOCK,
@@ -1095,7 +1095,7 @@ fn beside_a_checkpoint<'a>(
 /// streamed out; and the write is found after a crash (replayed over that checkpoint).
 #[test]
 fn host_writes_go_on_while_a_checkpoint_streams_the_index() {
-    let node = Node::format(96, 23, 2, 1);
+    let node = Node::format(240, 23, 2, 1);
     let handle = &node.handles[0];
     let (_volumes, maps) = volume_maps(&[20_000]);
     let map = &maps[0];
@@ -1120,12 +1120,35 @@ fn host_writes_go_on_while_a_checkpoint_streams_the_index() {
     assert!(block_matches(&buf, volume, 7, 9), "{}", describe_block(&buf));
 }
 
+/// A checkpoint stores a volume's consecutive blocks in runs, 8 bytes each (24 in format
+/// version 5: 46 blocks for these 7,680 entries), and a crash recovers every one of them.
+#[test]
+fn a_checkpoint_takes_8_bytes_per_block_of_a_densely_written_volume() {
+    let node = Node::format(240, 31, 2, 1);
+    let handle = &node.handles[0];
+    let (_volumes, maps) = volume_maps(&[20_000]);
+    let map = &maps[0];
+    map_blocks_for_a_long_checkpoint(handle, map);
+    let before = node.engine.stats().checkpoint_bytes_written;
+    block_on(handle.checkpoint()).unwrap();
+    let blocks = (node.engine.stats().checkpoint_bytes_written - before) / BLOCK;
+    // 7,680 entries in blocks of 505, and the layer table's block.
+    assert_eq!(blocks, 7680u64.div_ceil(505) + 1);
+    let node = node.crash();
+    for block in [0, 504, 505, 7679] {
+        let (result, buf) =
+            block_on(node.handles[0].read(map, block * BLOCK, AlignedBuf::new(BLOCK_BYTES)));
+        result.unwrap();
+        assert!(block_matches(&buf, map.volume(), block, 1), "{}", describe_block(&buf));
+    }
+}
+
 /// A due checkpoint sends commits down the group path only until one starts: while it streams
 /// the index none counts as due, so commits go pipelined again instead of one group at a time;
 /// writes made meanwhile are found after a crash.
 #[test]
 fn commits_pipeline_again_while_a_due_checkpoint_streams_the_index() {
-    let node = Node::format(96, 29, 2, 1);
+    let node = Node::format(240, 29, 2, 1);
     let handle = &node.handles[0];
     let (_volumes, maps) = volume_maps(&[20_000]);
     let map = &maps[0];
