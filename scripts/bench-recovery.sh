@@ -5,12 +5,18 @@
 # (seconds, bytes read, blocks recovered). Repeats ROUNDS times on fresh data dirs.
 #
 #   SIZE=3G ROUNDS=3 scripts/bench-recovery.sh
+#   FERRITE_BIN=/path/to/ferrite SIZE=10G ROUNDS=1 scripts/bench-recovery.sh   # another build
+#   SIGNAL=TERM scripts/bench-recovery.sh   # a clean stop instead: the node writes a final
+#                                           # checkpoint, so the restart times loading it alone
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size=${SIZE:-3G}
 rounds=${ROUNDS:-3}
-ferrite=./target/release/ferrite
-[ -x "$ferrite" ] || cargo build --release --locked --bin ferrite
+signal=${SIGNAL:-KILL}
+case "$signal" in KILL | TERM) ;; *) echo "bench-recovery: SIGNAL must be KILL or TERM, not '$signal'" >&2; exit 2 ;; esac
+ferrite=${FERRITE_BIN:-./target/release/ferrite}
+if [ -z "${FERRITE_BIN:-}" ] && [ ! -x "$ferrite" ]; then cargo build --release --locked --bin ferrite; fi
+[ -x "$ferrite" ] || { echo "bench-recovery: $ferrite is not an executable" >&2; exit 2; }
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/ferrite-recovery.XXXXXX")
 server=""
 cleanup() {
@@ -49,12 +55,12 @@ print(f"mapped {c['mapped_bytes'] / gib:.2f} GiB, physically used {c['physical_u
       f"write amplification {c['write_amplification']:.2f}")
 PY
 )
-    kill -KILL "$server"; wait "$server" 2>/dev/null || true
+    kill -"$signal" "$server"; wait "$server" 2>/dev/null || true
     server=""
     begin=$(date +%s.%N)
     start "$data"
     end=$(date +%s.%N)
-    echo "round $round: $size filled + 5 s of 4K random writes; restart to API ready: $(python3 -c "print(round($end-$begin, 2))") s"
+    echo "round $round: $size filled + 5 s of 4K random writes; SIG$signal, restart to API ready: $(python3 -c "print(round($end-$begin, 2))") s"
     echo "  before the kill: $written"
     grep "recovered the log" "$work/up.log" | tail -1 | sed 's/^.*INFO //; s/^/  /'
     kill -TERM "$server"; wait "$server" || true
