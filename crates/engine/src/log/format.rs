@@ -22,6 +22,8 @@ pub const LOG_FORMAT_VERSION: u32 = 6;
 pub const LOG_SUPERBLOCK_MAGIC: [u8; 16] = *b"FERRITE\0LOG\0\0\0\0\0";
 /// Magics of the other structures (the first 8 bytes of their block).
 pub const ROOT_MAGIC: [u8; 8] = *b"FRTROOT\0";
+/// The magic of a root's continuation blocks (its lists beyond the first block).
+pub const ROOT_CONTINUATION_MAGIC: [u8; 8] = *b"FRTROOT+";
 pub const BATCH_MAGIC: [u8; 8] = *b"FRTBATCH";
 pub const CHECKPOINT_MAGIC: [u8; 8] = *b"FRTCKPT\0";
 pub const LAYERS_MAGIC: [u8; 8] = *b"FRTLAYER";
@@ -30,7 +32,11 @@ pub const LAYERS_MAGIC: [u8; 8] = *b"FRTLAYER";
 pub const LOG_HEADER_BYTES: u64 = 1 << 20;
 /// Block numbers inside the header region.
 pub const SUPERBLOCK_BLOCK: u64 = 0;
-pub const ROOT_SLOT_BLOCKS: [u64; 2] = [1, 2];
+/// The first block of each of the two root slots; a slot spans up to [`ROOT_BLOCKS_MAX`].
+pub const ROOT_SLOT_BLOCKS: [u64; 2] = [1, 1 + ROOT_BLOCKS_MAX as u64];
+/// Blocks one root may span: its first block, then continuation blocks holding the rest of its
+/// lists (a node of many segments lists many checkpoint segments).
+pub const ROOT_BLOCKS_MAX: usize = 64;
 /// The per-drive segment unit: at least 64 KiB (so a batch rarely spans many units) and at most
 /// 1 GiB (so a segment stays a bounded amount of work for GC).
 pub const UNIT_BYTES_MIN: u64 = 64 << 10;
@@ -52,9 +58,8 @@ pub const LAYER_RECORDS_PER_BLOCK: usize =
 pub const TOMBSTONE_LOCATION: u32 = u32::MAX;
 /// Open segments (by sequence number) one root can list: two per handle.
 pub const ROOT_OPEN_SEGMENTS_MAX: usize = 256;
-/// Checkpoint segments one root can list.
-pub const ROOT_SEGMENTS_MAX: usize =
-    (BLOCK_BYTES - 4 - ROOT_SEGMENTS_OFFSET - 8 * ROOT_OPEN_SEGMENTS_MAX) / 4;
+/// Checkpoint segments one root can list (with a full open list beside them).
+pub const ROOT_SEGMENTS_MAX: usize = (ROOT_LIST_BYTES_MAX - 8 * ROOT_OPEN_SEGMENTS_MAX) / 4;
 /// The largest volume block number plus one (1 PiB of 4 KiB blocks).
 pub const VOLUME_BLOCKS_MAX: u64 = types::VOLUME_SIZE_BYTES_MAX / BLOCK_BYTES_U64;
 /// Locations are u32 and `u32::MAX` is never a location (index entries store location + 1).
@@ -74,7 +79,13 @@ const CHECKPOINT_SLOT_BYTES: usize = 8;
 const ROOT_OPEN_COUNT_OFFSET: usize = 64;
 const ROOT_LAYER_COUNT_OFFSET: usize = 68;
 const ROOT_ENTRY_BLOCKS_OFFSET: usize = 76;
-const ROOT_SEGMENTS_OFFSET: usize = 84;
+const ROOT_BLOCK_COUNT_OFFSET: usize = 84;
+/// Where the lists start in a root's first block and in each continuation block.
+const ROOT_LISTS_OFFSET: usize = 88;
+const ROOT_CONTINUATION_LISTS_OFFSET: usize = 24;
+/// The list bytes all the blocks of one root hold.
+const ROOT_LIST_BYTES_MAX: usize = (CHECKSUM_OFFSET - ROOT_LISTS_OFFSET)
+    + (ROOT_BLOCKS_MAX - 1) * (CHECKSUM_OFFSET - ROOT_CONTINUATION_LISTS_OFFSET);
 const LAYER_RECORD_BYTES: usize = 32;
 const LAYER_RECORDS_OFFSET: usize = 32;
 
@@ -84,7 +95,9 @@ const _: () = assert!(CHECKPOINT_ENTRIES_PER_BLOCK_MAX == 505);
 const _: () = assert!(VOLUME_BLOCKS_MAX <= 1 << 48);
 const _: () = assert!(LAYER_RECORDS_PER_BLOCK == 126);
 const _: () = assert!(LOG_HEADER_BYTES % BLOCK_BYTES_U64 == 0);
-const _: () = assert!((ROOT_SLOT_BLOCKS[1] + 1) * BLOCK_BYTES_U64 <= LOG_HEADER_BYTES);
+const _: () =
+    assert!((ROOT_SLOT_BLOCKS[1] + ROOT_BLOCKS_MAX as u64) * BLOCK_BYTES_U64 <= LOG_HEADER_BYTES);
+const _: () = assert!(ROOT_SEGMENTS_MAX == 64_560);
 const _: () =
     assert!(UNIT_BYTES_MIN % BLOCK_BYTES_U64 == 0 && UNIT_BYTES_MAX % BLOCK_BYTES_U64 == 0);
 
@@ -565,51 +578,96 @@ impl Root {
             .saturating_add(self.layer_record_count.div_ceil(LAYER_RECORDS_PER_BLOCK as u64))
     }
 
-    pub fn encode(&self) -> [u8; BLOCK_BYTES] {
+    /// The root's blocks: the first, then as many continuation blocks as its lists need.
+    pub fn encode(&self) -> Vec<u8> {
         assert!(self.segments.len() <= ROOT_SEGMENTS_MAX);
         assert!(self.open_seqs.len() <= ROOT_OPEN_SEGMENTS_MAX);
-        let mut block = [0u8; BLOCK_BYTES];
-        put(&mut block, 0, &ROOT_MAGIC);
-        put(&mut block, 8, &LOG_FORMAT_VERSION.to_le_bytes());
-        put(&mut block, 12, &(self.segments.len() as u32).to_le_bytes());
-        put(&mut block, 16, &self.checkpoint_id.to_le_bytes());
-        put(&mut block, 24, &self.lsn_floor.to_le_bytes());
-        put(&mut block, 32, &self.segment_seq_floor.to_le_bytes());
-        put(&mut block, 40, &self.entry_count.to_le_bytes());
-        put(&mut block, 48, &self.lsn_next.to_le_bytes());
-        put(&mut block, 56, &self.segment_seq_next.to_le_bytes());
-        put(&mut block, ROOT_OPEN_COUNT_OFFSET, &(self.open_seqs.len() as u32).to_le_bytes());
-        put(&mut block, ROOT_LAYER_COUNT_OFFSET, &self.layer_record_count.to_le_bytes());
-        put(&mut block, ROOT_ENTRY_BLOCKS_OFFSET, &self.entry_blocks.to_le_bytes());
-        for (index, segment) in self.segments.iter().enumerate() {
-            put(&mut block, ROOT_SEGMENTS_OFFSET + 4 * index, &segment.to_le_bytes());
+        let mut lists = Vec::with_capacity(4 * self.segments.len() + 8 * self.open_seqs.len());
+        for segment in &self.segments {
+            lists.extend_from_slice(&segment.to_le_bytes());
         }
-        let open_offset = ROOT_SEGMENTS_OFFSET + 4 * self.segments.len();
-        for (index, seq) in self.open_seqs.iter().enumerate() {
-            put(&mut block, open_offset + 8 * index, &seq.to_le_bytes());
+        for seq in &self.open_seqs {
+            lists.extend_from_slice(&seq.to_le_bytes());
         }
-        seal(&mut block);
-        block
+        let first_room = CHECKSUM_OFFSET - ROOT_LISTS_OFFSET;
+        let more_room = CHECKSUM_OFFSET - ROOT_CONTINUATION_LISTS_OFFSET;
+        let block_count = 1 + lists.len().saturating_sub(first_room).div_ceil(more_room);
+        assert!(block_count <= ROOT_BLOCKS_MAX);
+        let mut blocks = vec![0u8; block_count * BLOCK_BYTES];
+        let (first, rest) = blocks.split_at_mut(BLOCK_BYTES);
+        put(first, 0, &ROOT_MAGIC);
+        put(first, 8, &LOG_FORMAT_VERSION.to_le_bytes());
+        put(first, 12, &(self.segments.len() as u32).to_le_bytes());
+        put(first, 16, &self.checkpoint_id.to_le_bytes());
+        put(first, 24, &self.lsn_floor.to_le_bytes());
+        put(first, 32, &self.segment_seq_floor.to_le_bytes());
+        put(first, 40, &self.entry_count.to_le_bytes());
+        put(first, 48, &self.lsn_next.to_le_bytes());
+        put(first, 56, &self.segment_seq_next.to_le_bytes());
+        put(first, ROOT_OPEN_COUNT_OFFSET, &(self.open_seqs.len() as u32).to_le_bytes());
+        put(first, ROOT_LAYER_COUNT_OFFSET, &self.layer_record_count.to_le_bytes());
+        put(first, ROOT_ENTRY_BLOCKS_OFFSET, &self.entry_blocks.to_le_bytes());
+        put(first, ROOT_BLOCK_COUNT_OFFSET, &(block_count as u32).to_le_bytes());
+        let (head, mut tail) = lists.split_at(lists.len().min(first_room));
+        put(first, ROOT_LISTS_OFFSET, head);
+        seal(first);
+        for (index, block) in rest.chunks_exact_mut(BLOCK_BYTES).enumerate() {
+            let (part, left) = tail.split_at(tail.len().min(more_room));
+            put(block, 0, &ROOT_CONTINUATION_MAGIC);
+            put(block, 8, &LOG_FORMAT_VERSION.to_le_bytes());
+            put(block, 12, &(index as u32 + 1).to_le_bytes());
+            put(block, 16, &self.checkpoint_id.to_le_bytes());
+            put(block, ROOT_CONTINUATION_LISTS_OFFSET, part);
+            seal(block);
+            tail = left;
+        }
+        blocks
     }
 
-    pub fn decode(block: &[u8], geometry: &Geometry) -> Result<Self, DecodeError> {
-        check_block(block, &ROOT_MAGIC, 8)?;
-        let count = le_u32(block, 12) as usize;
+    /// Decodes the root at the start of `slot` (a root slot's blocks as read, at least the
+    /// first; a root spanning more than `slot` holds is refused).
+    pub fn decode(slot: &[u8], geometry: &Geometry) -> Result<Self, DecodeError> {
+        let first = slot
+            .get(..BLOCK_BYTES)
+            .ok_or(DecodeError::FieldInvalid { field: "root_blocks", value: 0 })?;
+        check_block(first, &ROOT_MAGIC, 8)?;
+        let count = le_u32(first, 12) as usize;
         field(count <= ROOT_SEGMENTS_MAX, "segment_list_length", count as u64)?;
-        let open_count = le_u32(block, ROOT_OPEN_COUNT_OFFSET) as usize;
+        let open_count = le_u32(first, ROOT_OPEN_COUNT_OFFSET) as usize;
         field(open_count <= ROOT_OPEN_SEGMENTS_MAX, "open_list_length", open_count as u64)?;
-        let open_offset = ROOT_SEGMENTS_OFFSET + 4 * count;
+        let checkpoint_id = le_u64(first, 16);
+        let block_count = le_u32(first, ROOT_BLOCK_COUNT_OFFSET) as usize;
+        field(
+            (1..=ROOT_BLOCKS_MAX).contains(&block_count) && block_count * BLOCK_BYTES <= slot.len(),
+            "root_blocks",
+            block_count as u64,
+        )?;
+        // The lists, gathered from every block of the root.
+        let mut lists = first[ROOT_LISTS_OFFSET..CHECKSUM_OFFSET].to_vec();
+        for index in 1..block_count {
+            let block = &slot[index * BLOCK_BYTES..(index + 1) * BLOCK_BYTES];
+            check_block(block, &ROOT_CONTINUATION_MAGIC, 8)?;
+            field(
+                le_u32(block, 12) as usize == index,
+                "root_block_index",
+                le_u32(block, 12).into(),
+            )?;
+            field(le_u64(block, 16) == checkpoint_id, "checkpoint_id", le_u64(block, 16))?;
+            lists.extend_from_slice(&block[ROOT_CONTINUATION_LISTS_OFFSET..CHECKSUM_OFFSET]);
+        }
+        let open_offset = 4 * count;
+        field(open_offset + 8 * open_count <= lists.len(), "root_blocks", block_count as u64)?;
         let root = Self {
-            checkpoint_id: le_u64(block, 16),
-            lsn_floor: le_u64(block, 24),
-            segment_seq_floor: le_u64(block, 32),
-            entry_count: le_u64(block, 40),
-            entry_blocks: le_u64(block, ROOT_ENTRY_BLOCKS_OFFSET),
-            layer_record_count: le_u64(block, ROOT_LAYER_COUNT_OFFSET),
-            lsn_next: le_u64(block, 48),
-            segment_seq_next: le_u64(block, 56),
-            segments: (0..count).map(|i| le_u32(block, ROOT_SEGMENTS_OFFSET + 4 * i)).collect(),
-            open_seqs: (0..open_count).map(|i| le_u64(block, open_offset + 8 * i)).collect(),
+            checkpoint_id,
+            lsn_floor: le_u64(first, 24),
+            segment_seq_floor: le_u64(first, 32),
+            entry_count: le_u64(first, 40),
+            entry_blocks: le_u64(first, ROOT_ENTRY_BLOCKS_OFFSET),
+            layer_record_count: le_u64(first, ROOT_LAYER_COUNT_OFFSET),
+            lsn_next: le_u64(first, 48),
+            segment_seq_next: le_u64(first, 56),
+            segments: (0..count).map(|i| le_u32(&lists, 4 * i)).collect(),
+            open_seqs: (0..open_count).map(|i| le_u64(&lists, open_offset + 8 * i)).collect(),
         };
         field(root.checkpoint_id > 0, "checkpoint_id", 0)?;
         field(root.lsn_floor <= root.lsn_next, "lsn_floor", root.lsn_floor)?;
@@ -1501,6 +1559,61 @@ mod tests {
         let mut torn = good;
         torn[CHECKPOINT_RUNS_OFFSET + 20] ^= 1;
         assert!(decode_checkpoint_block(&torn, &geometry, 5, 0, &mut Vec::new()).is_err());
+    }
+
+    /// A root whose lists outgrow its first block continues in further blocks of its slot;
+    /// a damaged, missing or stale continuation block (another checkpoint's) refuses the root.
+    #[test]
+    fn a_long_root_spans_continuation_blocks() {
+        let geometry =
+            Geometry::new(4, LOG_HEADER_BYTES + 5_000 * (64 << 10), 64 << 10, 0).unwrap();
+        let root = |checkpoint_id: u64| Root {
+            checkpoint_id,
+            lsn_floor: 10,
+            segment_seq_floor: 3,
+            lsn_next: 20,
+            segment_seq_next: 5,
+            entry_count: 3_000 * 60,
+            entry_blocks: 3_000 * 60 / 500,
+            layer_record_count: 0,
+            segments: (0..3_000).map(|i| (i * 7 + checkpoint_id as u32) % 5_000).collect(),
+            open_seqs: (0..100).map(|i| 1_000 + i).collect(),
+        };
+        let long = root(7);
+        let blocks = long.encode();
+        // 3,000 x 4 + 100 x 8 bytes of lists: 4,004 in the first block, 4,068 in each other.
+        assert_eq!(blocks.len(), 4 * BLOCK_BYTES);
+        let mut slot = blocks.clone();
+        slot.resize(ROOT_BLOCKS_MAX * BLOCK_BYTES, 0xa5);
+        assert_eq!(Root::decode(&slot, &geometry), Ok(long.clone()));
+        assert!(Root::decode(&blocks[..3 * BLOCK_BYTES], &geometry).is_err(), "a block missing");
+        let mut torn = blocks.clone();
+        torn[2 * BLOCK_BYTES + 100] ^= 1;
+        assert!(Root::decode(&torn, &geometry).is_err(), "a torn continuation block");
+        let mut stale = root(8).encode();
+        stale[BLOCK_BYTES..].copy_from_slice(&blocks[BLOCK_BYTES..]);
+        assert!(Root::decode(&stale, &geometry).is_err(), "another checkpoint's continuation");
+        // A short root stays one block, whatever the slot held before.
+        let short = Root {
+            segments: vec![1, 2],
+            open_seqs: vec![],
+            entry_count: 10,
+            entry_blocks: 1,
+            ..long
+        };
+        let mut slot = short.encode();
+        assert_eq!(slot.len(), BLOCK_BYTES);
+        slot.extend_from_slice(&blocks[BLOCK_BYTES..]);
+        assert_eq!(Root::decode(&slot, &geometry), Ok(short));
+        let most = Root {
+            segments: vec![9; ROOT_SEGMENTS_MAX],
+            open_seqs: vec![4; ROOT_OPEN_SEGMENTS_MAX],
+            entry_count: 500,
+            entry_blocks: 1,
+            ..root(9)
+        };
+        assert_eq!(most.encode().len(), ROOT_BLOCKS_MAX * BLOCK_BYTES);
+        assert_eq!(Root::decode(&most.encode(), &geometry), Ok(most));
     }
 
     #[test]

@@ -854,10 +854,10 @@ impl<D: Drive> LogHandle<D> {
                 }
                 return Err(LogError::DriveFailed { drive });
             }
-            let mut buf = AlignedBuf::new(BLOCK_BYTES);
+            let mut buf = AlignedBuf::new(encoded.len());
             buf.copy_from_slice(&encoded);
             let (result, _) = target.write_at(offset_bytes, buf).await;
-            engine.counters.device_bytes_written.fetch_add(BLOCK_BYTES as u64, Ordering::Relaxed);
+            engine.counters.device_bytes_written.fetch_add(encoded.len() as u64, Ordering::Relaxed);
             if let Err(source) = result {
                 engine.latches.latch(drive);
                 if engine.geometry.is_coded() && self.failures_tolerable() {

@@ -19,8 +19,8 @@ use super::engine::{CheckpointRecord, DriveSet, LogEngine, LogHandle};
 use super::format::{
     decode_checkpoint_block, decode_layer_block, BatchHeader, CheckpointEntry, DataSlots,
     EntryKind, Geometry, LayerRecordEntry, LogSuperblock, Root, BLOCK_BYTES,
-    CHECKPOINT_ENTRIES_PER_BLOCK_MAX, LOG_HEADER_BYTES, ROOT_SLOT_BLOCKS, SUPERBLOCK_BLOCK,
-    TOMBSTONE_LOCATION,
+    CHECKPOINT_ENTRIES_PER_BLOCK_MAX, LOG_HEADER_BYTES, ROOT_BLOCKS_MAX, ROOT_SLOT_BLOCKS,
+    SUPERBLOCK_BLOCK, TOMBSTONE_LOCATION,
 };
 use super::index::{entry_units, pack, unpack, VolumeIndex, TOMBSTONE};
 use super::segments::SegmentState;
@@ -106,10 +106,12 @@ impl LogEngine {
                 geometry,
                 rebuilding: false,
             };
-            let blocks =
-                [(SUPERBLOCK_BLOCK, superblock.encode()), (ROOT_SLOT_BLOCKS[1], empty.encode())];
+            let blocks = [
+                (SUPERBLOCK_BLOCK, superblock.encode().to_vec()),
+                (ROOT_SLOT_BLOCKS[1], empty.encode()),
+            ];
             for (block, bytes) in blocks {
-                let mut buf = AlignedBuf::new(BLOCK_BYTES);
+                let mut buf = AlignedBuf::new(bytes.len());
                 buf.copy_from_slice(&bytes);
                 let (result, _) = drive.write_at(geometry.header_offset_bytes(block), buf).await;
                 result.map_err(io)?;
@@ -272,8 +274,11 @@ impl<D: Drive> LogHandle<D> {
         }
         let mut exclude = DriveSet::default();
         exclude.insert(geometry.drive_row(position).0);
-        let block = self.read_stripes(segment, position, 1, exclude).await.ok()?;
+        // Counted only if it rebuilt a header: recovery, GC and the scrub try it wherever a
+        // header chain ends, where a healthy log has no header (a never-written position).
+        let block = self.read_stripes_counted(segment, position, 1, exclude, false).await.ok()?;
         let header = BatchHeader::decode(&block, &geometry, segment, position).ok()?;
+        self.engine.counters.reconstructed_reads.fetch_add(1, Ordering::Relaxed);
         Some((header, block))
     }
 
@@ -347,14 +352,20 @@ impl<D: Drive> LogHandle<D> {
             }
             let drive = self.drive(index);
             for slot in ROOT_SLOT_BLOCKS {
-                let read = read_block(&*drive, index, geometry.header_offset_bytes(slot)).await;
+                // The whole slot: a root spans up to ROOT_BLOCKS_MAX blocks.
+                let offset_bytes = geometry.header_offset_bytes(slot);
+                let (read, block) = drive
+                    .read_at(offset_bytes, AlignedBuf::new(ROOT_BLOCKS_MAX * BLOCK_BYTES))
+                    .await;
+                let read =
+                    read.map(|()| block).map_err(|source| LogError::Io { drive: index, source });
                 let block = match read {
                     Ok(block) => block,
                     // A coded log reads the root from the drives that answer.
                     Err(_) if geometry.is_coded() => continue,
                     Err(error) => return Err(error),
                 };
-                report.bytes_read += BLOCK_BYTES as u64;
+                report.bytes_read += (ROOT_BLOCKS_MAX * BLOCK_BYTES) as u64;
                 if let Ok(found) = Root::decode(&block, &geometry) {
                     if root.as_ref().is_none_or(|best| found.checkpoint_id > best.checkpoint_id) {
                         root = Some(found);

@@ -204,6 +204,20 @@ impl<D: Drive> LogHandle<D> {
         count: u32,
         exclude: DriveSet,
     ) -> Result<AlignedBuf, LogError> {
+        self.read_stripes_counted(segment, first, count, exclude, true).await
+    }
+
+    /// [`LogHandle::read_stripes`]; `counted`: a read served by reconstruction counts in
+    /// `reconstructed_reads` (a caller that only tries whether a rebuilt cell decodes, as
+    /// [`LogHandle::rebuilt_header`] does, counts itself once it does).
+    pub(super) async fn read_stripes_counted(
+        &self,
+        segment: u32,
+        first: u32,
+        count: u32,
+        exclude: DriveSet,
+        counted: bool,
+    ) -> Result<AlignedBuf, LogError> {
         if count == 0 {
             return Ok(AlignedBuf::new(0));
         }
@@ -215,11 +229,11 @@ impl<D: Drive> LogHandle<D> {
             match self.read_cells_direct(segment, first, count).await {
                 Ok(out) => return Ok(out),
                 Err(unreadable) => {
-                    return self.read_degraded(segment, first, count, unreadable).await
+                    return self.read_degraded(segment, first, count, unreadable, counted).await
                 }
             }
         }
-        self.read_degraded(segment, first, count, exclude).await
+        self.read_degraded(segment, first, count, exclude, counted).await
     }
 
     /// The fast path: per drive, one read of the rows from its first to its last needed cell.
@@ -284,6 +298,7 @@ impl<D: Drive> LogHandle<D> {
         first: u32,
         count: u32,
         exclude: DriveSet,
+        counted: bool,
     ) -> Result<AlignedBuf, LogError> {
         let geometry = &self.engine.geometry;
         let k = u32::from(geometry.data_shards);
@@ -291,7 +306,9 @@ impl<D: Drive> LogHandle<D> {
         let stripe_first = first / k;
         let stripes = (first + count - 1) / k + 1 - stripe_first;
         let cells = self.read_stripe_cells(segment, stripe_first, stripes, exclude).await?;
-        self.engine.counters.reconstructed_reads.fetch_add(1, Ordering::Relaxed);
+        if counted {
+            self.engine.counters.reconstructed_reads.fetch_add(1, Ordering::Relaxed);
+        }
         let mut out = AlignedBuf::new(count as usize * BLOCK_BYTES);
         for position in first..first + count {
             let at = position / k - stripe_first;

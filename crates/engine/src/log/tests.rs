@@ -1213,6 +1213,27 @@ fn deleted_volumes_stay_deleted_after_recovery() {
     assert!(buf.iter().all(|b| *b == 0));
 }
 
+/// A node of four 1 TiB drives (8 MiB units: 131,071 segments of 32 MiB) starts: its
+/// checkpoint, sized for the worst case, needs 777 segments, more than one root block lists.
+#[test]
+fn a_node_of_four_1_tib_drives_fits_its_checkpoint_in_the_root() {
+    let size_bytes = 1u64 << 40;
+    let config = LogConfig::for_drives(NodeUuid([9; 16]), size_bytes, 64);
+    let geometry = super::format::Geometry::coded(
+        4,
+        size_bytes,
+        config.unit_bytes,
+        config.area_offset_bytes,
+        ErasureScheme::NONE,
+    )
+    .unwrap();
+    assert_eq!(geometry.unit_bytes(), 8 << 20);
+    let engine = LogEngine::new(geometry, config, Arc::new(DriveLatches::new(4)));
+    if let Err(error) = engine {
+        panic!("a 4 x 1 TiB node is refused: {error}");
+    }
+}
+
 #[test]
 fn conformance_over_simulated_drives() {
     let drives = sim_drives(256, 11, 3);
