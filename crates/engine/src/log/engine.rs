@@ -1133,6 +1133,36 @@ impl<D: Drive> LogHandle<D> {
         }
     }
 
+    /// The position a queued batch will take in the host stream's open segment if the batches
+    /// ahead of it go pipelined: the open segment's next position plus the positions of the
+    /// queued batches but the last `skip_back`. None without an open segment.
+    fn next_batch_start(&self, queue: &VecDeque<Pending>, skip_back: usize) -> Option<u32> {
+        let state = self.streams[Stream::Host as usize].borrow();
+        state.segment?;
+        let ahead = queue.len().saturating_sub(skip_back);
+        let queued: usize = queue.iter().take(ahead).map(|batch| 1 + batch.data_blocks).sum();
+        Some(state.next_position.saturating_add(u32::try_from(queued).unwrap_or(u32::MAX)))
+    }
+
+    /// The data blocks a batch starting at `start` may hold: on a log without parity, as many
+    /// as fit before its stripe chunk ends (at least one), so the batch is one O_DSYNC write to
+    /// one drive, not two writes and two flushes on two drives (about a quarter of the batches
+    /// of a 4K random write stream crossed a chunk boundary); the writers behind it start the
+    /// next batch at the boundary. A prediction: a segment switch moves the batches, which then
+    /// only cross as before.
+    fn chunk_data_max(&self, start: Option<u32>) -> usize {
+        let geometry = &self.engine.geometry;
+        let batch_data_max = self.engine.batch_data_max;
+        match start {
+            Some(start) if !geometry.is_coded() && geometry.drive_count > 1 => {
+                // The header takes the first position.
+                let room = geometry.chunk_room(start).saturating_sub(1).max(1);
+                batch_data_max.min(room as usize)
+            }
+            _ => batch_data_max,
+        }
+    }
+
     /// A fresh admission turn for [`LogHandle::enqueue`]: hold it across every entry of one
     /// request, so a request's blocks sit back to back in the batches, not interleaved with
     /// those of the writers waiting beside it.
@@ -1153,14 +1183,15 @@ impl<D: Drive> LogHandle<D> {
         admitted: bool,
         host_bytes: u64,
     ) -> Rc<BatchCell> {
-        let batch_data_max = self.engine.batch_data_max;
-        let has_room = |batch: &Pending, cells_log2: Option<u8>| {
+        // `data_max`: the data blocks the batch may hold (see `LogHandle::chunk_data_max`).
+        let has_room = |batch: &Pending, cells_log2: Option<u8>, data_max: usize| {
             let cell = cells_log2.is_some_and(|cells_log2| {
                 batch.packs.as_ref().is_some_and(|packs| packs.has_cell(cells_log2))
             });
             batch.entries.len() < BATCH_ENTRIES_MAX
-                && (data.is_none() || cell || batch.data_blocks < batch_data_max)
+                && (data.is_none() || cell || batch.data_blocks < data_max)
         };
+        let batch_data_max = self.engine.batch_data_max;
         loop {
             let my_turn = match ticket.ticket {
                 None => !self.admission.waiting(),
@@ -1182,7 +1213,10 @@ impl<D: Drive> LogHandle<D> {
                 };
                 let class = compressed.map(|(_, class)| class);
                 let mut queue = self.queue.borrow_mut();
-                if !queue.back().is_some_and(|batch| has_room(batch, class))
+                // Where the forming batch will start, if the batches before it go pipelined.
+                let back_start = self.next_batch_start(&queue, 1);
+                let back_max = self.chunk_data_max(back_start);
+                if !queue.back().is_some_and(|batch| has_room(batch, class, back_max))
                     && queue.len() < BATCHES_QUEUED_MAX
                 {
                     queue.push_back(Pending {
@@ -1195,7 +1229,10 @@ impl<D: Drive> LogHandle<D> {
                         packs: None,
                     });
                 }
-                if let Some(batch) = queue.back_mut().filter(|batch| has_room(batch, class)) {
+                let back_max = self.chunk_data_max(self.next_batch_start(&queue, 1));
+                if let Some(batch) =
+                    queue.back_mut().filter(|batch| has_room(batch, class, back_max))
+                {
                     match (data, compressed, entry.kind) {
                         (Some(_), Some((bytes, cells_log2)), EntryKind::Data { crc }) => {
                             let can_open = batch.data_blocks < batch_data_max;

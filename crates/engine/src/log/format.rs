@@ -433,6 +433,12 @@ impl Geometry {
             + u64::from(row) * BLOCK_BYTES_U64
     }
 
+    /// Positions from `position` to the end of its stripe chunk, `position` included (the
+    /// positions after them sit on the next drive).
+    pub fn chunk_room(&self, position: u32) -> u32 {
+        self.stripe_blocks - position % self.stripe_blocks
+    }
+
     /// For positions `first..first + count` of a segment: per drive, the first row and the row
     /// count it holds (drives holding none are skipped).
     pub fn drive_runs(&self, first: u32, count: u32) -> impl Iterator<Item = (u16, u32, u32)> {
