@@ -51,12 +51,14 @@ pub struct RecoveryReport {
     pub drives_unusable: u16,
 }
 
-async fn read_block<D: Drive>(
+/// Reads `blocks` blocks of drive `drive_index` from `offset_bytes`.
+async fn read_blocks<D: Drive>(
     drive: &D,
     drive_index: u16,
     offset_bytes: u64,
+    blocks: usize,
 ) -> Result<AlignedBuf, LogError> {
-    let (result, buf) = drive.read_at(offset_bytes, AlignedBuf::new(BLOCK_BYTES)).await;
+    let (result, buf) = drive.read_at(offset_bytes, AlignedBuf::new(blocks * BLOCK_BYTES)).await;
     result.map_err(|source| LogError::Io { drive: drive_index, source })?;
     Ok(buf)
 }
@@ -137,7 +139,7 @@ impl LogEngine {
         for (index, drive) in drives.iter().enumerate() {
             let drive_index = index as u16;
             let offset_bytes = config.area_offset_bytes + SUPERBLOCK_BLOCK * BLOCK_BYTES as u64;
-            let block = match read_block(drive, drive_index, offset_bytes).await {
+            let block = match read_blocks(drive, drive_index, offset_bytes, 1).await {
                 Ok(block) => block,
                 Err(error) => {
                     unusable.push((drive_index, error));
@@ -274,8 +276,9 @@ impl<D: Drive> LogHandle<D> {
         }
         let mut exclude = DriveSet::default();
         exclude.insert(geometry.drive_row(position).0);
-        // Counted only if it rebuilt a header: recovery, GC and the scrub try it wherever a
-        // header chain ends, where a healthy log has no header (a never-written position).
+        // Counted only if it rebuilt a header: recovery tries it where each segment's header
+        // chain ends, which on a healthy log is a position never written (GC and the scrub
+        // only where a header they expect does not decode).
         let block = self.read_stripes_counted(segment, position, 1, exclude, false).await.ok()?;
         let header = BatchHeader::decode(&block, &geometry, segment, position).ok()?;
         self.engine.counters.reconstructed_reads.fetch_add(1, Ordering::Relaxed);
@@ -354,11 +357,7 @@ impl<D: Drive> LogHandle<D> {
             for slot in ROOT_SLOT_BLOCKS {
                 // The whole slot: a root spans up to ROOT_BLOCKS_MAX blocks.
                 let offset_bytes = geometry.header_offset_bytes(slot);
-                let (read, block) = drive
-                    .read_at(offset_bytes, AlignedBuf::new(ROOT_BLOCKS_MAX * BLOCK_BYTES))
-                    .await;
-                let read =
-                    read.map(|()| block).map_err(|source| LogError::Io { drive: index, source });
+                let read = read_blocks(&*drive, index, offset_bytes, ROOT_BLOCKS_MAX).await;
                 let block = match read {
                     Ok(block) => block,
                     // A coded log reads the root from the drives that answer.
