@@ -75,3 +75,16 @@ impl Future for YieldNow {
         Poll::Pending
     }
 }
+
+/// Completes as soon as either future does (the other is dropped unfinished).
+pub async fn either<A: Future<Output = ()>, B: Future<Output = ()>>(a: A, b: B) {
+    let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
+    std::future::poll_fn(|cx| {
+        if a.as_mut().poll(cx).is_ready() || b.as_mut().poll(cx).is_ready() {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await
+}

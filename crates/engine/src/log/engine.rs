@@ -20,8 +20,10 @@
 //! when it and every earlier one are durable, in LSN order (`LogHandle::advance`); if one fails,
 //! the later ones of its segment fail with it, since recovery stops at the first torn batch of a
 //! segment. Anything else the leader does (a segment switch, a checkpoint, GC, a coded log's
-//! group) first waits until none is in flight. Beside batches in flight, a leader lets the
-//! thread's other ready tasks run once before taking a small batch
+//! group) first waits until none is in flight. Beside batches in flight, a batch goes once it
+//! is as large as the newest of them (`LogHandle::worth_sending`): the writer whose block makes
+//! it so wakes the waiting leader, so it goes beside them rather than after them. A leader lets
+//! the thread's other ready tasks run once before taking a small batch
 //! ([`BATCH_GATHER_BELOW_BLOCKS`]), so writers woken together share it.
 
 use std::cell::{Cell, RefCell};
@@ -408,6 +410,8 @@ impl LogEngine {
             admission: Admission::default(),
             leader: Cell::new(false),
             changed: LocalNotify::new(),
+            leader_awaits_batch: Cell::new(false),
+            batch_grown: LocalNotify::new(),
             streams: [RefCell::new(StreamState::default()), RefCell::new(StreamState::default())],
             buffers: BufferPool::new((self.batch_data_max + 1) * BLOCK_BYTES),
             header_blocks: BufferPool::new(BLOCK_BYTES),
@@ -1018,6 +1022,12 @@ pub struct LogHandle<D> {
     admission: Admission,
     pub(super) leader: Cell<bool>,
     pub(super) changed: LocalNotify,
+    /// Set while the leader waits for the oldest queued batch to be worth sending beside the
+    /// batches in flight ([`LogHandle::worth_sending`]); the writer whose block makes it so
+    /// clears it and wakes the leader through `batch_grown` (writers add blocks without
+    /// notifying anyone otherwise).
+    leader_awaits_batch: Cell<bool>,
+    batch_grown: LocalNotify,
     pub(super) streams: [RefCell<StreamState>; 2],
     /// Batch data and per-drive write buffers, reused.
     pub(super) buffers: BufferPool,
@@ -1259,6 +1269,10 @@ impl<D: Drive> LogHandle<D> {
                     batch.admitted_blocks += u64::from(admitted);
                     batch.host_bytes += host_bytes;
                     let cell = Rc::clone(&batch.cell);
+                    if self.leader_awaits_batch.get() && self.worth_sending(&queue) {
+                        self.leader_awaits_batch.set(false);
+                        self.batch_grown.notify_all();
+                    }
                     drop(queue);
                     // Served; the next ticket's turn comes when the caller drops its own.
                     return cell;
@@ -1277,6 +1291,17 @@ impl<D: Drive> LogHandle<D> {
                 self.commit_front(leadership).await;
             }
         }
+    }
+
+    /// Whether the oldest queued batch goes now beside the batches in flight: only one as large
+    /// as the newest of them does (or with another queued behind it), so while the drives keep
+    /// up the batch grows instead (one flush for more writes), and batches go out side by side
+    /// only when writers outpace single commits.
+    fn worth_sending(&self, queue: &VecDeque<Pending>) -> bool {
+        let in_flight = self.in_flight.borrow();
+        let Some(newest) = in_flight.back() else { return true };
+        queue.len() > 1
+            || queue.front().is_some_and(|batch| batch.data_blocks >= newest.data_blocks)
     }
 
     /// Waits until a batch completes, leading the pipeline while no one else does.
@@ -1310,19 +1335,12 @@ impl<D: Drive> LogHandle<D> {
                 return false;
             };
             let positions = self.engine.geometry.padded(1 + data_blocks as u32);
-            let (in_flight, newest_blocks) = {
-                let in_flight = self.in_flight.borrow();
-                (in_flight.len(), in_flight.back().map_or(0, |record| record.data_blocks))
-            };
+            let in_flight = self.in_flight.borrow().len();
             let pipelined = !self.engine.geometry.is_coded()
                 && self.has_room(Stream::Host, positions)
                 && self.failures_tolerable()
                 && !self.checkpoint_due();
-            // Beside batches in flight, only a batch as large as the newest of them goes: while
-            // the drives keep up, the batch grows instead (one flush for more writes), and
-            // batches go out side by side only when writers outpace single commits.
-            let worth_it =
-                in_flight == 0 || data_blocks >= newest_blocks || self.queue.borrow().len() > 1;
+            let worth_it = self.worth_sending(&self.queue.borrow());
             if pipelined && in_flight < COMMITS_IN_FLIGHT_MAX && worth_it {
                 // A small batch beside batches in flight lets the other tasks of this thread
                 // that are ready now run first: writers that arrived together (the writes of
@@ -1339,8 +1357,18 @@ impl<D: Drive> LogHandle<D> {
             if !pipelined && in_flight == 0 {
                 break;
             }
-            // A slot frees, or the pipeline drains, when an in-flight batch completes.
-            self.changed.notified().await;
+            if pipelined && in_flight < COMMITS_IN_FLIGHT_MAX {
+                // Not worth sending yet: it becomes so when a writer adds to it (no other
+                // wake-up would come before a batch in flight completes, and the writers whose
+                // blocks would fill it are mostly those of the batches in flight, so every
+                // batch would wait out the write before it) or when one in flight completes.
+                self.leader_awaits_batch.set(true);
+                crate::join::either(self.changed.notified(), self.batch_grown.notified()).await;
+                self.leader_awaits_batch.set(false);
+            } else {
+                // A slot frees, or the pipeline drains, when an in-flight batch completes.
+                self.changed.notified().await;
+            }
         }
         // Boxed: the group path (segment switches, checkpoints, coded logs) holds far more
         // state than the pipelined one, and inline it would enlarge every host write's future.

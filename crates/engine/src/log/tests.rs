@@ -5,7 +5,7 @@
 //!
 //! Longer soaks: FERRITE_LOG_SOAK=N multiplies rounds and operations.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::pin::pin;
 use std::rc::Rc;
@@ -1479,6 +1479,85 @@ fn writers_arriving_together_beside_a_batch_in_flight_share_one_batch() {
                 block_on(handle.read(map, number * BLOCK, AlignedBuf::new(BLOCK_BYTES)));
             result.unwrap();
             assert!(block_matches(&buf, volume, number, 3), "seed {seed} block {number}");
+        }
+    }
+}
+
+/// A batch that grows, beside a batch in flight, to the size of that batch goes at once: the
+/// leader waiting for it is woken by the writer whose block makes it worth sending, not only
+/// when the batch in flight completes. Before, it waited out every write in flight, so under a
+/// fixed queue depth a thread alternated between forming a batch and writing one (the engine
+/// alone, 4K random writes: 0.04 batches in flight when one was issued).
+#[test]
+fn a_queued_batch_grown_to_the_size_of_the_one_in_flight_goes_beside_it() {
+    const FIRST_BLOCKS: u64 = 8;
+    for seed in 0..4u64 {
+        let node = Node::format(64, seed, 4, 1);
+        let (_volumes, maps) = volume_maps(&[64]);
+        let map = &maps[0];
+        let volume = map.volume();
+        let handle = &node.handles[0];
+        // A first write opens the host stream's segment; batches after it are pipelined.
+        let (result, _) = block_on(handle.write(map, 63 * BLOCK, block_buf(volume, 63, 1, 2)));
+        result.unwrap();
+        let peak = || node.drives.iter().map(|drive| drive.stats().mutations_in_flight_peak).max();
+        assert_eq!(peak(), Some(1), "seed {seed}: one write at a time so far");
+        for drive in &node.drives {
+            drive.hold_writes();
+        }
+        let overlapped = Cell::new(false);
+        let mut tasks: Vec<LocalBoxFuture<'_, ()>> = Vec::new();
+        // A batch of FIRST_BLOCKS blocks, held in flight.
+        tasks.push(Box::pin(async move {
+            let buf = block_buf(volume, 0, FIRST_BLOCKS, 3);
+            handle.write(map, 0, buf).await.0.unwrap();
+        }));
+        // Then as many single blocks, arriving one after the other while it is held.
+        for number in 0..FIRST_BLOCKS {
+            tasks.push(Box::pin(async move {
+                for _ in 0..4 * (number + 1) {
+                    crate::join::yield_now().await;
+                }
+                let block = 32 + number;
+                handle.write(map, block * BLOCK, block_buf(volume, block, 1, 3)).await.0.unwrap();
+            }));
+        }
+        // Watches for a second write in flight, then lets the drives complete everything.
+        let overlapped = &overlapped;
+        let drives = &node.drives;
+        tasks.push(Box::pin(async move {
+            for _ in 0..1000 {
+                if peak() >= Some(2) {
+                    overlapped.set(true);
+                    break;
+                }
+                crate::join::yield_now().await;
+            }
+            for drive in drives {
+                drive.release_writes();
+            }
+        }));
+        block_on(join_all(tasks));
+        assert!(
+            overlapped.get(),
+            "seed {seed}: the second batch waited for the first one's write to complete"
+        );
+        let read = |first: u64, count: u64| {
+            let (result, buf) = block_on(handle.read(
+                map,
+                first * BLOCK,
+                AlignedBuf::new(count as usize * BLOCK_BYTES),
+            ));
+            result.unwrap();
+            buf
+        };
+        let first = read(0, FIRST_BLOCKS);
+        for (index, block) in first.chunks(BLOCK_BYTES).enumerate() {
+            assert!(block_matches(block, volume, index as u64, 3), "seed {seed} block {index}");
+        }
+        for number in 0..FIRST_BLOCKS {
+            let block = 32 + number;
+            assert!(block_matches(&read(block, 1), volume, block, 3), "seed {seed} block {block}");
         }
     }
 }

@@ -89,6 +89,8 @@ struct SimState {
     fail_sync_countdown: Option<u64>,
     /// The drive died: every operation fails.
     dead: bool,
+    /// Writes that start or are in flight do not complete until released.
+    writes_held: bool,
     stats: SimStats,
     events: Option<Rc<RefCell<Vec<SimEvent>>>>,
 }
@@ -155,6 +157,7 @@ impl SimDrive {
             fail_write_countdown: None,
             fail_sync_countdown: None,
             dead: false,
+            writes_held: false,
             stats: SimStats::default(),
             events: None,
         };
@@ -176,6 +179,17 @@ impl SimDrive {
     /// The drive dies (or is pulled): every read, write, sync and punch fails from now on.
     pub fn fail_all(&self) {
         self.state.borrow_mut().dead = true;
+    }
+
+    /// Holds every write, in flight or to come, before it completes, until
+    /// [`SimDrive::release_writes`]: what a slow drive looks like to a test that needs a batch
+    /// to stay in flight while it watches what the writers do meanwhile.
+    pub fn hold_writes(&self) {
+        self.state.borrow_mut().writes_held = true;
+    }
+
+    pub fn release_writes(&self) {
+        self.state.borrow_mut().writes_held = false;
     }
 
     /// Logs this drive's events into a log shared with other drives and the test.
@@ -359,6 +373,9 @@ impl Drive for SimDrive {
         };
         let id = self.begin(offset_bytes / BLOCK_BYTES, blocks);
         self.pause(1).await;
+        while self.state.borrow().writes_held {
+            yield_now().await;
+        }
         if fault {
             // A failed write may have reached the media in part: keep a seeded prefix visible.
             let mut state = self.state.borrow_mut();
