@@ -1224,8 +1224,7 @@ impl<D: Drive> LogHandle<D> {
                 let class = compressed.map(|(_, class)| class);
                 let mut queue = self.queue.borrow_mut();
                 // Where the forming batch will start, if the batches before it go pipelined.
-                let back_start = self.next_batch_start(&queue, 1);
-                let back_max = self.chunk_data_max(back_start);
+                let mut back_max = self.chunk_data_max(self.next_batch_start(&queue, 1));
                 if !queue.back().is_some_and(|batch| has_room(batch, class, back_max))
                     && queue.len() < BATCHES_QUEUED_MAX
                 {
@@ -1238,8 +1237,9 @@ impl<D: Drive> LogHandle<D> {
                         cell: Rc::new(BatchCell { result: Cell::new(None) }),
                         packs: None,
                     });
+                    // The new batch starts after the one that had no room.
+                    back_max = self.chunk_data_max(self.next_batch_start(&queue, 1));
                 }
-                let back_max = self.chunk_data_max(self.next_batch_start(&queue, 1));
                 if let Some(batch) =
                     queue.back_mut().filter(|batch| has_room(batch, class, back_max))
                 {

@@ -1437,6 +1437,18 @@ fn writers_beyond_a_full_batch_queue_wait_their_turn() {
         .expect("the writers finish (a writer spinning on the full queue never lets them)");
 }
 
+/// A one-thread node (drives yielding up to `yields_max` times per operation) with one volume
+/// of 64 blocks whose block 63 was written, so the host stream's segment is open and the next
+/// batches go pipelined.
+fn pipelining_node(seed: u64, yields_max: u64) -> (Node, Volumes, Vec<Arc<VolumeMap>>) {
+    let node = Node::format(64, seed, yields_max, 1);
+    let (volumes, maps) = volume_maps(&[64]);
+    let volume = maps[0].volume();
+    let buf = block_buf(volume, 63, 1, 2);
+    block_on(node.handles[0].write(&maps[0], 63 * BLOCK, buf)).0.unwrap();
+    (node, volumes, maps)
+}
+
 /// Writers that arrive together while a batch is in flight share the next batch (one drive
 /// write and one flush), as the writes of one replication frame or one socket read do: the
 /// leader lets the other ready writers join before it takes the batch. Without that, each of
@@ -1445,14 +1457,10 @@ fn writers_beyond_a_full_batch_queue_wait_their_turn() {
 fn writers_arriving_together_beside_a_batch_in_flight_share_one_batch() {
     const WRITERS: u64 = 16;
     for seed in 0..6u64 {
-        let node = Node::format(64, seed, 8, 1);
-        let (_volumes, maps) = volume_maps(&[64]);
+        let (node, _volumes, maps) = pipelining_node(seed, 8);
         let map = &maps[0];
         let volume = map.volume();
         let handle = &node.handles[0];
-        // A first write opens the host stream's segment; batches after it are pipelined.
-        let (result, _) = block_on(handle.write(map, 63 * BLOCK, block_buf(volume, 63, 1, 2)));
-        result.unwrap();
         let before = node.engine.stats().host_batches;
         let writes: Vec<LocalBoxFuture<'_, ()>> = (0..=WRITERS)
             .map(|number| -> LocalBoxFuture<'_, ()> {
@@ -1492,14 +1500,10 @@ fn writers_arriving_together_beside_a_batch_in_flight_share_one_batch() {
 fn a_queued_batch_grown_to_the_size_of_the_one_in_flight_goes_beside_it() {
     const FIRST_BLOCKS: u64 = 8;
     for seed in 0..4u64 {
-        let node = Node::format(64, seed, 4, 1);
-        let (_volumes, maps) = volume_maps(&[64]);
+        let (node, _volumes, maps) = pipelining_node(seed, 4);
         let map = &maps[0];
         let volume = map.volume();
         let handle = &node.handles[0];
-        // A first write opens the host stream's segment; batches after it are pipelined.
-        let (result, _) = block_on(handle.write(map, 63 * BLOCK, block_buf(volume, 63, 1, 2)));
-        result.unwrap();
         let peak = || node.drives.iter().map(|drive| drive.stats().mutations_in_flight_peak).max();
         assert_eq!(peak(), Some(1), "seed {seed}: one write at a time so far");
         for drive in &node.drives {
