@@ -115,7 +115,11 @@ async fn serve(mut stream: TcpStream, catalog: Arc<dyn Catalog>, disks: Disks) {
                 Ok(used) => used,
                 Err(error) => {
                     eprintln!("connection closed: {error}");
-                    let _ = stream.write_all(connection.output()).await;
+                    for chunk in connection.output_chunks() {
+                        if stream.write_all(chunk).await.is_err() {
+                            break;
+                        }
+                    }
                     return;
                 }
             };
@@ -125,11 +129,13 @@ async fn serve(mut stream: TcpStream, catalog: Arc<dyn Catalog>, disks: Disks) {
                 execute(&disks, &mut connection, request);
                 executed += 1;
             }
-            if !connection.output().is_empty() {
-                if stream.write_all(connection.output()).await.is_err() {
-                    return;
+            if connection.output_len() > 0 {
+                for chunk in connection.output_chunks() {
+                    if stream.write_all(chunk).await.is_err() {
+                        return;
+                    }
                 }
-                let sent = connection.output().len();
+                let sent = connection.output_len();
                 connection.consume_output(sent);
             }
             if used == 0 && executed == 0 {

@@ -6,7 +6,8 @@
 //! ([`crate::nvme::Handoff::Nbd`]). Per connection one task owns the socket and the sans-IO
 //! [`nbd::server::Connection`]: it feeds the connection the bytes it reads, starts a storage
 //! task for each request the connection hands out (on this thread's `LogHandle`), hands the
-//! results back, and writes the connection's output with non-blocking writes. The connection
+//! results back, and writes the connection's output with non-blocking vectored writes (a read's
+//! data goes out from its own buffer, after its reply header, never copied). The connection
 //! bounds what is in flight (`nbd::server::INFLIGHT_REQUESTS_MAX` requests and
 //! `INFLIGHT_PAYLOAD_BYTES_MAX` bytes), so the driver holds at most that many storage tasks.
 //!
@@ -43,6 +44,7 @@ use nbd::server::{Catalog, Connection, ExportInfo, Request, RequestId, RequestKi
 use nbd::wire::Errno;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
+use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -55,6 +57,8 @@ use types::{AlignedBuf, LOGICAL_BLOCK_SIZE_BYTES};
 /// Bytes read from a socket at once. The connection copies write data into its own buffers as
 /// it arrives, so this need not hold a whole request.
 const RECEIVE_BUFFER_BYTES: usize = 256 * 1024;
+/// Output chunks (reply bytes and read buffers) one vectored write sends at most.
+const OUTPUT_SLICES_MAX: usize = 64;
 /// How often a connection checks its handshake deadline and whether its volume is still
 /// exported.
 const CONNECTION_TICK_MS: u64 = 200;
@@ -325,9 +329,19 @@ pub(crate) async fn serve_connection(
                 }
             }
         }
-        // Send what is pending, as far as the socket takes it now.
-        while !connection.output().is_empty() {
-            match stream.try_write(connection.output()) {
+        // Send what is pending, as far as the socket takes it now: reply bytes and read
+        // buffers together, one vectored write for up to `OUTPUT_SLICES_MAX` chunks.
+        while connection.output_len() > 0 {
+            let written = {
+                let mut slices = [IoSlice::new(&[]); OUTPUT_SLICES_MAX];
+                let mut count = 0;
+                for (slice, chunk) in slices.iter_mut().zip(connection.output_chunks()) {
+                    *slice = IoSlice::new(chunk);
+                    count += 1;
+                }
+                stream.try_write_vectored(&slices[..count])
+            };
+            match written {
                 Ok(0) => {
                     socket_failed = true;
                     break;
@@ -341,7 +355,7 @@ pub(crate) async fn serve_connection(
                 }
             }
         }
-        let output_sent = connection.output().is_empty();
+        let output_sent = connection.output_len() == 0;
         if socket_failed
             || (connection.wants_close() && output_sent)
             || (refusal.is_some() && inflight == 0 && output_sent)

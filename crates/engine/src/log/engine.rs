@@ -2218,6 +2218,13 @@ impl<D: Drive> LogHandle<D> {
         // Runs of blocks stored back to back on one drive are read with one I/O each, and all
         // runs at once: a multi-block read costs about one device latency, not one per block.
         let runs = self.read_runs(&entries);
+        if runs[..] == [(0, count)] {
+            // The whole read is one run (written together, or rewritten back to back): straight
+            // into the host's buffer, no copy.
+            let (result, mut buf) = self.read_at_location(entries[0], buf).await;
+            let result = self.verify_run(&index, first, &entries, &mut buf, result.is_ok()).await;
+            return (result, buf);
+        }
         let mut rest: &mut [u8] = &mut buf;
         let mut next_slot = 0;
         for window in runs.chunks(READ_RUNS_IN_FLIGHT_MAX) {
@@ -2323,24 +2330,42 @@ impl<D: Drive> LogHandle<D> {
         if entries.len() == 1 {
             return self.read_block_into(index, first, entries[0], out).await;
         }
-        let Some((location, _)) = unpack(entries[0]) else {
-            unreachable!("runs hold mapped blocks")
-        };
-        let (segment, position) = self.engine.geometry.split(location);
-        let (drive, offset_bytes) = self.engine.geometry.place(segment, position);
         let run = self.buffers.take(out.len());
-        let (result, run) = if self.engine.latches.is_failed(drive) {
-            (Err(()), run)
-        } else {
-            let (result, run) = self.drive(drive).read_at(offset_bytes, run).await;
-            (result.map_err(drop), run)
-        };
+        let (result, run) = self.read_at_location(entries[0], run).await;
         if result.is_ok() {
             out.copy_from_slice(&run);
         }
         self.buffers.give(run);
+        self.verify_run(index, first, entries, out, result.is_ok()).await
+    }
+
+    /// Fills `buf` (its `len()`) from the drive holding the raw block `entry` maps, from that
+    /// block on: one drive read, checksums not checked. Fails without a read on a failed drive.
+    async fn read_at_location(&self, entry: u64, buf: AlignedBuf) -> (Result<(), ()>, AlignedBuf) {
+        let Some((location, _)) = unpack(entry) else { unreachable!("runs hold mapped blocks") };
+        let (segment, position) = self.engine.geometry.split(location);
+        let (drive, offset_bytes) = self.engine.geometry.place(segment, position);
+        if self.engine.latches.is_failed(drive) {
+            return (Err(()), buf);
+        }
+        let (result, buf) = self.drive(drive).read_at(offset_bytes, buf).await;
+        (result.map_err(drop), buf)
+    }
+
+    /// Checks each block of a run read into `out` against its entry's checksum, and reads a
+    /// block that fails (or every block, unless `read_ok`) again alone, which reports a failed
+    /// drive, an I/O error or damage exactly (and finds a block GC moved meanwhile).
+    async fn verify_run(
+        &self,
+        index: &VolumeIndex,
+        first: u64,
+        entries: &[u64],
+        out: &mut [u8],
+        read_ok: bool,
+    ) -> Result<(), LogError> {
+        debug_assert_eq!(out.len(), entries.len() * BLOCK_BYTES);
         for (slot, block_out) in out.chunks_mut(BLOCK_BYTES).enumerate() {
-            let verified = result.is_ok()
+            let verified = read_ok
                 && unpack(entries[slot])
                     .is_some_and(|(_, tag)| Tag::of(tag).matches(crc32c::crc32c(block_out)));
             if !verified {

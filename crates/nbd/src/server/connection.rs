@@ -7,8 +7,12 @@
 //! less than it was given only when it must wait: the in-flight limits are reached, too much
 //! output waits to be sent, or the connection is finishing. The driver keeps the rest and offers
 //! it again after completing requests or sending output. Between calls the driver sends
-//! [`Connection::output`], executes [`Connection::next_request`]s and hands each result back with
-//! [`Connection::complete`].
+//! [`Connection::output_chunks`], executes [`Connection::next_request`]s and hands each result
+//! back with [`Connection::complete`].
+//!
+//! A read's data is sent from the buffer the driver filled, not copied into the output: the
+//! output is the reply bytes with each read's buffer spliced in after its reply header, and the
+//! driver sends its chunks in order with one vectored write.
 //!
 //! Every request holds one slot of a fixed table from the moment its header is admitted until
 //! its completion: while its write data arrives, while it waits for the driver, and while the
@@ -49,7 +53,7 @@ const _: () = assert!(CLIENT_FLAGS_BYTES <= REQUEST_HEADER_BYTES);
 const _: () = assert!(OPTION_HEADER_BYTES <= REQUEST_HEADER_BYTES);
 
 /// Why a connection had to be closed. The driver logs it (at most at WARN: a client's mistake is
-/// not the server's error) and closes the socket after sending [`Connection::output`].
+/// not the server's error) and closes the socket after sending [`Connection::output_chunks`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConnectionError {
     #[error(
@@ -239,9 +243,22 @@ pub struct Connection {
     ready: VecDeque<u16>,
     inflight_payload_bytes: u64,
     pool: BufferPool,
+    /// Reply bytes not yet sent start at `output[output_start]`.
     output: Vec<u8>,
     output_start: usize,
+    /// Read data waiting to be sent, in stream order, each after the reply bytes before its
+    /// `at`; `at` never decreases along the queue and the front's is at least `output_start`.
+    spliced: VecDeque<Spliced>,
+    /// Bytes of `spliced` not yet sent.
+    spliced_pending_bytes: usize,
     failure: Option<ConnectionError>,
+}
+
+/// A read's buffer in the output: it goes out once `output[..at]` has, from byte `sent` on.
+struct Spliced {
+    at: usize,
+    buf: AlignedBuf,
+    sent: usize,
 }
 
 impl std::fmt::Debug for Connection {
@@ -293,6 +310,8 @@ impl Connection {
             pool: BufferPool::new(BUFFER_RETAINED_BYTES_MAX),
             output,
             output_start: 0,
+            spliced: VecDeque::new(),
+            spliced_pending_bytes: 0,
             failure: None,
         }
     }
@@ -324,7 +343,7 @@ impl Connection {
     /// Consumes bytes from the start of `input` and returns how many it took; the driver keeps
     /// the rest and offers it again (with more) after completing requests or sending output. An
     /// empty `input` is fine: it lets a request header that waited for room be admitted. On
-    /// `Err` the connection is finished: send [`Connection::output`], then close.
+    /// `Err` the connection is finished: send [`Connection::output_chunks`], then close.
     pub fn receive(&mut self, input: &[u8]) -> Result<usize, ConnectionError> {
         if let Some(failure) = &self.failure {
             return Err(failure.clone());
@@ -348,18 +367,68 @@ impl Connection {
         Ok(consumed)
     }
 
-    /// Bytes waiting to be sent, oldest first. Input is refused while more than
-    /// [`OUTPUT_PENDING_BYTES_MAX`] wait, and completions add at most the in-flight payload
-    /// ([`INFLIGHT_PAYLOAD_BYTES_MAX`]) and reply headers, so this stays bounded.
-    pub fn output(&self) -> &[u8] {
-        &self.output[self.output_start..]
+    /// The bytes waiting to be sent, as chunks to send in this order (reply bytes and read
+    /// buffers; none is empty). Input is refused while more than [`OUTPUT_PENDING_BYTES_MAX`]
+    /// wait, and completions add at most the in-flight payload ([`INFLIGHT_PAYLOAD_BYTES_MAX`])
+    /// and reply headers, so they stay bounded.
+    pub fn output_chunks(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        let mut position = self.output_start;
+        let mut spliced = self.spliced.iter().peekable();
+        std::iter::from_fn(move || match spliced.peek() {
+            Some(next) if next.at == position => spliced.next().map(|data| &data.buf[data.sent..]),
+            Some(next) => {
+                let chunk = &self.output[position..next.at];
+                position = next.at;
+                Some(chunk)
+            }
+            None if position < self.output.len() => {
+                let chunk = &self.output[position..];
+                position = self.output.len();
+                Some(chunk)
+            }
+            None => None,
+        })
     }
 
-    /// Drops the first `length` bytes of [`Connection::output`], which the driver has sent.
+    /// Bytes waiting to be sent: the sum of [`Connection::output_chunks`]' lengths.
+    pub fn output_len(&self) -> usize {
+        self.output_pending_bytes()
+    }
+
+    /// Drops the first `length` bytes of [`Connection::output_chunks`], which the driver has
+    /// sent; a read buffer sent whole goes back to the pool.
     pub fn consume_output(&mut self, length: usize) {
         assert!(length <= self.output_pending_bytes(), "consumed more than pending");
-        self.output_start += length;
+        let mut left = length;
+        while left > 0 {
+            match self.spliced.front_mut() {
+                Some(front) if front.at == self.output_start => {
+                    let taken = left.min(front.buf.len() - front.sent);
+                    front.sent += taken;
+                    left -= taken;
+                    self.spliced_pending_bytes -= taken;
+                    if front.sent == front.buf.len() {
+                        if let Some(sent) = self.spliced.pop_front() {
+                            self.pool.give(sent.buf);
+                        }
+                    }
+                }
+                Some(front) => {
+                    let taken = left.min(front.at - self.output_start);
+                    self.output_start += taken;
+                    left -= taken;
+                }
+                None => {
+                    self.output_start += left;
+                    left = 0;
+                }
+            }
+        }
         if self.output_start == self.output.len() {
+            // Whatever is spliced left goes out next: it now sits at the start.
+            for data in &mut self.spliced {
+                data.at = 0;
+            }
             self.output.clear();
             self.output_start = 0;
             if self.output.capacity() > OUTPUT_CAPACITY_RETAINED_BYTES {
@@ -369,6 +438,9 @@ impl Connection {
             && self.output_start * 2 >= self.output.len()
         {
             self.output.drain(..self.output_start);
+            for data in &mut self.spliced {
+                data.at -= self.output_start;
+            }
             self.output_start = 0;
         }
     }
@@ -415,10 +487,11 @@ impl Connection {
             "completion for a request that is not with the driver: {id:?}"
         );
         let (cookie, operation) = (slot.cookie, slot.operation);
+        let mut buf = buf;
         if self.phase != Phase::Closed {
             match (operation, result) {
                 (Operation::Read { offset, length_bytes }, Ok(())) => {
-                    let Some(data) = buf.as_ref() else {
+                    let Some(data) = buf.take() else {
                         panic!("a read completed without its buffer: {id:?}");
                     };
                     assert_eq!(data.len(), length_bytes as usize, "read buffer length changed");
@@ -433,7 +506,17 @@ impl Connection {
                     } else {
                         SimpleReply { error: 0, cookie }.encode(&mut self.output);
                     }
-                    self.output.extend_from_slice(data);
+                    // Sent from the driver's buffer after the header, not copied.
+                    if data.is_empty() {
+                        self.pool.give(data);
+                    } else {
+                        self.spliced_pending_bytes += data.len();
+                        self.spliced.push_back(Spliced {
+                            at: self.output.len(),
+                            buf: data,
+                            sent: 0,
+                        });
+                    }
                 }
                 (_, Ok(())) => SimpleReply { error: 0, cookie }.encode(&mut self.output),
                 (operation, Err(errno)) => {
@@ -467,7 +550,7 @@ impl Connection {
     }
 
     fn output_pending_bytes(&self) -> usize {
-        self.output.len() - self.output_start
+        self.output.len() - self.output_start + self.spliced_pending_bytes
     }
 
     /// Ends the connection: drops queued requests and their buffers (requests with the driver

@@ -63,8 +63,11 @@ fn connection() -> Connection {
 
 /// Takes and returns everything the connection has to send.
 fn drain(connection: &mut Connection) -> Vec<u8> {
-    let out = connection.output().to_vec();
+    let out = connection.output_chunks().collect::<Vec<_>>().concat();
+    assert_eq!(out.len(), connection.output_len());
     connection.consume_output(out.len());
+    assert_eq!(connection.output_len(), 0);
+    assert_eq!(connection.output_chunks().count(), 0);
     out
 }
 
@@ -176,7 +179,8 @@ fn complete_all(connection: &mut Connection, fill: u8) -> usize {
 #[test]
 fn greeting_is_fixed_newstyle_with_no_zeroes() {
     let connection = connection();
-    let greeting: [u8; GREETING_BYTES] = connection.output().try_into().unwrap();
+    let greeting: [u8; GREETING_BYTES] =
+        connection.output_chunks().next().unwrap().try_into().unwrap();
     let flags = wire::decode_greeting(&greeting).unwrap();
     assert_eq!(flags, 0b11);
     assert_eq!(connection.phase(), Phase::Handshake);
@@ -239,7 +243,7 @@ fn export_name_unknown_or_invalid_closes() {
     let error = connection.receive(&option_bytes(option::EXPORT_NAME, b"nope")).unwrap_err();
     assert_eq!(error, ConnectionError::ExportUnknown { name: "nope".to_owned() });
     assert!(connection.wants_close());
-    assert!(connection.output().is_empty());
+    assert_eq!(connection.output_len(), 0);
 
     let mut connection = after_flags();
     let error = connection.receive(&option_bytes(option::EXPORT_NAME, b"a\0b")).unwrap_err();
@@ -627,6 +631,63 @@ fn replies_may_complete_out_of_order() {
     assert_eq!(simple_reply(&out[16..]), SimpleReply { error: 5, cookie: 1 });
 }
 
+/// A read's data is sent from its own buffer after its reply header: every split of the sends
+/// (ending inside headers and inside data, with replies added while a read is half sent) gives
+/// the byte stream a whole drain gives.
+#[test]
+fn read_data_goes_out_from_its_buffer_in_any_split_of_the_sends() {
+    for structured in [false, true] {
+        for piece in [1, 7, 16, 4095, 4097, 100_000] {
+            let (mut whole, mut split) =
+                (transmitting("disk", structured), transmitting("disk", structured));
+            let mut requests = request_bytes(0, command::READ, 1, 0, 8192);
+            requests.extend(request_bytes(0, command::FLUSH, 2, 0, 0));
+            requests.extend(request_bytes(0, command::READ, 3, 8192, 4096));
+            requests.extend(request_bytes(0, command::READ, 4, 0, 4096));
+            for connection in [&mut whole, &mut split] {
+                feed(connection, &requests);
+                while let Some(request) = connection.next_request() {
+                    let cookie = request.cookie;
+                    match request.kind {
+                        RequestKind::Read { buf, .. } if cookie == 4 => {
+                            connection.complete(request.id, Err(Errno::Io), Some(buf));
+                        }
+                        RequestKind::Read { mut buf, .. } => {
+                            buf.fill(cookie as u8);
+                            connection.complete(request.id, Ok(()), Some(buf));
+                        }
+                        _ => connection.complete(request.id, Ok(()), None),
+                    }
+                }
+            }
+            let mut expected = drain(&mut whole);
+            assert!(expected.iter().filter(|byte| **byte == 1).count() >= 8192);
+            let mut sent = Vec::new();
+            let mut late_read_queued = false;
+            while split.output_len() > 0 {
+                let next: Vec<u8> = split.output_chunks().flatten().take(piece).copied().collect();
+                assert!(split.output_chunks().all(|chunk| !chunk.is_empty()));
+                sent.extend_from_slice(&next);
+                split.consume_output(next.len());
+                if !late_read_queued && sent.len() >= 9000 {
+                    // Another read completes while the first ones are partly sent.
+                    late_read_queued = true;
+                    let late = request_bytes(0, command::READ, 5, 4096, 4096);
+                    for connection in [&mut whole, &mut split] {
+                        feed(connection, &late);
+                        complete_all(connection, 5);
+                    }
+                    expected.extend(drain(&mut whole));
+                }
+            }
+            assert!(late_read_queued || sent.len() < 9000);
+            assert_eq!(sent.len(), expected.len(), "structured {structured}, piece {piece}");
+            assert!(sent == expected, "structured {structured}, piece {piece}: streams differ");
+            assert_eq!(split.output_chunks().count(), 0);
+        }
+    }
+}
+
 #[test]
 #[should_panic(expected = "not with the driver")]
 fn completing_twice_is_a_driver_bug() {
@@ -793,7 +854,7 @@ fn bad_request_magic_closes_and_completions_are_silent() {
     assert!(connection.wants_close());
     let RequestKind::Read { buf, .. } = request.kind else { panic!("not a read") };
     connection.complete(request.id, Ok(()), Some(buf));
-    assert!(connection.output().is_empty());
+    assert_eq!(connection.output_len(), 0);
     assert_eq!(connection.inflight_requests(), 0);
 }
 
@@ -884,7 +945,7 @@ fn pending_output_stops_input() {
         sent += complete_all(&mut connection, 3);
     }
     assert_eq!(sent, replies_needed);
-    assert!(connection.output().len() > OUTPUT_PENDING_BYTES_MAX);
+    assert!(connection.output_len() > OUTPUT_PENDING_BYTES_MAX);
     let next = request_bytes(0, command::READ, 1000, 0, 4096);
     assert_eq!(connection.receive(&next), Ok(0), "output must drain first");
     drain(&mut connection);
@@ -915,10 +976,24 @@ fn read_buffers_are_reused() {
     let RequestKind::Read { buf, .. } = request.kind else { panic!("not a read") };
     let address = buf.as_ptr();
     connection.complete(request.id, Ok(()), Some(buf));
+    // Its data is still to be sent from that buffer: the next read gets another.
     feed(&mut connection, &request_bytes(0, command::READ, 2, 0, 8192));
     let request = connection.next_request().unwrap();
     let RequestKind::Read { buf, .. } = request.kind else { panic!("not a read") };
-    assert_eq!(buf.as_ptr(), address);
+    assert_ne!(buf.as_ptr(), address);
+    connection.complete(request.id, Ok(()), Some(buf));
+    // Once sent, it is taken again.
+    drain(&mut connection);
+    feed(&mut connection, &request_bytes(0, command::READ, 3, 0, 8192));
+    let request = connection.next_request().unwrap();
+    let RequestKind::Read { buf, .. } = request.kind else { panic!("not a read") };
+    let second = buf.as_ptr();
+    connection.complete(request.id, Ok(()), Some(buf));
+    drain(&mut connection);
+    feed(&mut connection, &request_bytes(0, command::READ, 4, 0, 8192));
+    let request = connection.next_request().unwrap();
+    let RequestKind::Read { buf, .. } = request.kind else { panic!("not a read") };
+    assert_eq!(buf.as_ptr(), second);
 }
 
 // ----- Randomized streams -----
@@ -1029,7 +1104,7 @@ proptest! {
                 };
                 connection.complete(request.id, result, buf);
             }
-            prop_assert!(connection.output().len() <= OUTPUT_PENDING_BYTES_MAX + 64 * 1024);
+            prop_assert!(connection.output_len() <= OUTPUT_PENDING_BYTES_MAX + 64 * 1024);
             drain(&mut connection);
             if connection.wants_close() || !progressed {
                 break;
