@@ -137,9 +137,14 @@ impl Connection {
             storage.execute(&mut self.queue, request);
         }
         self.queue.poll(now_ms);
-        let output = self.queue.output().to_vec();
-        self.queue.consume_output(output.len());
-        self.sent.extend_from_slice(&output);
+        // Sent in pieces of an odd size, so sends end inside PDU headers and Read data.
+        let chunks: usize = self.queue.output_chunks().map(<[u8]>::len).sum();
+        assert_eq!(chunks, self.queue.output_len(), "the chunks are the pending output");
+        while self.queue.output_len() > 0 {
+            let next: Vec<u8> = self.queue.output_chunks().flatten().take(4093).copied().collect();
+            self.sent.extend_from_slice(&next);
+            self.queue.consume_output(next.len());
+        }
         self.check_output();
         if self.queue.wants_close() || self.queue.keep_alive_expired(now_ms) {
             self.closed = true;

@@ -367,10 +367,12 @@ async fn serve(mut queue: Queue, port_id: u16, mut stream: TcpStream, shared: Ar
             };
             queue.complete(request.id, result, buf);
         }
-        let length = queue.output().len();
+        let length = queue.output_len();
         if length > 0 {
-            if stream.write_all(queue.output()).await.is_err() {
-                return;
+            for chunk in queue.output_chunks() {
+                if stream.write_all(chunk).await.is_err() {
+                    return;
+                }
             }
             queue.consume_output(length);
         }
@@ -397,7 +399,11 @@ async fn serve(mut queue: Queue, port_id: u16, mut stream: TcpStream, shared: Ar
                 filled -= consumed;
             }
             Err(_) => {
-                let _ = stream.write_all(queue.output()).await;
+                for chunk in queue.output_chunks() {
+                    if stream.write_all(chunk).await.is_err() {
+                        break;
+                    }
+                }
                 return;
             }
         }

@@ -34,7 +34,8 @@
 
 use crate::metrics::VolumeMetrics;
 use crate::nvme::{
-    close_gracefully, now_ms, socket_ready, Handoff, NodeCatalog, Poller, VolumeHandle,
+    close_gracefully, now_ms, socket_ready, try_write_chunks, Handoff, NodeCatalog, Poller,
+    VolumeHandle,
 };
 use crate::DataPlaneError;
 use engine::log::LogHandle;
@@ -44,7 +45,6 @@ use nbd::server::{Catalog, Connection, ExportInfo, Request, RequestId, RequestKi
 use nbd::wire::Errno;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
-use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -57,8 +57,6 @@ use types::{AlignedBuf, LOGICAL_BLOCK_SIZE_BYTES};
 /// Bytes read from a socket at once. The connection copies write data into its own buffers as
 /// it arrives, so this need not hold a whole request.
 const RECEIVE_BUFFER_BYTES: usize = 256 * 1024;
-/// Output chunks (reply bytes and read buffers) one vectored write sends at most.
-const OUTPUT_SLICES_MAX: usize = 64;
 /// How often a connection checks its handshake deadline and whether its volume is still
 /// exported.
 const CONNECTION_TICK_MS: u64 = 200;
@@ -330,18 +328,9 @@ pub(crate) async fn serve_connection(
             }
         }
         // Send what is pending, as far as the socket takes it now: reply bytes and read
-        // buffers together, one vectored write for up to `OUTPUT_SLICES_MAX` chunks.
+        // buffers together, in vectored writes.
         while connection.output_len() > 0 {
-            let written = {
-                let mut slices = [IoSlice::new(&[]); OUTPUT_SLICES_MAX];
-                let mut count = 0;
-                for (slice, chunk) in slices.iter_mut().zip(connection.output_chunks()) {
-                    *slice = IoSlice::new(chunk);
-                    count += 1;
-                }
-                stream.try_write_vectored(&slices[..count])
-            };
-            match written {
+            match try_write_chunks(&stream, connection.output_chunks()) {
                 Ok(0) => {
                     socket_failed = true;
                     break;

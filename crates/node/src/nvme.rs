@@ -50,6 +50,7 @@ use nvmf::target::{
 };
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
+use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -69,6 +70,8 @@ const HANDOFF_QUEUE_CONNECTIONS_MAX: usize = 64;
 const RECEIVE_BUFFER_BYTES: usize = 2 * nvmf::target::PDU_SIZE_MAX as usize;
 /// How often a connection checks its keep-alive deadline and pending async events.
 const CONNECTION_TICK_MS: u64 = 200;
+/// Output chunks (PDU or reply bytes and Read data buffers) one vectored write sends at most.
+const OUTPUT_SLICES_MAX: usize = 64;
 /// How long deleting a volume waits for its in-flight I/O before giving up.
 const REMOVE_DRAIN_TIMEOUT_MS: u64 = 30_000;
 /// How long a closing connection keeps reading what the host still sends.
@@ -1506,9 +1509,10 @@ async fn serve_connection(
             inflight += 1;
             start_request(request, &shared, &store, &completions, &mut volume);
         }
-        // Send what is pending, as far as the socket takes it now.
-        while !queue.output().is_empty() {
-            match stream.try_write(queue.output()) {
+        // Send what is pending, as far as the socket takes it now: PDU bytes and Read data
+        // buffers together, in vectored writes.
+        while queue.output_len() > 0 {
+            match try_write_chunks(&stream, queue.output_chunks()) {
                 Ok(0) => {
                     closing = true;
                     break;
@@ -1522,10 +1526,10 @@ async fn serve_connection(
                 }
             }
         }
-        if closing || (queue.wants_close() && queue.output().is_empty()) {
+        if closing || (queue.wants_close() && queue.output_len() == 0) {
             break;
         }
-        let want_write = !queue.output().is_empty();
+        let want_write = queue.output_len() > 0;
         let want_read = !queue.wants_close() && filled < input.len();
         let ready = socket_ready(&stream, want_read, want_write);
         tokio::select! {
@@ -2314,4 +2318,19 @@ impl DataPlane for NvmeDataPlane {
             tracing::error!(drives = ?failed, "drives latched failed during this run");
         }
     }
+}
+
+/// Writes the first chunks of a connection's output (up to [`OUTPUT_SLICES_MAX`]) with one
+/// non-blocking vectored write; returns how many bytes the socket took.
+pub(crate) fn try_write_chunks<'a>(
+    stream: &TcpStream,
+    chunks: impl Iterator<Item = &'a [u8]>,
+) -> std::io::Result<usize> {
+    let mut slices = [IoSlice::new(&[]); OUTPUT_SLICES_MAX];
+    let mut count = 0;
+    for (slice, chunk) in slices.iter_mut().zip(chunks) {
+        *slice = IoSlice::new(chunk);
+        count += 1;
+    }
+    stream.try_write_vectored(&slices[..count])
 }

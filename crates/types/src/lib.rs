@@ -1,11 +1,14 @@
-//! Domain types shared by every Ferrite crate: block sizes, volume names, NQNs and byte sizes.
+//! Domain types shared by every Ferrite crate: block sizes, volume names, NQNs and byte sizes;
+//! the aligned buffer, and the output queue protocol connections splice read buffers into.
 //!
 //! These are validated at construction, so code that holds one can trust it. Nothing here knows
 //! about a wire format, a disk format or a runtime; crates at the edges (`nvmf`, `api`, `node`)
 //! convert from and to their own representations.
 
 mod buffer;
+pub mod output;
 pub use buffer::{AlignedBuf, BUFFER_ALIGNMENT_BYTES};
+pub use output::SpliceOutput;
 
 use std::fmt;
 use std::str::FromStr;

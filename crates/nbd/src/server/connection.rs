@@ -27,7 +27,8 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use types::AlignedBuf;
+use types::output::PieceSide;
+use types::{AlignedBuf, SpliceOutput};
 
 use super::pool::BufferPool;
 use super::{
@@ -41,13 +42,6 @@ use crate::wire::{
     transmission_flag, Errno, OptionHeader, RequestHeader, SimpleReply, CLIENT_FLAGS_BYTES,
     OPTION_HEADER_BYTES, REQUEST_HEADER_BYTES, STRING_BYTES_MAX,
 };
-
-/// Bytes of output kept before the consumed front is compacted away.
-const OUTPUT_COMPACT_BYTES: usize = 256 * 1024;
-/// Capacity the output buffer keeps once drained; a burst of large reads grows it up to about
-/// [`OUTPUT_PENDING_BYTES_MAX`] plus [`INFLIGHT_PAYLOAD_BYTES_MAX`], which an idle connection
-/// should not hold on to.
-const OUTPUT_CAPACITY_RETAINED_BYTES: usize = 4 << 20;
 
 const _: () = assert!(CLIENT_FLAGS_BYTES <= REQUEST_HEADER_BYTES);
 const _: () = assert!(OPTION_HEADER_BYTES <= REQUEST_HEADER_BYTES);
@@ -243,22 +237,9 @@ pub struct Connection {
     ready: VecDeque<u16>,
     inflight_payload_bytes: u64,
     pool: BufferPool,
-    /// Reply bytes not yet sent start at `output[output_start]`.
-    output: Vec<u8>,
-    output_start: usize,
-    /// Read data waiting to be sent, in stream order, each after the reply bytes before its
-    /// `at`; `at` never decreases along the queue and the front's is at least `output_start`.
-    spliced: VecDeque<Spliced>,
-    /// Bytes of `spliced` not yet sent.
-    spliced_pending_bytes: usize,
+    /// Reply bytes, with each read's buffer spliced in after its reply header.
+    output: SpliceOutput,
     failure: Option<ConnectionError>,
-}
-
-/// A read's buffer in the output: it goes out once `output[..at]` has, from byte `sent` on.
-struct Spliced {
-    at: usize,
-    buf: AlignedBuf,
-    sent: usize,
 }
 
 impl std::fmt::Debug for Connection {
@@ -288,8 +269,8 @@ impl Connection {
             .collect();
         // Popped from the end: slot 0 is used first.
         let free_slots = (0..INFLIGHT_REQUESTS_MAX as u16).rev().collect();
-        let mut output = Vec::with_capacity(4096);
-        wire::encode_greeting(&mut output, HANDSHAKE_FLAGS);
+        let mut output = SpliceOutput::new();
+        wire::encode_greeting(output.bytes_mut(), HANDSHAKE_FLAGS);
         Connection {
             catalog,
             created_ms: now_ms,
@@ -309,9 +290,6 @@ impl Connection {
             inflight_payload_bytes: 0,
             pool: BufferPool::new(BUFFER_RETAINED_BYTES_MAX),
             output,
-            output_start: 0,
-            spliced: VecDeque::new(),
-            spliced_pending_bytes: 0,
             failure: None,
         }
     }
@@ -372,76 +350,20 @@ impl Connection {
     /// wait, and completions add at most the in-flight payload ([`INFLIGHT_PAYLOAD_BYTES_MAX`])
     /// and reply headers, so they stay bounded.
     pub fn output_chunks(&self) -> impl Iterator<Item = &[u8]> + '_ {
-        let mut position = self.output_start;
-        let mut spliced = self.spliced.iter().peekable();
-        std::iter::from_fn(move || match spliced.peek() {
-            Some(next) if next.at == position => spliced.next().map(|data| &data.buf[data.sent..]),
-            Some(next) => {
-                let chunk = &self.output[position..next.at];
-                position = next.at;
-                Some(chunk)
-            }
-            None if position < self.output.len() => {
-                let chunk = &self.output[position..];
-                position = self.output.len();
-                Some(chunk)
-            }
-            None => None,
-        })
+        self.output.chunks()
     }
 
     /// Bytes waiting to be sent: the sum of [`Connection::output_chunks`]' lengths.
     pub fn output_len(&self) -> usize {
-        self.output_pending_bytes()
+        self.output.len()
     }
 
     /// Drops the first `length` bytes of [`Connection::output_chunks`], which the driver has
     /// sent; a read buffer sent whole goes back to the pool.
     pub fn consume_output(&mut self, length: usize) {
-        assert!(length <= self.output_pending_bytes(), "consumed more than pending");
-        let mut left = length;
-        while left > 0 {
-            match self.spliced.front_mut() {
-                Some(front) if front.at == self.output_start => {
-                    let taken = left.min(front.buf.len() - front.sent);
-                    front.sent += taken;
-                    left -= taken;
-                    self.spliced_pending_bytes -= taken;
-                    if front.sent == front.buf.len() {
-                        if let Some(sent) = self.spliced.pop_front() {
-                            self.pool.give(sent.buf);
-                        }
-                    }
-                }
-                Some(front) => {
-                    let taken = left.min(front.at - self.output_start);
-                    self.output_start += taken;
-                    left -= taken;
-                }
-                None => {
-                    self.output_start += left;
-                    left = 0;
-                }
-            }
-        }
-        if self.output_start == self.output.len() {
-            // Whatever is spliced left goes out next: it now sits at the start.
-            for data in &mut self.spliced {
-                data.at = 0;
-            }
-            self.output.clear();
-            self.output_start = 0;
-            if self.output.capacity() > OUTPUT_CAPACITY_RETAINED_BYTES {
-                self.output.shrink_to(OUTPUT_CAPACITY_RETAINED_BYTES);
-            }
-        } else if self.output_start >= OUTPUT_COMPACT_BYTES
-            && self.output_start * 2 >= self.output.len()
-        {
-            self.output.drain(..self.output_start);
-            for data in &mut self.spliced {
-                data.at -= self.output_start;
-            }
-            self.output_start = 0;
+        self.output.consume(length);
+        while let Some(buf) = self.output.take_released() {
+            self.pool.give(buf);
         }
     }
 
@@ -495,30 +417,39 @@ impl Connection {
                         panic!("a read completed without its buffer: {id:?}");
                     };
                     assert_eq!(data.len(), length_bytes as usize, "read buffer length changed");
-                    if self.structured_replies {
-                        wire::encode_offset_data_header(
-                            &mut self.output,
-                            chunk_flag::DONE,
-                            cookie,
-                            offset,
-                            length_bytes,
-                        );
-                    } else {
-                        SimpleReply { error: 0, cookie }.encode(&mut self.output);
-                    }
-                    // Sent from the driver's buffer after the header, not copied.
+                    let structured = self.structured_replies;
+                    let header = move |bytes: &mut Vec<u8>| {
+                        if structured {
+                            let flags = chunk_flag::DONE;
+                            wire::encode_offset_data_header(
+                                bytes,
+                                flags,
+                                cookie,
+                                offset,
+                                length_bytes,
+                            );
+                        } else {
+                            SimpleReply { error: 0, cookie }.encode(bytes);
+                        }
+                    };
                     if data.is_empty() {
+                        header(self.output.bytes_mut());
                         self.pool.give(data);
                     } else {
-                        self.spliced_pending_bytes += data.len();
-                        self.spliced.push_back(Spliced {
-                            at: self.output.len(),
-                            buf: data,
-                            sent: 0,
-                        });
+                        // Sent from the driver's buffer after the header, not copied.
+                        let whole = 0..data.len();
+                        self.output.push_buffer(
+                            data,
+                            std::iter::once(whole),
+                            |bytes, _, _, side| {
+                                if side == PieceSide::Before {
+                                    header(bytes);
+                                }
+                            },
+                        );
                     }
                 }
-                (_, Ok(())) => SimpleReply { error: 0, cookie }.encode(&mut self.output),
+                (_, Ok(())) => SimpleReply { error: 0, cookie }.encode(self.output.bytes_mut()),
                 (operation, Err(errno)) => {
                     let message = format!("{} failed: {errno}", operation.name());
                     self.reply_error(cookie, errno, &message);
@@ -550,7 +481,7 @@ impl Connection {
     }
 
     fn output_pending_bytes(&self) -> usize {
-        self.output.len() - self.output_start + self.spliced_pending_bytes
+        self.output.len()
     }
 
     /// Ends the connection: drops queued requests and their buffers (requests with the driver
@@ -799,7 +730,7 @@ impl Connection {
         }
         let flags = self.flags_for(&export);
         wire::encode_export_name_reply(
-            &mut self.output,
+            self.output.bytes_mut(),
             export.size_bytes,
             flags,
             !self.client_no_zeroes,
@@ -817,7 +748,7 @@ impl Connection {
         let listable = exports.iter().filter(|export| parse_name(export.name.as_bytes()).is_some());
         for export in listable.take(EXPORTS_LISTED_MAX) {
             let description = wire::truncate_str(&export.description, STRING_BYTES_MAX);
-            wire::encode_rep_server(&mut self.output, &export.name, description);
+            wire::encode_rep_server(self.output.bytes_mut(), &export.name, description);
         }
         self.option_reply(option::LIST, reply_type::ACK, &[]);
     }
@@ -860,18 +791,18 @@ impl Connection {
                 .chunks_exact(2)
                 .any(|pair| u16::from_be_bytes([pair[0], pair[1]]) == wanted)
         };
-        wire::encode_info_export(&mut self.output, code, export.size_bytes, flags);
+        wire::encode_info_export(self.output.bytes_mut(), code, export.size_bytes, flags);
         if requested(info::NAME) {
             let name = wire::truncate_str(&export.name, STRING_BYTES_MAX);
-            wire::encode_info_text(&mut self.output, code, info::NAME, name);
+            wire::encode_info_text(self.output.bytes_mut(), code, info::NAME, name);
         }
         if requested(info::DESCRIPTION) && !export.description.is_empty() {
             let description = wire::truncate_str(&export.description, STRING_BYTES_MAX);
-            wire::encode_info_text(&mut self.output, code, info::DESCRIPTION, description);
+            wire::encode_info_text(self.output.bytes_mut(), code, info::DESCRIPTION, description);
         }
         // Sent whether asked or not: the server enforces non-default constraints (a 4 KiB
         // minimum block), which the protocol says it must advertise.
-        wire::encode_info_block_size(&mut self.output, code, BLOCK_SIZES);
+        wire::encode_info_block_size(self.output.bytes_mut(), code, BLOCK_SIZES);
         self.option_reply(code, reply_type::ACK, &[]);
         if code == option::GO {
             self.enter_transmission(export, flags);
@@ -902,7 +833,7 @@ impl Connection {
     }
 
     fn option_reply(&mut self, code: u32, reply: u32, payload: &[u8]) {
-        wire::encode_option_reply(&mut self.output, code, reply, payload);
+        wire::encode_option_reply(self.output.bytes_mut(), code, reply, payload);
     }
 
     // ----- Transmission -----
@@ -1066,9 +997,15 @@ impl Connection {
     /// replies were negotiated, else a simple reply (without data, even for a read).
     fn reply_error(&mut self, cookie: u64, errno: Errno, message: &str) {
         if self.structured_replies {
-            wire::encode_error_chunk(&mut self.output, chunk_flag::DONE, cookie, errno, message);
+            wire::encode_error_chunk(
+                self.output.bytes_mut(),
+                chunk_flag::DONE,
+                cookie,
+                errno,
+                message,
+            );
         } else {
-            SimpleReply { error: errno.code(), cookie }.encode(&mut self.output);
+            SimpleReply { error: errno.code(), cookie }.encode(self.output.bytes_mut());
         }
     }
 

@@ -2,8 +2,10 @@
 //!
 //! Hot path. The node's driver owns the socket and a receive buffer; it calls
 //! [`Queue::receive`] with the bytes it holds, which consumes whole PDUs only and returns how
-//! many bytes it used, then sends [`Queue::output`] and executes [`Queue::next_request`]s,
-//! handing each result back with [`Queue::complete`]. Time comes in as `now_ms` arguments.
+//! many bytes it used, then sends [`Queue::output_chunks`] and executes
+//! [`Queue::next_request`]s, handing each result back with [`Queue::complete`]. Time comes in as
+//! `now_ms` arguments. A Read's data is sent from the buffer it was read into: its C2HData PDU
+//! headers (and data digests) are output bytes, its data is spliced in between them.
 //!
 //! Every command holds at most one slot of a fixed table sized by the queue depth: a slot waits
 //! for write data (by R2T and H2CData) or for the driver. Data buffers come from a per-queue pool
@@ -18,7 +20,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use types::AlignedBuf;
+use types::output::PieceSide;
+use types::{AlignedBuf, SpliceOutput};
 
 use super::pool::BufferPool;
 use super::{
@@ -31,14 +34,10 @@ use crate::pdu::{
     self, DataHeader, Decoded, Framing, ICReq, ICResp, Pdu, PduError, Role, PFV_1_0, R2T,
 };
 
-/// Bytes of output kept before the consumed front is compacted away.
-const OUTPUT_COMPACT_BYTES: usize = 256 * 1024;
-/// Initial capacity of the output buffer: a full C2HData PDU and some responses.
-const OUTPUT_CAPACITY_BYTES: usize = 256 * 1024;
-
 const _: () = assert!(QUEUE_ENTRIES_MAX as u32 <= u128::BITS, "slots are tracked in a u128");
 
-/// Why a queue stopped. After any of these, send what [`Queue::output`] holds, then close.
+/// Why a queue stopped. After any of these, send what [`Queue::output_chunks`] holds, then
+/// close.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Terminated {
     #[error("fatal transport error, C2HTermReq sent: {0}")]
@@ -269,8 +268,8 @@ pub struct Queue {
     holds_qid: bool,
     ready: VecDeque<u16>,
     pub(super) pool: BufferPool,
-    output: Vec<u8>,
-    output_start: usize,
+    /// PDUs to send, with Read data spliced in from its buffers.
+    output: SpliceOutput,
     /// Admin command data is built here before it is sent.
     pub(super) scratch: Vec<u8>,
     pub(super) admin: AdminState,
@@ -337,8 +336,7 @@ impl Queue {
             holds_qid: false,
             ready: VecDeque::with_capacity(usize::from(QUEUE_ENTRIES_MAX)),
             pool,
-            output: Vec::with_capacity(OUTPUT_CAPACITY_BYTES),
-            output_start: 0,
+            output: SpliceOutput::new(),
             scratch: Vec::new(),
             admin: AdminState {
                 kato_ms: 0,
@@ -374,7 +372,7 @@ impl Queue {
 
     /// Consumes the whole PDUs at the start of `input` and returns how many bytes they took; the
     /// driver keeps the rest and offers it again with more. On `Err` the queue is finished: send
-    /// [`Queue::output`], then close the connection.
+    /// [`Queue::output_chunks`], then close the connection.
     pub fn receive(&mut self, input: &[u8], now_ms: u64) -> Result<usize, Terminated> {
         // A controller closed elsewhere (its subsystem deleted, its admin queue gone) must not
         // answer one more command: notice it before handling anything new.
@@ -420,23 +418,23 @@ impl Queue {
         }
     }
 
-    /// Bytes waiting to be sent, oldest first.
-    pub fn output(&self) -> &[u8] {
-        &self.output[self.output_start..]
+    /// The bytes waiting to be sent, as chunks to send in this order (PDU bytes and Read data
+    /// buffers; none is empty).
+    pub fn output_chunks(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        self.output.chunks()
     }
 
-    /// Drops the first `length` bytes of [`Queue::output`], which the driver has sent.
+    /// Bytes waiting to be sent: the sum of [`Queue::output_chunks`]' lengths.
+    pub fn output_len(&self) -> usize {
+        self.output.len()
+    }
+
+    /// Drops the first `length` bytes of [`Queue::output_chunks`], which the driver has sent; a
+    /// Read buffer sent whole goes back to the pool.
     pub fn consume_output(&mut self, length: usize) {
-        assert!(length <= self.output.len() - self.output_start, "consumed more than pending");
-        self.output_start += length;
-        if self.output_start == self.output.len() {
-            self.output.clear();
-            self.output_start = 0;
-        } else if self.output_start >= OUTPUT_COMPACT_BYTES
-            && self.output_start * 2 >= self.output.len()
-        {
-            self.output.drain(..self.output_start);
-            self.output_start = 0;
+        self.output.consume(length);
+        while let Some(buf) = self.output.take_released() {
+            self.pool.give(buf);
         }
     }
 
@@ -485,23 +483,30 @@ impl Queue {
             "completion for a request that is not with the driver: {id:?}"
         );
         let (cid, command, data_length) = (slot.cid, slot.command, slot.data_length);
+        let mut buf = buf;
         if self.terminated.is_none() {
             let status = match result {
                 Ok(()) => {
                     if let SlotCommand::Read { .. } = command {
-                        let Some(data) = buf.as_ref() else {
+                        let Some(data) = buf.take() else {
                             panic!("a Read completed without its buffer: {id:?}");
                         };
                         assert!(data.len() >= data_length as usize, "Read buffer shrank");
                         // Without SQ flow control the host needs no SQHD, so the last C2HData
                         // PDU says SUCCESS and no response capsule follows.
                         let success_flag = self.sq_flow_control_disabled;
-                        push_c2h_data(
-                            &mut self.output,
-                            &self.framing,
-                            cid,
-                            &data[..data_length as usize],
-                            success_flag,
+                        let (framing, length) = (&self.framing, data_length as usize);
+                        // Sent from the driver's buffer between the PDU headers, not copied.
+                        self.output.push_buffer(
+                            data,
+                            c2h_pieces(length),
+                            |bytes, range, piece, side| match side {
+                                PieceSide::Before => {
+                                    let header = c2h_header(cid, &range, length, success_flag);
+                                    pdu::encode_data_pdu_header(bytes, framing, &header);
+                                }
+                                PieceSide::After => pdu::push_data_digest(bytes, framing, piece),
+                            },
                         );
                         if success_flag {
                             None
@@ -577,7 +582,7 @@ impl Queue {
             .map_or(pdu::COMMON_HEADER_BYTES, |hlen| usize::from(*hlen))
             .max(pdu::COMMON_HEADER_BYTES);
         let header = &pdu_bytes[..header_bytes.min(pdu_bytes.len())];
-        pdu::encode_term_req_for(&mut self.output, Role::Controller, &error, header);
+        pdu::encode_term_req_for(self.output.bytes_mut(), Role::Controller, &error, header);
         let terminated = Terminated::ProtocolError(error);
         self.terminate(terminated.clone());
         terminated
@@ -617,7 +622,7 @@ impl Queue {
             data_digest: icreq.data_digest,
             maxh2cdata: MAXH2CDATA,
         };
-        pdu::encode_ic_resp(&mut self.output, &response);
+        pdu::encode_ic_resp(self.output.bytes_mut(), &response);
         self.framing.header_digest = icreq.header_digest;
         self.framing.data_digest = icreq.data_digest;
         self.framing.send_pda = icreq.hpda;
@@ -730,13 +735,18 @@ impl Queue {
     /// Appends a CapsuleResp for `cid`.
     pub(super) fn respond(&mut self, cid: u16, status: Status, result: u64) {
         let cqe = Cqe { result, sqhd: self.sq_head, sqid: self.qid, cid, status };
-        pdu::encode_capsule_resp(&mut self.output, &self.framing, &cqe);
+        pdu::encode_capsule_resp(self.output.bytes_mut(), &self.framing, &cqe);
     }
 
     /// Sends the first `length` bytes of the scratch buffer as C2H data of `cid`.
     pub(super) fn send_scratch(&mut self, cid: u16, length: usize) {
         let length = length.min(self.scratch.len());
-        push_c2h_data(&mut self.output, &self.framing, cid, &self.scratch[..length], false);
+        let (framing, data) = (&self.framing, &self.scratch[..length]);
+        let output = self.output.bytes_mut();
+        for range in c2h_pieces(length) {
+            let header = c2h_header(cid, &range, length, false);
+            pdu::encode_data_pdu(output, framing, &header, &data[range]);
+        }
     }
 
     // --- Data descriptors ---
@@ -845,7 +855,7 @@ impl Queue {
         slot.r2t_start = offset;
         slot.r2t_end = offset + length;
         let r2t = R2T { cccid: slot.cid, ttag: index as u16, r2to: offset, r2tl: length };
-        pdu::encode_r2t(&mut self.output, &self.framing, &r2t);
+        pdu::encode_r2t(self.output.bytes_mut(), &self.framing, &r2t);
     }
 
     fn handle_h2c_data(
@@ -1044,22 +1054,28 @@ fn check_psdt(sqe: &Sqe) -> Result<(), Status> {
     }
 }
 
-/// Appends `data` as C2HData PDUs of at most [`C2H_DATA_PDU_BYTES_MAX`] bytes for `cid`; with
-/// `success`, the last one carries the SUCCESS flag and stands for the response.
-fn push_c2h_data(output: &mut Vec<u8>, framing: &Framing, cid: u16, data: &[u8], success: bool) {
+/// The C2HData PDUs' pieces of `length` bytes of data: at most [`C2H_DATA_PDU_BYTES_MAX`]
+/// bytes each (at most one transfer's length / that many).
+fn c2h_pieces(length: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     let chunk = C2H_DATA_PDU_BYTES_MAX as usize;
-    // Bounded by data.len() / chunk iterations; data is at most one transfer.
-    for (index, piece) in data.chunks(chunk).enumerate() {
-        let datao = index * chunk;
-        let header = DataHeader {
-            cccid: cid,
-            ttag: 0,
-            datao: datao as u32,
-            datal: piece.len() as u32,
-            last: datao + piece.len() == data.len(),
-            success: false,
-        };
-        let header = DataHeader { success: success && header.last, ..header };
-        pdu::encode_data_pdu(output, framing, &header, piece);
+    (0..length).step_by(chunk).map(move |start| start..(start + chunk).min(length))
+}
+
+/// The header of the C2HData PDU carrying `range` of `length` bytes for `cid`; with `success`,
+/// the last one carries the SUCCESS flag and stands for the response.
+fn c2h_header(
+    cid: u16,
+    range: &std::ops::Range<usize>,
+    length: usize,
+    success: bool,
+) -> DataHeader {
+    let last = range.end == length;
+    DataHeader {
+        cccid: cid,
+        ttag: 0,
+        datao: range.start as u32,
+        datal: range.len() as u32,
+        last,
+        success: success && last,
     }
 }
