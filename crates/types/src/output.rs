@@ -66,9 +66,9 @@ impl SpliceOutput {
 
     /// Hands `buf` over to be sent in `pieces` (ranges of it, non-empty, in stream order): for
     /// each, `frame(bytes, range, piece data, Before)` encodes what precedes it, then the piece
-    /// is spliced in, then `frame(bytes, range, piece data, After)` encodes what follows it. The buffer
-    /// comes back through [`SpliceOutput::take_released`] once every piece is sent (at once if
-    /// there are none).
+    /// is spliced in, then `frame(bytes, range, piece data, After)` encodes what follows it.
+    /// The buffer comes back through [`SpliceOutput::take_released`] once every piece is sent
+    /// (at once if there are none).
     pub fn push_buffer(
         &mut self,
         buf: AlignedBuf,

@@ -27,7 +27,6 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use types::output::PieceSide;
 use types::{AlignedBuf, SpliceOutput};
 
 use super::pool::BufferPool;
@@ -330,7 +329,7 @@ impl Connection {
         // Each pass consumes at least one byte or leaves the Admission state (which is entered
         // only by consuming a header's last byte), or stops; so the loop ends.
         loop {
-            if self.output_pending_bytes() > OUTPUT_PENDING_BYTES_MAX {
+            if self.output.len() > OUTPUT_PENDING_BYTES_MAX {
                 break;
             }
             match self.step(&input[consumed..]) {
@@ -401,7 +400,12 @@ impl Connection {
     /// Hands back the result of a request with its buffer: a successful Read must return its
     /// filled buffer; a Write should return its data buffer for reuse. Encodes the reply (simple
     /// or structured, as negotiated). After the connection closed it only recycles.
-    pub fn complete(&mut self, id: RequestId, result: Result<(), Errno>, buf: Option<AlignedBuf>) {
+    pub fn complete(
+        &mut self,
+        id: RequestId,
+        result: Result<(), Errno>,
+        mut buf: Option<AlignedBuf>,
+    ) {
         let index = usize::from(id.slot);
         let slot = &self.slots[index];
         assert!(
@@ -409,7 +413,6 @@ impl Connection {
             "completion for a request that is not with the driver: {id:?}"
         );
         let (cookie, operation) = (slot.cookie, slot.operation);
-        let mut buf = buf;
         if self.phase != Phase::Closed {
             match (operation, result) {
                 (Operation::Read { offset, length_bytes }, Ok(())) => {
@@ -417,37 +420,17 @@ impl Connection {
                         panic!("a read completed without its buffer: {id:?}");
                     };
                     assert_eq!(data.len(), length_bytes as usize, "read buffer length changed");
-                    let structured = self.structured_replies;
-                    let header = move |bytes: &mut Vec<u8>| {
-                        if structured {
-                            let flags = chunk_flag::DONE;
-                            wire::encode_offset_data_header(
-                                bytes,
-                                flags,
-                                cookie,
-                                offset,
-                                length_bytes,
-                            );
-                        } else {
-                            SimpleReply { error: 0, cookie }.encode(bytes);
-                        }
-                    };
-                    if data.is_empty() {
-                        header(self.output.bytes_mut());
-                        self.pool.give(data);
+                    let bytes = self.output.bytes_mut();
+                    if self.structured_replies {
+                        let flags = chunk_flag::DONE;
+                        wire::encode_offset_data_header(bytes, flags, cookie, offset, length_bytes);
                     } else {
-                        // Sent from the driver's buffer after the header, not copied.
-                        let whole = 0..data.len();
-                        self.output.push_buffer(
-                            data,
-                            std::iter::once(whole),
-                            |bytes, _, _, side| {
-                                if side == PieceSide::Before {
-                                    header(bytes);
-                                }
-                            },
-                        );
+                        SimpleReply { error: 0, cookie }.encode(bytes);
                     }
+                    // Sent from the driver's buffer after the header, not copied (an empty
+                    // buffer has no piece and goes back to the pool at once).
+                    let whole = (!data.is_empty()).then_some(0..data.len());
+                    self.output.push_buffer(data, whole.into_iter(), |_, _, _, _| {});
                 }
                 (_, Ok(())) => SimpleReply { error: 0, cookie }.encode(self.output.bytes_mut()),
                 (operation, Err(errno)) => {
@@ -478,10 +461,6 @@ impl Connection {
     pub fn handshake_expired(&self, now_ms: u64) -> bool {
         self.phase == Phase::Handshake
             && now_ms.saturating_sub(self.created_ms) > HANDSHAKE_DEADLINE_MS
-    }
-
-    fn output_pending_bytes(&self) -> usize {
-        self.output.len()
     }
 
     /// Ends the connection: drops queued requests and their buffers (requests with the driver

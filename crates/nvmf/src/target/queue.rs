@@ -474,7 +474,7 @@ impl Queue {
         &mut self,
         id: RequestId,
         result: Result<(), StorageStatus>,
-        buf: Option<AlignedBuf>,
+        mut buf: Option<AlignedBuf>,
     ) {
         let index = usize::from(id.slot);
         let slot = &self.slots[index];
@@ -483,7 +483,6 @@ impl Queue {
             "completion for a request that is not with the driver: {id:?}"
         );
         let (cid, command, data_length) = (slot.cid, slot.command, slot.data_length);
-        let mut buf = buf;
         if self.terminated.is_none() {
             let status = match result {
                 Ok(()) => {
