@@ -56,6 +56,13 @@ mon, mgr, OSDs and radosgw) and fio's own (the client: libnbd or librbd) are rea
 after every workload, as is the whole host's busy time, so the table shows IOPS per server CPU
 second and how much CPU other jobs on the machine took meanwhile.
 
+Disk stalls: scripts/disk-stall.py watches the block device under each side's data during every
+workload (its /sys/block stat, every 50 ms) and the table shows the longest time it held
+requests and completed none. A pause of the disk itself (on a virtual machine, the host's: one
+of 0.25 s with 77 requests queued was seen under Ferrite's 32K mix) lands every request then in
+flight in the latency tail, whichever system runs; the goals summary names such a stall beside
+a missed p99.9 goal when it was long enough to set it.
+
 Environment (all optional):
   COMPARE_SIZE_GB       volume and RBD image size in GiB                 [4]
   COMPARE_RUNTIME       measured seconds per workload                    [30]
@@ -183,6 +190,7 @@ has_side() { [[ ",$sides," == *",$1,"* ]]; }
 # Every process, mount and loop device this script creates is recorded here, and cleanup()
 # releases exactly those: by PID and by path, never by name.
 child_pid=""          # the long-running command being waited on (fio, up.sh, pgbench-ext4.sh)
+stall_pid=""          # scripts/disk-stall.py watching the disk during a measurement
 guard_pid=""          # the free-disk guard
 ferrite_pids=()       # `ferrite up` processes
 ferrite_data_dirs=()  # their data dirs (drive files), deleted when they stop
@@ -254,6 +262,9 @@ cleanup() {
     # A signal can land while a step's output is redirected to its log; report on the terminal.
     exec 1>&"$terminal_stdout" 2>&"$terminal_stderr"
     [ -n "$guard_pid" ] && kill "$guard_pid" 2>/dev/null && wait "$guard_pid" 2>/dev/null
+    if [ -n "$stall_pid" ] && tr '\0' ' ' 2>/dev/null <"/proc/$stall_pid/cmdline" | grep -q disk-stall.py; then
+        kill "$stall_pid" 2>/dev/null && wait "$stall_pid" 2>/dev/null
+    fi
     if [ -n "$child_pid" ] && kill -0 "$child_pid" 2>/dev/null; then
         log "stopping the running step (pid $child_pid)"
         kill -TERM "$child_pid" 2>/dev/null
@@ -337,7 +348,14 @@ ceph_pids() {  # the daemons up.sh started, only while they still run with our c
 }
 
 server_pids=()   # whose CPU counts as the storage system's: set per side
+stall_dir=$out   # the directory whose disk scripts/disk-stall.py watches: set per side
+measure_count=0
 measure_begin() {
+    [ -n "$stall_pid" ] && wait "$stall_pid" 2>/dev/null  # the last watcher, stopped by measure_json
+    measure_count=$((measure_count + 1))
+    stall_file=$out/logs/disk-stall-$measure_count.json
+    python3 "$repo/scripts/disk-stall.py" "$stall_dir" >"$stall_file" 2>>"$out/logs/disk-stall.log" &
+    stall_pid=$!
     measure_t0=$(date +%s.%N)
     measure_server0=$(process_ticks "${server_pids[@]}")
     measure_client0=$(children_ticks)
@@ -352,6 +370,14 @@ measure_json() {  # -> the JSON fields of the CPU spent since measure_begin
     awk -v t0="$measure_t0" -v t1="$t1" -v s="$((server1 - measure_server0))" -v c="$((client1 - measure_client0))" \
         -v h="$((host1 - measure_host0))" -v hz="$clock_ticks" \
         'BEGIN { printf "\"wall_s\": %.3f, \"server_cpu_s\": %.2f, \"client_cpu_s\": %.2f, \"host_busy_cpu_s\": %.2f", t1 - t0, s / hz, c / hz, h / hz }'
+    # The watcher prints its findings when it stops (this runs in a subshell, which cannot
+    # wait for it: its output file is the sign). Its CPU is not fio's: it stops after
+    # client1 was read.
+    local i
+    kill -TERM "$stall_pid" 2>/dev/null
+    for i in $(seq 1 50); do [ -s "$stall_file" ] && break; sleep 0.1; done
+    jq -j '", \"disk\": \(.disk | tojson), \"disk_stall_max_ms\": \(.stall_max_ms // null), \"disk_stalls_100ms\": \(.stalls_100ms // null)"' \
+        "$stall_file" 2>/dev/null || printf ', "disk": null, "disk_stall_max_ms": null, "disk_stalls_100ms": null'
 }
 
 record() { echo "{$1}" >>"$results"; }
@@ -458,6 +484,7 @@ start_ferrite_node() {  # name
 # fio, then pgbench, on a Ferrite volume exported over NBD at nbd_uri.
 ferrite_measure() {  # replicas nbd_uri
     local replicas=$1 uri=$2 label="ferrite-r$1" fuse_dir file pid
+    stall_dir=$out
     fio_suite ferrite "$replicas" "$label" --ioengine=nbd --uri="$uri"
     [ "$pgbench_enabled" = 1 ] || return 0
     fuse_dir=$out/mnt/fuse-$label
@@ -536,6 +563,7 @@ disk_bound() {
     need_free $((size_gb + min_free_gb)) "the raw-disk file (${size_gb} GiB)"
     raw_file=$out/raw-disk.dat
     server_pids=()
+    stall_dir=$out
     json=$out/fio/$label-raw-fill.json
     measure_begin
     run_child fio --name=raw-fill --filename="$raw_file" --size="${size_gb}G" --ioengine=io_uring --direct=1 \
@@ -622,6 +650,7 @@ ceph_measure() {  # replicas pool image
     server_pids=()
     mapfile -t server_pids < <(ceph_pids)
     [ "${#server_pids[@]}" -gt 0 ] || die "no Ceph daemon PIDs under $ceph_dir/run"
+    stall_dir=$ceph_dir
     ceph_cli -s >"$out/logs/$label-ceph-status.txt" 2>&1 || true
     fio_suite ceph "$replicas" "$label" --ioengine=rbd --clientname=admin --pool="$pool" --rbdname="$image"
     [ "$pgbench_enabled" = 1 ] || return 0

@@ -172,6 +172,23 @@ def other_cores(record):
     return max(other, 0.0) / record["wall_s"]
 
 
+def stall_in_tail(record):
+    """The disk's longest stall in a run if it reached a third of the run's p99.9 latency (so
+    it may be what set it), else None."""
+    if not record or not record.get("disk_stall_max_ms"):
+        return None
+    stall_ms = record["disk_stall_max_ms"]
+    return stall_ms if stall_ms * 1000 >= record["lat_p999_us"] / 3 else None
+
+
+def stall_text(record):
+    """The longest time the disk held requests and completed none during a run
+    (scripts/disk-stall.py); '-' where it was not watched."""
+    if not record or record.get("disk_stall_max_ms") is None:
+        return "-"
+    return number(record["disk_stall_max_ms"])
+
+
 def per_server_cpu_second(rate, record):
     server = cores(record, "server_cpu_s")
     return rate / server if server else None
@@ -324,9 +341,10 @@ def cpu_table(replicas, workloads, fios, lines):
     lines.append(
         "| workload | Ferrite server CPU cores | Ferrite IOPS per server CPU-s | Ferrite fio CPU cores "
         "| Ceph server CPU cores | Ceph IOPS per server CPU-s | Ceph fio CPU cores "
-        "| IOPS per server CPU-s, Ferrite/Ceph | other CPU cores: other jobs, kernel threads (Ferrite run / Ceph run) |"
+        "| IOPS per server CPU-s, Ferrite/Ceph | other CPU cores: other jobs, kernel threads (Ferrite run / Ceph run) "
+        "| longest disk stall ms (Ferrite run / Ceph run) |"
     )
-    lines.append("|---|" + "---:|" * 8)
+    lines.append("|---|" + "---:|" * 9)
     for workload in workloads:
         ferrite = fios.get(ferrite_key + (workload,))
         ceph = fios.get(ceph_key + (workload,))
@@ -347,6 +365,7 @@ def cpu_table(replicas, workloads, fios, lines):
         cells.append(
             " / ".join(number(other_cores(r), 2) if r else "-" for r in (ferrite, ceph))
         )
+        cells.append(" / ".join(stall_text(r) for r in (ferrite, ceph)))
         lines.append("| " + " | ".join(cells) + " |")
 
 
@@ -392,9 +411,11 @@ def goals_summary(goals, counts, not_run, fios, bound_records, lines):
         for _, workload, iops_ratio, iops_met, p999_ratio, p999_met in judged:
             bound = None if iops_met else beyond_bound(replicas, workload, fios, bound_records)
             beyond = f", above the disk bound of {number(bound)} IOPS" if bound else ""
+            stalled = stall_in_tail(fios.get(("ferrite", replicas, workload))) if not p999_met else None
+            stall = f"; the disk stalled {number(stalled)} ms in Ferrite's run" if stalled else ""
             parts.append(
                 f"{workload} IOPS {ratio(iops_ratio)} ({'met' if iops_met else 'missed'}{beyond}), "
-                f"p99.9 {ratio(p999_ratio)} lower ({'met' if p999_met else 'missed'})"
+                f"p99.9 {ratio(p999_ratio)} lower ({'met' if p999_met else 'missed'}{stall})"
             )
         verdict = "all met" if len(met) == len(judged) else f"**{len(judged) - len(met)} of {len(judged)} workloads miss a goal**"
         lines.append(f"- {copies(replicas)}: {verdict}: " + "; ".join(parts) + ".")
@@ -456,7 +477,11 @@ def markdown(meta, fills, fios, pgbenches, not_run, bound_records, commit, svg_n
         "The sides run one after the other, never together. Server CPU is utime+stime of the `ferrite up` "
         "process, or of ceph-mon, ceph-mgr, the ceph-osds and radosgw, read from /proc before and after each "
         "workload (ramp included); \"fio CPU\" is fio's own (libnbd or librbd included), fio's `usr_cpu`/`sys_cpu` "
-        "are in the raw JSON. CPU cores = CPU seconds / wall seconds; IOPS per server CPU-s = IOPS / server cores.",
+        "are in the raw JSON. CPU cores = CPU seconds / wall seconds; IOPS per server CPU-s = IOPS / server cores. "
+        "The longest disk stall is the longest time during the workload in which the disk under the side's data "
+        "held requests and completed none (`scripts/disk-stall.py`, /sys/block stat sampled every 50 ms): a pause "
+        "of the virtual disk itself, which puts every request in flight at once into the latency tail, whatever "
+        "the storage system.",
         "",
     ]
     goals = []
@@ -468,7 +493,7 @@ def markdown(meta, fills, fios, pgbenches, not_run, bound_records, commit, svg_n
         lines.append("")
         reference_ratios([replicas], workloads, fios, not_run, lines)
         lines.append("")
-        lines += ["CPU:", ""]
+        lines += ["CPU, and the disk's longest stall:", ""]
         cpu_table(replicas, workloads, fios, lines)
         lines.append("")
     goals_summary(goals, counts, not_run, fios, bound_records, lines)

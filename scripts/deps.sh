@@ -21,6 +21,8 @@ command -v fusermount3 >/dev/null 2>&1 || needed+=(fuse3)
 # ext4 on a volume: initdb, pg_ctl, postgres and pgbench are in postgresql-15, which pulls in
 # postgresql-client-15 (psql, pg_amcheck) and creates the `postgres` OS user they run as.
 [ -x /usr/lib/postgresql/15/bin/pgbench ] || needed+=(postgresql-15)
+# scripts/disk-stall.py (its test: crates/cli/tests/disk_stall.rs) and the compare-ceph report.
+command -v python3 >/dev/null 2>&1 || needed+=(python3)
 # The cluster tests (crates/cli/tests/cluster.rs) put nodes in network namespaces with `ip`.
 command -v ip >/dev/null 2>&1 || needed+=(iproute2)
 if [ ${#needed[@]} -eq 0 ]; then
