@@ -20,7 +20,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 /// How long the node is stopped.
-const PAUSE: Duration = Duration::from_millis(600);
+const PAUSE: Duration = Duration::from_millis(1_200);
 /// The watcher samples every 50 ms, so it may see a pause up to a sample shorter than it was; a
 /// loaded machine may let the pause run longer than asked and resume the node late.
 const PAUSE_SHORTER_MS: u64 = 150;
