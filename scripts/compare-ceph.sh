@@ -54,7 +54,11 @@ write), ramp then measured time, group_reporting, JSON with p50/p99/p99.9 of tot
 CPU: the server's CPU time (utime+stime from /proc/PID/stat: the `ferrite up` process; Ceph's
 mon, mgr, OSDs and radosgw) and fio's own (the client: libnbd or librbd) are read before and
 after every workload, as is the whole host's busy time, so the table shows IOPS per server CPU
-second and how much CPU other jobs on the machine took meanwhile.
+second and how much CPU other jobs on the machine took meanwhile. fio runs on the same CPUs as
+the server, so the report also says, per workload, how much server CPU per I/O each IOPS goal
+leaves on this machine (the vCPUs over the goal's rate, less fio's own CPU per I/O in Ferrite's
+run) beside what each side's server took: a goal whose budget Ferrite's server exceeds needs
+less CPU per I/O before it can be met here; one whose budget fio alone exhausts cannot be.
 
 Disk stalls: scripts/disk-stall.py watches the block device under each side's data during every
 workload (its /sys/block stat, every 50 ms) and the table shows the longest time it held

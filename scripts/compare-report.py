@@ -299,6 +299,55 @@ def beyond_bound(replicas, workload, fios, bound_records):
     return bound if IOPS_RATIO_GOAL[workload] * ceph["iops"] > bound else None
 
 
+def cpu_budget(replicas, workload, fios, host_cpus):
+    """What this machine's CPUs leave Ferrite's server per I/O at the IOPS goal, or None.
+
+    At the goal's rate, all host_cpus cores give host_cpus / goal CPU-seconds per I/O; fio (its
+    nbd engine and libnbd) takes what it took per I/O in Ferrite's run, and the rest is all the
+    server could spend. Generous to the server: kernel workers and other jobs count as free, and
+    every core as busy. Returns (goal IOPS, fio us per I/O, us left for the server per I/O (may
+    be negative), Ferrite's server us per I/O, Ceph's server us per I/O)."""
+    ferrite = fios.get(("ferrite", replicas, workload))
+    ceph = fios.get(("ceph", replicas, workload))
+    if not ferrite or not ceph or not host_cpus or not ferrite["iops"] or not ceph["iops"]:
+        return None
+    if not ferrite.get("wall_s") or not ceph.get("wall_s"):
+        return None
+    goal = IOPS_RATIO_GOAL[workload] * ceph["iops"]
+    client_us = cores(ferrite, "client_cpu_s") / ferrite["iops"] * 1e6
+    server_us = cores(ferrite, "server_cpu_s") / ferrite["iops"] * 1e6
+    ceph_server_us = cores(ceph, "server_cpu_s") / ceph["iops"] * 1e6
+    return goal, client_us, host_cpus / goal * 1e6 - client_us, server_us, ceph_server_us
+
+
+def budget_verdict(left_us, server_us):
+    if left_us <= 0:
+        return "**no**: fio alone needs more than the machine"
+    if server_us <= left_us:
+        return "yes"
+    return f"**no**: {server_us / left_us:.2f}x over"
+
+
+def cpu_budget_table(counts, workloads, fios, host_cpus, lines):
+    """Per copies and workload: the server CPU per I/O each IOPS goal leaves, beside what each
+    side's server took."""
+    lines.append(
+        "| copies | workload | goal IOPS | fio CPU us per I/O | left for the server, us per I/O "
+        "| Ferrite server CPU us per I/O | Ceph server CPU us per I/O | Ferrite's server within it |"
+    )
+    lines.append("|---|---|---:|---:|---:|---:|---:|---|")
+    for replicas in counts:
+        for workload in workloads:
+            budget = cpu_budget(replicas, workload, fios, host_cpus)
+            if budget is None:
+                continue
+            goal, client_us, left_us, server_us, ceph_server_us = budget
+            lines.append("| " + " | ".join([
+                copies(replicas).lower(), workload, number(goal), number(client_us, 1), number(left_us, 1),
+                number(server_us, 1), number(ceph_server_us, 1), budget_verdict(left_us, server_us),
+            ]) + " |")
+
+
 def performance_table(replicas, workloads, fios, not_run, lines, goals):
     ferrite_key, ceph_key = ("ferrite", replicas), ("ceph", replicas)
     ferrite_missing = not_run.get(ferrite_key)
@@ -395,7 +444,7 @@ def pgbench_table(meta, pgbenches, not_run, counts, lines):
         )
 
 
-def goals_summary(goals, counts, not_run, fios, bound_records, lines):
+def goals_summary(goals, counts, not_run, fios, bound_records, host_cpus, lines):
     lines.append("**Issue 7 goals** (Ferrite against Ceph with the same number of replicas: 4K random write")
     lines.append(f">= 30x Ceph's IOPS, 4K random read >= 10x, the mixed workloads >= 10x, p99.9 <= 1/{P999_RATIO_GOAL:.0f} of Ceph's):")
     lines.append("")
@@ -411,6 +460,12 @@ def goals_summary(goals, counts, not_run, fios, bound_records, lines):
         for _, workload, iops_ratio, iops_met, p999_ratio, p999_met in judged:
             bound = None if iops_met else beyond_bound(replicas, workload, fios, bound_records)
             beyond = f", above the disk bound of {number(bound)} IOPS" if bound else ""
+            budget = None if iops_met else cpu_budget(replicas, workload, fios, host_cpus)
+            if budget and budget[2] <= 0:
+                beyond += "; at the goal fio alone would need more CPU than the machine has"
+            elif budget and budget[2] < budget[3]:
+                beyond += (f"; at the goal the CPUs leave the server {number(budget[2], 1)} us per I/O, "
+                           f"it took {number(budget[3], 1)}")
             stalled = stall_in_tail(fios.get(("ferrite", replicas, workload))) if not p999_met else None
             stall = f"; the disk stalled {number(stalled)} ms in Ferrite's run" if stalled else ""
             parts.append(
@@ -496,7 +551,7 @@ def markdown(meta, fills, fios, pgbenches, not_run, bound_records, commit, svg_n
         lines += ["CPU, and the disk's longest stall:", ""]
         cpu_table(replicas, workloads, fios, lines)
         lines.append("")
-    goals_summary(goals, counts, not_run, fios, bound_records, lines)
+    goals_summary(goals, counts, not_run, fios, bound_records, meta.get("host_cpus"), lines)
     lines.append("")
     if bound_records["probes"]:
         raw_fill = bound_records["fills"].get("raw-disk")
@@ -516,6 +571,22 @@ def markdown(meta, fills, fios, pgbenches, not_run, bound_records, commit, svg_n
             "",
         ]
         bound_table(counts, workloads, fios, bound_records, lines)
+        lines.append("")
+    budget_rows = [(c, w) for c in counts for w in workloads
+                   if cpu_budget(c, w, fios, meta.get("host_cpus")) is not None]
+    if budget_rows:
+        lines += [
+            "### What the CPUs allow: the server CPU per I/O each goal leaves",
+            "",
+            f"fio runs on the same {meta.get('host_cpus')} vCPUs as the storage system. At a goal's rate the "
+            "machine has (vCPUs / goal IOPS) of CPU time per I/O; fio itself (nbd engine and libnbd) takes what "
+            "it took per I/O in Ferrite's run, and what is left is the most Ferrite's server (all its nodes "
+            "together) may spend per I/O to reach the goal here. Generous: kernel workers and other jobs count "
+            "as free and every core as busy, which no run achieves. Where the server took more, the CPU per I/O "
+            "must come down by that factor before the goal can be met on this machine, whatever else changes.",
+            "",
+        ]
+        cpu_budget_table(counts, workloads, fios, meta.get("host_cpus"), lines)
         lines.append("")
     if fills:
         lines.append("Write-fill (sequential 1 MiB, iodepth 16): " + "; ".join(
