@@ -6,7 +6,8 @@ machine, so one run's ratio can be off by tens of percent. This script reads the
 of several runs (each run's COMPARE_OUT_DIR), takes each run's own ratio per workload (Ferrite's
 IOPS over Ceph's, Ceph's p99.9 over Ferrite's: both sides of a ratio always come from one run),
 and prints, per replica count and workload, the median IOPS of each side, the median ratios and
-the runs' range of each ratio, and the same for pgbench's TPS. It reuses compare-report.py's
+the runs' range of each ratio, the median server CPU per I/O each IOPS goal leaves beside
+Ferrite's, and the median of pgbench's TPS and its ratio. It reuses compare-report.py's
 parsers, so it reads exactly what the tables of one run are made of.
 
     scripts/compare-medians.py OUT_DIR_1 OUT_DIR_2 OUT_DIR_3 [...]
@@ -64,6 +65,20 @@ def main(argv):
         print(f"| {replicas} | {workload} | {statistics.median(f['iops'] for f, _ in pairs):,.0f} | "
               f"{statistics.median(c['iops'] for _, c in pairs):,.0f} | {iops_median:.2f}x "
               f"({spread(iops_ratios)}) | {p999_median:.2f}x ({spread(p999_ratios)}) | {met} |")
+    print("\nThe server CPU per I/O each IOPS goal leaves once fio took its share (compare-report.py's "
+          "\"What the CPUs allow\"), medians of the runs' own figures:\n")
+    print("| copies | workload | fio CPU us per I/O | left for the server, us per I/O | "
+          "Ferrite server CPU us per I/O | Ferrite's server over it (range) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for replicas, workload in [(r, w) for r in replica_counts for w in report.WORKLOADS]:
+        budgets = [b for b in (report.cpu_budget(replicas, workload, fios, meta.get("host_cpus"))
+                               for meta, fios, _ in runs) if b is not None]
+        if not budgets:
+            continue
+        over = [server / left if left > 0 else float("inf") for _, _, left, server, _ in budgets]
+        print(f"| {replicas} | {workload} | {statistics.median(b[1] for b in budgets):.1f} | "
+              f"{statistics.median(b[2] for b in budgets):.1f} | {statistics.median(b[3] for b in budgets):.1f} | "
+              f"{statistics.median(over):.2f}x ({spread(over)}) |")
     print("\n| copies | Ferrite TPS | Ceph TPS | TPS Ferrite/Ceph (range) |")
     print("|---|---:|---:|---:|")
     for replicas in sorted({key[1] for _, _, pgbenches in runs for key in pgbenches}):
