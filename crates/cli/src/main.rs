@@ -466,8 +466,8 @@ struct UpArgs {
     /// A read of several blocks that lie scattered over the log (each written on its own, by
     /// random small writes) has them written again back to back in the background, so the next
     /// read of that range is one drive read instead of one per block. The rewrite reuses the
-    /// data just read, never overrides a newer write, stops while free space is low (before GC
-    /// needs it), and counts in the write amplification (`ferrite node show`,
+    /// data just read, never overrides a newer write, pauses while free space is below the
+    /// point where GC works (GC behind the writes), and counts in the write amplification (`ferrite node show`,
     /// `ferrite_defrag_relocated_blocks_total`). It pays where the drives are the bottleneck,
     /// on a single node and on cluster nodes alike (docs/BENCHMARKS.md); where the CPU is, the
     /// rewrite costs more than it saves. Turn it off to keep reads from ever causing writes,

@@ -29,7 +29,7 @@ mod scrub;
 pub mod segments;
 mod stripes;
 
-pub use defrag::{DEFRAG_BLOCKS_MAX, DEFRAG_FREE_SEGMENTS_MIN, DEFRAG_QUEUED_BLOCKS_MAX};
+pub use defrag::{DEFRAG_BLOCKS_MAX, DEFRAG_QUEUED_BLOCKS_MAX};
 pub use engine::{LogEngine, LogHandle, LogStats, VolumeStats};
 pub use gc::{GcOutcome, GC_STEPS_PER_TICK, GC_STEPS_PER_TICK_URGENT};
 pub use lay_out::LAY_OUT_AHEAD_SEGMENTS;

@@ -999,6 +999,69 @@ fn background_gc_step_and_checkpoint() {
     }
 }
 
+/// Read defragmentation goes on once the log has wrapped: from then on background GC holds free
+/// space at the threshold where it works (the reserve plus its headroom), and a rule that
+/// waited for more than that never rewrote a range again. Below the threshold (GC behind the
+/// writes) a scattered read queues nothing, so the space stays the host writes'.
+#[test]
+fn scattered_reads_are_rewritten_while_gc_holds_free_space_at_its_threshold() {
+    let node = Node::format(48, 22, 2, 1);
+    node.engine.set_read_defrag(true);
+    let handle = &node.handles[0];
+    let (_volumes, maps) = volume_maps(&[4_000]);
+    let map = &maps[0];
+    let volume = map.volume();
+    let threshold = node.engine.reserve_segments + handle.gc_headroom_segments();
+    let write = |block: u64, tag: u64| {
+        let (result, _) =
+            block_on(handle.write(map, block * BLOCK, block_buf(volume, block, 1, tag)));
+        result.unwrap();
+    };
+    // Overwrites until background GC is due: the log has wrapped.
+    let mut round = 0u64;
+    while node.engine.segments.free_count() > threshold {
+        write(1_000 + round % 2_000, round);
+        round += 1;
+        assert!(round < 100_000, "the log never filled");
+    }
+    block_on(handle.checkpoint()).unwrap();
+    // GC's steady state: it cleans while free space is at or below its threshold.
+    let mut steps = 0;
+    while node.engine.segments.free_count() <= threshold {
+        block_on(handle.gc_step()).unwrap();
+        steps += 1;
+        assert!(steps < 50, "GC never got above its threshold");
+    }
+    // Blocks 0..8 written one at a time between writes elsewhere: eight places in the log.
+    for block in 0..8 {
+        write(block, 1);
+        write(3_500 + block, 1);
+    }
+    let read = |first: u64| {
+        let (result, buf) =
+            block_on(handle.read_blocks(map, first * BLOCK, AlignedBuf::new(8 * BLOCK_BYTES)));
+        result.unwrap();
+        buf
+    };
+    let free = node.engine.segments.free_count();
+    assert!(free >= threshold && free <= threshold + 2, "free {free}, threshold {threshold}");
+    assert_eq!(&read(0)[..], &block_buf(volume, 0, 8, 1)[..]);
+    assert_eq!(block_on(handle.defrag_step()), Some(8), "a range rewritten at GC's threshold");
+    // Overwrites without GC until free space falls below the threshold: nothing is queued.
+    for block in 0..8 {
+        write(3_000 + block, 2);
+        write(3_500 + block, 2);
+    }
+    while node.engine.segments.free_count() >= threshold {
+        write(1_000 + round % 2_000, round);
+        round += 1;
+        assert!(round < 200_000, "free space never fell below the threshold");
+    }
+    assert!(node.engine.segments.free_count() > node.engine.reserve_segments);
+    assert_eq!(&read(3_000)[..], &block_buf(volume, 3_000, 8, 2)[..]);
+    assert_eq!(block_on(handle.defrag_step()), None, "nothing queued while GC is behind");
+}
+
 /// A background GC step reads its victim without the handle's pipeline: a host write on the
 /// same handle, started once the step is under way, completes before the step does (before,
 /// the step led the pipeline throughout and the write waited for the whole segment).
