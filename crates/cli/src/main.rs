@@ -467,12 +467,12 @@ struct UpArgs {
     /// random small writes) has them written again back to back in the background, so the next
     /// read of that range is one drive read instead of one per block. The rewrite reuses the
     /// data just read, never overrides a newer write, pauses while free space is below the
-    /// point where GC works (GC behind the writes), and counts in the write amplification (`ferrite node show`,
-    /// `ferrite_defrag_relocated_blocks_total`). It pays where the drives are the bottleneck,
-    /// on a single node and on cluster nodes alike (docs/BENCHMARKS.md); where the CPU is, the
-    /// rewrite costs more than it saves. Turn it off to keep reads from ever causing writes,
-    /// for example on media with little write endurance. `auto`, once off on cluster nodes, is
-    /// accepted and now means on.
+    /// point where GC works (GC behind the writes), and counts in the write amplification
+    /// (`ferrite node show`, `ferrite_defrag_relocated_blocks_total`). It pays where the drives
+    /// are the bottleneck, on a single node and on cluster nodes alike (docs/BENCHMARKS.md);
+    /// where the CPU is, the rewrite costs more than it saves. Turn it off to keep reads from
+    /// ever causing writes, for example on media with little write endurance. `auto`, once off
+    /// on cluster nodes, is accepted and now means on.
     #[arg(long, value_name = "on|off", default_value = "on")]
     read_defrag: ReadDefragArg,
     /// The most the background scrub reads per second, in MiB; 0 turns it off.
