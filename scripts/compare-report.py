@@ -309,9 +309,8 @@ def cpu_budget(replicas, workload, fios, host_cpus):
     be negative), Ferrite's server us per I/O, Ceph's server us per I/O)."""
     ferrite = fios.get(("ferrite", replicas, workload))
     ceph = fios.get(("ceph", replicas, workload))
-    if not ferrite or not ceph or not host_cpus or not ferrite["iops"] or not ceph["iops"]:
-        return None
-    if not ferrite.get("wall_s") or not ceph.get("wall_s"):
+    if not (host_cpus and ferrite and ceph and ferrite["iops"] and ceph["iops"]
+            and ferrite.get("wall_s") and ceph.get("wall_s")):
         return None
     goal = IOPS_RATIO_GOAL[workload] * ceph["iops"]
     client_us = cores(ferrite, "client_cpu_s") / ferrite["iops"] * 1e6
@@ -572,9 +571,7 @@ def markdown(meta, fills, fios, pgbenches, not_run, bound_records, commit, svg_n
         ]
         bound_table(counts, workloads, fios, bound_records, lines)
         lines.append("")
-    budget_rows = [(c, w) for c in counts for w in workloads
-                   if cpu_budget(c, w, fios, meta.get("host_cpus")) is not None]
-    if budget_rows:
+    if any(cpu_budget(c, w, fios, meta.get("host_cpus")) for c in counts for w in workloads):
         lines += [
             "### What the CPUs allow: the server CPU per I/O each goal leaves",
             "",
