@@ -10,6 +10,9 @@
 # side, e.g. B_ARGS="--erasure-coding none" when only B knows the flag). Prints each round's
 # tables and then the median IOPS per workload and side.
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+esac
 if [ $# -ne 2 ] || [ "$1" = "--help" ]; then
     sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     exit 2

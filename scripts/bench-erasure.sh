@@ -11,6 +11,9 @@
 # ("4+1 4+2"), REBUILD_RATE (MB/s passed to --rebuild-mb-per-s; 0 = unlimited), OUT (a file the
 # tables are appended to; default only stdout). Needs the release binary (built if missing).
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+esac
 cd "$(dirname "$0")/.."
 rounds=${ROUNDS:-1}
 runtime=${RUNTIME:-10}

@@ -9,6 +9,9 @@
 #   SIGNAL=TERM scripts/bench-recovery.sh   # a clean stop instead: the node writes a final
 #                                           # checkpoint, so the restart times loading it alone
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+esac
 cd "$(dirname "$0")/.."
 size=${SIZE:-3G}
 rounds=${ROUNDS:-3}

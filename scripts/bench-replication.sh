@@ -23,6 +23,9 @@
 #   UP_ARGS     more `ferrite up` arguments for every node [none]
 #   OUT         directory for logs and JSON               [a new temporary directory]
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+esac
 cd "$(dirname "$0")/.."
 source scripts/bench-lib.sh
 

@@ -7,6 +7,9 @@
 #
 #   BLOCKS=1048576 ROUNDS=5 scripts/bench-snapshot.sh
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+esac
 cd "$(dirname "$0")/.."
 blocks=${BLOCKS:-1048576}
 rounds=${ROUNDS:-5}

@@ -17,6 +17,9 @@
 # the blocks it relocated and the checkpoints taken (from /metrics, sampled every 0.1 s), so a
 # latency step can be matched with what the node was doing. Needs fio with its nbd engine.
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+esac
 cd "$(dirname "$0")/.."
 bs=${BS:-32k}
 mix=${MIX:-50}

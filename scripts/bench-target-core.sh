@@ -30,6 +30,9 @@
 # its drive, shared by the writes waiting for it). Other jobs on the machine add noise: look at
 # the load averages printed before and after.
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+esac
 cd "$(dirname "$0")/.."
 size=${SIZE:-1G}
 rounds=${ROUNDS:-3}

@@ -16,6 +16,9 @@
 # Note what the peer is: fio writes without fsync, so its random-write figure is the drive's
 # volatile-cache speed, while every Ferrite write is durable when acknowledged.
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+esac
 cd "$(dirname "$0")/.."
 size=${SIZE:-2G}
 rounds=${ROUNDS:-3}

@@ -8,7 +8,13 @@
 #
 #   scripts/bench-wa.sh                                   # 4 x 1 GiB drives, fills 50 80 90
 #   FILLS="80" OVERWRITES=5 WARMUP=2 DRIVES=4 DRIVE_SIZE=2G scripts/bench-wa.sh
+#   ERASURE=3+1 scripts/bench-wa.sh                       # parity across the drives
 #   (also QUEUES, IODEPTH, CHUNK_S_MAX: the longest single bench run, and FERRITE: a binary)
+#
+# ERASURE is the node's --erasure-coding, `none` by default: the log's own WA (batch headers, GC
+# copies, checkpoints), which issue 4's goal is about. `ferrite up` alone would pick 3+1 on four
+# drives; with parity K+M every data block also costs M/K parity blocks, so the WA printed is at
+# least (K+M)/K before GC adds anything, and the usable capacity is K/(K+M) of the drives'.
 #
 # Host and device bytes come from /metrics: host bytes are the sum of
 # `ferrite_volume_bytes_total{op="write"}`; /metrics exports device bytes only as the ratio
@@ -18,10 +24,16 @@
 # WA of a window = delta device bytes / delta host bytes. Exits non-zero if a node or an I/O
 # fails (for example a capacity error at a high fill).
 set -euo pipefail
+case "${1:-}" in
+    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    "") ;;
+    *) echo "bench-wa: unknown argument $1 (see --help; the knobs are environment variables)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 fills=${FILLS:-50 80 90}
 drives=${DRIVES:-4}
 drive_size=${DRIVE_SIZE:-1G}
+erasure=${ERASURE:-none}
 overwrites=${OVERWRITES:-3}
 warmup=${WARMUP:-1}
 chunk_s_max=${CHUNK_S_MAX:-60}
@@ -97,7 +109,7 @@ for fill in $fills; do
     data="$work/data-$fill"
     : >"$work/up.log"
     "$ferrite" up --nbd-listen off --data-dir "$data" --drives "$drives" --drive-size "$drive_size" \
-        --api-listen "127.0.0.1:$api_port" --nvme-listen "127.0.0.1:$nvme_port" >>"$work/up.log" 2>&1 &
+        --erasure-coding "$erasure" --api-listen "127.0.0.1:$api_port" --nvme-listen "127.0.0.1:$nvme_port" >>"$work/up.log" 2>&1 &
     server=$!
     for _ in $(seq 1 600); do "$ferrite" node show >/dev/null 2>&1 && break; alive; sleep 0.1; done
     capacity=$("$ferrite" node show --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["capacity"]["total_bytes"])')
@@ -105,7 +117,7 @@ for fill in $fills; do
     vol_bytes=$(python3 -c "print($capacity * $fill // 100 // (1 << 20) * (1 << 20))")
     "$ferrite" volume create wa --size "$vol_bytes" >/dev/null
     nvme_target="nvme+tcp://127.0.0.1:$nvme_port/nqn.2024-01.io.ferrite:vol:wa"
-    echo "fill $fill%: $drives x $drive_size drives, usable capacity $capacity bytes, volume $vol_bytes bytes" >&2
+    echo "fill $fill%: $drives x $drive_size drives, erasure coding $erasure, usable capacity $capacity bytes, volume $vol_bytes bytes" >&2
     "$ferrite" bench --target "$nvme_target" --fill --workloads 4k_randread --runtime 1 --ramp 0 \
         --quiet >/dev/null 2>>"$work/bench.err" \
         || { alive; echo "the sequential fill failed at fill $fill%:" >&2; tail -5 "$work/bench.err" >&2; exit 1; }
@@ -129,5 +141,5 @@ for fill in $fills; do
 done
 echo "WA = device bytes / host bytes; steady: after ${warmup}x the volume of overwrite up to ${overwrites}x;"
 echo "overwr: the whole overwrite phase; cumul: since the node started (fill included). 4 KiB random"
-echo "writes, QD $queues x $iodepth, $drives x $drive_size drives."
+echo "writes, QD $queues x $iodepth, $drives x $drive_size drives, erasure coding $erasure."
 cat "$table"
