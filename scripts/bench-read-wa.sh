@@ -36,16 +36,15 @@ ramp=${RAMP:-3}
 case "$defrag" in on | off) ;; *) echo "bench-read-wa: DEFRAG is on or off, not $defrag" >&2; exit 2 ;; esac
 ferrite=${FERRITE:-./target/release/ferrite}
 [ -n "${FERRITE:-}" ] || [ -x "$ferrite" ] || cargo build --release --locked --bin ferrite
+# shellcheck source=scripts/bench-lib.sh
+source scripts/bench-lib.sh
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/ferrite-read-wa.XXXXXX")
 server=""
 cleanup() {
-    if [ -n "$server" ] && kill -0 "$server" 2>/dev/null; then
-        kill -TERM "$server"; wait "$server" || true
-    fi
+    stop_server
     rm -rf "$work"
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 alive() { kill -0 "$server" 2>/dev/null || { echo "bench-read-wa: the node exited; its log:" >&2; tail -20 "$work/up.log" >&2; exit 1; }; }
 
 # Prints the counters this script uses, one "name value" per line, from the node's /metrics.
@@ -76,7 +75,7 @@ export FERRITE_API=http://127.0.0.1:$api_port
     --erasure-coding none --read-defrag "$defrag" --api-listen "127.0.0.1:$api_port" \
     --nvme-listen "127.0.0.1:$nvme_port" >"$work/up.log" 2>&1 &
 server=$!
-for _ in $(seq 1 600); do "$ferrite" node show >/dev/null 2>&1 && break; alive; sleep 0.1; done
+wait_for_node "$ferrite" || { alive; exit 1; }
 "$ferrite" volume create rwa --size "${size_gb}G" >/dev/null
 target="nvme+tcp://127.0.0.1:$nvme_port/rwa"
 echo "bench-read-wa: one node, 4 x ${size_gb} GiB sparse drives, no parity, read defragmentation" \
