@@ -30,11 +30,9 @@
 # Note what the peer is: fio writes without fsync, so its random-write figure is the drive's
 # volatile-cache speed, while every engine write is durable when acknowledged.
 set -euo pipefail
-case "${1:-}" in
-    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    "") ;;
-    *) echo "bench-engine: unknown argument $1 (see --help; the knobs are environment variables)" >&2; exit 2 ;;
-esac
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+only_help_args bench-engine "$@"
 cd "$(dirname "$0")/.."
 size=${SIZE:-2G}
 drive_size=${DRIVE_SIZE:-4G}

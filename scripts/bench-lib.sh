@@ -22,3 +22,14 @@ stop_server() {
     fi
     server=""
 }
+
+# The command line of a script whose knobs are environment variables: `--help` prints the
+# script's header comment (up to `set -euo pipefail`), anything else is refused.
+# Usage: only_help_args NAME "$@"
+only_help_args() {
+    case "${2:-}" in
+        -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        "") ;;
+        *) echo "$1: unknown argument $2 (see --help; the knobs are environment variables)" >&2; exit 2 ;;
+    esac
+}

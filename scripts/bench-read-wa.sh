@@ -23,11 +23,9 @@
 # ferrite_gc_relocated_blocks_total in bytes. The rest of what the drives took is batch
 # headers and checkpoints.
 set -euo pipefail
-case "${1:-}" in
-    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    "") ;;
-    *) echo "bench-read-wa: unknown argument $1 (see --help; the knobs are environment variables)" >&2; exit 2 ;;
-esac
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+only_help_args bench-read-wa "$@"
 cd "$(dirname "$0")/.."
 defrag=${DEFRAG:-on}
 size_gb=${SIZE_GB:-2}
@@ -36,8 +34,6 @@ ramp=${RAMP:-3}
 case "$defrag" in on | off) ;; *) echo "bench-read-wa: DEFRAG is on or off, not $defrag" >&2; exit 2 ;; esac
 ferrite=${FERRITE:-./target/release/ferrite}
 [ -n "${FERRITE:-}" ] || [ -x "$ferrite" ] || cargo build --release --locked --bin ferrite
-# shellcheck source=scripts/bench-lib.sh
-source scripts/bench-lib.sh
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/ferrite-read-wa.XXXXXX")
 server=""
 cleanup() {

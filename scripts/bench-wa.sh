@@ -24,11 +24,9 @@
 # WA of a window = delta device bytes / delta host bytes. Exits non-zero if a node or an I/O
 # fails (for example a capacity error at a high fill).
 set -euo pipefail
-case "${1:-}" in
-    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    "") ;;
-    *) echo "bench-wa: unknown argument $1 (see --help; the knobs are environment variables)" >&2; exit 2 ;;
-esac
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+only_help_args bench-wa "$@"
 cd "$(dirname "$0")/.."
 fills=${FILLS:-50 80 90}
 drives=${DRIVES:-4}
@@ -53,7 +51,6 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # Prints "HOST_BYTES DEVICE_BYTES" from the node's /metrics.
 scrape() {
