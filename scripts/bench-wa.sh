@@ -17,11 +17,9 @@
 # least (K+M)/K before GC adds anything, and the usable capacity is K/(K+M) of the drives'.
 #
 # Host and device bytes come from /metrics: host bytes are the sum of
-# `ferrite_volume_bytes_total{op="write"}`; /metrics exports device bytes only as the ratio
-# `ferrite_write_amplification` (device bytes / host bytes since the start, everything the engine
-# writes: data, batch headers, GC copies, checkpoints, roots), so device bytes = that ratio x the
-# host bytes (one volume, fresh node: the engine's host bytes are the volume's write bytes).
-# WA of a window = delta device bytes / delta host bytes. Exits non-zero if a node or an I/O
+# `ferrite_volume_bytes_total{op="write"}`, device bytes `ferrite_device_bytes_written_total`
+# (everything the engine writes: data, batch headers, GC copies, read defragmentation's copies,
+# checkpoints, roots; parity with ERASURE). WA of a window = delta device bytes / delta host bytes. Exits non-zero if a node or an I/O
 # fails (for example a capacity error at a high fill).
 set -euo pipefail
 # shellcheck source=scripts/bench-lib.sh
@@ -56,15 +54,15 @@ trap cleanup EXIT
 scrape() {
     curl -fsS "$FERRITE_API/metrics" | python3 -c '
 import sys
-host, wa = 0, None
+host, device = 0, None
 for line in sys.stdin:
     if line.startswith("ferrite_volume_bytes_total{") and "op=\"write\"" in line:
         host += int(line.split()[-1])
-    elif line.startswith("ferrite_write_amplification "):
-        wa = float(line.split()[-1])
-if wa is None:
-    sys.exit("ferrite_write_amplification is missing from /metrics")
-print(host, round(wa * host))'
+    elif line.startswith("ferrite_device_bytes_written_total "):
+        device = int(line.split()[-1])
+if device is None:
+    sys.exit("ferrite_device_bytes_written_total is missing from /metrics")
+print(host, device)'
 }
 ratio() { python3 -c "import sys; d = $3 - $1; print(f'{($4 - $2) / d:.3f}' if d > 0 else 'n/a')"; }
 alive() { kill -0 "$server" 2>/dev/null || { echo "the node (pid $server) died; see its log:" >&2; tail -20 "$work/up.log" >&2; return 1; }; }
