@@ -10,9 +10,9 @@
 # side, e.g. B_ARGS="--erasure-coding none" when only B knows the flag). Prints each round's
 # tables and then the median IOPS per workload and side.
 set -euo pipefail
-case "${1:-}" in
-    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-esac
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+help_if_asked "$@"
 if [ $# -ne 2 ] || [ "$1" = "--help" ]; then
     sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
@@ -28,8 +28,6 @@ drive_size=${DRIVE_SIZE:-4G}
 workloads=${WORKLOADS:-4k_randread,4k_randwrite,8k_randrw_80_20,16k_randrw_70_30,32k_randrw_50_50}
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/ferrite-ab.XXXXXX")
 server=""
-# shellcheck source=scripts/bench-lib.sh
-source "$(dirname "$0")/bench-lib.sh"
 cleanup() {
     stop_server
     rm -rf "$work"

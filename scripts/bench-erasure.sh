@@ -11,9 +11,9 @@
 # ("4+1 4+2"), REBUILD_RATE (MB/s passed to --rebuild-mb-per-s; 0 = unlimited), OUT (a file the
 # tables are appended to; default only stdout). Needs the release binary (built if missing).
 set -euo pipefail
-case "${1:-}" in
-    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-esac
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+help_if_asked "$@"
 cd "$(dirname "$0")/.."
 rounds=${ROUNDS:-1}
 runtime=${RUNTIME:-10}
@@ -28,8 +28,6 @@ ferrite=./target/release/ferrite
 [ -x "$ferrite" ] || cargo build --release --locked --bin ferrite
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/ferrite-erasure.XXXXXX")
 server=""
-# shellcheck source=scripts/bench-lib.sh
-source scripts/bench-lib.sh
 cleanup() {
     stop_server
     rm -rf "$work"

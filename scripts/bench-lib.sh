@@ -23,13 +23,20 @@ stop_server() {
     server=""
 }
 
-# The command line of a script whose knobs are environment variables: `--help` prints the
-# script's header comment (up to `set -euo pipefail`), anything else is refused.
-# Usage: only_help_args NAME "$@"
-only_help_args() {
-    case "${2:-}" in
+# `--help` or `-h` as the first argument: prints the script's header comment (up to
+# `set -euo pipefail`) and exits. Usage: help_if_asked "$@"
+help_if_asked() {
+    case "${1:-}" in
         -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-        "") ;;
-        *) echo "$1: unknown argument $2 (see --help; the knobs are environment variables)" >&2; exit 2 ;;
     esac
+}
+
+# The command line of a script whose knobs are environment variables: `--help` as above,
+# anything else is refused. Usage: only_help_args NAME "$@"
+only_help_args() {
+    help_if_asked "${2:-}"
+    if [ -n "${2:-}" ]; then
+        echo "$1: unknown argument $2 (see --help; the knobs are environment variables)" >&2
+        exit 2
+    fi
 }

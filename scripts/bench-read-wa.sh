@@ -48,7 +48,7 @@ scrape() {
     curl -fsS "$FERRITE_API/metrics" | python3 -c '
 import sys
 want = {"ferrite_device_bytes_written_total", "ferrite_defrag_relocated_blocks_total",
-        "ferrite_gc_relocated_blocks_total", "ferrite_checkpoint_bytes_written_total"}
+        "ferrite_gc_relocated_blocks_total"}
 got = {"read": 0, "write": 0}
 for line in sys.stdin:
     name = line.split("{")[0].split(" ")[0]

@@ -9,9 +9,9 @@
 #   SIGNAL=TERM scripts/bench-recovery.sh   # a clean stop instead: the node writes a final
 #                                           # checkpoint, so the restart times loading it alone
 set -euo pipefail
-case "${1:-}" in
-    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-esac
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+help_if_asked "$@"
 cd "$(dirname "$0")/.."
 size=${SIZE:-3G}
 rounds=${ROUNDS:-3}
@@ -29,7 +29,6 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 start() { # data dir
     "$ferrite" up --nbd-listen off --data-dir "$1" --api-listen "127.0.0.1:$api_port" \

@@ -23,11 +23,10 @@
 #   UP_ARGS     more `ferrite up` arguments for every node [none]
 #   OUT         directory for logs and JSON               [a new temporary directory]
 set -euo pipefail
-case "${1:-}" in
-    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-esac
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+help_if_asked "$@"
 cd "$(dirname "$0")/.."
-source scripts/bench-lib.sh
 
 FERRITE=${FERRITE:-target/release/ferrite}
 REPLICAS=${REPLICAS:-1 2 3}

@@ -7,9 +7,9 @@
 #
 #   BLOCKS=1048576 ROUNDS=5 scripts/bench-snapshot.sh
 set -euo pipefail
-case "${1:-}" in
-    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-esac
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+help_if_asked "$@"
 cd "$(dirname "$0")/.."
 blocks=${BLOCKS:-1048576}
 rounds=${ROUNDS:-5}
@@ -24,7 +24,6 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 # Milliseconds a command takes, wall clock.
 timed_ms() {
     local begin end

@@ -17,9 +17,9 @@
 # the blocks it relocated and the checkpoints taken (from /metrics, sampled every 0.1 s), so a
 # latency step can be matched with what the node was doing. Needs fio with its nbd engine.
 set -euo pipefail
-case "${1:-}" in
-    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-esac
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+help_if_asked "$@"
 cd "$(dirname "$0")/.."
 bs=${BS:-32k}
 mix=${MIX:-50}
@@ -35,7 +35,6 @@ fi
 keep=${OUT:+1}
 out=${OUT:-$(mktemp -d /var/tmp/ferrite-bench-tail-XXXXXX)}
 mkdir -p "$out"
-port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 api=127.0.0.1:$(port)
 nbd=127.0.0.1:$(port)
 nvme=127.0.0.1:$(port)

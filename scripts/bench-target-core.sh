@@ -30,9 +30,9 @@
 # its drive, shared by the writes waiting for it). Other jobs on the machine add noise: look at
 # the load averages printed before and after.
 set -euo pipefail
-case "${1:-}" in
-    -h | --help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-esac
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh"
+help_if_asked "$@"
 cd "$(dirname "$0")/.."
 size=${SIZE:-1G}
 rounds=${ROUNDS:-3}
@@ -76,7 +76,6 @@ cleanup() {
 trap cleanup EXIT
 
 echo "load before: $(uptime)"
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 api_port=$(port); nvme_port=$(port)
 export FERRITE_API=http://127.0.0.1:$api_port
 if [ "$drive_backend" = memory ]; then
