@@ -40,3 +40,10 @@ only_help_args() {
         exit 2
     fi
 }
+
+# One line naming the drives and the erasure coding of the node at $FERRITE_API, as `ferrite node
+# show` reports them, so a script's output says which layout it measured. Usage: node_layout FERRITE
+node_layout() {
+    "$1" node show | sed -n 's/^drives: *\(.*\)$/drives \1/p; s/^erasure coding: *\(.*\)$/erasure coding \1/p' |
+        awk 'NR > 1 { printf "; " } { printf "%s", $0 } END { print "" }'
+}

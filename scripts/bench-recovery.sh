@@ -8,6 +8,9 @@
 #   FERRITE_BIN=/path/to/ferrite SIZE=10G ROUNDS=1 scripts/bench-recovery.sh   # another build
 #   SIGNAL=TERM scripts/bench-recovery.sh   # a clean stop instead: the node writes a final
 #                                           # checkpoint, so the restart times loading it alone
+#   ERASURE=none scripts/bench-recovery.sh  # the node's --erasure-coding; by default the node's
+#                                           # own choice (3+1 on its four drives); the output
+#                                           # names the layout measured
 set -euo pipefail
 # shellcheck source=scripts/bench-lib.sh
 source "$(dirname "$0")/bench-lib.sh"
@@ -16,6 +19,8 @@ cd "$(dirname "$0")/.."
 size=${SIZE:-3G}
 rounds=${ROUNDS:-3}
 signal=${SIGNAL:-KILL}
+erasure_args=()
+[ -z "${ERASURE:-}" ] || erasure_args=(--erasure-coding "$ERASURE")
 case "$signal" in KILL | TERM) ;; *) echo "bench-recovery: SIGNAL must be KILL or TERM, not '$signal'" >&2; exit 2 ;; esac
 ferrite=${FERRITE_BIN:-./target/release/ferrite}
 if [ -z "${FERRITE_BIN:-}" ] && [ ! -x "$ferrite" ]; then cargo build --release --locked --bin ferrite; fi
@@ -32,7 +37,7 @@ trap cleanup EXIT
 
 start() { # data dir
     "$ferrite" up --nbd-listen off --data-dir "$1" --api-listen "127.0.0.1:$api_port" \
-        --nvme-listen "127.0.0.1:$nvme_port" >>"$work/up.log" 2>&1 &
+        --nvme-listen "127.0.0.1:$nvme_port" "${erasure_args[@]}" >>"$work/up.log" 2>&1 &
     server=$!
     for _ in $(seq 1 1200); do "$ferrite" node show >/dev/null 2>&1 && return 0; sleep 0.05; done
     echo "the node did not answer within 60 s" >&2
@@ -44,6 +49,7 @@ for round in $(seq 1 "$rounds"); do
     export FERRITE_API=http://127.0.0.1:$api_port
     data="$work/data-$round"
     start "$data"
+    [ "$round" -gt 1 ] || echo "node: $(node_layout "$ferrite")"
     "$ferrite" volume create rec --size "$size" >/dev/null
     target="nvme+tcp://127.0.0.1:$nvme_port/nqn.2024-01.io.ferrite:vol:rec"
     "$ferrite" bench --target "$target" --fill --workloads 4k_randwrite --runtime 5 --ramp 0 \

@@ -6,6 +6,9 @@
 # against the same volume before any snapshot, and the deletion of every snapshot.
 #
 #   BLOCKS=1048576 ROUNDS=5 scripts/bench-snapshot.sh
+#   ERASURE=none scripts/bench-snapshot.sh   # the node's --erasure-coding; by default the node's
+#                                            # own choice (3+1 on its four drives); the output
+#                                            # names the layout measured
 set -euo pipefail
 # shellcheck source=scripts/bench-lib.sh
 source "$(dirname "$0")/bench-lib.sh"
@@ -13,6 +16,8 @@ help_if_asked "$@"
 cd "$(dirname "$0")/.."
 blocks=${BLOCKS:-1048576}
 rounds=${ROUNDS:-5}
+erasure_args=()
+[ -z "${ERASURE:-}" ] || erasure_args=(--erasure-coding "$ERASURE")
 ferrite=./target/release/ferrite
 [ -x "$ferrite" ] || cargo build --release --locked --bin ferrite
 work=$(mktemp -d "${TMPDIR:-/var/tmp}/ferrite-snapshot.XXXXXX")
@@ -36,7 +41,7 @@ timed_ms() {
 api_port=$(port); nvme_port=$(port)
 export FERRITE_API=http://127.0.0.1:$api_port
 "$ferrite" up --nbd-listen off --data-dir "$work/data" --api-listen "127.0.0.1:$api_port" \
-    --nvme-listen "127.0.0.1:$nvme_port" >>"$work/up.log" 2>&1 &
+    --nvme-listen "127.0.0.1:$nvme_port" "${erasure_args[@]}" >>"$work/up.log" 2>&1 &
 server=$!
 for _ in $(seq 1 1200); do "$ferrite" node show >/dev/null 2>&1 && break; sleep 0.05; done
 size=$((blocks * 4096))
@@ -45,6 +50,7 @@ target="nvme+tcp://127.0.0.1:$nvme_port/nqn.2024-01.io.ferrite:vol:snap"
 "$ferrite" bench --target "$target" --fill --workloads 4k_randread --runtime 5 --ramp 1 \
     --quiet >"$work/before.txt"
 mapped=$("$ferrite" volume show snap --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["mapped_bytes"] // 4096)')
+echo "node: $(node_layout "$ferrite")"
 echo "volume: $blocks blocks provisioned, $mapped mapped"
 for round in $(seq 1 "$rounds"); do
     floor=$(timed_ms "$ferrite" snapshot list snap)
