@@ -8,6 +8,12 @@
 //! data of those segments is read to verify every block's CRC, so a batch torn by the crash is
 //! dropped whole (it was never acknowledged: batches of a segment are committed one at a time,
 //! in order).
+//!
+//! The reads are few and large: the first blocks of the segments are read [`PROBES_IN_FLIGHT`]
+//! at a time, and a replayed segment's batches are walked from windows of up to
+//! [`WINDOW_POSITIONS`] positions read at once, not with a read for each header and another for
+//! each batch's data (a chain of small reads that took about 49 ms per segment of 24 MiB of
+//! data on this project's virtual disk, against 26-34 ms from windows; session 30).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -15,7 +21,7 @@ use std::sync::Arc;
 
 use types::AlignedBuf;
 
-use super::engine::{CheckpointRecord, DriveSet, LogEngine, LogHandle};
+use super::engine::{CheckpointRecord, DriveSet, LocalFuture, LogEngine, LogHandle};
 use super::format::{
     decode_checkpoint_block, decode_layer_block, BatchHeader, CheckpointEntry, DataSlots,
     EntryKind, Geometry, LayerRecordEntry, LogSuperblock, Root, BLOCK_BYTES,
@@ -27,6 +33,7 @@ use super::segments::SegmentState;
 use super::{LogConfig, LogError};
 use crate::compress::unpack as unpack_slot;
 use crate::drive::Drive;
+use crate::join::join_all;
 use crate::latches::DriveLatches;
 
 /// What recovery read and rebuilt; for logs and the recovery benchmark.
@@ -212,6 +219,66 @@ impl LogEngine {
     }
 }
 
+/// A batch header as [`LogHandle::read_header`] finds it, with its block if it was rebuilt.
+type ProbedHeader = (BatchHeader, Option<AlignedBuf>);
+
+/// Segments whose first header recovery reads at once.
+const PROBES_IN_FLIGHT: usize = 64;
+/// Positions of a replayed segment recovery reads at once (8 MiB): a segment's batches are
+/// walked from this window instead of with two reads each (header, then data).
+const WINDOW_POSITIONS: u32 = 2048;
+
+/// The positions of one segment recovery read last, from which it walks that segment's
+/// batches.
+#[derive(Default)]
+struct Window {
+    segment: u32,
+    first: u32,
+    count: u32,
+    buf: Option<AlignedBuf>,
+    bytes_read: u64,
+}
+
+impl Window {
+    /// Positions `first..first + count` of `segment`, from the window, which moves to start at
+    /// `first` (up to [`WINDOW_POSITIONS`] or the segment's end) when they are not all in it.
+    /// Where that larger read fails, only the positions asked for are read, so a bad block
+    /// beyond what the log needs fails nothing.
+    async fn blocks<D: Drive>(
+        &mut self,
+        handle: &LogHandle<D>,
+        segment: u32,
+        first: u32,
+        count: u32,
+    ) -> Result<&[u8], LogError> {
+        let held = self.buf.is_some()
+            && self.segment == segment
+            && first >= self.first
+            && first + count <= self.first + self.count;
+        if !held {
+            if let Some(buf) = self.buf.take() {
+                handle.recycle(buf);
+            }
+            let per_segment = handle.engine.geometry.positions_per_segment();
+            assert!(first + count <= per_segment, "a batch lies within its segment");
+            let wide = count.max(WINDOW_POSITIONS.min(per_segment - first));
+            let (buf, read) = match handle.read_positions(segment, first, wide).await {
+                Ok(buf) => (buf, wide),
+                Err(_) if wide > count => {
+                    (handle.read_positions(segment, first, count).await?, count)
+                }
+                Err(error) => return Err(error),
+            };
+            self.bytes_read += u64::from(read) * BLOCK_BYTES as u64;
+            *self =
+                Self { segment, first, count: read, buf: Some(buf), bytes_read: self.bytes_read };
+        }
+        let buf = self.buf.as_ref().expect("the window holds the positions asked for");
+        let at = (first - self.first) as usize * BLOCK_BYTES;
+        Ok(&buf[at..at + count as usize * BLOCK_BYTES])
+    }
+}
+
 impl<D: Drive> LogHandle<D> {
     /// True if every data block of the batch holds what its entries say: a raw block its CRC,
     /// a pack slot every compressed block named in it (each unpacked and checked). A batch cut
@@ -248,7 +315,7 @@ impl<D: Drive> LogHandle<D> {
         &self,
         segment: u32,
         position: u32,
-    ) -> Result<Option<(BatchHeader, Option<AlignedBuf>)>, LogError> {
+    ) -> Result<Option<ProbedHeader>, LogError> {
         let geometry = self.engine.geometry;
         let block = self.read_positions(segment, position, 1).await?;
         let decoded = BatchHeader::decode(&block, &geometry, segment, position);
@@ -454,18 +521,28 @@ impl<D: Drive> LogHandle<D> {
         }
         report.checkpoint_entries = loaded;
 
-        // 3. Probe every other segment's first header; replay the recent ones.
+        // 3. Probe every other segment's first header (PROBES_IN_FLIGHT at a time); replay the
+        // recent ones.
+        let probed: Vec<u32> = (0..geometry.segment_count)
+            .filter(|segment| !is_checkpoint[*segment as usize])
+            .collect();
+        let mut firsts = Vec::with_capacity(probed.len());
+        for group in probed.chunks(PROBES_IN_FLIGHT) {
+            let reads: Vec<LocalFuture<'_, Result<Option<ProbedHeader>, LogError>>> =
+                group.iter().map(|segment| Box::pin(self.read_header(*segment, 0)) as _).collect();
+            for (segment, first) in group.iter().zip(join_all(reads).await) {
+                firsts.push((*segment, first?));
+            }
+        }
         let mut seqs: Vec<Option<u64>> = vec![None; geometry.segment_count as usize];
         let mut lsn_seen = 0u64;
         let mut seq_seen = 0u64;
         let mut batches: BTreeMap<u64, BatchHeader> = BTreeMap::new();
-        for segment in 0..geometry.segment_count {
-            if is_checkpoint[segment as usize] {
-                continue;
-            }
+        let mut window = Window::default();
+        for (segment, first) in firsts {
             report.segments_probed += 1;
             report.bytes_read += BLOCK_BYTES as u64;
-            let Some((first, first_rebuilt)) = self.read_header(segment, 0).await? else {
+            let Some((first, first_rebuilt)) = first else {
                 continue;
             };
             seqs[segment as usize] = Some(first.segment_seq);
@@ -484,9 +561,8 @@ impl<D: Drive> LogHandle<D> {
                 let mut whole = true;
                 if data_blocks > 0 {
                     let data =
-                        self.read_positions(segment, header.position + 1, data_blocks).await?;
-                    report.bytes_read += u64::from(data_blocks) * BLOCK_BYTES as u64;
-                    whole = self.batch_is_whole(&header, &data);
+                        window.blocks(self, segment, header.position + 1, data_blocks).await?;
+                    whole = self.batch_is_whole(&header, data);
                     if !whole && geometry.is_coded() {
                         let torn_by_crash = header.lsn >= root.lsn_floor;
                         let rebuilt = self.batch_is_whole_rebuilt(&header, torn_by_crash).await;
@@ -527,8 +603,17 @@ impl<D: Drive> LogHandle<D> {
                 if next >= per_segment {
                     break;
                 }
-                report.bytes_read += BLOCK_BYTES as u64;
-                match self.read_header(segment, next).await? {
+                // From the window when it decodes there; else read again, which on a coded log
+                // also tries the cell rebuilt from its stripe.
+                let block = window.blocks(self, segment, next, 1).await?;
+                let found = match BatchHeader::decode(block, &geometry, segment, next) {
+                    Ok(found) => Some((found, None)),
+                    Err(_) => {
+                        report.bytes_read += BLOCK_BYTES as u64;
+                        self.read_header(segment, next).await?
+                    }
+                };
+                match found {
                     Some((found, found_rebuilt))
                         if found.segment_seq == seqs[segment as usize].unwrap_or(0) =>
                     {
@@ -538,6 +623,10 @@ impl<D: Drive> LogHandle<D> {
                     _ => break,
                 }
             }
+        }
+        report.bytes_read += window.bytes_read;
+        if let Some(buf) = window.buf.take() {
+            self.recycle(buf);
         }
         for header in batches.values() {
             engine.apply(header, false);

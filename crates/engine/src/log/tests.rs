@@ -972,6 +972,73 @@ fn recovery_time_per_gib_written() {
 }
 
 #[test]
+fn recovery_walks_a_segment_from_a_few_large_reads() {
+    // No checkpoint while writing, so recovery replays every segment written.
+    let config = LogConfig { checkpoint_interval_segments: 1_000, ..config() };
+    let drives = sim_drives(64, 5, 0);
+    block_on(LogEngine::format(&drives, &config)).unwrap();
+    let open = || {
+        let latches = Arc::new(DriveLatches::new(DRIVES));
+        block_on(LogEngine::open(drives.clone(), config.clone(), latches)).unwrap()
+    };
+    let (volumes, maps) = volume_maps(&[10_000]);
+    let map = &maps[0];
+    let (engine, handle, _) = open();
+    let writes = 300u64;
+    // Each write waits for the one before: one batch each, many per segment.
+    for number in 0..writes {
+        let buf = block_buf(map.volume(), number, 1, 3);
+        let (result, _) = block_on(handle.write(map, number * BLOCK, buf));
+        result.unwrap();
+    }
+    drop((handle, engine));
+    for drive in &drives {
+        drive.crash();
+    }
+    let before = drive_reads_of(&drives);
+    let (_engine, handle, report) = open();
+    let walked = report.batches_replayed + report.batches_skipped;
+    let segments = u64::from(report.segments_replayed);
+    assert!(walked >= writes && segments >= 4, "{report:?}");
+    // Besides one read per segment probed: the roots and the checkpoint, and per replayed
+    // segment one window (a read per drive run) and the read that finds where its log ends;
+    // not a read per batch header and another per batch's data.
+    let reads = drive_reads_of(&drives) - before - u64::from(report.segments_probed);
+    assert!(reads <= 24 + 6 * segments, "{reads} reads to walk {walked} batches: {report:?}");
+    let (result, buf) = block_on(handle.read(map, 0, AlignedBuf::new(300 * BLOCK_BYTES)));
+    result.unwrap();
+    for (number, block) in (0..writes).zip(buf.chunks(BLOCK_BYTES)) {
+        assert!(block_matches(block, map.volume(), number, 3), "block {number}");
+    }
+    drop(volumes);
+}
+
+#[test]
+fn recovery_needs_only_the_positions_the_log_holds() {
+    let node = Node::format(64, 6, 0, 1);
+    let (_volumes, maps) = volume_maps(&[1000]);
+    let map = &maps[0];
+    let (result, _) = block_on(node.handles[0].write(map, 0, block_buf(map.volume(), 0, 3, 9)));
+    result.unwrap();
+    // The rest of that segment, on another drive, cannot be read: recovery's wide read of the
+    // segment fails there, and it reads only what the batch holds instead.
+    let index = node.engine.index.get(map.volume().0).expect("the volume has an index");
+    let (location, _) = super::index::unpack(index.get(0)).expect("block 0 is mapped");
+    let (segment, _) = node.engine.geometry.split(location);
+    let (drive, _) = node.place_of(map, 0);
+    let start = node.engine.geometry.row_offset_bytes(segment, 0);
+    let other = (drive + 1) % DRIVES;
+    node.drives[usize::from(other)].fail_reads_in(start..start + UNIT_BYTES);
+    let node = node.crash();
+    assert!(node.report.segments_replayed >= 1, "{:?}", node.report);
+    let (result, buf) = block_on(node.handles[0].read(map, 0, AlignedBuf::new(3 * BLOCK_BYTES)));
+    result.unwrap();
+    for (number, block) in (0..3).zip(buf.chunks(BLOCK_BYTES)) {
+        assert!(block_matches(block, map.volume(), number, 9), "block {number}");
+    }
+}
+
+#[test]
 fn background_gc_step_and_checkpoint() {
     let node = Node::format(48, 6, 1, 1);
     let handle = &node.handles[0];

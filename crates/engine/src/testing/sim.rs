@@ -89,6 +89,8 @@ struct SimState {
     fail_sync_countdown: Option<u64>,
     /// The drive died: every operation fails.
     dead: bool,
+    /// Reads touching these bytes fail (a bad region of a drive that is otherwise fine).
+    unreadable: Option<std::ops::Range<u64>>,
     /// Writes that start or are in flight do not complete until released.
     writes_held: bool,
     stats: SimStats,
@@ -157,6 +159,7 @@ impl SimDrive {
             fail_write_countdown: None,
             fail_sync_countdown: None,
             dead: false,
+            unreadable: None,
             writes_held: false,
             stats: SimStats::default(),
             events: None,
@@ -174,6 +177,12 @@ impl SimDrive {
     pub fn fail_sync_after(&self, n: u64) {
         assert!(n > 0);
         self.state.borrow_mut().fail_sync_countdown = Some(n);
+    }
+
+    /// Reads that touch `range` (bytes) fail from now on, as over bad sectors; the rest of the
+    /// drive works.
+    pub fn fail_reads_in(&self, range: std::ops::Range<u64>) {
+        self.state.borrow_mut().unreadable = Some(range);
     }
 
     /// The drive dies (or is pulled): every read, write, sync and punch fails from now on.
@@ -292,11 +301,16 @@ impl SimDrive {
         offset_bytes: u64,
         length_bytes: u64,
     ) -> Result<(), DriveError> {
-        let (size_bytes, dead) = {
+        let (size_bytes, dead, unreadable) = {
             let state = self.state.borrow();
-            (state.size_bytes, state.dead)
+            (state.size_bytes, state.dead, state.unreadable.clone())
         };
-        if dead {
+        let bad = unreadable.is_some_and(|range| {
+            operation == DriveOperation::Read
+                && offset_bytes < range.end
+                && range.start < offset_bytes + length_bytes
+        });
+        if dead || bad {
             return Err(Self::injected(operation, offset_bytes, length_bytes));
         }
         check_request(operation, offset_bytes, length_bytes, size_bytes)
