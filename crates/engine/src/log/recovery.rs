@@ -521,106 +521,108 @@ impl<D: Drive> LogHandle<D> {
         }
         report.checkpoint_entries = loaded;
 
-        // 3. Probe every other segment's first header (PROBES_IN_FLIGHT at a time); replay the
-        // recent ones.
-        let probed: Vec<u32> = (0..geometry.segment_count)
-            .filter(|segment| !is_checkpoint[*segment as usize])
-            .collect();
-        let mut firsts = Vec::with_capacity(probed.len());
-        for group in probed.chunks(PROBES_IN_FLIGHT) {
-            let reads: Vec<LocalFuture<'_, Result<Option<ProbedHeader>, LogError>>> =
-                group.iter().map(|segment| Box::pin(self.read_header(*segment, 0)) as _).collect();
-            for (segment, first) in group.iter().zip(join_all(reads).await) {
-                firsts.push((*segment, first?));
-            }
-        }
+        // 3. Probe every other segment's first header, PROBES_IN_FLIGHT at a time (and only
+        // that many held, whatever the segment count); replay the recent ones.
         let mut seqs: Vec<Option<u64>> = vec![None; geometry.segment_count as usize];
         let mut lsn_seen = 0u64;
         let mut seq_seen = 0u64;
         let mut batches: BTreeMap<u64, BatchHeader> = BTreeMap::new();
         let mut window = Window::default();
-        for (segment, first) in firsts {
-            report.segments_probed += 1;
-            report.bytes_read += BLOCK_BYTES as u64;
-            let Some((first, first_rebuilt)) = first else {
-                continue;
-            };
-            seqs[segment as usize] = Some(first.segment_seq);
-            seq_seen = seq_seen.max(first.segment_seq);
-            lsn_seen = lsn_seen.max(first.lsn);
-            if !replayed(&root, first.segment_seq) {
-                continue;
+        let mut group: Vec<u32> = Vec::with_capacity(PROBES_IN_FLIGHT);
+        let mut segments = (0..geometry.segment_count).filter(|s| !is_checkpoint[*s as usize]);
+        loop {
+            group.clear();
+            group.extend(segments.by_ref().take(PROBES_IN_FLIGHT));
+            if group.is_empty() {
+                break;
             }
-            report.segments_replayed += 1;
-            let mut header = first;
-            let mut rebuilt = first_rebuilt;
-            loop {
-                let data_blocks = header.data_blocks();
-                let next = header.position + geometry.padded(header.positions());
-                // Verify the batch's data: a torn batch ends the segment's log.
-                let mut whole = true;
-                if data_blocks > 0 {
-                    let data =
-                        window.blocks(self, segment, header.position + 1, data_blocks).await?;
-                    whole = self.batch_is_whole(&header, data);
-                    if !whole && geometry.is_coded() {
-                        let torn_by_crash = header.lsn >= root.lsn_floor;
-                        let rebuilt = self.batch_is_whole_rebuilt(&header, torn_by_crash).await;
-                        if let Some(repaired) = rebuilt {
-                            whole = true;
-                            report.blocks_repaired += repaired;
-                        }
-                    }
-                }
-                if !whole {
-                    report.batches_torn += 1;
-                    break;
-                }
-                if let Some(block) = rebuilt.take() {
-                    // The batch is kept but its header cell does not decode: a crash tore it
-                    // (write it back, as torn data cells are, so GC and the scrub can walk the
-                    // segment's headers) or it is damage in a covered batch (the scrub's).
-                    if header.lsn >= root.lsn_floor {
-                        let (drive, offset_bytes) = geometry.place(segment, header.position);
-                        if self.write_cell(drive, offset_bytes, block).await {
-                            report.blocks_repaired += 1;
-                        }
-                    }
-                }
-                lsn_seen = lsn_seen.max(header.lsn);
-                if header.lsn >= root.lsn_floor {
-                    if batches.insert(header.lsn, header).is_some() {
-                        return Err(LogError::SegmentCorrupt {
-                            segment,
-                            position: next,
-                            reason: "two batches carry the same LSN",
-                            live_blocks: 0,
-                        });
-                    }
-                } else {
-                    report.batches_skipped += 1;
-                }
-                if next >= per_segment {
-                    break;
-                }
-                // From the window when it decodes there; else read again, which on a coded log
-                // also tries the cell rebuilt from its stripe.
-                let block = window.blocks(self, segment, next, 1).await?;
-                let found = match BatchHeader::decode(block, &geometry, segment, next) {
-                    Ok(found) => Some((found, None)),
-                    Err(_) => {
-                        report.bytes_read += BLOCK_BYTES as u64;
-                        self.read_header(segment, next).await?
-                    }
+            let reads: Vec<LocalFuture<'_, Result<Option<ProbedHeader>, LogError>>> =
+                group.iter().map(|segment| Box::pin(self.read_header(*segment, 0)) as _).collect();
+            let probed = join_all(reads).await;
+            for (&segment, first) in group.iter().zip(probed) {
+                let first = first?;
+                report.segments_probed += 1;
+                report.bytes_read += BLOCK_BYTES as u64;
+                let Some((first, first_rebuilt)) = first else {
+                    continue;
                 };
-                match found {
-                    Some((found, found_rebuilt))
-                        if found.segment_seq == seqs[segment as usize].unwrap_or(0) =>
-                    {
-                        header = found;
-                        rebuilt = found_rebuilt;
+                seqs[segment as usize] = Some(first.segment_seq);
+                seq_seen = seq_seen.max(first.segment_seq);
+                lsn_seen = lsn_seen.max(first.lsn);
+                if !replayed(&root, first.segment_seq) {
+                    continue;
+                }
+                report.segments_replayed += 1;
+                let mut header = first;
+                let mut rebuilt = first_rebuilt;
+                loop {
+                    let data_blocks = header.data_blocks();
+                    let next = header.position + geometry.padded(header.positions());
+                    // Verify the batch's data: a torn batch ends the segment's log.
+                    let mut whole = true;
+                    if data_blocks > 0 {
+                        let data =
+                            window.blocks(self, segment, header.position + 1, data_blocks).await?;
+                        whole = self.batch_is_whole(&header, data);
+                        if !whole && geometry.is_coded() {
+                            let torn_by_crash = header.lsn >= root.lsn_floor;
+                            let rebuilt = self.batch_is_whole_rebuilt(&header, torn_by_crash).await;
+                            if let Some(repaired) = rebuilt {
+                                whole = true;
+                                report.blocks_repaired += repaired;
+                            }
+                        }
                     }
-                    _ => break,
+                    if !whole {
+                        report.batches_torn += 1;
+                        break;
+                    }
+                    if let Some(block) = rebuilt.take() {
+                        // The batch is kept but its header cell does not decode: a crash tore it
+                        // (write it back, as torn data cells are, so GC and the scrub can walk the
+                        // segment's headers) or it is damage in a covered batch (the scrub's).
+                        if header.lsn >= root.lsn_floor {
+                            let (drive, offset_bytes) = geometry.place(segment, header.position);
+                            if self.write_cell(drive, offset_bytes, block).await {
+                                report.blocks_repaired += 1;
+                            }
+                        }
+                    }
+                    lsn_seen = lsn_seen.max(header.lsn);
+                    if header.lsn >= root.lsn_floor {
+                        if batches.insert(header.lsn, header).is_some() {
+                            return Err(LogError::SegmentCorrupt {
+                                segment,
+                                position: next,
+                                reason: "two batches carry the same LSN",
+                                live_blocks: 0,
+                            });
+                        }
+                    } else {
+                        report.batches_skipped += 1;
+                    }
+                    if next >= per_segment {
+                        break;
+                    }
+                    // From the window when it decodes there; else read again, which on a coded log
+                    // also tries the cell rebuilt from its stripe.
+                    let block = window.blocks(self, segment, next, 1).await?;
+                    let found = match BatchHeader::decode(block, &geometry, segment, next) {
+                        Ok(found) => Some((found, None)),
+                        Err(_) => {
+                            report.bytes_read += BLOCK_BYTES as u64;
+                            self.read_header(segment, next).await?
+                        }
+                    };
+                    match found {
+                        Some((found, found_rebuilt))
+                            if found.segment_seq == seqs[segment as usize].unwrap_or(0) =>
+                        {
+                            header = found;
+                            rebuilt = found_rebuilt;
+                        }
+                        _ => break,
+                    }
                 }
             }
         }
