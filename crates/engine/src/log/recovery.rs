@@ -229,7 +229,8 @@ const PROBES_IN_FLIGHT: usize = 64;
 const WINDOW_POSITIONS: u32 = 2048;
 
 /// The positions of one segment recovery read last, from which it walks that segment's
-/// batches.
+/// batches. Recovery writes back only cells of batches it has walked past, so the window never
+/// serves bytes it has since changed.
 #[derive(Default)]
 struct Window {
     segment: u32,
@@ -270,8 +271,7 @@ impl Window {
                 Err(error) => return Err(error),
             };
             self.bytes_read += u64::from(read) * BLOCK_BYTES as u64;
-            *self =
-                Self { segment, first, count: read, buf: Some(buf), bytes_read: self.bytes_read };
+            (self.segment, self.first, self.count, self.buf) = (segment, first, read, Some(buf));
         }
         let buf = self.buf.as_ref().expect("the window holds the positions asked for");
         let at = (first - self.first) as usize * BLOCK_BYTES;
