@@ -1161,10 +1161,22 @@ impl DataThread {
             segments_replayed = report.segments_replayed,
             batches_replayed = report.batches_replayed,
             batches_torn = report.batches_torn,
+            batches_dropped = report.batches_dropped,
+            batches_damaged = report.batches_damaged,
             blocks_repaired = report.blocks_repaired,
             erasure_coding = %geometry.scheme(),
             "recovered the log"
         );
+        if report.batches_damaged > 0 {
+            tracing::warn!(
+                batches_damaged = report.batches_damaged,
+                erasure_coding = %geometry.scheme(),
+                "recovery found batches whose data fails its checksums although they were durable \
+                 before the stop: the drives damaged blocks after they were written; those \
+                 blocks read as errors (unrecovered read error to the host) and the rest was \
+                 recovered; the scrub reports where they are"
+            );
+        }
         for volume in handle.engine().volume_ids() {
             if self.shared.known_ids.contains(&volume) {
                 continue;

@@ -6,8 +6,11 @@
 //! headers and data of the segments opened since the checkpoint's floor (at most
 //! `checkpoint_interval_segments` or a quarter of the segments in use, plus the open ones). The
 //! data of those segments is read to verify every block's CRC, so a batch torn by the crash is
-//! dropped whole (it was never acknowledged: batches of a segment are committed one at a time,
-//! in order).
+//! dropped whole with the batches behind it in its segment (none was acknowledged: a batch is
+//! acknowledged only once it and every earlier batch of its handle are durable). A batch whose
+//! data fails although it was durable before the crash (the checkpoint covers it, or more
+//! batches follow it than can be unfinished at once: [`UNFINISHED_BATCHES_MAX`]) is damage of
+//! the media, not a tear: it is kept, its bad blocks read as errors, and the walk goes on.
 //!
 //! The reads are few and large: the first blocks of the segments are read [`PROBES_IN_FLIGHT`]
 //! at a time, and a replayed segment's batches are walked from windows of up to
@@ -21,7 +24,10 @@ use std::sync::Arc;
 
 use types::AlignedBuf;
 
-use super::engine::{CheckpointRecord, DriveSet, LocalFuture, LogEngine, LogHandle};
+use super::engine::{
+    CheckpointRecord, DriveSet, LocalFuture, LogEngine, LogHandle, COMMITS_IN_FLIGHT_MAX,
+    GROUP_BATCHES_MAX,
+};
 use super::format::{
     decode_checkpoint_block, decode_layer_block, BatchHeader, CheckpointEntry, DataSlots,
     EntryKind, Geometry, LayerRecordEntry, LogSuperblock, Root, BLOCK_BYTES,
@@ -46,9 +52,18 @@ pub struct RecoveryReport {
     pub batches_replayed: u64,
     /// Batches found whole but older than the checkpoint, so skipped.
     pub batches_skipped: u64,
-    /// Batches whose data failed its CRC (torn by the crash), dropped with the rest of their
-    /// segment.
+    /// Batches whose data failed its CRC and that the crash may have torn (fewer than
+    /// [`UNFINISHED_BATCHES_MAX`] batches follow them in their segment), dropped with the
+    /// batches behind them.
     pub batches_torn: u64,
+    /// Whole batches dropped because a torn batch precedes them in their segment: they were in
+    /// flight with it, so not acknowledged.
+    pub batches_dropped: u64,
+    /// Batches whose data failed its CRC although they were durable before the crash (the
+    /// checkpoint covers them, or [`UNFINISHED_BATCHES_MAX`] batches follow them): damage, not
+    /// a tear. They are kept, so reads of their bad blocks fail as on any damaged block, and
+    /// the batches behind them are replayed.
+    pub batches_damaged: u64,
     /// Coded logs: data and header cells of kept batches that were torn by the crash, rebuilt
     /// from parity and written back in place.
     pub blocks_repaired: u64,
@@ -221,6 +236,25 @@ impl LogEngine {
 
 /// A batch header as [`LogHandle::read_header`] finds it, with its block if it was rebuilt.
 type ProbedHeader = (BatchHeader, Option<AlignedBuf>);
+
+/// The most batches of one segment's header chain that can be unfinished at once: a handle
+/// has at most [`COMMITS_IN_FLIGHT_MAX`] pipelined batches in flight, whose slots free only as
+/// they install, in LSN order; a grouped round writes at most [`GROUP_BATCHES_MAX`] before its
+/// sync; and a failed or abandoned batch seals its segment. So a batch followed in its chain by
+/// this many others had completed before the crash, durable: if its data fails its CRC, that is
+/// damage of the media, not a tear, and dropping the batches behind it would lose acknowledged
+/// writes.
+pub const UNFINISHED_BATCHES_MAX: usize = COMMITS_IN_FLIGHT_MAX;
+const _: () = assert!(GROUP_BATCHES_MAX <= UNFINISHED_BATCHES_MAX);
+
+/// A batch of a replayed segment's chain, walked but not yet kept.
+struct Walked {
+    header: BatchHeader,
+    /// Its header block, if that was rebuilt from parity.
+    rebuilt: Option<AlignedBuf>,
+    /// Its data failed and the crash may have torn it.
+    suspect: bool,
+}
 
 /// Segments whose first header recovery reads at once.
 const PROBES_IN_FLIGHT: usize = 64;
@@ -409,6 +443,60 @@ impl<D: Drive> LogHandle<D> {
         None
     }
 
+    /// Keeps the held batches of a chain that can no longer be torn by the crash: all of them
+    /// while none is suspect, and a suspect one once [`UNFINISHED_BATCHES_MAX`] batches follow
+    /// it (counted damaged). Keeping writes back a header cell rebuilt from parity (if the
+    /// checkpoint does not cover the batch, as for torn data cells) and queues the batch for
+    /// replay, or skips it if the checkpoint covers it. What follows a suspect batch stays held.
+    async fn keep_settled(
+        &self,
+        root: &Root,
+        held: &mut Vec<Walked>,
+        batches: &mut BTreeMap<u64, BatchHeader>,
+        report: &mut RecoveryReport,
+    ) -> Result<(), LogError> {
+        let mut settled = held.len();
+        while let Some(first) = held.iter().position(|walked| walked.suspect) {
+            if held.len() - first - 1 < UNFINISHED_BATCHES_MAX {
+                settled = first;
+                break;
+            }
+            held[first].suspect = false;
+            report.batches_damaged += 1;
+        }
+        assert!(held.len() <= UNFINISHED_BATCHES_MAX + 1, "a suspect batch settles in time");
+        for walked in held.drain(..settled) {
+            let header = walked.header;
+            let uncovered = header.lsn >= root.lsn_floor;
+            if let Some(block) = walked.rebuilt {
+                // The batch is kept but its header cell does not decode: a crash tore it
+                // (write it back, as torn data cells are, so GC and the scrub can walk the
+                // segment's headers) or it is damage in a covered batch (the scrub's).
+                if uncovered {
+                    let (drive, offset_bytes) =
+                        self.engine.geometry.place(header.segment, header.position);
+                    if self.write_cell(drive, offset_bytes, block).await {
+                        report.blocks_repaired += 1;
+                    }
+                }
+            }
+            if !uncovered {
+                report.batches_skipped += 1;
+                continue;
+            }
+            let (segment, position) = (header.segment, header.position);
+            if batches.insert(header.lsn, header).is_some() {
+                return Err(LogError::SegmentCorrupt {
+                    segment,
+                    position,
+                    reason: "two batches carry the same LSN",
+                    live_blocks: 0,
+                });
+            }
+        }
+        Ok(())
+    }
+
     async fn recover(&self, report: &mut RecoveryReport) -> Result<(), LogError> {
         let engine = &*self.engine;
         let geometry = engine.geometry;
@@ -555,52 +643,38 @@ impl<D: Drive> LogHandle<D> {
                 report.segments_replayed += 1;
                 let mut header = first;
                 let mut rebuilt = first_rebuilt;
+                // The batches walked since the oldest one whose data failed and could still be
+                // torn by the crash: at most UNFINISHED_BATCHES_MAX + 1.
+                let mut held: Vec<Walked> = Vec::with_capacity(UNFINISHED_BATCHES_MAX + 1);
                 loop {
                     let data_blocks = header.data_blocks();
                     let next = header.position + geometry.padded(header.positions());
-                    // Verify the batch's data: a torn batch ends the segment's log.
+                    let covered = header.lsn < root.lsn_floor;
                     let mut whole = true;
                     if data_blocks > 0 {
                         let data =
                             window.blocks(self, segment, header.position + 1, data_blocks).await?;
                         whole = self.batch_is_whole(&header, data);
                         if !whole && geometry.is_coded() {
-                            let torn_by_crash = header.lsn >= root.lsn_floor;
-                            let rebuilt = self.batch_is_whole_rebuilt(&header, torn_by_crash).await;
+                            let rebuilt = self.batch_is_whole_rebuilt(&header, !covered).await;
                             if let Some(repaired) = rebuilt {
                                 whole = true;
                                 report.blocks_repaired += repaired;
                             }
                         }
                     }
-                    if !whole {
-                        report.batches_torn += 1;
-                        break;
-                    }
-                    if let Some(block) = rebuilt.take() {
-                        // The batch is kept but its header cell does not decode: a crash tore it
-                        // (write it back, as torn data cells are, so GC and the scrub can walk the
-                        // segment's headers) or it is damage in a covered batch (the scrub's).
-                        if header.lsn >= root.lsn_floor {
-                            let (drive, offset_bytes) = geometry.place(segment, header.position);
-                            if self.write_cell(drive, offset_bytes, block).await {
-                                report.blocks_repaired += 1;
-                            }
-                        }
-                    }
                     lsn_seen = lsn_seen.max(header.lsn);
-                    if header.lsn >= root.lsn_floor {
-                        if batches.insert(header.lsn, header).is_some() {
-                            return Err(LogError::SegmentCorrupt {
-                                segment,
-                                position: next,
-                                reason: "two batches carry the same LSN",
-                                live_blocks: 0,
-                            });
-                        }
-                    } else {
-                        report.batches_skipped += 1;
+                    // The checkpoint covers a batch only once it was durable: its data failing
+                    // is damage, never a tear, and the chain goes on behind it.
+                    if !whole && covered {
+                        report.batches_damaged += 1;
                     }
+                    held.push(Walked {
+                        header,
+                        rebuilt: rebuilt.take(),
+                        suspect: !whole && !covered,
+                    });
+                    self.keep_settled(&root, &mut held, &mut batches, report).await?;
                     if next >= per_segment {
                         break;
                     }
@@ -623,6 +697,15 @@ impl<D: Drive> LogHandle<D> {
                         }
                         _ => break,
                     }
+                }
+                // The chain ends with fewer than UNFINISHED_BATCHES_MAX batches behind the
+                // oldest suspect one: it may be torn by the crash. It is dropped with every
+                // batch behind it, none of which was acknowledged.
+                if !held.is_empty() {
+                    debug_assert!(held[0].suspect, "keep_settled keeps what precedes a suspect");
+                    report.batches_torn += 1;
+                    report.batches_dropped += held.len() as u64 - 1;
+                    held.clear();
                 }
             }
         }

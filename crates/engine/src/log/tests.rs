@@ -881,6 +881,52 @@ fn crash_at_every_nth_drive_operation() {
     }
 }
 
+/// Up to `COMMITS_IN_FLIGHT_MAX` single-block batches of one handle in flight on held drives,
+/// then a crash that keeps, drops or tears each of their blocks: a torn batch has whole ones
+/// behind it. Recovery takes a failing batch as a tear only while fewer than
+/// `UNFINISHED_BATCHES_MAX` batches follow it; were that bound below the batches that can be in
+/// flight, a torn batch would be kept and its blocks would read as errors here.
+#[test]
+fn a_crash_among_batches_in_flight_drops_the_torn_ones_and_those_behind() {
+    let writes = super::engine::COMMITS_IN_FLIGHT_MAX as u64 + 2;
+    let mut dropped = 0;
+    for seed in 0..120 * soak() {
+        let node = Node::format(48, seed, 0, 1);
+        let (_volumes, maps) = volume_maps(&[100]);
+        let map = &maps[0];
+        let handle = &node.handles[0];
+        let (result, _) = block_on(handle.write(map, 0, block_buf(map.volume(), 0, writes, 1)));
+        result.unwrap();
+        for drive in &node.drives {
+            drive.hold_writes();
+        }
+        {
+            // Each write is polled until it waits, so each is a batch of its own.
+            let mut futures: Vec<LocalBoxFuture<'_, ()>> = Vec::new();
+            for number in 0..writes {
+                let buf = block_buf(map.volume(), number, 1, 2);
+                let mut future: LocalBoxFuture<'_, ()> = Box::pin(async move {
+                    let (result, _) = handle.write(map, number * BLOCK, buf).await;
+                    result.unwrap();
+                });
+                assert!(!run_until(future.as_mut(), || false, 20), "no write completes");
+                futures.push(future);
+            }
+        }
+        let node = node.crash();
+        assert_eq!(node.report.batches_damaged, 0, "{:?}", node.report);
+        dropped += node.report.batches_dropped;
+        for number in 0..writes {
+            let buf = AlignedBuf::new(BLOCK_BYTES);
+            let (result, buf) = block_on(node.handles[0].read(map, number * BLOCK, buf));
+            result.unwrap_or_else(|error| panic!("seed {seed}, block {number}: {error}"));
+            let old = block_matches(&buf, map.volume(), number, 1);
+            assert!(old || block_matches(&buf, map.volume(), number, 2), "seed {seed} {number}");
+        }
+    }
+    assert!(dropped > 0, "no torn batch had whole ones behind it");
+}
+
 /// A drive failing its Nth write or sync is latched, the engine keeps reading what it can, and
 /// no acknowledged write is lost after a restart.
 #[test]
@@ -1692,6 +1738,87 @@ fn a_queued_batch_grown_to_the_size_of_the_one_in_flight_goes_beside_it() {
         for number in 0..FIRST_BLOCKS {
             let block = 32 + number;
             assert!(block_matches(&read(block, 1), volume, block, 3), "seed {seed} block {block}");
+        }
+    }
+}
+
+/// Writes blocks `0..writes` one batch each (each write waits for the one before), damages
+/// block `damaged` where it lives, restarts without a checkpoint between, and returns the
+/// recovery's report and each block's read.
+fn damage_a_replayed_batch(
+    writes: u64,
+    damaged: u64,
+    scheme: ErasureScheme,
+) -> (RecoveryReport, Vec<Result<bool, StoreError>>) {
+    let config = LogConfig { checkpoint_interval_segments: 1_000, erasure: scheme, ..config() };
+    let drive_count = if scheme == ErasureScheme::NONE { DRIVES } else { 4 };
+    let drives = sim_drives_n(drive_count, 64, 8, 0);
+    block_on(LogEngine::format(&drives, &config)).unwrap();
+    let open = || {
+        let latches = Arc::new(DriveLatches::new(drive_count));
+        block_on(LogEngine::open(drives.clone(), config.clone(), latches)).unwrap()
+    };
+    let (_volumes, maps) = volume_maps(&[1000]);
+    let map = &maps[0];
+    let (engine, handle, _) = open();
+    for number in 0..writes {
+        let buf = block_buf(map.volume(), number, 1, 4);
+        let (result, _) = block_on(handle.write(map, number * BLOCK, buf));
+        result.unwrap();
+    }
+    let index = engine.index.get(map.volume().0).expect("the volume has an index");
+    let (location, _) = super::index::unpack(index.get(damaged)).expect("the block is mapped");
+    let (segment, position) = engine.geometry.split(location);
+    // On a coded log also the stripe's padding cell after the block (a batch of one block is
+    // its header, the block and a zero block), so that parity cannot rebuild the block.
+    let cells = if engine.geometry.is_coded() { 2 } else { 1 };
+    for cell in 0..cells {
+        let (drive, offset_bytes) = engine.geometry.place(segment, position + cell);
+        let mut bad = AlignedBuf::new(BLOCK_BYTES);
+        bad.fill(0x5a);
+        block_on(drives[usize::from(drive)].write_at(offset_bytes, bad)).0.unwrap();
+    }
+    drop((index, handle, engine));
+    let (engine, handle, report) = open();
+    assert_eq!(report.segments_replayed, 1, "{report:?}");
+    let reads = (0..writes)
+        .map(|number| {
+            let buf = AlignedBuf::new(BLOCK_BYTES);
+            let (result, buf) = block_on(handle.read(map, number * BLOCK, buf));
+            result.map(|()| block_matches(&buf, map.volume(), number, 4))
+        })
+        .collect();
+    let damaged_reads =
+        u64::from(damaged < writes - super::recovery::UNFINISHED_BATCHES_MAX as u64);
+    assert_eq!(engine.stats().checksum_errors, damaged_reads);
+    (report, reads)
+}
+
+#[test]
+fn a_block_damaged_in_a_replayed_segment_loses_only_itself() {
+    // Bit rot in an acknowledged batch that eight batches follow: it cannot have been in
+    // flight at the crash, so the batch is kept (its damaged block reads as an error, never
+    // as its older contents) and the batches behind it are replayed.
+    let writes = 12;
+    let damaged = writes - 1 - super::recovery::UNFINISHED_BATCHES_MAX as u64;
+    // The same on a coded log where the stripe cannot rebuild the block.
+    for scheme in [ErasureScheme::NONE, ErasureScheme::new(3, 1).unwrap()] {
+        let (report, reads) = damage_a_replayed_batch(writes, damaged, scheme);
+        assert_eq!((report.batches_damaged, report.batches_torn), (1, 0), "{report:?}");
+        for (number, read) in (0..writes).zip(reads) {
+            if number == damaged {
+                assert!(matches!(read, Err(StoreError::ChecksumMismatch { .. })), "{read:?}");
+            } else {
+                assert!(matches!(read, Ok(true)), "block {number}: {read:?}; {report:?}");
+            }
+        }
+        // With one batch fewer behind it, the crash may have torn it (the batches behind it
+        // in flight with it): it is dropped with them, as a tear is.
+        let (report, reads) = damage_a_replayed_batch(writes, damaged + 1, scheme);
+        assert_eq!((report.batches_damaged, report.batches_torn), (0, 1), "{report:?}");
+        for (number, read) in (0..writes).zip(reads) {
+            let kept = number <= damaged;
+            assert!(matches!(read, Ok(matched) if matched == kept), "block {number}: {read:?}");
         }
     }
 }
