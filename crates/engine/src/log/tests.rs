@@ -1017,16 +1017,23 @@ fn recovery_time_per_gib_written() {
     );
 }
 
+/// Opens the log on `drives` with `config` (a test's own, where `Node` takes the default one):
+/// recovery of whatever the drives hold.
+fn open_drives(
+    drives: &[SimDrive],
+    config: &LogConfig,
+) -> (Arc<LogEngine>, LogHandle<SimDrive>, RecoveryReport) {
+    let latches = Arc::new(DriveLatches::new(drives.len() as u16));
+    block_on(LogEngine::open(drives.to_vec(), config.clone(), latches)).unwrap()
+}
+
 #[test]
 fn recovery_walks_a_segment_from_a_few_large_reads() {
     // No checkpoint while writing, so recovery replays every segment written.
     let config = LogConfig { checkpoint_interval_segments: 1_000, ..config() };
     let drives = sim_drives(64, 5, 0);
     block_on(LogEngine::format(&drives, &config)).unwrap();
-    let open = || {
-        let latches = Arc::new(DriveLatches::new(DRIVES));
-        block_on(LogEngine::open(drives.clone(), config.clone(), latches)).unwrap()
-    };
+    let open = || open_drives(&drives, &config);
     let (volumes, maps) = volume_maps(&[10_000]);
     let map = &maps[0];
     let (engine, handle, _) = open();
@@ -1754,10 +1761,7 @@ fn damage_a_replayed_batch(
     let drive_count = if scheme == ErasureScheme::NONE { DRIVES } else { 4 };
     let drives = sim_drives_n(drive_count, 64, 8, 0);
     block_on(LogEngine::format(&drives, &config)).unwrap();
-    let open = || {
-        let latches = Arc::new(DriveLatches::new(drive_count));
-        block_on(LogEngine::open(drives.clone(), config.clone(), latches)).unwrap()
-    };
+    let open = || open_drives(&drives, &config);
     let (_volumes, maps) = volume_maps(&[1000]);
     let map = &maps[0];
     let (engine, handle, _) = open();
