@@ -1480,7 +1480,7 @@ impl<D: Drive> LogHandle<D> {
         let lsn = self.take_lsn(self.in_flight.borrow().is_empty());
         let entries = std::mem::take(&mut batch.entries);
         let header = BatchHeader { segment, segment_seq, position, lsn, entries };
-        batch.data[..BLOCK_BYTES].copy_from_slice(&header.encode());
+        batch.data[..BLOCK_BYTES].copy_from_slice(&header.encode(&engine.geometry));
         batch.data.set_len(written as usize * BLOCK_BYTES);
         let record = Rc::new(InFlight {
             header,
@@ -1683,7 +1683,7 @@ impl<D: Drive> LogHandle<D> {
         let lsn = self.take_lsn(group.parts.is_empty());
         let header = BatchHeader { segment, segment_seq, position, lsn, entries };
         let mut header_block = self.header_blocks.take(BLOCK_BYTES);
-        header_block.copy_from_slice(&header.encode());
+        header_block.copy_from_slice(&header.encode(&engine.geometry));
         let block_of = |index: u32| batch_block(&header_block, data, index);
         let written = 1 + data_blocks as u32;
         let result = if engine.geometry.is_coded() {

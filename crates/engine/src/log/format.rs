@@ -17,7 +17,7 @@ use crate::format::NodeUuid;
 pub const BLOCK_BYTES: usize = types::BLOCK_SIZE_BYTES as usize;
 const BLOCK_BYTES_U64: u64 = BLOCK_BYTES as u64;
 /// The log format this build reads and writes.
-pub const LOG_FORMAT_VERSION: u32 = 6;
+pub const LOG_FORMAT_VERSION: u32 = 7;
 /// The first 16 bytes of the log superblock.
 pub const LOG_SUPERBLOCK_MAGIC: [u8; 16] = *b"FERRITE\0LOG\0\0\0\0\0";
 /// Magics of the other structures (the first 8 bytes of their block).
@@ -145,8 +145,26 @@ fn seal(block: &mut [u8]) {
     put(block, CHECKSUM_OFFSET, &crc.to_le_bytes());
 }
 
+/// The checksum of a batch header: CRC-32C over the log's header key, then the block up to its
+/// checksum field.
+fn header_crc(block: &[u8], key: u64) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&key.to_le_bytes()), &block[..CHECKSUM_OFFSET])
+}
+
 /// Checks magic, version (at byte 8 for 8-byte magics, 16 for the superblock) and checksum.
 fn check_block(block: &[u8], magic: &[u8], version_offset: usize) -> Result<(), DecodeError> {
+    check_block_with(block, magic, version_offset, |block| {
+        crc32c::crc32c(&block[..CHECKSUM_OFFSET])
+    })
+}
+
+/// [`check_block`] with the checksum computed by `checksum`.
+fn check_block_with(
+    block: &[u8],
+    magic: &[u8],
+    version_offset: usize,
+    checksum: impl Fn(&[u8]) -> u32,
+) -> Result<(), DecodeError> {
     assert_eq!(block.len(), BLOCK_BYTES, "on-disk structures are one block");
     if &block[..magic.len()] != magic {
         return Err(DecodeError::MagicMismatch);
@@ -156,7 +174,7 @@ fn check_block(block: &[u8], magic: &[u8], version_offset: usize) -> Result<(), 
         return Err(DecodeError::VersionUnsupported { found });
     }
     let stored = le_u32(block, CHECKSUM_OFFSET);
-    let computed = crc32c::crc32c(&block[..CHECKSUM_OFFSET]);
+    let computed = checksum(block);
     if stored != computed {
         return Err(DecodeError::ChecksumMismatch { stored, computed });
     }
@@ -206,6 +224,11 @@ pub struct Geometry {
     pub data_shards: u8,
     /// `m`: parity cells per stripe, the drives the log survives losing; 0 for none.
     pub parity_shards: u8,
+    /// The log's secret batch-header key, drawn at format and kept in every drive's log
+    /// superblock: each batch header's checksum covers it ([`BatchHeader::encode`]), so no
+    /// block a host wrote (left in a reused segment, or planted) can pass for a header,
+    /// whatever bytes it holds. Zero in a geometry not read from or made for a superblock.
+    pub header_key: u64,
 }
 
 impl Geometry {
@@ -273,7 +296,13 @@ impl Geometry {
             area_offset_bytes,
             data_shards,
             parity_shards,
+            header_key: 0,
         })
+    }
+
+    /// This geometry with batch-header key `key`.
+    pub fn with_header_key(self, key: u64) -> Self {
+        Self { header_key: key, ..self }
     }
 
     /// True when the log keeps parity (erasure coding with `m >= 1`).
@@ -507,6 +536,7 @@ impl LogSuperblock {
         block[60] = self.geometry.data_shards;
         block[61] = self.geometry.parity_shards;
         block[62] = u8::from(self.rebuilding);
+        put(&mut block, 64, &self.geometry.header_key.to_le_bytes());
         seal(&mut block);
         block
     }
@@ -543,7 +573,8 @@ impl LogSuperblock {
             });
         };
         let geometry =
-            Geometry::coded(drive_count, size_bytes, unit_bytes, area_offset_bytes, scheme)?;
+            Geometry::coded(drive_count, size_bytes, unit_bytes, area_offset_bytes, scheme)?
+                .with_header_key(le_u64(block, 64));
         field(geometry.segment_count == segment_count, "segment_count", segment_count.into())?;
         field(!rebuilding || geometry.is_coded(), "flags", block[62].into())?;
         Ok(Self { node_uuid: NodeUuid(uuid), drive_index, geometry, rebuilding })
@@ -821,7 +852,8 @@ impl BatchHeader {
         1 + self.data_blocks()
     }
 
-    pub fn encode(&self) -> [u8; BLOCK_BYTES] {
+    /// The header block, sealed with `geometry`'s header key (see [`Geometry::header_key`]).
+    pub fn encode(&self, geometry: &Geometry) -> [u8; BLOCK_BYTES] {
         assert!(!self.entries.is_empty() && self.entries.len() <= BATCH_ENTRIES_MAX);
         let mut block = [0u8; BLOCK_BYTES];
         put(&mut block, 0, &BATCH_MAGIC);
@@ -885,7 +917,8 @@ impl BatchHeader {
                 put(&mut block, offset + 28, &u32::from(from_sub).to_le_bytes());
             }
         }
-        seal(&mut block);
+        let crc = header_crc(&block, geometry.header_key);
+        put(&mut block, CHECKSUM_OFFSET, &crc.to_le_bytes());
         block
     }
 
@@ -897,7 +930,7 @@ impl BatchHeader {
         segment: u32,
         position: u32,
     ) -> Result<Self, DecodeError> {
-        check_block(block, &BATCH_MAGIC, 8)?;
+        check_block_with(block, &BATCH_MAGIC, 8, |block| header_crc(block, geometry.header_key))?;
         let count = usize::from(le_u16(block, 12));
         field((1..=BATCH_ENTRIES_MAX).contains(&count), "entry_count", count as u64)?;
         let header_segment = le_u32(block, 32);
@@ -1288,6 +1321,7 @@ mod tests {
     fn geometry() -> Geometry {
         Geometry::new(3, (1 << 20) + LOG_HEADER_BYTES + 10 * (256 << 10), 256 << 10, 1 << 20)
             .unwrap()
+            .with_header_key(0x0123_4567_89ab_cdef)
     }
 
     #[test]
@@ -1431,6 +1465,10 @@ mod tests {
         };
         let mut block = superblock.encode();
         assert_eq!(LogSuperblock::decode(&block), Ok(superblock));
+        assert_eq!(le_u64(&block, 64), superblock.geometry.header_key, "the key is kept");
+        block[64] ^= 1;
+        assert!(matches!(LogSuperblock::decode(&block), Err(DecodeError::ChecksumMismatch { .. })));
+        let mut block = superblock.encode();
         block[30] ^= 1;
         assert!(matches!(LogSuperblock::decode(&block), Err(DecodeError::ChecksumMismatch { .. })));
         let mut block = superblock.encode();
@@ -1458,17 +1496,30 @@ mod tests {
             ],
         };
         assert_eq!(header.positions(), 3);
-        let block = header.encode();
+        let block = header.encode(&geometry);
         assert_eq!(BatchHeader::decode(&block, &geometry, 4, 10), Ok(header.clone()));
+        // Only the log's own key opens it: a block whose checksum was made without the key (as
+        // anyone can make it: a host writing a header-shaped block) or with another is refused.
+        let other_key = geometry.with_header_key(geometry.header_key ^ 1);
+        assert!(matches!(
+            BatchHeader::decode(&block, &other_key, 4, 10),
+            Err(DecodeError::ChecksumMismatch { .. })
+        ));
+        let mut unkeyed = block;
+        seal(&mut unkeyed);
+        assert!(matches!(
+            BatchHeader::decode(&unkeyed, &geometry, 4, 10),
+            Err(DecodeError::ChecksumMismatch { .. })
+        ));
         assert!(BatchHeader::decode(&block, &geometry, 4, 11).is_err(), "wrong position");
         assert!(BatchHeader::decode(&block, &geometry, 5, 10).is_err(), "wrong segment");
         // A header whose data would run past the segment's end is refused.
         let late = BatchHeader { position: geometry.positions_per_segment() - 2, ..header };
-        let block = late.encode();
+        let block = late.encode(&geometry);
         let error = BatchHeader::decode(&block, &geometry, 4, late.position).unwrap_err();
         assert!(matches!(error, DecodeError::FieldInvalid { field: "data_blocks", .. }));
         // Every single-bit flip is caught.
-        let block = late.encode();
+        let block = late.encode(&geometry);
         for bit in (0..BLOCK_BYTES * 8).step_by(61) {
             let mut damaged = block;
             damaged[bit / 8] ^= 1 << (bit % 8);
@@ -1699,6 +1750,6 @@ mod tests {
                 Entry { volume: layer, block: 9, kind: EntryKind::Dropped { tag: 3, location: 4 } },
             ],
         };
-        assert_eq!(BatchHeader::decode(&header.encode(), &geometry, 2, 0), Ok(header));
+        assert_eq!(BatchHeader::decode(&header.encode(&geometry), &geometry, 2, 0), Ok(header));
     }
 }

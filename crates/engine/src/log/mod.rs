@@ -75,6 +75,9 @@ pub struct LogConfig {
     /// files): format then skips the punch that would otherwise clear an earlier format's
     /// headers, which would also hand the blocks back to the filesystem.
     pub area_zeroed: bool,
+    /// The batch-header key a format writes into the superblocks ([`format::Geometry`]'s
+    /// `header_key`): random from the operating system by default; an opened log keeps its own.
+    pub header_key: u64,
 }
 
 impl LogConfig {
@@ -87,6 +90,7 @@ impl LogConfig {
             checkpoint_interval_segments: 64,
             erasure: ErasureScheme::NONE,
             area_zeroed: false,
+            header_key: random_header_key(),
         }
     }
 
@@ -107,6 +111,13 @@ impl LogConfig {
             (REPLAY_BYTES_PER_DRIVE_TARGET / unit_bytes).clamp(4, 64) as u32;
         Self { unit_bytes, handles_max, checkpoint_interval_segments, ..Self::new(node_uuid) }
     }
+}
+
+/// A fresh batch-header key from the operating system's random source.
+fn random_header_key() -> u64 {
+    // Linux's getrandom(2) does not fail once the pool is initialised, which it is long before
+    // a node formats its drives; there is no key without it.
+    getrandom::u64().expect("the operating system provides random bytes")
 }
 
 /// Segments per drive [`LogConfig::for_drives`] aims for.

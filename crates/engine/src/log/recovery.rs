@@ -103,7 +103,8 @@ impl LogEngine {
             config.area_offset_bytes,
             config.erasure,
         )
-        .map_err(|source| LogError::SuperblockInvalid { drive: 0, source })?;
+        .map_err(|source| LogError::SuperblockInvalid { drive: 0, source })?
+        .with_header_key(config.header_key);
         let empty = Root {
             checkpoint_id: 1,
             lsn_floor: 1,

@@ -39,6 +39,7 @@ fn config() -> LogConfig {
         checkpoint_interval_segments: 4,
         erasure: crate::erasure::ErasureScheme::NONE,
         area_zeroed: false,
+        header_key: 0x7465_7374_5f6b_6579,
     }
 }
 

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use types::AlignedBuf;
 
-use super::format::{BLOCK_BYTES, LOG_HEADER_BYTES};
+use super::format::{BatchHeader, Entry, EntryKind, Geometry, BLOCK_BYTES, LOG_HEADER_BYTES};
 use super::{GcOutcome, LogConfig, LogEngine, LogError, LogHandle, RecoveryReport};
 use crate::compress::Compression;
 use crate::drive::Drive;
@@ -49,6 +49,7 @@ pub(super) fn config() -> LogConfig {
         checkpoint_interval_segments: 4,
         erasure: crate::erasure::ErasureScheme::NONE,
         area_zeroed: false,
+        header_key: 0x7465_7374_5f6b_6579,
     }
 }
 
@@ -1825,4 +1826,77 @@ fn a_block_damaged_in_a_replayed_segment_loses_only_itself() {
             assert!(matches!(read, Ok(matched) if matched == kept), "block {number}: {read:?}");
         }
     }
+}
+
+/// Writes blocks `0..4` of a volume one batch each, then, as a host could have left it in an
+/// earlier use of the segment, puts a block shaped as the next batch header of the open
+/// segment (the segment's current sequence, the next position and LSN, mapping block 0 to new
+/// data) and that data right after the last batch, sealed with `key_of` the log's geometry;
+/// restarts, and says whether block 0 then reads as the planted data.
+fn plant_a_header_after_the_last_batch(key_of: fn(&Geometry) -> Geometry) -> bool {
+    let config = LogConfig { checkpoint_interval_segments: 1_000, ..config() };
+    let drives = sim_drives(64, 8, 0);
+    block_on(LogEngine::format(&drives, &config)).unwrap();
+    let open = || open_drives(&drives, &config);
+    let (_volumes, maps) = volume_maps(&[1000]);
+    let map = &maps[0];
+    let (engine, handle, _) = open();
+    for number in 0..4 {
+        let (result, _) =
+            block_on(handle.write(map, number * BLOCK, block_buf(map.volume(), number, 1, 4)));
+        result.unwrap();
+    }
+    let geometry = engine.geometry;
+    let index = engine.index.get(map.volume().0).expect("the volume has an index");
+    let label = index.volume();
+    let (location, _) = super::index::unpack(index.get(3)).expect("block 3 is mapped");
+    let (segment, position) = geometry.split(location);
+    // The last batch: its header right before its one block.
+    let (drive, offset_bytes) = geometry.place(segment, position - 1);
+    let (result, block) =
+        block_on(drives[usize::from(drive)].read_at(offset_bytes, AlignedBuf::new(BLOCK_BYTES)));
+    result.unwrap();
+    let last = BatchHeader::decode(&block, &geometry, segment, position - 1).unwrap();
+    let planted_data = block_buf(map.volume(), 0, 1, 99);
+    let planted = BatchHeader {
+        segment,
+        segment_seq: last.segment_seq,
+        position: position + 1,
+        lsn: last.lsn + 1,
+        entries: vec![Entry {
+            volume: label,
+            block: 0,
+            kind: EntryKind::Data { crc: crc32c::crc32c(&planted_data) },
+        }],
+    };
+    let mut header = AlignedBuf::new(BLOCK_BYTES);
+    header.copy_from_slice(&planted.encode(&key_of(&geometry)));
+    for (offset, bytes) in [(1, header), (2, planted_data)] {
+        let (drive, offset_bytes) = geometry.place(segment, position + offset);
+        block_on(drives[usize::from(drive)].write_at(offset_bytes, bytes)).0.unwrap();
+    }
+    drop((index, handle, engine));
+    let (_engine, handle, report) = open();
+    assert_eq!(report.segments_replayed, 1, "{report:?}");
+    for number in 1..4 {
+        let (result, buf) =
+            block_on(handle.read(map, number * BLOCK, AlignedBuf::new(BLOCK_BYTES)));
+        result.unwrap();
+        assert!(block_matches(&buf, map.volume(), number, 4), "block {number}");
+    }
+    let (result, buf) = block_on(handle.read(map, 0, AlignedBuf::new(BLOCK_BYTES)));
+    result.unwrap();
+    let replayed = block_matches(&buf, map.volume(), 0, 99);
+    assert!(replayed || block_matches(&buf, map.volume(), 0, 4), "block 0 is one or the other");
+    replayed
+}
+
+#[test]
+fn a_header_shaped_block_without_the_logs_key_is_never_replayed() {
+    // Made by anyone who knows the format but not this log's key (a host's data left in a
+    // reused segment): recovery ends the segment's chain at it.
+    let other_key = |geometry: &Geometry| geometry.with_header_key(!geometry.header_key);
+    assert!(!plant_a_header_after_the_last_batch(other_key));
+    // The same block sealed with the log's key is replayed: the plant is where recovery looks.
+    assert!(plant_a_header_after_the_last_batch(|geometry| *geometry));
 }
