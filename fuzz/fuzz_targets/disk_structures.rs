@@ -19,7 +19,7 @@ use engine::compress::{self, CompressScratch, Compression, PackBuilder};
 use engine::erasure::ErasureScheme;
 use engine::format::{FORMAT_VERSION, SUPERBLOCK_MAGIC};
 use engine::log::format::{
-    decode_checkpoint_block, decode_layer_block, encode_layer_block, BatchHeader,
+    decode_checkpoint_block, decode_layer_block, encode_layer_block, tag_batch_header, BatchHeader,
     CheckpointBlockWriter, CheckpointEntry, Entry, EntryKind, Geometry, LayerRecordEntry,
     LogSuperblock, Root, BATCH_MAGIC, CHECKPOINT_MAGIC, LAYERS_MAGIC, LOG_FORMAT_VERSION,
     LOG_SUPERBLOCK_MAGIC, ROOT_CONTINUATION_MAGIC, ROOT_MAGIC,
@@ -46,14 +46,7 @@ fn seal(block: &mut [u8]) {
 }
 
 /// The log's batch-header key in every geometry here.
-const HEADER_KEY: u64 = 0x6675_7a7a_5f6b_6579;
-
-/// Seals a batch header as the log does: the CRC-32C covers the log's header key first.
-fn seal_header(block: &mut [u8]) {
-    let keyed = crc32c::crc32c(&HEADER_KEY.to_le_bytes());
-    let crc = crc32c::crc32c_append(keyed, &block[..CHECKSUM_AT]);
-    block[CHECKSUM_AT..].copy_from_slice(&crc.to_le_bytes());
-}
+const HEADER_KEY: u128 = 0x6675_7a7a_5f6b_6579_5f66_6f72_5f74_6167;
 
 /// A geometry the engine could have made (drives, segment size and parity from three bytes),
 /// or one plain fallback when those make no valid layout.
@@ -208,7 +201,7 @@ fuzz_target!(|data: &[u8]| {
         }
         3 => {
             stamp(&mut bytes[first.clone()], &BATCH_MAGIC, LOG_FORMAT_VERSION, 8);
-            seal_header(&mut bytes[first.clone()]);
+            tag_batch_header(&mut bytes[first.clone()], &geometry);
             if let Ok(header) = BatchHeader::decode(&bytes[first], &geometry, 1, 0) {
                 let again = header.encode(&geometry);
                 assert_eq!(BatchHeader::decode(&again, &geometry, 1, 0), Ok(header));

@@ -42,7 +42,7 @@ pub const ROOT_BLOCKS_MAX: usize = 64;
 pub const UNIT_BYTES_MIN: u64 = 64 << 10;
 pub const UNIT_BYTES_MAX: u64 = 1 << 30;
 /// Entries in one batch header, and so the most data blocks in one batch.
-pub const BATCH_ENTRIES_MAX: usize = (BLOCK_BYTES - 4 - BATCH_ENTRIES_OFFSET) / ENTRY_BYTES;
+pub const BATCH_ENTRIES_MAX: usize = (HEADER_TAG_OFFSET - BATCH_ENTRIES_OFFSET) / ENTRY_BYTES;
 /// Index entries one checkpoint block holds at least: each in a run of its own (a run header
 /// and one slot), as the entries of a sparsely written volume are.
 pub const CHECKPOINT_ENTRIES_PER_BLOCK_MIN: usize =
@@ -69,6 +69,8 @@ pub const DRIVE_COUNT_MAX: u16 = crate::format::DRIVE_COUNT_MAX;
 const CHECKSUM_OFFSET: usize = BLOCK_BYTES - 4;
 const ENTRY_BYTES: usize = 32;
 const BATCH_ENTRIES_OFFSET: usize = 48;
+/// Where a batch header keeps its tag (8 bytes), after the most entries it can hold.
+const HEADER_TAG_OFFSET: usize = 4080;
 /// Where a checkpoint block's runs start, and the bytes they may fill before the checksum.
 const CHECKPOINT_RUNS_OFFSET: usize = 32;
 const CHECKPOINT_RUNS_BYTES: usize = CHECKSUM_OFFSET - CHECKPOINT_RUNS_OFFSET;
@@ -93,6 +95,8 @@ const _: () = assert!(BATCH_ENTRIES_MAX == 126);
 const _: () = assert!(CHECKPOINT_ENTRIES_PER_BLOCK_MIN == 169);
 const _: () = assert!(CHECKPOINT_ENTRIES_PER_BLOCK_MAX == 505);
 const _: () = assert!(VOLUME_BLOCKS_MAX <= 1 << 48);
+const _: () = assert!(BATCH_ENTRIES_OFFSET + BATCH_ENTRIES_MAX * ENTRY_BYTES <= HEADER_TAG_OFFSET);
+const _: () = assert!(HEADER_TAG_OFFSET + 8 <= CHECKSUM_OFFSET);
 const _: () = assert!(LAYER_RECORDS_PER_BLOCK == 126);
 const _: () = assert!(LOG_HEADER_BYTES % BLOCK_BYTES_U64 == 0);
 const _: () =
@@ -113,6 +117,8 @@ pub enum DecodeError {
     VersionUnsupported { found: u32 },
     #[error("its checksum does not match (stored {stored:#010x}, computed {computed:#010x})")]
     ChecksumMismatch { stored: u32, computed: u32 },
+    #[error("it is shaped as a batch header but its tag does not match this log's key")]
+    HeaderTagMismatch,
     #[error("field {field} holds {value}, which is impossible")]
     FieldInvalid { field: &'static str, value: u64 },
 }
@@ -145,26 +151,8 @@ fn seal(block: &mut [u8]) {
     put(block, CHECKSUM_OFFSET, &crc.to_le_bytes());
 }
 
-/// The checksum of a batch header: CRC-32C over the log's header key, then the block up to its
-/// checksum field.
-fn header_crc(block: &[u8], key: u64) -> u32 {
-    crc32c::crc32c_append(crc32c::crc32c(&key.to_le_bytes()), &block[..CHECKSUM_OFFSET])
-}
-
 /// Checks magic, version (at byte 8 for 8-byte magics, 16 for the superblock) and checksum.
 fn check_block(block: &[u8], magic: &[u8], version_offset: usize) -> Result<(), DecodeError> {
-    check_block_with(block, magic, version_offset, |block| {
-        crc32c::crc32c(&block[..CHECKSUM_OFFSET])
-    })
-}
-
-/// [`check_block`] with the checksum computed by `checksum`.
-fn check_block_with(
-    block: &[u8],
-    magic: &[u8],
-    version_offset: usize,
-    checksum: impl Fn(&[u8]) -> u32,
-) -> Result<(), DecodeError> {
     assert_eq!(block.len(), BLOCK_BYTES, "on-disk structures are one block");
     if &block[..magic.len()] != magic {
         return Err(DecodeError::MagicMismatch);
@@ -174,11 +162,31 @@ fn check_block_with(
         return Err(DecodeError::VersionUnsupported { found });
     }
     let stored = le_u32(block, CHECKSUM_OFFSET);
-    let computed = checksum(block);
+    let computed = crc32c::crc32c(&block[..CHECKSUM_OFFSET]);
     if stored != computed {
         return Err(DecodeError::ChecksumMismatch { stored, computed });
     }
     Ok(())
+}
+
+/// A batch header's tag: SipHash-1-3 under the log's 128-bit header key of the header's bytes
+/// up to the end of its `count` entries.
+fn header_tag(block: &[u8], count: usize, key: u128) -> u64 {
+    use std::hash::Hasher;
+    let mut hasher = siphasher::sip::SipHasher13::new_with_keys(key as u64, (key >> 64) as u64);
+    hasher.write(&block[..BATCH_ENTRIES_OFFSET + count * ENTRY_BYTES]);
+    hasher.finish()
+}
+
+/// Makes `block`, a batch header with valid fields, this log's own: writes its tag under
+/// `geometry`'s header key, then seals its checksum. For tools and fuzzing that build headers
+/// byte by byte; [`BatchHeader::encode`] does it for the engine.
+pub fn tag_batch_header(block: &mut [u8], geometry: &Geometry) {
+    assert_eq!(block.len(), BLOCK_BYTES, "a batch header is one block");
+    let count = usize::from(le_u16(block, 12)).min(BATCH_ENTRIES_MAX);
+    let tag = header_tag(block, count, geometry.header_key);
+    put(block, HEADER_TAG_OFFSET, &tag.to_le_bytes());
+    seal(block);
 }
 
 fn field(ok: bool, field: &'static str, value: u64) -> Result<(), DecodeError> {
@@ -225,10 +233,10 @@ pub struct Geometry {
     /// `m`: parity cells per stripe, the drives the log survives losing; 0 for none.
     pub parity_shards: u8,
     /// The log's secret batch-header key, drawn at format and kept in every drive's log
-    /// superblock: each batch header's checksum covers it ([`BatchHeader::encode`]), so no
-    /// block a host wrote (left in a reused segment, or planted) can pass for a header,
+    /// superblock: each batch header carries a tag made with it ([`BatchHeader::encode`]), so
+    /// no block a host wrote (left in a reused segment, or planted) can pass for a header,
     /// whatever bytes it holds. Zero in a geometry not read from or made for a superblock.
-    pub header_key: u64,
+    pub header_key: u128,
 }
 
 impl Geometry {
@@ -301,7 +309,7 @@ impl Geometry {
     }
 
     /// This geometry with batch-header key `key`.
-    pub fn with_header_key(self, key: u64) -> Self {
+    pub fn with_header_key(self, key: u128) -> Self {
         Self { header_key: key, ..self }
     }
 
@@ -574,7 +582,9 @@ impl LogSuperblock {
         };
         let geometry =
             Geometry::coded(drive_count, size_bytes, unit_bytes, area_offset_bytes, scheme)?
-                .with_header_key(le_u64(block, 64));
+                .with_header_key(
+                    u128::from(le_u64(block, 64)) | u128::from(le_u64(block, 72)) << 64,
+                );
         field(geometry.segment_count == segment_count, "segment_count", segment_count.into())?;
         field(!rebuilding || geometry.is_coded(), "flags", block[62].into())?;
         Ok(Self { node_uuid: NodeUuid(uuid), drive_index, geometry, rebuilding })
@@ -852,7 +862,7 @@ impl BatchHeader {
         1 + self.data_blocks()
     }
 
-    /// The header block, sealed with `geometry`'s header key (see [`Geometry::header_key`]).
+    /// The header block, tagged with `geometry`'s header key (see [`Geometry::header_key`]).
     pub fn encode(&self, geometry: &Geometry) -> [u8; BLOCK_BYTES] {
         assert!(!self.entries.is_empty() && self.entries.len() <= BATCH_ENTRIES_MAX);
         let mut block = [0u8; BLOCK_BYTES];
@@ -917,8 +927,7 @@ impl BatchHeader {
                 put(&mut block, offset + 28, &u32::from(from_sub).to_le_bytes());
             }
         }
-        let crc = header_crc(&block, geometry.header_key);
-        put(&mut block, CHECKSUM_OFFSET, &crc.to_le_bytes());
+        tag_batch_header(&mut block, geometry);
         block
     }
 
@@ -930,9 +939,12 @@ impl BatchHeader {
         segment: u32,
         position: u32,
     ) -> Result<Self, DecodeError> {
-        check_block_with(block, &BATCH_MAGIC, 8, |block| header_crc(block, geometry.header_key))?;
+        check_block(block, &BATCH_MAGIC, 8)?;
         let count = usize::from(le_u16(block, 12));
         field((1..=BATCH_ENTRIES_MAX).contains(&count), "entry_count", count as u64)?;
+        if le_u64(block, HEADER_TAG_OFFSET) != header_tag(block, count, geometry.header_key) {
+            return Err(DecodeError::HeaderTagMismatch);
+        }
         let header_segment = le_u32(block, 32);
         let header_position = le_u32(block, 36);
         field(header_segment == segment, "segment", header_segment.into())?;
@@ -1321,7 +1333,7 @@ mod tests {
     fn geometry() -> Geometry {
         Geometry::new(3, (1 << 20) + LOG_HEADER_BYTES + 10 * (256 << 10), 256 << 10, 1 << 20)
             .unwrap()
-            .with_header_key(0x0123_4567_89ab_cdef)
+            .with_header_key(0x0123_4567_89ab_cdef_fedc_ba98_7654_3210)
     }
 
     #[test]
@@ -1465,8 +1477,9 @@ mod tests {
         };
         let mut block = superblock.encode();
         assert_eq!(LogSuperblock::decode(&block), Ok(superblock));
-        assert_eq!(le_u64(&block, 64), superblock.geometry.header_key, "the key is kept");
-        block[64] ^= 1;
+        let key = u128::from(le_u64(&block, 64)) | u128::from(le_u64(&block, 72)) << 64;
+        assert_eq!(key, superblock.geometry.header_key, "the key is kept");
+        block[79] ^= 1;
         assert!(matches!(LogSuperblock::decode(&block), Err(DecodeError::ChecksumMismatch { .. })));
         let mut block = superblock.encode();
         block[30] ^= 1;
@@ -1498,21 +1511,31 @@ mod tests {
         assert_eq!(header.positions(), 3);
         let block = header.encode(&geometry);
         assert_eq!(BatchHeader::decode(&block, &geometry, 4, 10), Ok(header.clone()));
-        // Only the log's own key opens it: a block whose checksum was made without the key (as
-        // anyone can make it: a host writing a header-shaped block) or with another is refused.
-        let other_key = geometry.with_header_key(geometry.header_key ^ 1);
-        assert!(matches!(
+        // Only the log's own key makes a header: one whose tag was made under another key, or
+        // one with any other tag and a valid checksum (as anyone can seal it: a host writing a
+        // header-shaped block), is refused.
+        let other_key = geometry.with_header_key(geometry.header_key ^ 1 << 100);
+        assert_eq!(
             BatchHeader::decode(&block, &other_key, 4, 10),
-            Err(DecodeError::ChecksumMismatch { .. })
-        ));
-        let mut unkeyed = block;
-        seal(&mut unkeyed);
-        assert!(matches!(
-            BatchHeader::decode(&unkeyed, &geometry, 4, 10),
-            Err(DecodeError::ChecksumMismatch { .. })
-        ));
-        assert!(BatchHeader::decode(&block, &geometry, 4, 11).is_err(), "wrong position");
-        assert!(BatchHeader::decode(&block, &geometry, 5, 10).is_err(), "wrong segment");
+            Err(DecodeError::HeaderTagMismatch)
+        );
+        let mut untagged = block;
+        untagged[HEADER_TAG_OFFSET..HEADER_TAG_OFFSET + 8].fill(0);
+        seal(&mut untagged);
+        assert_eq!(
+            BatchHeader::decode(&untagged, &geometry, 4, 10),
+            Err(DecodeError::HeaderTagMismatch)
+        );
+        // Every entry byte is covered by the tag, not only by the (public) checksum.
+        let mut changed = block;
+        changed[BATCH_ENTRIES_OFFSET + ENTRY_BYTES + 8] ^= 1;
+        seal(&mut changed);
+        assert_eq!(
+            BatchHeader::decode(&changed, &geometry, 4, 10),
+            Err(DecodeError::HeaderTagMismatch)
+        );
+        tag_batch_header(&mut changed, &geometry);
+        assert!(BatchHeader::decode(&changed, &geometry, 4, 10).is_ok(), "retagged with the key");
         // A header whose data would run past the segment's end is refused.
         let late = BatchHeader { position: geometry.positions_per_segment() - 2, ..header };
         let block = late.encode(&geometry);

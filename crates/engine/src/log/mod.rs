@@ -77,7 +77,7 @@ pub struct LogConfig {
     pub area_zeroed: bool,
     /// The batch-header key a format writes into the superblocks ([`format::Geometry`]'s
     /// `header_key`): random from the operating system by default; an opened log keeps its own.
-    pub header_key: u64,
+    pub header_key: u128,
 }
 
 impl LogConfig {
@@ -114,10 +114,12 @@ impl LogConfig {
 }
 
 /// A fresh batch-header key from the operating system's random source.
-fn random_header_key() -> u64 {
+fn random_header_key() -> u128 {
+    let mut key = [0u8; 16];
     // Linux's getrandom(2) does not fail once the pool is initialised, which it is long before
     // a node formats its drives; there is no key without it.
-    getrandom::u64().expect("the operating system provides random bytes")
+    getrandom::fill(&mut key).expect("the operating system provides random bytes");
+    u128::from_le_bytes(key)
 }
 
 /// Segments per drive [`LogConfig::for_drives`] aims for.

@@ -39,7 +39,7 @@ fn config() -> LogConfig {
         checkpoint_interval_segments: 4,
         erasure: crate::erasure::ErasureScheme::NONE,
         area_zeroed: false,
-        header_key: 0x7465_7374_5f6b_6579,
+        header_key: 0x7465_7374_5f6b_6579_6f66_5f74_6865_6c6f,
     }
 }
 

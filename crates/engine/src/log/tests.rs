@@ -49,7 +49,7 @@ pub(super) fn config() -> LogConfig {
         checkpoint_interval_segments: 4,
         erasure: crate::erasure::ErasureScheme::NONE,
         area_zeroed: false,
-        header_key: 0x7465_7374_5f6b_6579,
+        header_key: 0x7465_7374_5f6b_6579_6f66_5f74_6865_6c6f,
     }
 }
 
@@ -1831,7 +1831,7 @@ fn a_block_damaged_in_a_replayed_segment_loses_only_itself() {
 /// Writes blocks `0..4` of a volume one batch each, then, as a host could have left it in an
 /// earlier use of the segment, puts a block shaped as the next batch header of the open
 /// segment (the segment's current sequence, the next position and LSN, mapping block 0 to new
-/// data) and that data right after the last batch, sealed with `key_of` the log's geometry;
+/// data) and that data right after the last batch, tagged with `key_of` the log's geometry;
 /// restarts, and says whether block 0 then reads as the planted data.
 fn plant_a_header_after_the_last_batch(key_of: fn(&Geometry) -> Geometry) -> bool {
     let config = LogConfig { checkpoint_interval_segments: 1_000, ..config() };
@@ -1897,6 +1897,6 @@ fn a_header_shaped_block_without_the_logs_key_is_never_replayed() {
     // reused segment): recovery ends the segment's chain at it.
     let other_key = |geometry: &Geometry| geometry.with_header_key(!geometry.header_key);
     assert!(!plant_a_header_after_the_last_batch(other_key));
-    // The same block sealed with the log's key is replayed: the plant is where recovery looks.
+    // The same block tagged with the log's key is replayed: the plant is where recovery looks.
     assert!(plant_a_header_after_the_last_batch(|geometry| *geometry));
 }
