@@ -1536,6 +1536,8 @@ mod tests {
         );
         tag_batch_header(&mut changed, &geometry);
         assert!(BatchHeader::decode(&changed, &geometry, 4, 10).is_ok(), "retagged with the key");
+        assert!(BatchHeader::decode(&block, &geometry, 4, 11).is_err(), "wrong position");
+        assert!(BatchHeader::decode(&block, &geometry, 5, 10).is_err(), "wrong segment");
         // A header whose data would run past the segment's end is refused.
         let late = BatchHeader { position: geometry.positions_per_segment() - 2, ..header };
         let block = late.encode(&geometry);
