@@ -141,6 +141,12 @@ fn le_u64(block: &[u8], offset: usize) -> u64 {
     u64::from_le_bytes(bytes)
 }
 
+fn le_u128(block: &[u8], offset: usize) -> u128 {
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&block[offset..offset + 16]);
+    u128::from_le_bytes(bytes)
+}
+
 fn put(block: &mut [u8], offset: usize, bytes: &[u8]) {
     block[offset..offset + bytes.len()].copy_from_slice(bytes);
 }
@@ -582,9 +588,7 @@ impl LogSuperblock {
         };
         let geometry =
             Geometry::coded(drive_count, size_bytes, unit_bytes, area_offset_bytes, scheme)?
-                .with_header_key(
-                    u128::from(le_u64(block, 64)) | u128::from(le_u64(block, 72)) << 64,
-                );
+                .with_header_key(le_u128(block, 64));
         field(geometry.segment_count == segment_count, "segment_count", segment_count.into())?;
         field(!rebuilding || geometry.is_coded(), "flags", block[62].into())?;
         Ok(Self { node_uuid: NodeUuid(uuid), drive_index, geometry, rebuilding })
@@ -1477,8 +1481,7 @@ mod tests {
         };
         let mut block = superblock.encode();
         assert_eq!(LogSuperblock::decode(&block), Ok(superblock));
-        let key = u128::from(le_u64(&block, 64)) | u128::from(le_u64(&block, 72)) << 64;
-        assert_eq!(key, superblock.geometry.header_key, "the key is kept");
+        assert_eq!(le_u128(&block, 64), superblock.geometry.header_key, "the key is kept");
         block[79] ^= 1;
         assert!(matches!(LogSuperblock::decode(&block), Err(DecodeError::ChecksumMismatch { .. })));
         let mut block = superblock.encode();
