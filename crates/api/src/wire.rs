@@ -234,6 +234,19 @@ pub struct LocalReplica {
     pub blocks_resynced: u64,
     /// Blocks pushed to reconcile replicas after a failover.
     pub blocks_pushed: u64,
+    /// Host reads whose blocks failed their checksum here and were served from a replica's
+    /// copy (read repair).
+    #[serde(default)]
+    pub reads_repaired: u64,
+    /// Blocks rewritten here from a replica's copy after such a read.
+    #[serde(default)]
+    pub blocks_repaired: u64,
+    /// Host reads failed because no in-sync replica had another copy of a damaged block.
+    #[serde(default)]
+    pub reads_unrecovered: u64,
+    /// Reads this node served, as a replica, to a primary whose copy was damaged.
+    #[serde(default)]
+    pub peer_reads_served: u64,
 }
 
 /// `GET /v1/cluster`: the cluster's nodes as the answering node sees them.

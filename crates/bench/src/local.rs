@@ -523,7 +523,9 @@ fn status_of(error: &StoreError) -> u16 {
     match error {
         StoreError::OutOfRange { .. } => STATUS_LBA_OUT_OF_RANGE,
         StoreError::CapacityExceeded { .. } => STATUS_CAPACITY_EXCEEDED,
-        StoreError::ChecksumMismatch { .. } => STATUS_UNRECOVERED_READ_ERROR,
+        StoreError::ChecksumMismatch { .. } | StoreError::Unrecovered { .. } => {
+            STATUS_UNRECOVERED_READ_ERROR
+        }
         _ => STATUS_INTERNAL_ERROR,
     }
 }

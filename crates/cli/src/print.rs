@@ -401,6 +401,17 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
                 local.blocks_resynced,
                 local.blocks_pushed,
             );
+            if local.reads_repaired + local.reads_unrecovered + local.peer_reads_served > 0 {
+                println!(
+                    "{:<13}{} reads of damaged blocks served from a replica ({} blocks rewritten \
+                     here), {} failed with no good copy in sync, {} served to the primary",
+                    "read repair:",
+                    local.reads_repaired,
+                    local.blocks_repaired,
+                    local.reads_unrecovered,
+                    local.peer_reads_served,
+                );
+            }
         }
     }
     Ok(())

@@ -58,6 +58,13 @@ pub enum StoreError {
          way); use the path of the volume's primary"
     )]
     NotServing { volume: VolumeId },
+    /// Blocks of a replicated volume failed their checksum on this node, and no in-sync
+    /// replica could give another copy (none is in sync, or theirs are damaged too).
+    #[error(
+        "blocks {block}..{block}+{count} of {volume} failed their checksum on this node and no \
+         in-sync replica could give another copy: restore them from a backup"
+    )]
+    Unrecovered { volume: VolumeId, block: u64, count: u32 },
 }
 
 /// Block storage for volumes, used by one data-path thread.

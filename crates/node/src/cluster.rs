@@ -510,6 +510,10 @@ impl Cluster {
             resyncs_completed: local.stats.resyncs_completed,
             blocks_resynced: local.stats.blocks_resynced,
             blocks_pushed: local.stats.blocks_pushed,
+            reads_repaired: local.stats.reads_repaired,
+            blocks_repaired: local.stats.blocks_repaired,
+            reads_unrecovered: local.stats.reads_unrecovered,
+            peer_reads_served: local.stats.peer_reads_served,
         });
         Some(api::ReplicationInfo {
             epoch: state.epoch,

@@ -831,14 +831,20 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
             volume_space,
             replication: service.cluster().map(|cluster| {
                 let status = &cluster.status;
+                let volumes = status.volumes();
+                let sum = |stat: fn(&replication::Stats) -> u64| -> u64 {
+                    volumes.values().map(|volume| stat(&volume.stats)).sum()
+                };
                 ReplicationGauges {
+                    reads_repaired: sum(|stats| stats.reads_repaired),
+                    blocks_repaired: sum(|stats| stats.blocks_repaired),
+                    reads_unrecovered: sum(|stats| stats.reads_unrecovered),
                     frames_sent: status.frames_sent.load(Ordering::Relaxed),
                     frames_received: status.frames_received.load(Ordering::Relaxed),
                     frames_dropped: status.frames_dropped.load(Ordering::Relaxed),
-                    volumes: status
-                        .volumes()
-                        .into_iter()
-                        .map(|(id, volume)| (id, volume.epoch, volume.serving))
+                    volumes: volumes
+                        .iter()
+                        .map(|(id, volume)| (*id, volume.epoch, volume.serving))
                         .collect(),
                 }
             }),

@@ -35,6 +35,11 @@
 //!   to and from other nodes, and those dropped because a peer's link was full or down (the
 //!   protocol sends them again); an acknowledgement that a newer one of the same stream
 //!   replaced in the link's queue before it was written is not counted as sent;
+//!   `ferrite_replication_reads_repaired_total`, `ferrite_replication_blocks_repaired_total`,
+//!   `ferrite_replication_reads_unrecovered_total` (counters, cluster nodes): read repair
+//!   across replicas, for the volumes this process holds: host reads whose blocks failed
+//!   their checksum here and were served from an in-sync replica, the blocks rewritten here
+//!   from those copies, and reads that found no good copy in sync;
 //!   `ferrite_volume_replication_epoch{volume_id}` and `ferrite_volume_serving{volume_id}`
 //!   (gauges): each replicated volume's epoch as this node
 //!   knows it, and 1 while this node serves it
@@ -240,6 +245,12 @@ pub struct ReplicationGauges {
     pub frames_dropped: u64,
     /// Each replicated volume this node holds: (volume id, epoch, serving).
     pub volumes: Vec<(u64, u64, bool)>,
+    /// Read repair, summed over the volumes this process holds: host reads of damaged blocks
+    /// served from a replica, blocks rewritten from those copies, reads failed with no good
+    /// copy in sync.
+    pub reads_repaired: u64,
+    pub blocks_repaired: u64,
+    pub reads_unrecovered: u64,
 }
 
 struct Entry {
@@ -532,6 +543,23 @@ impl Registry {
                      protocol sends them again).",
                     replication.frames_dropped,
                 ),
+                (
+                    "ferrite_replication_reads_repaired_total",
+                    "Host reads whose blocks failed their checksum on this node and were served \
+                     from an in-sync replica's copy (read repair), since the process started.",
+                    replication.reads_repaired,
+                ),
+                (
+                    "ferrite_replication_blocks_repaired_total",
+                    "Blocks this node rewrote from a replica's copy after read repair.",
+                    replication.blocks_repaired,
+                ),
+                (
+                    "ferrite_replication_reads_unrecovered_total",
+                    "Host reads failed because blocks were damaged here and no in-sync replica \
+                     had another copy.",
+                    replication.reads_unrecovered,
+                ),
             ] {
                 family(&mut out, name, "counter", help);
                 let _ = writeln!(out, "{name} {value}");
@@ -801,6 +829,9 @@ mod tests {
                 frames_received: 9,
                 frames_dropped: 1,
                 volumes: vec![(1, 4, true)],
+                reads_repaired: 3,
+                blocks_repaired: 5,
+                reads_unrecovered: 1,
             }),
             volume_space: [(
                 1,
@@ -868,6 +899,9 @@ mod tests {
         assert_eq!(value(&text, "ferrite_scrub_errors_total"), 1);
         assert_eq!(value(&text, "ferrite_scrub_passes_total"), 2);
         assert_eq!(value(&text, "ferrite_replication_frames_dropped_total"), 1);
+        assert_eq!(value(&text, "ferrite_replication_reads_repaired_total"), 3);
+        assert_eq!(value(&text, "ferrite_replication_blocks_repaired_total"), 5);
+        assert_eq!(value(&text, "ferrite_replication_reads_unrecovered_total"), 1);
         assert!(text.contains("ferrite_volume_serving{volume_id=\"1\"} 1\n"), "{text}");
         assert!(text.contains("ferrite_volume_replication_epoch{volume_id=\"1\"} 4\n"));
         assert_eq!(value(&text, "ferrite_volume_mapped_bytes{volume=\"a\",volume_id=\"1\"}"), 8192);

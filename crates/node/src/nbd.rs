@@ -562,6 +562,7 @@ fn errno(error: &StoreError) -> Errno {
         // NBD has no second path: the client sees an I/O error until this node serves again.
         StoreError::NotServing { .. } => Errno::Io,
         StoreError::ChecksumMismatch { .. }
+        | StoreError::Unrecovered { .. }
         | StoreError::DriveFailed { .. }
         | StoreError::Io { .. } => Errno::Io,
     }

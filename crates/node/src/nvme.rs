@@ -1745,7 +1745,9 @@ fn storage_status(error: &StoreError) -> StorageStatus {
         }
         StoreError::VolumeRemoved { .. } => StorageStatus::NotReady,
         StoreError::CapacityExceeded { .. } => StorageStatus::CapacityExceeded,
-        StoreError::ChecksumMismatch { .. } => StorageStatus::UnrecoveredReadError,
+        StoreError::ChecksumMismatch { .. } | StoreError::Unrecovered { .. } => {
+            StorageStatus::UnrecoveredReadError
+        }
         StoreError::ReadOnly { .. } => StorageStatus::WriteProtected,
         StoreError::NotServing { .. } => StorageStatus::PathInaccessible,
         StoreError::DriveFailed { .. } | StoreError::Io { .. } => StorageStatus::Internal,

@@ -435,6 +435,9 @@ impl ReplicaRoute {
             HostError::BadLength { .. } | HostError::BlockSize { .. } => {
                 StoreError::Unaligned { offset_bytes, length_bytes }
             }
+            HostError::Damaged { lba, count } => {
+                StoreError::Unrecovered { volume, block: lba, count }
+            }
         }
     }
 
@@ -1464,8 +1467,12 @@ async fn read_blocks(
     let mut buf = AlignedBuf::new(length);
     buf.set_len(length);
     let (result, buf) = store.read(map, lba * block as u64, buf).await;
-    if result.is_err() {
-        return StorageResult::Failed;
+    match result {
+        Ok(()) => {}
+        // The drive works; this copy of the data does not (crate docs of `replication`, "Read
+        // repair"): a primary reads it from a replica, nothing latches.
+        Err(StoreError::ChecksumMismatch { .. }) => return StorageResult::Damaged,
+        Err(_) => return StorageResult::Failed,
     }
     // A block of zeros reads the same as an unmapped one: copied as unmapped, so a resync or
     // a rebuild keeps the copy thin (and a read of zeros alone copies nothing).

@@ -224,6 +224,27 @@
 //! the actions of an event that ended the term (a resignation lets the manager promote another
 //! node before the lease would have expired).
 //!
+//! # Read repair
+//!
+//! Storage answers a read whose data failed its checksum with `StorageResult::Damaged`: the
+//! drive works, this copy does not, so nothing latches. A primary then asks an in-sync replica
+//! that holds a stream of the term for the blocks (`Message::Read`, asked again every
+//! `retransmit_ms`, given up for the next in-sync replica after `ack_timeout_ms`, or at once
+//! when the replica answers without blocks or leaves the in-sync set). The replica reads them
+//! from its storage only if it is the process the primary streams to in this epoch, so it
+//! applied every write the primary completed before asking; its own damaged copy is answered
+//! with no blocks, never repaired from the primary. The host gets the replica's blocks. The
+//! primary also writes them over its own copy, ordered like any write (no write of those
+//! blocks in flight; later ones wait for it), unless a host write to one of them was pending
+//! when it asked or started since: the replica's copy may then be older than what the primary
+//! must hold, and a read beside a write may return either, so it answers the read only. The
+//! rewrite needs no write intent: the data is what every in-sync replica already holds. When
+//! no in-sync replica gives the blocks, the read fails with `HostError::Damaged` (an
+//! unrecovered read error for those blocks only) and the volume goes on serving. A copy to a
+//! returning replica that meets damaged data here still stops the node as an I/O error would
+//! (`CopyRead` has no second source when this node is the only one in sync). Reads run by the
+//! wiring outside the state machine (`serving_until`) hand a failed read to it to get this.
+//!
 //! # Planned moves
 //!
 //! A node that stops cleanly (SIGTERM, a rolling restart), or that an operator moves a volume

@@ -123,6 +123,15 @@ pub enum Message {
     Resync { epoch: u64, incarnation: u64 },
     /// Replica to primary: my storage failed; I acknowledge nothing more until restarted.
     Failed { epoch: u64, incarnation: u64 },
+    /// Primary to an in-sync replica: send me your `count` blocks at `lba` (1 to
+    /// `BLOCKS_PER_OP_MAX`), because my copy of them failed its checksum (crate docs, "Read
+    /// repair"). `request` numbers the read within the term; `incarnation` is the replica
+    /// process whose stream the primary holds.
+    Read { epoch: u64, incarnation: u64, request: u64, lba: u64, count: u32 },
+    /// Replica to primary: the blocks `Read` `request` asked for, one per block, or `None` if
+    /// this replica cannot give them (it is not that process, holds no stream of this term
+    /// from the primary, or its own copy is damaged or failed).
+    ReadReply { epoch: u64, request: u64, blocks: Option<Vec<BlockData>> },
 }
 
 /// A message as it travels between two nodes. One connection carries the messages of many
@@ -149,7 +158,9 @@ impl Message {
             | Message::Hello { epoch, .. }
             | Message::Stale { epoch }
             | Message::Resync { epoch, .. }
-            | Message::Failed { epoch, .. } => epoch,
+            | Message::Failed { epoch, .. }
+            | Message::Read { epoch, .. }
+            | Message::ReadReply { epoch, .. } => epoch,
         }
     }
 }

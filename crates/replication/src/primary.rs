@@ -209,6 +209,29 @@ impl Peer {
     }
 }
 
+/// A host read as the primary's storage read carries it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HostRead {
+    pub host: HostOpId,
+    pub lba: u64,
+    pub count: u32,
+}
+
+/// A host read whose blocks were damaged here, being read from a replica instead.
+#[derive(Debug)]
+struct Repair {
+    read: HostRead,
+    /// The peer asked now, and those that could not give the blocks.
+    peer: NodeId,
+    tried: Vec<NodeId>,
+    asked_ms: u64,
+    last_sent_ms: u64,
+    /// A write to one of the blocks was pending when the replica was asked, or started
+    /// since: the replica's copy may then be older than what this node must hold, so it only
+    /// answers the host (a read beside a write may return either) and is not written here.
+    overwritten: bool,
+}
+
 /// A copy read that completed: which read, for which peer and stream, of which block.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CopyRead {
@@ -234,6 +257,10 @@ pub(crate) struct Term {
     /// those: writes still in flight locally cannot complete, however many peers acked them.
     durable: BTreeSet<u64>,
     reads_in_flight: usize,
+    /// Host reads being served from a replica's copy, by request number (counted in
+    /// `reads_in_flight` until they complete).
+    repairs: BTreeMap<u64, Repair>,
+    next_repair: u64,
     peers: BTreeMap<NodeId, Peer>,
     next_stream: u64,
     /// This node's divergence when the term started, for reconciliation.
@@ -267,6 +294,8 @@ impl Term {
             deferred: BTreeSet::new(),
             durable: BTreeSet::new(),
             reads_in_flight: 0,
+            repairs: BTreeMap::new(),
+            next_repair: 1,
             peers: BTreeMap::new(),
             next_stream: 1,
             own_divergence: shared.divergence.report(),
@@ -368,6 +397,13 @@ impl Term {
     pub fn end(self, shared: &mut Shared, out: &mut Vec<Action>) {
         shared.stats.terms_ended += 1;
         shared.stats.writes_failed += self.pending.len() as u64;
+        for repair in self.repairs.into_values() {
+            out.push(Action::CompleteHost {
+                id: repair.read.host,
+                epoch: self.epoch,
+                result: Err(HostError::NotPrimary),
+            });
+        }
         for (op, write) in self.pending {
             shared.divergence.record(self.epoch, op, write.lbas);
             out.push(Action::CompleteHost {
@@ -414,7 +450,7 @@ impl Term {
                     return Some(Err(HostError::Busy));
                 }
                 self.reads_in_flight += 1;
-                let purpose = Purpose::HostRead { epoch: self.epoch, host: id, count };
+                let purpose = Purpose::HostRead { epoch: self.epoch, host: id, lba, count };
                 shared.storage_read(lba, count, purpose, out);
                 None
             }
@@ -471,6 +507,12 @@ impl Term {
         let op = self.next_op;
         self.next_op += 1;
         let lbas = lba..lba + blocks.len() as u64;
+        for repair in self.repairs.values_mut() {
+            let read = repair.read.lba..repair.read.lba + u64::from(repair.read.count);
+            if read.start < lbas.end && lbas.start < read.end {
+                repair.overwritten = true;
+            }
+        }
         let entry = Entry { kind: EntryKind::Write { op }, lba, blocks: blocks.clone() };
         assert!(entry.length_valid(), "host commands are checked before they get here");
         let mut sent = Vec::new();
@@ -582,17 +624,122 @@ impl Term {
         &mut self,
         shared: &mut Shared,
         now_ms: u64,
-        host: HostOpId,
+        read: HostRead,
         result: StorageResult,
         out: &mut Vec<Action>,
     ) {
         assert!(self.reads_in_flight > 0);
-        self.reads_in_flight -= 1;
         let result = match result {
             StorageResult::Read(blocks) if self.serving(shared, now_ms) => {
                 Ok(HostReply::Read(blocks))
             }
+            StorageResult::Damaged if self.serving(shared, now_ms) => {
+                let request = self.next_repair;
+                self.next_repair += 1;
+                let read_lbas = read.lba..read.lba + u64::from(read.count);
+                let overwritten = shared.write_in_flight(read_lbas.clone())
+                    || self
+                        .pending_lbas()
+                        .any(|lbas| lbas.start < read_lbas.end && read_lbas.start < lbas.end);
+                let repair = Repair {
+                    read,
+                    peer: shared.me,
+                    tried: Vec::new(),
+                    asked_ms: now_ms,
+                    last_sent_ms: now_ms,
+                    overwritten,
+                };
+                self.repairs.insert(request, repair);
+                self.ask_next_peer(shared, now_ms, request, out);
+                return;
+            }
             _ => Err(HostError::NotPrimary),
+        };
+        self.reads_in_flight -= 1;
+        out.push(Action::CompleteHost { id: read.host, epoch: self.epoch, result });
+    }
+
+    /// Asks the next in-sync replica with a stream for the blocks of repair `request`, or, if
+    /// every one was tried, fails the host read as damaged.
+    fn ask_next_peer(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        request: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(repair) = self.repairs.get_mut(&request) else { return };
+        let next = self.peers.iter().find_map(|(&node, peer)| {
+            let stream = peer.stream.as_ref()?;
+            let untried = !repair.tried.contains(&node);
+            (matches!(peer.state, PeerState::InSync) && untried)
+                .then_some((node, stream.incarnation))
+        });
+        let Some((node, incarnation)) = next else {
+            let read = repair.read;
+            self.repairs.remove(&request);
+            self.reads_in_flight -= 1;
+            shared.stats.reads_unrecovered += 1;
+            let result = Err(HostError::Damaged { lba: read.lba, count: read.count });
+            out.push(Action::CompleteHost { id: read.host, epoch: self.epoch, result });
+            return;
+        };
+        repair.peer = node;
+        repair.tried.push(node);
+        repair.asked_ms = now_ms;
+        repair.last_sent_ms = now_ms;
+        let HostRead { lba, count, .. } = repair.read;
+        let message = Message::Read { epoch: self.epoch, incarnation, request, lba, count };
+        shared.send(node, message, out);
+    }
+
+    /// A replica's answer to a repair's `Read`: the host gets its blocks, and this node
+    /// rewrites them unless a write to them came first; without blocks, the next replica is
+    /// asked.
+    fn on_read_reply(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        from: NodeId,
+        request: u64,
+        blocks: Option<Vec<BlockData>>,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(repair) = self.repairs.get(&request) else { return };
+        if repair.peer != from {
+            return;
+        }
+        let count = repair.read.count;
+        let Some(blocks) = blocks.filter(|blocks| blocks.len() == count as usize) else {
+            self.ask_next_peer(shared, now_ms, request, out);
+            return;
+        };
+        let Some(repair) = self.repairs.remove(&request) else { return };
+        self.reads_in_flight -= 1;
+        let HostRead { host, lba, .. } = repair.read;
+        if !self.serving(shared, now_ms) {
+            out.push(Action::CompleteHost {
+                id: host,
+                epoch: self.epoch,
+                result: Err(HostError::NotPrimary),
+            });
+            return;
+        }
+        shared.stats.reads_repaired += 1;
+        let lbas = lba..lba + u64::from(count);
+        let block_bytes = shared.config.block_size_bytes;
+        let well_formed = blocks.iter().flatten().all(|block| block.len() == block_bytes);
+        // A write to these blocks pending now came after the ask (it sets `overwritten`) or
+        // before it (so did it): either way the copy is not written here.
+        if well_formed && !repair.overwritten && !shared.write_in_flight(lbas) {
+            shared.stats.blocks_repaired += u64::from(count);
+            let purpose = Purpose::Repair { epoch: self.epoch };
+            shared.storage_write(lba, blocks.clone(), purpose, out);
+        }
+        let result = if well_formed {
+            Ok(HostReply::Read(blocks))
+        } else {
+            Err(HostError::Damaged { lba, count })
         };
         out.push(Action::CompleteHost { id: host, epoch: self.epoch, result });
     }
@@ -695,6 +842,9 @@ impl Term {
                 }
             }
             Message::Failed { .. } => self.abort_peer(from),
+            Message::ReadReply { request, blocks, .. } => {
+                self.on_read_reply(shared, now_ms, from, request, blocks, out)
+            }
             _ => {}
         }
         self.drive_membership(shared, now_ms, out);
@@ -1138,11 +1288,42 @@ impl Term {
         for node in laggards {
             self.abort_peer(node);
         }
+        self.tick_repairs(shared, now_ms, out);
         self.copy_budget = shared.config.copy_blocks_per_tick;
         self.pump_copies(shared, out);
         self.drive_membership(shared, now_ms, out);
         self.try_complete(shared, now_ms, out);
         self.maybe_finish_reconcile(shared);
+    }
+}
+
+impl Term {
+    /// Repairs whose replica has not answered: asked again every retransmit interval, and
+    /// given up for the next replica after the ack timeout, or at once if the replica is no
+    /// longer in sync with a stream.
+    fn tick_repairs(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        let (timeout, retransmit) = (shared.config.ack_timeout_ms, shared.config.retransmit_ms);
+        let mut give_up = Vec::new();
+        for (&request, repair) in self.repairs.iter_mut() {
+            let peer = self.peers.get(&repair.peer);
+            let stream = peer.filter(|peer| matches!(peer.state, PeerState::InSync));
+            let Some(stream) = stream.and_then(|peer| peer.stream.as_ref()) else {
+                give_up.push(request);
+                continue;
+            };
+            if repair.asked_ms + timeout <= now_ms {
+                give_up.push(request);
+            } else if repair.last_sent_ms + retransmit <= now_ms {
+                repair.last_sent_ms = now_ms;
+                let HostRead { lba, count, .. } = repair.read;
+                let incarnation = stream.incarnation;
+                let message = Message::Read { epoch: self.epoch, incarnation, request, lba, count };
+                shared.send(repair.peer, message, out);
+            }
+        }
+        for request in give_up {
+            self.ask_next_peer(shared, now_ms, request, out);
+        }
     }
 }
 

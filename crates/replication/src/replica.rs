@@ -13,7 +13,17 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::message::{Entry, Message};
 use crate::volume::{Action, Purpose, Shared};
-use crate::{NodeId, StreamId, STREAM_WINDOW_MAX};
+use crate::{NodeId, StreamId, BLOCKS_PER_OP_MAX, INFLIGHT_READS_MAX, STREAM_WINDOW_MAX};
+
+/// A primary's `Read`: blocks it found damaged in its own copy.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PeerReadRequest {
+    pub epoch: u64,
+    pub incarnation: u64,
+    pub request: u64,
+    pub lba: u64,
+    pub count: u32,
+}
 
 #[derive(Debug)]
 struct InStream {
@@ -248,6 +258,39 @@ impl Replica {
         }
         self.probe_from = Some((from, epoch));
         self.try_probe_reply(shared, out);
+    }
+
+    /// A primary's `Read`: served from this node's storage only if this is the process the
+    /// primary streams to in this very epoch (so it applied every write the primary completed
+    /// before asking), else answered with no blocks. Beyond `INFLIGHT_READS_MAX` reads at once
+    /// it is dropped: the primary asks again.
+    pub fn on_read(
+        &mut self,
+        shared: &mut Shared,
+        from: NodeId,
+        read: PeerReadRequest,
+        out: &mut Vec<Action>,
+    ) {
+        let PeerReadRequest { epoch, incarnation, request, lba, count } = read;
+        assert_eq!(epoch, shared.epoch, "older epochs are answered Stale before dispatch");
+        if shared.peer_reads_in_flight >= INFLIGHT_READS_MAX {
+            return;
+        }
+        let streaming = self
+            .stream
+            .as_ref()
+            .is_some_and(|stream| stream.epoch == epoch && stream.primary == from);
+        let in_range = (1..=BLOCKS_PER_OP_MAX).contains(&count)
+            && lba
+                .checked_add(u64::from(count))
+                .is_some_and(|end| end <= shared.config.volume_blocks);
+        if shared.latched || incarnation != shared.incarnation || !streaming || !in_range {
+            shared.send(from, Message::ReadReply { epoch, request, blocks: None }, out);
+            return;
+        }
+        shared.peer_reads_in_flight += 1;
+        let purpose = Purpose::PeerRead { epoch, to: from, request, count };
+        shared.storage_read(lba, count, purpose, out);
     }
 
     /// The divergence list is final for older epochs once this node adopted `epoch` (no more

@@ -14,8 +14,8 @@ use crate::divergence::Divergence;
 use crate::intent::{IntentSet, WriteIntent};
 use crate::lease::LeaseStatus;
 use crate::message::{merge_ranges, Message};
-use crate::primary::{CopyRead, Term};
-use crate::replica::Replica;
+use crate::primary::{CopyRead, HostRead, Term};
+use crate::replica::{PeerReadRequest, Replica};
 use crate::store::{StoreReply, StoreRequest, Versioned, VolumeState};
 use crate::{
     Block, BlockData, Config, HostOpId, LeaseId, NodeId, ResyncProgress, StorageOpId,
@@ -71,6 +71,13 @@ pub enum HostError {
     BadLength { count: u64, max: u32 },
     #[error("block {index} of the write holds {size_bytes} bytes; blocks hold {expected_bytes}")]
     BlockSize { index: usize, size_bytes: usize, expected_bytes: usize },
+    /// The read found damaged data here (a failed checksum) and no in-sync replica could give
+    /// another copy: an unrecovered read error, for these blocks only.
+    #[error(
+        "blocks {lba}..{lba}+{count} failed their checksum on this node and no in-sync replica \
+         could give another copy"
+    )]
+    Damaged { lba: u64, count: u32 },
 }
 
 /// What local storage did with a request.
@@ -82,6 +89,11 @@ pub enum StorageResult {
     Read(Vec<BlockData>),
     /// An I/O error. The node latches: it serves and acknowledges nothing more until restarted.
     Failed,
+    /// A read found blocks whose data failed their checksum: this copy is damaged, the drive
+    /// still works. A primary reads them from an in-sync replica instead (crate docs, "Read
+    /// repair"); nothing latches. Only reads answer it (for anything else it counts as
+    /// `Failed`).
+    Damaged,
 }
 
 /// Something that happened, for `VolumeNode::handle`.
@@ -203,6 +215,15 @@ pub struct Stats {
     pub step_downs: u64,
     /// `PersistIntent` actions: write intents persisted (grown for a write, or shrunk).
     pub intent_persists: u64,
+    /// Host reads whose blocks were damaged here and were served from a replica's copy.
+    pub reads_repaired: u64,
+    /// Blocks this node rewrote from a replica's copy after such a read (none when a host
+    /// write to them came first).
+    pub blocks_repaired: u64,
+    /// Host reads failed as damaged: no in-sync replica could give another copy.
+    pub reads_unrecovered: u64,
+    /// Reads this node served, as a replica, to a primary whose copy was damaged.
+    pub peer_reads_served: u64,
 }
 
 /// Why a local storage request was made; its completion goes back to whoever made it.
@@ -222,7 +243,19 @@ pub(crate) enum Purpose {
     HostRead {
         epoch: u64,
         host: HostOpId,
+        lba: u64,
         count: u32,
+    },
+    /// A replica reading blocks for the primary `to`, whose copy of them is damaged.
+    PeerRead {
+        epoch: u64,
+        to: NodeId,
+        request: u64,
+        count: u32,
+    },
+    /// A primary rewriting blocks it found damaged with a replica's copy.
+    Repair {
+        epoch: u64,
     },
     /// A primary reading a block to copy it to `peer` on `stream`.
     CopyRead {
@@ -266,6 +299,8 @@ pub(crate) struct Shared {
     storage_ops: BTreeMap<StorageOpId, InFlight>,
     /// Set by a storage error, for the life of the process.
     pub latched: bool,
+    /// Reads this node runs for a primary whose copy was damaged (`Purpose::PeerRead`).
+    pub peer_reads_in_flight: usize,
     /// Set by `VolumeNode::step_down` and cleared when the epoch moves past the one it gave up:
     /// meanwhile this node starts no term and resigns whenever the store names it primary.
     stepping_down: bool,
@@ -435,6 +470,7 @@ impl VolumeNode {
             next_store_request: 1,
             next_storage_op: 1,
             writes_in_flight: BTreeMap::new(),
+            peer_reads_in_flight: 0,
             storage_ops: BTreeMap::new(),
             latched: false,
             stepping_down: false,
@@ -677,6 +713,10 @@ impl VolumeNode {
             (Role::Replica(replica), Message::Probe { epoch }) => {
                 replica.on_probe(shared, from, epoch, out)
             }
+            (Role::Replica(replica), Message::Read { epoch, incarnation, request, lba, count }) => {
+                let read = PeerReadRequest { epoch, incarnation, request, lba, count };
+                replica.on_read(shared, from, read, out)
+            }
             // Only the primary of an epoch sends these, and this node is the primary of a newer
             // one.
             (Role::Primary(term), Message::Append { epoch, .. })
@@ -692,7 +732,9 @@ impl VolumeNode {
             (Role::Primary(term), message) if message.epoch() == term.epoch => {
                 term.on_peer_message(shared, now_ms, from, message, out)
             }
-            (_, Message::Hello { epoch, .. }) if epoch < shared.epoch => {
+            (_, Message::Hello { epoch, .. }) | (_, Message::Read { epoch, .. })
+                if epoch < shared.epoch =>
+            {
                 shared.send(from, Message::Stale { epoch: shared.epoch }, out);
             }
             // Replies to a term this node no longer holds.
@@ -720,10 +762,18 @@ impl VolumeNode {
         }
         let result = match (&in_flight.purpose, result) {
             (Purpose::HostRead { count, .. }, StorageResult::Read(blocks))
+            | (Purpose::PeerRead { count, .. }, StorageResult::Read(blocks))
                 if blocks.len() != *count as usize =>
             {
                 StorageResult::Failed
             }
+            // Damaged data is an answer to a host read or a peer's, which can go elsewhere or
+            // say so; anything else that meets it (a copy to a peer) cannot, and stops as on an
+            // I/O error.
+            (Purpose::HostRead { .. } | Purpose::PeerRead { .. }, StorageResult::Damaged) => {
+                StorageResult::Damaged
+            }
+            (_, StorageResult::Damaged) => StorageResult::Failed,
             (Purpose::CopyRead { .. }, StorageResult::Read(blocks)) if blocks.len() != 1 => {
                 StorageResult::Failed
             }
@@ -743,14 +793,30 @@ impl VolumeNode {
             {
                 term.on_local_write_done(&mut self.shared, now_ms, op, out);
             }
-            (Role::Primary(term), Purpose::HostRead { epoch, host, .. }) if epoch == term.epoch => {
-                term.on_host_read_done(&mut self.shared, now_ms, host, result, out);
+            (Role::Primary(term), Purpose::HostRead { epoch, host, lba, count })
+                if epoch == term.epoch =>
+            {
+                let read = HostRead { host, lba, count };
+                term.on_host_read_done(&mut self.shared, now_ms, read, result, out);
             }
             (_, Purpose::HostRead { host, .. }) => out.push(Action::CompleteHost {
                 id: host,
                 epoch: self.shared.epoch,
                 result: Err(HostError::NotPrimary),
             }),
+            (_, Purpose::PeerRead { epoch, to, request, .. }) => {
+                // Answered whatever this node became meanwhile: the primary checks the epoch.
+                assert!(self.shared.peer_reads_in_flight > 0);
+                self.shared.peer_reads_in_flight -= 1;
+                let blocks = match result {
+                    StorageResult::Read(blocks) => {
+                        self.shared.stats.peer_reads_served += 1;
+                        Some(blocks)
+                    }
+                    _ => None,
+                };
+                self.shared.send(to, Message::ReadReply { epoch, request, blocks }, out);
+            }
             (Role::Primary(term), Purpose::CopyRead { epoch, peer, stream, lba })
                 if epoch == term.epoch =>
             {

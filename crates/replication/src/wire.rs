@@ -5,7 +5,7 @@
 //! module knows the layout. The full specification, with byte diagrams, is
 //! docs/replication-wire.md.
 //!
-//! A frame (version 4) is a 32-byte header and a payload:
+//! A frame (version 5) is a 32-byte header and a payload:
 //!
 //! ```text
 //! 0       4    5    6       8               12       16       24         28             32
@@ -39,8 +39,9 @@ use crate::{BlockData, NodeId, StreamId, BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PE
 pub const MAGIC: [u8; 4] = *b"FRRP";
 /// The version this code writes and the only one it reads. Version 1 (a 20-byte header without
 /// volume and sender) was never deployed; version 2 (a `Hello` of epoch and incarnation only)
-/// and version 3 (a divergence of single LBAs) are refused like any other.
-pub const VERSION: u8 = 4;
+/// and version 3 (a divergence of single LBAs) are refused like any other, as is version 4
+/// (without `Read` and `ReadReply`).
+pub const VERSION: u8 = 5;
 /// Bytes of the fixed header before the payload.
 pub const HEADER_BYTES: usize = 32;
 /// The largest block an entry carries: the node's block size. The simulation uses smaller ones;
@@ -92,6 +93,13 @@ const PROBE_REPLY_PAYLOAD_BYTES_MAX: usize = PROBE_REPLY_FIXED_BYTES - 1 + DIVER
 /// Epoch, incarnation, last term epoch, divergence tag.
 const HELLO_FIXED_BYTES: usize = 3 * U64_BYTES + 1;
 const HELLO_PAYLOAD_BYTES_MAX: usize = HELLO_FIXED_BYTES - 1 + DIVERGENCE_BYTES_MAX;
+/// Epoch, incarnation, request, LBA, block count.
+const READ_PAYLOAD_BYTES: usize = 4 * U64_BYTES + 4;
+/// Epoch, request, blocks tag; then, with blocks, their count and the blocks.
+const READ_REPLY_FIXED_BYTES: usize = 2 * U64_BYTES + 1;
+const READ_REPLY_PAYLOAD_BYTES_MAX: usize = READ_REPLY_FIXED_BYTES
+    + 4
+    + BLOCKS_PER_OP_MAX as usize * (BLOCK_MAPPED_FIXED_BYTES + BLOCK_BYTES_MAX);
 
 /// The largest payload of any message.
 pub const PAYLOAD_BYTES_MAX: usize =
@@ -124,6 +132,7 @@ const _: () = assert!(BLOCK_BYTES_MAX <= u32::MAX as usize);
 const _: () = assert!(DIVERGENCE_RANGES_MAX <= u32::MAX as usize);
 const _: () = assert!(PROBE_REPLY_PAYLOAD_BYTES_MAX <= APPEND_PAYLOAD_BYTES_MAX);
 const _: () = assert!(HELLO_PAYLOAD_BYTES_MAX <= APPEND_PAYLOAD_BYTES_MAX);
+const _: () = assert!(READ_REPLY_PAYLOAD_BYTES_MAX <= APPEND_PAYLOAD_BYTES_MAX);
 
 const ENTRY_WRITE: u8 = 1;
 const ENTRY_COPY: u8 = 2;
@@ -131,6 +140,8 @@ const BLOCK_UNMAPPED: u8 = 0;
 const BLOCK_MAPPED: u8 = 1;
 const DIVERGENCE_UNKNOWN: u8 = 0;
 const DIVERGENCE_KNOWN: u8 = 1;
+const READ_REPLY_NONE: u8 = 0;
+const READ_REPLY_BLOCKS: u8 = 1;
 
 /// The type byte of a frame: one per [`Message`] variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -145,6 +156,8 @@ pub enum MessageType {
     Stale = 7,
     Resync = 8,
     Failed = 9,
+    Read = 10,
+    ReadReply = 11,
 }
 
 impl MessageType {
@@ -159,6 +172,8 @@ impl MessageType {
             7 => Self::Stale,
             8 => Self::Resync,
             9 => Self::Failed,
+            10 => Self::Read,
+            11 => Self::ReadReply,
             _ => return None,
         })
     }
@@ -174,6 +189,8 @@ impl MessageType {
             Message::Stale { .. } => Self::Stale,
             Message::Resync { .. } => Self::Resync,
             Message::Failed { .. } => Self::Failed,
+            Message::Read { .. } => Self::Read,
+            Message::ReadReply { .. } => Self::ReadReply,
         }
     }
 
@@ -188,6 +205,8 @@ impl MessageType {
             Self::ProbeReply => PROBE_REPLY_FIXED_BYTES..=PROBE_REPLY_PAYLOAD_BYTES_MAX,
             Self::Hello => HELLO_FIXED_BYTES..=HELLO_PAYLOAD_BYTES_MAX,
             Self::Resync | Self::Failed => fixed(2),
+            Self::Read => READ_PAYLOAD_BYTES..=READ_PAYLOAD_BYTES,
+            Self::ReadReply => READ_REPLY_FIXED_BYTES..=READ_REPLY_PAYLOAD_BYTES_MAX,
         }
     }
 }
@@ -243,13 +262,30 @@ pub enum EncodeError {
     LbaOverflow { lba: u64, count: usize },
     #[error("block {index} of an entry holds {size_bytes} bytes; the wire carries 1..={BLOCK_BYTES_MAX}")]
     BlockSize { index: usize, size_bytes: usize },
+    #[error("a read of {count} blocks at LBA {lba}: the wire carries 1..={BLOCKS_PER_OP_MAX} blocks, not past the last LBA")]
+    ReadLength { lba: u64, count: u32 },
+    #[error("a read reply of {count} blocks; the wire carries 1..={BLOCKS_PER_OP_MAX}")]
+    ReadReplyCount { count: usize },
 }
 
 /// Appends the frame of `envelope` to `out` and returns its length. On error `out` is unchanged.
 pub fn encode(envelope: &Envelope, out: &mut Vec<u8>) -> Result<usize, EncodeError> {
     let Envelope { volume, sender, message } = envelope;
-    if let Message::Append { entry, .. } = message {
-        check_entry(entry)?;
+    match message {
+        Message::Append { entry, .. } => check_entry(entry)?,
+        Message::Read { lba, count, .. } => {
+            let fits = lba.checked_add(u64::from(*count)).is_some();
+            if !(1..=BLOCKS_PER_OP_MAX).contains(count) || !fits {
+                return Err(EncodeError::ReadLength { lba: *lba, count: *count });
+            }
+        }
+        Message::ReadReply { blocks: Some(blocks), .. } => {
+            if !(1..=BLOCKS_PER_OP_MAX as usize).contains(&blocks.len()) {
+                return Err(EncodeError::ReadReplyCount { count: blocks.len() });
+            }
+            check_blocks(blocks)?;
+        }
+        _ => {}
     }
     let message_type = MessageType::of(message);
     let payload_bytes = payload_bytes(message);
@@ -284,7 +320,11 @@ fn check_entry(entry: &Entry) -> Result<(), EncodeError> {
     if entry.lba.checked_add(count as u64).is_none() {
         return Err(EncodeError::LbaOverflow { lba: entry.lba, count });
     }
-    for (index, block) in entry.blocks.iter().enumerate() {
+    check_blocks(&entry.blocks)
+}
+
+fn check_blocks(blocks: &[BlockData]) -> Result<(), EncodeError> {
+    for (index, block) in blocks.iter().enumerate() {
         if let Some(block) = block {
             if block.is_empty() || block.len() > BLOCK_BYTES_MAX {
                 return Err(EncodeError::BlockSize { index, size_bytes: block.len() });
@@ -310,22 +350,40 @@ fn sendable_ranges(divergence: &DivergenceReport) -> Option<&[Range<u64>]> {
 
 fn payload_bytes(message: &Message) -> usize {
     match message {
-        Message::Append { entry, .. } => {
-            let blocks: usize = entry
-                .blocks
-                .iter()
-                .map(|block| match block {
-                    None => BLOCK_UNMAPPED_BYTES,
-                    Some(block) => BLOCK_MAPPED_FIXED_BYTES + block.len(),
-                })
-                .sum();
-            APPEND_FIXED_BYTES + blocks
+        Message::Append { entry, .. } => APPEND_FIXED_BYTES + blocks_bytes(&entry.blocks),
+        Message::ReadReply { blocks, .. } => {
+            READ_REPLY_FIXED_BYTES + blocks.as_ref().map_or(0, |blocks| 4 + blocks_bytes(blocks))
         }
         Message::ProbeReply { divergence, .. } => {
             PROBE_REPLY_FIXED_BYTES - 1 + divergence_bytes(divergence)
         }
         Message::Hello { divergence, .. } => HELLO_FIXED_BYTES - 1 + divergence_bytes(divergence),
         _ => *MessageType::of(message).payload_bytes().start(),
+    }
+}
+
+/// Bytes of a list of blocks on the wire, after its count: a tag per block, and a mapped
+/// block's length and bytes.
+fn blocks_bytes(blocks: &[BlockData]) -> usize {
+    blocks
+        .iter()
+        .map(|block| match block {
+            None => BLOCK_UNMAPPED_BYTES,
+            Some(block) => BLOCK_MAPPED_FIXED_BYTES + block.len(),
+        })
+        .sum()
+}
+
+fn encode_blocks(blocks: &[BlockData], out: &mut Vec<u8>) {
+    for block in blocks {
+        match block {
+            None => out.push(BLOCK_UNMAPPED),
+            Some(block) => {
+                out.push(BLOCK_MAPPED);
+                out.extend_from_slice(&(block.len() as u32).to_le_bytes());
+                out.extend_from_slice(block);
+            }
+        }
     }
 }
 
@@ -366,16 +424,7 @@ fn encode_payload(message: &Message, out: &mut Vec<u8>) {
             out.extend_from_slice(&op.to_le_bytes());
             out.extend_from_slice(&entry.lba.to_le_bytes());
             out.extend_from_slice(&(entry.blocks.len() as u32).to_le_bytes());
-            for block in &entry.blocks {
-                match block {
-                    None => out.push(BLOCK_UNMAPPED),
-                    Some(block) => {
-                        out.push(BLOCK_MAPPED);
-                        out.extend_from_slice(&(block.len() as u32).to_le_bytes());
-                        out.extend_from_slice(block);
-                    }
-                }
-            }
+            encode_blocks(&entry.blocks, out);
         }
         Message::Heartbeat { epoch, stream, incarnation, commit_op } => {
             for value in [*epoch, stream.0, *incarnation, *commit_op] {
@@ -402,6 +451,24 @@ fn encode_payload(message: &Message, out: &mut Vec<u8>) {
         Message::Resync { epoch, incarnation } | Message::Failed { epoch, incarnation } => {
             put(*epoch);
             put(*incarnation);
+        }
+        Message::Read { epoch, incarnation, request, lba, count } => {
+            for value in [*epoch, *incarnation, *request, *lba] {
+                put(value);
+            }
+            out.extend_from_slice(&count.to_le_bytes());
+        }
+        Message::ReadReply { epoch, request, blocks } => {
+            put(*epoch);
+            put(*request);
+            match blocks {
+                None => out.push(READ_REPLY_NONE),
+                Some(blocks) => {
+                    out.push(READ_REPLY_BLOCKS);
+                    out.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
+                    encode_blocks(blocks, out);
+                }
+            }
         }
     }
 }
@@ -578,6 +645,13 @@ impl<'a> Fields<'a> {
         if lba.checked_add(u64::from(count)).is_none() {
             return Err(self.invalid_at(count_at, "entry runs past the last LBA"));
         }
+        let blocks = self.blocks(count, count_at)?;
+        Ok(Entry { kind, lba, blocks })
+    }
+
+    /// `count` blocks (a count the caller checked against its own bounds, read at
+    /// `count_at`): a tag each, and a mapped block's length and bytes.
+    fn blocks(&mut self, count: u32, count_at: usize) -> Result<Vec<BlockData>, WireError> {
         if count as usize * BLOCK_UNMAPPED_BYTES > self.remaining_bytes() {
             return Err(self.invalid_at(count_at, "block count exceeds the payload"));
         }
@@ -606,7 +680,41 @@ impl<'a> Fields<'a> {
                 _ => return Err(self.invalid_at(tag_at, "unknown block tag")),
             }
         }
-        Ok(Entry { kind, lba, blocks })
+        Ok(blocks)
+    }
+
+    fn read(&mut self) -> Result<Message, WireError> {
+        let (epoch, incarnation, request, lba) =
+            (self.u64()?, self.u64()?, self.u64()?, self.u64()?);
+        let count_at = self.position;
+        let count = self.u32()?;
+        if count == 0 || count > BLOCKS_PER_OP_MAX {
+            return Err(self.invalid_at(count_at, "block count outside 1..=BLOCKS_PER_OP_MAX"));
+        }
+        if lba.checked_add(u64::from(count)).is_none() {
+            return Err(self.invalid_at(count_at, "read runs past the last LBA"));
+        }
+        Ok(Message::Read { epoch, incarnation, request, lba, count })
+    }
+
+    fn read_reply(&mut self) -> Result<Message, WireError> {
+        let (epoch, request) = (self.u64()?, self.u64()?);
+        let tag_at = self.position;
+        let blocks = match self.u8()? {
+            READ_REPLY_NONE => None,
+            READ_REPLY_BLOCKS => {
+                let count_at = self.position;
+                let count = self.u32()?;
+                if count == 0 || count > BLOCKS_PER_OP_MAX {
+                    return Err(
+                        self.invalid_at(count_at, "block count outside 1..=BLOCKS_PER_OP_MAX")
+                    );
+                }
+                Some(self.blocks(count, count_at)?)
+            }
+            _ => return Err(self.invalid_at(tag_at, "unknown read reply tag")),
+        };
+        Ok(Message::ReadReply { epoch, request, blocks })
     }
 
     fn divergence(&mut self) -> Result<DivergenceReport, WireError> {
@@ -688,6 +796,8 @@ fn decode_payload(
         MessageType::Stale => Message::Stale { epoch: fields.u64()? },
         MessageType::Resync => Message::Resync { epoch: fields.u64()?, incarnation: fields.u64()? },
         MessageType::Failed => Message::Failed { epoch: fields.u64()?, incarnation: fields.u64()? },
+        MessageType::Read => fields.read()?,
+        MessageType::ReadReply => fields.read_reply()?,
     };
     fields.finish()?;
     Ok(message)
@@ -854,6 +964,16 @@ mod tests {
             Message::Stale { epoch: 8 },
             Message::Resync { epoch: 2, incarnation: 99 },
             Message::Failed { epoch: 3, incarnation: 100 },
+            Message::Read { epoch: 4, incarnation: 7, request: 1, lba: 9, count: 2 },
+            Message::Read {
+                epoch: 4,
+                incarnation: 7,
+                request: u64::MAX,
+                lba: u64::MAX - 64,
+                count: 64,
+            },
+            Message::ReadReply { epoch: 4, request: 1, blocks: None },
+            Message::ReadReply { epoch: 4, request: 2, blocks: Some(vec![block(8, 5), None]) },
         ]
     }
 
@@ -876,7 +996,7 @@ mod tests {
         let epoch = rng.random_range(0..4u64);
         let incarnation = rng.random();
         let stream = StreamId(rng.random());
-        match rng.random_range(0..9) {
+        match rng.random_range(0..11) {
             0 => {
                 // Some entries are deallocates: long, and every block unmapped.
                 let unmapped = rng.random_bool(0.2);
@@ -918,7 +1038,24 @@ mod tests {
             },
             6 => Message::Stale { epoch },
             7 => Message::Resync { epoch, incarnation },
-            _ => Message::Failed { epoch, incarnation },
+            8 => Message::Failed { epoch, incarnation },
+            9 => {
+                let count = rng.random_range(1..=BLOCKS_PER_OP_MAX);
+                let lba = rng.random_range(0..=u64::MAX - u64::from(count));
+                Message::Read { epoch, incarnation, request: rng.random(), lba, count }
+            }
+            _ => {
+                let blocks = rng.random_bool(0.8).then(|| {
+                    let count = rng.random_range(1..=BLOCKS_PER_OP_MAX);
+                    let size_bytes = rng.random_range(1..=BLOCK_BYTES_MAX);
+                    (0..count)
+                        .map(|_| {
+                            rng.random_bool(0.7).then(|| block(size_bytes, rng.random())).flatten()
+                        })
+                        .collect()
+                });
+                Message::ReadReply { epoch, request: rng.random(), blocks }
+            }
         }
     }
 
@@ -967,7 +1104,7 @@ mod tests {
         let samples = samples();
         let mut types: Vec<MessageType> = samples.iter().map(MessageType::of).collect();
         types.dedup();
-        assert_eq!(types.len(), 9, "a variant has no sample");
+        assert_eq!(types.len(), 11, "a variant has no sample");
         for message in samples {
             check_round_trip(&envelope(message));
         }
@@ -991,7 +1128,7 @@ mod tests {
         // The offsets of docs/replication-wire.md.
         assert_eq!(HEADER_BYTES, 32);
         assert_eq!(&bytes[0..4], b"FRRP");
-        assert_eq!(bytes[4], 4, "version");
+        assert_eq!(bytes[4], 5, "version");
         assert_eq!(bytes[5], MessageType::Ack as u8);
         assert_eq!(&bytes[6..8], &[0, 0], "flags");
         assert_eq!(&bytes[8..12], &24u32.to_le_bytes(), "payload_bytes");
@@ -1027,7 +1164,7 @@ mod tests {
         let mut reader = FrameReader::new();
         reader.push(&v1);
         assert_eq!(reader.next_message(), Err(refused.clone()));
-        assert!(refused.to_string().contains("reads only version 4"), "{refused}");
+        assert!(refused.to_string().contains("reads only version 5"), "{refused}");
     }
 
     #[test]
@@ -1041,6 +1178,15 @@ mod tests {
         assert_eq!(MessageType::Append.payload_bytes(), 62..=262_525);
         assert_eq!(MessageType::ProbeReply.payload_bytes(), 17..=262_165);
         assert_eq!(MessageType::Hello.payload_bytes(), 25..=262_173);
+        assert_eq!(MessageType::Read.payload_bytes(), 36..=36);
+        assert_eq!(MessageType::ReadReply.payload_bytes(), 17..=262_485);
+        let largest_reply = Message::ReadReply {
+            epoch: 1,
+            request: 2,
+            blocks: Some((0..BLOCKS_PER_OP_MAX).map(|i| block(BLOCK_BYTES_MAX, i as u8)).collect()),
+        };
+        assert_eq!(frame(&largest_reply).len(), HEADER_BYTES + 262_485);
+        check_round_trip(&envelope(largest_reply));
         check_round_trip(&envelope(largest));
 
         let ranges: Vec<Range<u64>> =
@@ -1328,15 +1474,15 @@ mod tests {
         );
         check_refused(
             Message::Probe { epoch: 1 },
-            |bytes| bytes[offset::TYPE] = 10,
-            WireError::TypeUnknown { message_type: 10 },
+            |bytes| bytes[offset::TYPE] = 12,
+            WireError::TypeUnknown { message_type: 12 },
         );
         check_refused(
             Message::Probe { epoch: 1 },
             |bytes| bytes[offset::FLAGS] = 1,
             WireError::FlagsReserved { flags: 1 },
         );
-        for version in [0, 1, 2, 3, 5, u8::MAX] {
+        for version in [0, 1, 2, 3, 4, 6, u8::MAX] {
             check_refused(
                 Message::Probe { epoch: 1 },
                 |bytes| bytes[offset::VERSION] = version,
@@ -1360,6 +1506,67 @@ mod tests {
             decode(b"G").map(|(envelope, _)| envelope),
             Err(WireError::MagicWrong { offset: 0, found: b'G', expected: b'F' })
         );
+    }
+
+    #[test]
+    fn decode_names_each_bad_field_of_a_read_and_its_reply() {
+        let field =
+            |message_type, offset, reason| WireError::FieldInvalid { message_type, offset, reason };
+        let read = Message::Read { epoch: 1, incarnation: 2, request: 3, lba: 4, count: 1 };
+        let count_at = HEADER_BYTES + 32;
+        for count in [0, BLOCKS_PER_OP_MAX + 1] {
+            check_refused(
+                read.clone(),
+                |bytes| bytes[count_at..count_at + 4].copy_from_slice(&count.to_le_bytes()),
+                field(MessageType::Read, count_at, "block count outside 1..=BLOCKS_PER_OP_MAX"),
+            );
+        }
+        let lba_at = HEADER_BYTES + 24;
+        check_refused(
+            read.clone(),
+            |bytes| bytes[lba_at..lba_at + 8].copy_from_slice(&u64::MAX.to_le_bytes()),
+            field(MessageType::Read, count_at, "read runs past the last LBA"),
+        );
+        let reply = Message::ReadReply { epoch: 1, request: 2, blocks: Some(vec![block(4, 0)]) };
+        let tag_at = HEADER_BYTES + 16;
+        check_refused(
+            reply.clone(),
+            |bytes| bytes[tag_at] = 2,
+            field(MessageType::ReadReply, tag_at, "unknown read reply tag"),
+        );
+        let reply_count_at = tag_at + 1;
+        for count in [0, BLOCKS_PER_OP_MAX + 1] {
+            check_refused(
+                reply.clone(),
+                |bytes| {
+                    bytes[reply_count_at..reply_count_at + 4].copy_from_slice(&count.to_le_bytes())
+                },
+                field(
+                    MessageType::ReadReply,
+                    reply_count_at,
+                    "block count outside 1..=BLOCKS_PER_OP_MAX",
+                ),
+            );
+        }
+        // A reply without blocks that carries some anyway.
+        check_refused(
+            Message::ReadReply { epoch: 1, request: 2, blocks: None },
+            |bytes| bytes.push(0),
+            field(MessageType::ReadReply, tag_at + 1, "payload continues after its last field"),
+        );
+        // The sender's limits hold on encode too.
+        let mut out = Vec::new();
+        let too_long = Message::Read { epoch: 1, incarnation: 2, request: 3, lba: 0, count: 65 };
+        assert_eq!(
+            encode(&envelope(too_long), &mut out),
+            Err(EncodeError::ReadLength { lba: 0, count: 65 })
+        );
+        let empty = Message::ReadReply { epoch: 1, request: 2, blocks: Some(vec![]) };
+        assert_eq!(
+            encode(&envelope(empty), &mut out),
+            Err(EncodeError::ReadReplyCount { count: 0 })
+        );
+        assert!(out.is_empty());
     }
 
     /// Feeds `bytes` to a reader in chunks of the sizes `chunk` draws, alternating `push` and

@@ -7,7 +7,10 @@
 //! commands, resigns, and another member serves within a few store polls; an old primary (or an
 //! unprobed replica) that comes back after a failover is copied only the blocks changed while
 //! it was away and those of its uncommitted writes (with its process alive) or of its persisted
-//! write intent (after a restart), and one that restarted without its intent is copied in full.
+//! write intent (after a restart), and one that restarted without its intent is copied in full;
+//! a primary whose copy of a block is damaged serves the read from an in-sync replica and
+//! rewrites its own copy, unless a host write to the block came first, and fails only that read
+//! when no replica has a good copy.
 
 use std::collections::{BTreeSet, VecDeque};
 
@@ -63,6 +66,9 @@ struct Node {
     persisted_intent: Option<WriteIntent>,
     /// The intent the current process started with.
     started_with: Option<WriteIntent>,
+    /// Blocks whose data fails its checksum here: a read of any of them answers `Damaged`
+    /// until a write replaces it.
+    damaged: BTreeSet<u64>,
 }
 
 /// Three nodes, a store and a manager; storage and messages are instant. `cut` links drop
@@ -105,6 +111,7 @@ impl Cluster {
                 persisted_epoch: 0,
                 persisted_intent: None,
                 started_with: None,
+                damaged: BTreeSet::new(),
             })
             .collect();
         Cluster {
@@ -259,9 +266,10 @@ impl Cluster {
                     }
                 }
                 Action::StorageWrite { id, lba, blocks } => {
-                    let disk = &mut self.nodes[node].disk;
+                    let sim = &mut self.nodes[node];
                     for (index, data) in blocks.into_iter().enumerate() {
-                        disk[lba as usize + index] = data;
+                        sim.disk[lba as usize + index] = data;
+                        sim.damaged.remove(&(lba + index as u64));
                     }
                     if self.storage_held.contains(&node) {
                         self.held_writes.push((node, id));
@@ -272,8 +280,14 @@ impl Cluster {
                 }
                 Action::StorageRead { id, lba, count } => {
                     let range = lba as usize..(lba + u64::from(count)) as usize;
-                    let blocks = self.nodes[node].disk[range].to_vec();
-                    let event = Event::Storage { id, result: StorageResult::Read(blocks) };
+                    let sim = &self.nodes[node];
+                    let result = if sim.damaged.range(lba..lba + u64::from(count)).next().is_some()
+                    {
+                        StorageResult::Damaged
+                    } else {
+                        StorageResult::Read(sim.disk[range].to_vec())
+                    };
+                    let event = Event::Storage { id, result };
                     self.queue.push_back(Input::Node(node, event));
                 }
                 Action::PersistEpoch { epoch } => {
@@ -1137,4 +1151,114 @@ fn an_unprobed_replica_gets_only_the_blocks_changed_and_its_divergence() {
     assert_eq!((stats.resyncs_started, stats.resyncs_full), (2, 0));
     assert_eq!((stats.returns_incremental, stats.returns_full), (2, 0));
     assert_eq!(stats.blocks_resynced, 3 + 3, "blocks 3, 5 and 20 to each of nodes 0 and 2");
+}
+
+fn read_op(lba: u64, count: u32) -> HostOp {
+    HostOp::Read { lba, count }
+}
+
+#[test]
+fn a_block_damaged_on_the_primary_is_read_from_a_replica_and_rewritten() {
+    let mut cluster = Cluster::started(config());
+    let write = cluster.write(0, 3, 7);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    cluster.nodes[0].damaged.insert(3);
+    let read = cluster.host(0, read_op(2, 3));
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![None, Some(block(7)), None])));
+    assert!(cluster.nodes[0].damaged.is_empty(), "the primary rewrote its copy");
+    assert_eq!(cluster.nodes[0].disk[3], Some(block(7)));
+    let stats = cluster.nodes[0].volume.stats().clone();
+    assert_eq!((stats.reads_repaired, stats.blocks_repaired, stats.reads_unrecovered), (1, 3, 0));
+    let served: u64 = (1..3).map(|node| cluster.nodes[node].volume.stats().peer_reads_served).sum();
+    assert_eq!(served, 1, "one replica was asked");
+    assert!(!cluster.nodes[0].volume.latched(), "damaged data is not a failed drive");
+    assert_eq!(cluster.nodes[0].volume.serving_epoch(cluster.now_ms), Some(1));
+    // Read again: the block is whole here now.
+    let again = cluster.host(0, read_op(3, 1));
+    assert_eq!(cluster.result(again), Ok(HostReply::Read(vec![Some(block(7))])));
+    assert_eq!(cluster.nodes[0].volume.stats().reads_repaired, 1);
+    // Writes still complete, and the next read of the block sees them.
+    let write = cluster.write(0, 3, 8);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    let after = cluster.host(0, read_op(3, 1));
+    assert_eq!(cluster.result(after), Ok(HostReply::Read(vec![Some(block(8))])));
+}
+
+#[test]
+fn a_replica_with_a_damaged_copy_too_sends_the_primary_to_the_next_one() {
+    let mut cluster = Cluster::started(config());
+    cluster.write(0, 5, 9);
+    for node in 0..2 {
+        cluster.nodes[node].damaged.insert(5);
+    }
+    let read = cluster.host(0, read_op(5, 1));
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![Some(block(9))])));
+    assert_eq!(cluster.nodes[2].volume.stats().peer_reads_served, 1);
+    assert!(cluster.nodes[1].damaged.contains(&5), "a replica does not repair itself");
+    assert!(!cluster.nodes[1].volume.latched());
+}
+
+#[test]
+fn a_block_damaged_on_every_copy_fails_only_its_read() {
+    let mut cluster = Cluster::started(config());
+    cluster.write(0, 5, 9);
+    cluster.write(0, 6, 10);
+    for node in 0..3 {
+        cluster.nodes[node].damaged.insert(5);
+    }
+    let read = cluster.host(0, read_op(4, 2));
+    assert_eq!(cluster.result(read), Err(HostError::Damaged { lba: 4, count: 2 }));
+    assert_eq!(cluster.nodes[0].volume.stats().reads_unrecovered, 1);
+    let other = cluster.host(0, read_op(6, 1));
+    assert_eq!(cluster.result(other), Ok(HostReply::Read(vec![Some(block(10))])));
+    let write = cluster.write(0, 5, 11);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written), "the volume still takes writes");
+    let read = cluster.host(0, read_op(5, 1));
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![Some(block(11))])));
+    assert!((0..3).all(|node| !cluster.nodes[node].volume.latched()));
+}
+
+#[test]
+fn a_repair_does_not_write_a_copy_older_than_a_host_write_to_the_block() {
+    let mut cluster = Cluster::started(config());
+    cluster.write(0, 3, 7);
+    cluster.nodes[0].damaged.insert(3);
+    // The read and a write of the same block arrive together: the write is pending when the
+    // replica is asked, so its copy answers the read but is not written over the new data.
+    let ids = cluster.host_batch(0, vec![read_op(3, 1), write_op(3, &[8])]);
+    let read = cluster.result(ids[0]);
+    assert!(
+        [Ok(HostReply::Read(vec![Some(block(7))])), Ok(HostReply::Read(vec![Some(block(8))]))]
+            .contains(&read),
+        "{read:?}"
+    );
+    assert_eq!(cluster.result(ids[1]), Ok(HostReply::Written));
+    let stats = cluster.nodes[0].volume.stats().clone();
+    assert_eq!((stats.reads_repaired, stats.blocks_repaired), (1, 0));
+    assert_eq!(cluster.nodes[0].disk[3], Some(block(8)));
+    cluster.run(100);
+    let after = cluster.host(0, read_op(3, 1));
+    assert_eq!(cluster.result(after), Ok(HostReply::Read(vec![Some(block(8))])));
+}
+
+#[test]
+fn a_repair_asks_again_when_its_replica_is_silent_and_the_term_end_fails_it() {
+    let mut cluster = Cluster::started(config());
+    cluster.write(0, 3, 7);
+    cluster.nodes[0].damaged.insert(3);
+    // Neither replica answers: the read waits (asked again, then the next replica, until each
+    // is removed from the in-sync set), then fails as damaged once no replica is left.
+    cluster.cut_link(0, 1);
+    cluster.cut_link(0, 2);
+    let read = cluster.host(0, read_op(3, 1));
+    assert!(cluster.completion(read).is_none());
+    cluster.run(100);
+    assert!(cluster.completion(read).is_none(), "still waiting for the replicas");
+    cluster.run(400);
+    let (_, _, _, result) = cluster.completion(read).expect("completed").clone();
+    assert!(
+        [Err(HostError::Damaged { lba: 3, count: 1 }), Err(HostError::NotPrimary)]
+            .contains(&result),
+        "{result:?}"
+    );
 }

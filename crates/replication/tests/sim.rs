@@ -126,6 +126,13 @@ fn run_range(part: u64, parts: u64) {
         // Old primaries killed and restarted come back too: their persisted write intent
         // must make some of those returns incremental (crate docs, "Write intent").
         assert!(restarted.incremental > 0, "no restarted old primary returned incrementally");
+        // Blocks damaged on a primary are read from a replica and rewritten (crate docs, "Read
+        // repair"), and replicas serve those reads.
+        assert!(
+            stats.reads_repaired > 0 && stats.blocks_repaired > 0,
+            "no read repaired: {stats:?}"
+        );
+        assert!(stats.peer_reads_served > 0, "no replica served a repair: {stats:?}");
     }
 }
 

@@ -396,6 +396,12 @@ pub struct ClusterNode {
 }
 
 impl ClusterNode {
+    /// Its `--data-dir`.
+    pub fn data_dir(&self) -> std::path::PathBuf {
+        let at = self.args.iter().position(|arg| arg == "--data-dir").expect("a --data-dir");
+        std::path::PathBuf::from(&self.args[at + 1])
+    }
+
     pub fn nvme_address(&self) -> String {
         format!("{}:{}", self.ip, self.nvme_port)
     }

@@ -12,7 +12,7 @@
 pub mod cluster;
 pub mod failover;
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -621,4 +621,62 @@ impl Drop for Mount {
             let _ = Command::new("umount").arg(&target).status();
         }
     }
+}
+
+/// Bytes of a drive file read at once while searching it.
+const SEARCH_CHUNK_BYTES: usize = 4 << 20;
+
+/// Every 4 KiB-aligned place in the drive files holding exactly `block`: `(file, offset)`.
+pub fn find_block(drives_dir: &Path, block: &[u8]) -> Vec<(PathBuf, u64)> {
+    let mut found = Vec::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(drives_dir)
+        .expect("list the drive files")
+        .map(|entry| entry.expect("a drive file").path())
+        .collect();
+    files.sort();
+    let mut chunk = vec![0u8; SEARCH_CHUNK_BYTES];
+    for path in files {
+        let mut file = std::fs::File::open(&path).expect("open a drive file");
+        let mut offset = 0u64;
+        loop {
+            let read = read_full(&mut file, &mut chunk);
+            for (index, candidate) in chunk[..read].chunks_exact(BLOCK_BYTES).enumerate() {
+                if candidate == block {
+                    found.push((path.clone(), offset + (index * BLOCK_BYTES) as u64));
+                }
+            }
+            if read < chunk.len() {
+                break;
+            }
+            offset += read as u64;
+        }
+    }
+    found
+}
+
+fn read_full(file: &mut std::fs::File, buffer: &mut [u8]) -> usize {
+    let mut filled = 0;
+    while filled < buffer.len() {
+        match file.read(&mut buffer[filled..]).expect("read a drive file") {
+            0 => break,
+            read => filled += read,
+        }
+    }
+    filled
+}
+
+/// Flips 64 bytes in the middle of the block at `offset` of `path`, durably.
+pub fn damage(path: &Path, offset: u64) {
+    let mut file =
+        std::fs::OpenOptions::new().read(true).write(true).open(path).expect("open a drive file");
+    let at = offset + (BLOCK_BYTES / 2) as u64;
+    let mut bytes = [0u8; 64];
+    file.seek(SeekFrom::Start(at)).expect("seek");
+    file.read_exact(&mut bytes).expect("read the block");
+    for byte in &mut bytes {
+        *byte ^= 0xFF;
+    }
+    file.seek(SeekFrom::Start(at)).expect("seek");
+    file.write_all(&bytes).expect("damage the block");
+    file.sync_all().expect("sync the drive file");
 }

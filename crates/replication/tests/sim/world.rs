@@ -33,7 +33,7 @@ use super::checker::{encode, Checker, VALUE_BYTES};
 
 const NODE_TICK_MS: u64 = 10;
 /// Kinds of fault `World::inject_fault` knows.
-const FAULT_KINDS: u16 = 12;
+const FAULT_KINDS: u16 = 13;
 const FAULT_KINDS_ALL: u16 = (1 << FAULT_KINDS) - 1;
 const HOST_TICK_MS: u64 = 5;
 const MANAGER_TICK_MS: u64 = 20;
@@ -152,6 +152,9 @@ struct SimNode {
     volume: VolumeNode,
     lease: LeaseKeeper,
     disk_fault_until_ms: u64,
+    /// Blocks whose data fails its checksum here (a crash keeps them): a read of any answers
+    /// `Damaged` until a write replaces it.
+    damaged: BTreeSet<u64>,
     /// Host commands in flight here: id -> (host op, attempt, connection).
     host_commands: BTreeMap<HostOpId, (u64, u32, u64)>,
 }
@@ -305,6 +308,10 @@ pub fn add_stats(total: &mut Stats, more: &Stats) {
     total.reconciled_full += more.reconciled_full;
     total.step_downs += more.step_downs;
     total.intent_persists += more.intent_persists;
+    total.reads_repaired += more.reads_repaired;
+    total.blocks_repaired += more.blocks_repaired;
+    total.reads_unrecovered += more.reads_unrecovered;
+    total.peer_reads_served += more.peer_reads_served;
 }
 
 pub struct World {
@@ -326,6 +333,8 @@ pub struct World {
     next_partition: u64,
     faults_on: bool,
     faults: u64,
+    /// Blocks damaged on some node at some time (`damage_block`).
+    ever_damaged: BTreeSet<u64>,
     /// Counters of node processes that have ended.
     stats: Stats,
     /// A step-down of the store's primary waiting for a promotion: (its epoch, when).
@@ -367,6 +376,7 @@ impl World {
                 volume: VolumeNode::new(config.clone(), NodeId(index as u32), 1, 0, None),
                 lease: LeaseKeeper::new(NodeId(index as u32), 1, config),
                 disk_fault_until_ms: 0,
+                damaged: BTreeSet::new(),
                 host_commands: BTreeMap::new(),
             })
             .collect();
@@ -388,6 +398,7 @@ impl World {
             next_partition: 1,
             faults_on: true,
             faults: 0,
+            ever_damaged: BTreeSet::new(),
             stats: Stats::default(),
             moving: None,
             move_ms: Vec::new(),
@@ -525,6 +536,10 @@ impl World {
         self.settings.spike_probability = 0.0;
         for node in 0..self.nodes.len() {
             self.nodes[node].disk_fault_until_ms = 0;
+            // Damaged blocks go too, as if restored from a backup: a block damaged on the only
+            // in-sync copy stops every resync that must copy it (the primary latches, as on a
+            // failed drive), so the cluster could never settle.
+            self.nodes[node].damaged.clear();
             if !self.nodes[node].up {
                 self.schedule(1, SimEvent::Restart(node));
             }
@@ -933,6 +948,7 @@ impl World {
                     // A failed write may have reached the disk in part.
                     if !faulty || self.rng.random_bool(0.5) {
                         sim.disk[lba as usize + index] = block;
+                        sim.damaged.remove(&(lba + index as u64));
                     }
                 }
                 if faulty {
@@ -944,6 +960,8 @@ impl World {
             DiskOp::Read { lba, count } => {
                 if faulty {
                     StorageResult::Failed
+                } else if sim.damaged.range(lba..lba + u64::from(count)).next().is_some() {
+                    StorageResult::Damaged
                 } else {
                     let range = lba as usize..lba as usize + count as usize;
                     StorageResult::Read(sim.disk[range].to_vec())
@@ -1123,6 +1141,7 @@ impl World {
                 self.log(|| format!("n{target} (primary): disk faults until {until_ms}"));
             }
             10 => self.step_down(target),
+            12 => self.damage_block(target, random_node),
             _ => {
                 // A replica is killed, then the primary before it could be removed from the
                 // in-sync set: the new primary probes the restarted replica, whose divergence
@@ -1133,6 +1152,20 @@ impl World {
                 self.schedule(delay_ms, SimEvent::Crash(target));
             }
         }
+    }
+
+    /// The data of one block on one node fails its checksum from now on (the primary half the
+    /// time): never a block already damaged on another node, so the members together always
+    /// hold a good copy of every block, though perhaps not an in-sync one.
+    fn damage_block(&mut self, primary: usize, random_node: usize) {
+        let node = if self.rng.random_bool(0.5) { primary } else { random_node };
+        let lba = self.rng.random_range(0..self.settings.config.volume_blocks);
+        if self.nodes.iter().any(|sim| sim.damaged.contains(&lba)) {
+            return;
+        }
+        self.nodes[node].damaged.insert(lba);
+        self.ever_damaged.insert(lba);
+        self.log(|| format!("n{node}: block {lba} damaged"));
     }
 
     /// A planned move of the primary (`target` is the node the store names, or any node when
@@ -1313,6 +1346,13 @@ impl World {
                         self.checker.violations.push(format!("{command:?} answered with {reply:?}"))
                     }
                 }
+            }
+            Err(HostError::Damaged { lba, count })
+                if self.ever_damaged.range(lba..lba + u64::from(count)).next().is_some() =>
+            {
+                // No in-sync replica had a good copy when the primary looked (a damaged block
+                // whose good copies sat on members out of sync): an answer, not a retry.
+                self.host.remove(&op);
             }
             Err(HostError::NotPrimary | HostError::Busy) => {
                 if attempt as usize + 1 == command.attempt_sent_ms.len() {

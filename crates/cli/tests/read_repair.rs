@@ -1,0 +1,123 @@
+//! Read repair across replicas on a real two-node cluster (`common::cluster`, each node on two
+//! drive files without parity, so a damaged block has no second copy on its own node):
+//!
+//! - The test writes known blocks, finds one of them in the primary's drive files (written raw:
+//!   compression off) and flips bytes in it while the nodes run. A host's read of it through
+//!   the primary returns the right data: the primary read the replica's copy, answered the
+//!   host with it and rewrote its own. `ferrite volume show` and the metrics count it, nothing
+//!   failed over, and the next read needs no repair.
+//! - Then another block is damaged on both nodes: its read fails with the NVMe Unrecovered Read
+//!   Error status, the blocks beside it still read, and the volume still takes writes (before
+//!   read repair, any damaged block stopped a cluster node's volume until a restart).
+
+mod common;
+
+use std::time::Duration;
+
+use common::cluster::{Cluster, ClusterOptions};
+use common::{
+    damage, ferrite_ok, find_block, metric, pattern, pattern_mismatch, runtime, volume_nqn,
+    BLOCK_BYTES,
+};
+use initiator::AlignedBuf;
+
+const VOLUME: &str = "repaired";
+const BLOCKS: usize = 64;
+const TAG: u64 = 0x4EAD_4E9A;
+/// Damaged on the primary only, then on both nodes.
+const PRIMARY_ONLY_LBA: u64 = 10;
+const EVERYWHERE_LBA: u64 = 40;
+const IO_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Where `lba`'s block (as written with `TAG`) is in `node`'s drive files; damages every copy.
+fn damage_block(cluster: &Cluster, node: usize, lba: u64) {
+    let mut expected = AlignedBuf::new(BLOCK_BYTES);
+    expected.copy_from_slice(&pattern(lba, 1, TAG));
+    let drives = cluster.node(node).data_dir().join("drives");
+    let places = find_block(&drives, &expected);
+    assert!(!places.is_empty(), "block {lba} is in {}'s drive files", cluster.node(node).name);
+    for (path, offset) in places {
+        damage(&path, offset);
+    }
+    assert!(find_block(&drives, &expected).is_empty(), "the damage took");
+}
+
+async fn connect(cluster: &Cluster, node: usize) -> initiator::MultipathNamespace {
+    let paths = vec![cluster.node(node).nvme_address()];
+    let options = initiator::ConnectOptions::default();
+    let mut device =
+        initiator::MultipathNamespace::connect(&paths, &volume_nqn(VOLUME), options, 1)
+            .await
+            .unwrap_or_else(|error| panic!("cannot connect to {VOLUME} on {paths:?}: {error}"));
+    device.set_io_timeout(IO_TIMEOUT);
+    device
+}
+
+#[test]
+fn a_block_damaged_on_the_primary_is_read_from_the_replica_and_rewritten() {
+    let options = ClusterOptions {
+        up_args: vec!["--erasure-coding".to_owned(), "none".to_owned()],
+        ..ClusterOptions::nodes(2)
+    };
+    let cluster = Cluster::start(&options);
+    let api = cluster.api_url();
+    let create = ["volume", "create", VOLUME, "--size", "64M", "--replicas", "2"];
+    ferrite_ok(&api, &[&create[..], &["--compression", "off"]].concat());
+    let state = cluster.wait_serving(VOLUME, 2, &[]);
+    let primary = cluster.index(state.primary.as_deref().expect("a primary"));
+    let replica = 1 - primary;
+    let rt = runtime();
+    rt.block_on(async {
+        let mut device = connect(&cluster, primary).await;
+        device.write(0, &pattern(0, BLOCKS, TAG)).await.expect("write the blocks");
+    });
+
+    damage_block(&cluster, primary, PRIMARY_ONLY_LBA);
+    rt.block_on(async {
+        let mut device = connect(&cluster, primary).await;
+        let all = device.read(0, BLOCKS * BLOCK_BYTES).await.expect("read through the primary");
+        assert_eq!(pattern_mismatch(&all, 0, TAG), None, "the replica's copy reached the host");
+    });
+    let local =
+        cluster.wait_local(primary, VOLUME, "a read repaired", |local| local.reads_repaired >= 1);
+    assert_eq!(local.reads_unrecovered, 0, "{local:?}");
+    assert!(local.blocks_repaired >= 1, "{local:?}");
+    assert!(local.serving && !local.failed, "still the serving primary: {local:?}");
+    let replica_view = cluster
+        .wait_local(replica, VOLUME, "a peer read served", |local| local.peer_reads_served >= 1);
+    assert!(!replica_view.serving, "{replica_view:?}");
+    let after = cluster.replication(VOLUME).expect("replication state");
+    assert_eq!(after.epoch, state.epoch, "no failover: {after:?}");
+    let metrics = cluster.node(primary).client().metrics().expect("metrics");
+    assert!(metric(&metrics, "ferrite_replication_reads_repaired_total") >= 1, "{metrics}");
+    let shown = ferrite_ok(cluster.node(primary).api_url(), &["volume", "show", VOLUME]);
+    assert!(shown.contains("read repair:"), "{shown}");
+    // The primary's copy is whole again: reading it needs the replica no more.
+    let repaired = local.reads_repaired;
+    rt.block_on(async {
+        let mut device = connect(&cluster, primary).await;
+        let block = device.read(PRIMARY_ONLY_LBA, BLOCK_BYTES).await.expect("read again");
+        assert_eq!(pattern_mismatch(&block, PRIMARY_ONLY_LBA, TAG), None);
+    });
+    let local = cluster.replication_at(primary, VOLUME).and_then(|state| state.local);
+    assert_eq!(local.map(|local| local.reads_repaired), Some(repaired), "no second repair");
+
+    // No good copy anywhere: only that block's read fails, with the media error status.
+    damage_block(&cluster, primary, EVERYWHERE_LBA);
+    damage_block(&cluster, replica, EVERYWHERE_LBA);
+    rt.block_on(async {
+        let mut device = connect(&cluster, primary).await;
+        let error = device.read(EVERYWHERE_LBA, BLOCK_BYTES).await.expect_err("no good copy");
+        let status = error.status().unwrap_or_else(|| panic!("not a status: {error}"));
+        assert!(status.same_code(nvmf::command::Status::UNRECOVERED_READ_ERROR), "{error}");
+        let next = device.read(EVERYWHERE_LBA + 1, BLOCK_BYTES).await.expect("its neighbour");
+        assert_eq!(pattern_mismatch(&next, EVERYWHERE_LBA + 1, TAG), None);
+        let fresh = pattern(EVERYWHERE_LBA, 1, TAG + 1);
+        device.write(EVERYWHERE_LBA, &fresh).await.expect("the volume takes writes");
+        let back = device.read(EVERYWHERE_LBA, BLOCK_BYTES).await.expect("read the new data");
+        assert_eq!(pattern_mismatch(&back, EVERYWHERE_LBA, TAG + 1), None);
+    });
+    let local = cluster
+        .wait_local(primary, VOLUME, "an unrecovered read", |local| local.reads_unrecovered >= 1);
+    assert!(local.serving && !local.failed, "{local:?}");
+}
