@@ -247,6 +247,16 @@ pub struct LocalReplica {
     /// Reads this node served, as a replica, to a primary whose copy was damaged.
     #[serde(default)]
     pub peer_reads_served: u64,
+    /// Blocks the scrub found damaged here.
+    #[serde(default)]
+    pub damaged_found: u64,
+    /// Blocks known damaged here that a write then replaced (a repair from a replica, a copy
+    /// from the primary, or a host write).
+    #[serde(default)]
+    pub damaged_rewritten: u64,
+    /// Blocks this primary sent to replicas whose copies were damaged.
+    #[serde(default)]
+    pub blocks_sent_for_repair: u64,
 }
 
 /// `GET /v1/cluster`: the cluster's nodes as the answering node sees them.

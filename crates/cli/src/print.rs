@@ -401,15 +401,27 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
                 local.blocks_resynced,
                 local.blocks_pushed,
             );
-            if local.reads_repaired + local.reads_unrecovered + local.peer_reads_served > 0 {
+            let repair = [
+                local.reads_repaired,
+                local.reads_unrecovered,
+                local.peer_reads_served,
+                local.damaged_found,
+                local.blocks_sent_for_repair,
+            ];
+            if repair.iter().any(|count| *count > 0) {
                 println!(
                     "{:<13}{} reads of damaged blocks served from a replica ({} blocks rewritten \
-                     here), {} failed with no good copy in sync, {} served to the primary",
+                     here), {} failed with no good copy in sync, {} served to the primary; \
+                     scrub found {} damaged blocks here, {} since rewritten; {} blocks sent to \
+                     replicas with damaged copies",
                     "read repair:",
                     local.reads_repaired,
                     local.blocks_repaired,
                     local.reads_unrecovered,
                     local.peer_reads_served,
+                    local.damaged_found,
+                    local.damaged_rewritten,
+                    local.blocks_sent_for_repair,
                 );
             }
         }

@@ -9,6 +9,12 @@
 //! - Then another block is damaged on both nodes: its read fails with the NVMe Unrecovered Read
 //!   Error status, the blocks beside it still read, and the volume still takes writes (before
 //!   read repair, any damaged block stopped a cluster node's volume until a restart).
+//! - A block damaged on the replica (killed, damaged, restarted) is found by the replica's
+//!   scrub, which has the primary send its copy: once the primary is killed in turn, the
+//!   replica serves the block intact without needing any other copy. The scrub reads sealed
+//!   segments only, so the test writes 16 MiB more after the blocks, and it waits out the write
+//!   intent's linger first (10 s), so that the replica's return copies nothing and only the
+//!   repair can replace the block.
 
 mod common;
 
@@ -28,6 +34,11 @@ const TAG: u64 = 0x4EAD_4E9A;
 const PRIMARY_ONLY_LBA: u64 = 10;
 const EVERYWHERE_LBA: u64 = 40;
 const IO_TIMEOUT: Duration = Duration::from_secs(20);
+/// Written after the blocks so that their segment is sealed (the scrub reads only those).
+const FILLER_LBAS: std::ops::Range<u64> = 1024..5120;
+const FILLER_CHUNK_BLOCKS: u64 = 256;
+/// A region of the write intent leaves 10 s after its last write (`replication` crate docs).
+const INTENT_LINGER: Duration = Duration::from_secs(15);
 
 /// Where `lba`'s block (as written with `TAG`) is in `node`'s drive files; damages every copy.
 fn damage_block(cluster: &Cluster, node: usize, lba: u64) {
@@ -120,4 +131,57 @@ fn a_block_damaged_on_the_primary_is_read_from_the_replica_and_rewritten() {
     let local = cluster
         .wait_local(primary, VOLUME, "an unrecovered read", |local| local.reads_unrecovered >= 1);
     assert!(local.serving && !local.failed, "{local:?}");
+}
+
+#[test]
+fn a_block_the_scrub_finds_damaged_on_a_replica_is_replaced_from_the_primary() {
+    let options = ClusterOptions {
+        up_args: vec!["--erasure-coding".to_owned(), "none".to_owned()],
+        ..ClusterOptions::nodes(2)
+    };
+    let mut cluster = Cluster::start(&options);
+    let api = cluster.api_url();
+    let create = ["volume", "create", VOLUME, "--size", "64M", "--replicas", "2"];
+    ferrite_ok(&api, &[&create[..], &["--compression", "off"]].concat());
+    let state = cluster.wait_serving(VOLUME, 2, &[]);
+    let primary_name = state.primary.clone().expect("a primary");
+    let primary = cluster.index(&primary_name);
+    let replica = 1 - primary;
+    let rt = runtime();
+    rt.block_on(async {
+        let mut device = connect(&cluster, primary).await;
+        device.write(0, &pattern(0, BLOCKS, TAG)).await.expect("write the blocks");
+        for lba in FILLER_LBAS.step_by(FILLER_CHUNK_BLOCKS as usize) {
+            let filler = pattern(lba, FILLER_CHUNK_BLOCKS as usize, TAG + 2);
+            device.write(lba, &filler).await.expect("write the filler");
+        }
+    });
+    std::thread::sleep(INTENT_LINGER);
+
+    // The replica's copy is damaged while it is down; its scrub's first pass after the start
+    // finds it, and once the replica is back in sync the primary sends it its copy.
+    cluster.kill9(replica);
+    damage_block(&cluster, replica, PRIMARY_ONLY_LBA);
+    cluster.restart(replica);
+    cluster.wait_serving(VOLUME, 2, &[]);
+    let local = cluster.wait_local(replica, VOLUME, "the damaged block replaced", |local| {
+        local.damaged_found >= 1 && local.damaged_rewritten >= 1
+    });
+    assert!(!local.serving && !local.failed, "{local:?}");
+    let sent = cluster.wait_local(primary, VOLUME, "a block sent for repair", |local| {
+        local.blocks_sent_for_repair >= 1
+    });
+    assert_eq!(sent.reads_repaired, 0, "no host read was needed: {sent:?}");
+
+    // The replica alone now: it holds the block whole.
+    cluster.kill9(primary);
+    cluster.wait_serving(VOLUME, 1, &[&primary_name]);
+    rt.block_on(async {
+        let mut device = connect(&cluster, replica).await;
+        let all = device.read(0, BLOCKS * BLOCK_BYTES).await.expect("read through the replica");
+        assert_eq!(pattern_mismatch(&all, 0, TAG), None);
+    });
+    let local = cluster.replication_at(replica, VOLUME).and_then(|state| state.local);
+    let local = local.expect("the replica's view");
+    assert_eq!((local.reads_repaired, local.reads_unrecovered), (0, 0), "{local:?}");
 }

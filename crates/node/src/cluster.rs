@@ -514,6 +514,9 @@ impl Cluster {
             blocks_repaired: local.stats.blocks_repaired,
             reads_unrecovered: local.stats.reads_unrecovered,
             peer_reads_served: local.stats.peer_reads_served,
+            damaged_found: local.stats.damaged_noted,
+            damaged_rewritten: local.stats.damaged_rewritten,
+            blocks_sent_for_repair: local.stats.blocks_sent_for_repair,
         });
         Some(api::ReplicationInfo {
             epoch: state.epoch,

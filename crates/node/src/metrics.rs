@@ -40,6 +40,10 @@
 //!   across replicas, for the volumes this process holds: host reads whose blocks failed
 //!   their checksum here and were served from an in-sync replica, the blocks rewritten here
 //!   from those copies, and reads that found no good copy in sync;
+//!   `ferrite_replication_damaged_blocks_found_total`,
+//!   `ferrite_replication_damaged_blocks_rewritten_total` (counters, cluster nodes): blocks the
+//!   scrub found damaged here (each then repaired from another copy), and of them those a
+//!   write has replaced since;
 //!   `ferrite_volume_replication_epoch{volume_id}` and `ferrite_volume_serving{volume_id}`
 //!   (gauges): each replicated volume's epoch as this node
 //!   knows it, and 1 while this node serves it
@@ -251,6 +255,9 @@ pub struct ReplicationGauges {
     pub reads_repaired: u64,
     pub blocks_repaired: u64,
     pub reads_unrecovered: u64,
+    /// Blocks the scrub found damaged here, and of them those a write has since replaced.
+    pub damaged_found: u64,
+    pub damaged_rewritten: u64,
 }
 
 struct Entry {
@@ -555,6 +562,18 @@ impl Registry {
                     replication.blocks_repaired,
                 ),
                 (
+                    "ferrite_replication_damaged_blocks_found_total",
+                    "Blocks of replicated volumes the scrub found damaged on this node, each \
+                     then repaired from another copy.",
+                    replication.damaged_found,
+                ),
+                (
+                    "ferrite_replication_damaged_blocks_rewritten_total",
+                    "Blocks known damaged on this node that a write has since replaced (a copy \
+                     from a replica or the primary, or a host write).",
+                    replication.damaged_rewritten,
+                ),
+                (
                     "ferrite_replication_reads_unrecovered_total",
                     "Host reads failed because blocks were damaged here and no in-sync replica \
                      had another copy.",
@@ -832,6 +851,8 @@ mod tests {
                 reads_repaired: 3,
                 blocks_repaired: 5,
                 reads_unrecovered: 1,
+                damaged_found: 4,
+                damaged_rewritten: 2,
             }),
             volume_space: [(
                 1,
@@ -902,6 +923,8 @@ mod tests {
         assert_eq!(value(&text, "ferrite_replication_reads_repaired_total"), 3);
         assert_eq!(value(&text, "ferrite_replication_blocks_repaired_total"), 5);
         assert_eq!(value(&text, "ferrite_replication_reads_unrecovered_total"), 1);
+        assert_eq!(value(&text, "ferrite_replication_damaged_blocks_found_total"), 4);
+        assert_eq!(value(&text, "ferrite_replication_damaged_blocks_rewritten_total"), 2);
         assert!(text.contains("ferrite_volume_serving{volume_id=\"1\"} 1\n"), "{text}");
         assert!(text.contains("ferrite_volume_replication_epoch{volume_id=\"1\"} 4\n"));
         assert_eq!(value(&text, "ferrite_volume_mapped_bytes{volume=\"a\",volume_id=\"1\"}"), 8192);

@@ -82,6 +82,11 @@ const LINK_CONNECT_TIMEOUT_MS: u64 = 1_000;
 const TICK_MS: u64 = 5;
 /// How often a node with a lease tries to become (or confirms it is) the cluster manager.
 const CAMPAIGN_INTERVAL_MS: u64 = 1_000;
+/// How often the service looks at the scrub's findings for damaged blocks of its volumes.
+const DAMAGE_SCAN_INTERVAL_MS: u64 = 1_000;
+/// Scrub findings remembered as handed over; the engine keeps at most
+/// `engine::log::SCRUB_FINDINGS_MAX` at a time, so this only bounds a long-running node.
+const DAMAGE_SEEN_MAX: usize = 4096;
 /// How often the published status ([`ReplicationStatus`]) is refreshed.
 const STATUS_INTERVAL_MS: u64 = 200;
 /// Inbound replication connections served at once.
@@ -729,6 +734,8 @@ pub(crate) fn spawn(
         stop: stop.clone(),
         writes_queued: Vec::new(),
         now_cached: None,
+        damage_scan_ms: None,
+        damage_seen: BTreeSet::new(),
     };
     let mut service = service;
     for (handle, size_blocks) in volumes {
@@ -825,6 +832,10 @@ struct Service {
     /// The clock as read when the input being handled arrived, so that handling one input
     /// reads it once (the state machine takes one `now` per event anyway).
     now_cached: Option<u64>,
+    /// When the scrub's findings were last looked at, and the block findings already handed
+    /// to the volumes' state machines: (volume, block, scrub pass).
+    damage_scan_ms: Option<u64>,
+    damage_seen: BTreeSet<(u64, u64, u64)>,
 }
 
 impl Service {
@@ -1115,6 +1126,10 @@ impl Service {
                 request: call.request,
             });
         }
+        if self.damage_scan_ms.is_none_or(|last| last + DAMAGE_SCAN_INTERVAL_MS <= now) {
+            self.damage_scan_ms = Some(now);
+            self.note_scrub_damage();
+        }
         let volumes: Vec<u64> = self.volumes.keys().copied().collect();
         for volume in &volumes {
             self.event(*volume, Event::Tick);
@@ -1140,6 +1155,35 @@ impl Service {
                     });
                 }
             }
+        }
+    }
+
+    /// Hands the blocks the scrub found damaged in a replicated volume to its state machine,
+    /// which has them repaired from another copy (`replication` crate docs, "Read repair"):
+    /// read from a replica and rewritten on a primary, sent by the primary to a replica. Each
+    /// finding once per scrub pass. A volume's blocks are found under its own label (a
+    /// replicated volume has no snapshots: a cluster refuses them).
+    fn note_scrub_damage(&mut self) {
+        for finding in self.store.engine().scrub_findings() {
+            let engine::log::ScrubDamage::Block { label, block } = finding.damage else {
+                continue;
+            };
+            // A volume not served here yet (the scrub's first pass ran at start) is looked at
+            // again at the next scan.
+            let Some(replica) = self.volumes.get_mut(&label) else { continue };
+            if !finding.repaired && self.damage_seen.insert((label, block, finding.pass)) {
+                tracing::warn!(
+                    volume = label,
+                    block,
+                    "scrub found a damaged block of a replicated volume: repairing it from \
+                     another copy"
+                );
+                replica.node.note_damaged(block);
+            }
+        }
+        // Findings are at most `SCRUB_FINDINGS_MAX` at a time; older ones are forgotten.
+        if self.damage_seen.len() > DAMAGE_SEEN_MAX {
+            self.damage_seen.clear();
         }
     }
 

@@ -245,6 +245,20 @@
 //! (`CopyRead` has no second source when this node is the only one in sync). Reads run by the
 //! wiring outside the state machine (`serving_until`) hand a failed read to it to get this.
 //!
+//! Damage no host read met: the wiring reports blocks its scrub found damaged
+//! ([`VolumeNode::note_damaged`]); the node remembers them (at most `DAMAGED_BLOCKS_MAX`) until
+//! a write of any kind replaces them, and every `hello_interval_ms` acts on a few
+//! (`DAMAGED_PER_ROUND_MAX`). A primary repairs them as it would for a host read, without a
+//! host to answer (a block with a write pending waits: the write replaces it). A replica sends
+//! `Message::Damaged` to the primary streaming to it, which reads its own copy and sends it on
+//! that stream as a `Copy` entry covering only completed writes, so the replica applies it in
+//! order with the host writes; the primary sends nothing while a host write to the blocks is
+//! pending or in flight, or if one starts before its read is back (that write's own entry
+//! replaces them), at most `PEER_REPAIRS_MAX` reads at once and only while the stream has few
+//! entries unacknowledged (host writes keep their window). Lost messages cost a round: the
+//! replica asks again until the block is rewritten. A primary whose own copy turns out damaged
+//! too notes it and repairs it from another replica.
+//!
 //! # Planned moves
 //!
 //! A node that stops cleanly (SIGTERM, a rolling restart), or that an operator moves a volume
@@ -404,6 +418,14 @@ pub const STREAM_WINDOW_MAX: usize = INFLIGHT_WRITES_MAX + 2 * COPY_WINDOW_MAX;
 pub const RETRANSMITS_PER_TICK_MAX: usize = 16;
 /// LBAs examined per tick when a copy has to skip blocks with a local write in flight.
 pub const COPY_SCAN_MAX: usize = 64;
+/// Blocks a node remembers as damaged here (found by its scrub) until a write replaces them;
+/// more are dropped (the next scrub pass finds them again).
+pub const DAMAGED_BLOCKS_MAX: usize = 4096;
+/// Damaged blocks a node acts on per `hello_interval_ms`: a primary starts that many repairs at
+/// most, a replica reports that many to its primary.
+pub const DAMAGED_PER_ROUND_MAX: usize = 16;
+/// Reads a primary runs at once for replicas whose copies are damaged.
+pub const PEER_REPAIRS_MAX: usize = 64;
 /// LBA ranges a persisted write intent holds at most (each region of `intent_regions_max` is at
 /// most one): bounds the intent file and the divergence of a restart.
 pub const INTENT_RANGES_MAX: usize = 1 << 16;

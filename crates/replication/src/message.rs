@@ -132,6 +132,10 @@ pub enum Message {
     /// this replica cannot give them (it is not that process, holds no stream of this term
     /// from the primary, or its own copy is damaged or failed).
     ReadReply { epoch: u64, request: u64, blocks: Option<Vec<BlockData>> },
+    /// Replica to primary: my copy of `count` blocks at `lba` (1 to `BLOCKS_PER_OP_MAX`) is
+    /// damaged (the scrub found it); send me yours (crate docs, "Read repair"). `incarnation`
+    /// is the sender's process. Sent again until a write replaces the blocks.
+    Damaged { epoch: u64, incarnation: u64, lba: u64, count: u32 },
 }
 
 /// A message as it travels between two nodes. One connection carries the messages of many
@@ -160,7 +164,8 @@ impl Message {
             | Message::Resync { epoch, .. }
             | Message::Failed { epoch, .. }
             | Message::Read { epoch, .. }
-            | Message::ReadReply { epoch, .. } => epoch,
+            | Message::ReadReply { epoch, .. }
+            | Message::Damaged { epoch, .. } => epoch,
         }
     }
 }

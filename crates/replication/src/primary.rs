@@ -36,8 +36,9 @@ use crate::store::StoreRequest;
 use crate::volume::{Action, HostError, HostOp, HostReply, Purpose, Shared, StorageResult};
 use crate::{
     BlockData, HostOpId, LeaseId, NodeId, ResyncProgress, StorageOpId, StreamId, BLOCKS_PER_OP_MAX,
-    COPY_WINDOW_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX, INFLIGHT_READS_MAX, INFLIGHT_WRITES_MAX,
-    RETRANSMITS_PER_TICK_MAX, STREAM_WINDOW_MAX,
+    COPY_WINDOW_MAX, DAMAGED_BLOCKS_MAX, DAMAGED_PER_ROUND_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX,
+    INFLIGHT_READS_MAX, INFLIGHT_WRITES_MAX, PEER_REPAIRS_MAX, RETRANSMITS_PER_TICK_MAX,
+    STREAM_WINDOW_MAX,
 };
 
 /// The op number of a term's reconciliation: every block it pushes is tagged with it, and it
@@ -209,10 +210,11 @@ impl Peer {
     }
 }
 
-/// A host read as the primary's storage read carries it.
+/// A host read as the primary's storage read carries it; without a host, the repair of blocks
+/// the node's scrub found damaged.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct HostRead {
-    pub host: HostOpId,
+    pub host: Option<HostOpId>,
     pub lba: u64,
     pub count: u32,
 }
@@ -230,6 +232,17 @@ struct Repair {
     /// since: the replica's copy may then be older than what this node must hold, so it only
     /// answers the host (a read beside a write may return either) and is not written here.
     overwritten: bool,
+}
+
+/// A read of this node's blocks for a replica whose copy of them is damaged.
+#[derive(Debug)]
+struct PeerRepair {
+    peer: NodeId,
+    stream: StreamId,
+    lbas: Range<u64>,
+    /// A host write to the blocks started meanwhile: its own entry reaches the replica after
+    /// this copy would, so the copy is not sent.
+    cancelled: bool,
 }
 
 /// A copy read that completed: which read, for which peer and stream, of which block.
@@ -261,6 +274,8 @@ pub(crate) struct Term {
     /// `reads_in_flight` until they complete).
     repairs: BTreeMap<u64, Repair>,
     next_repair: u64,
+    /// Reads for replicas whose copies are damaged, by storage request.
+    peer_repairs: BTreeMap<StorageOpId, PeerRepair>,
     peers: BTreeMap<NodeId, Peer>,
     next_stream: u64,
     /// This node's divergence when the term started, for reconciliation.
@@ -296,6 +311,7 @@ impl Term {
             reads_in_flight: 0,
             repairs: BTreeMap::new(),
             next_repair: 1,
+            peer_repairs: BTreeMap::new(),
             peers: BTreeMap::new(),
             next_stream: 1,
             own_divergence: shared.divergence.report(),
@@ -397,9 +413,9 @@ impl Term {
     pub fn end(self, shared: &mut Shared, out: &mut Vec<Action>) {
         shared.stats.terms_ended += 1;
         shared.stats.writes_failed += self.pending.len() as u64;
-        for repair in self.repairs.into_values() {
+        for host in self.repairs.into_values().filter_map(|repair| repair.read.host) {
             out.push(Action::CompleteHost {
-                id: repair.read.host,
+                id: host,
                 epoch: self.epoch,
                 result: Err(HostError::NotPrimary),
             });
@@ -511,6 +527,11 @@ impl Term {
             let read = repair.read.lba..repair.read.lba + u64::from(repair.read.count);
             if read.start < lbas.end && lbas.start < read.end {
                 repair.overwritten = true;
+            }
+        }
+        for repair in self.peer_repairs.values_mut() {
+            if repair.lbas.start < lbas.end && lbas.start < repair.lbas.end {
+                repair.cancelled = true;
             }
         }
         let entry = Entry { kind: EntryKind::Write { op }, lba, blocks: blocks.clone() };
@@ -656,7 +677,9 @@ impl Term {
             _ => Err(HostError::NotPrimary),
         };
         self.reads_in_flight -= 1;
-        out.push(Action::CompleteHost { id: read.host, epoch: self.epoch, result });
+        if let Some(host) = read.host {
+            out.push(Action::CompleteHost { id: host, epoch: self.epoch, result });
+        }
     }
 
     /// Asks the next in-sync replica with a stream for the blocks of repair `request`, or, if
@@ -679,9 +702,12 @@ impl Term {
             let read = repair.read;
             self.repairs.remove(&request);
             self.reads_in_flight -= 1;
-            shared.stats.reads_unrecovered += 1;
-            let result = Err(HostError::Damaged { lba: read.lba, count: read.count });
-            out.push(Action::CompleteHost { id: read.host, epoch: self.epoch, result });
+            // A scrub's repair stays among the damaged blocks and is tried again later.
+            if let Some(host) = read.host {
+                shared.stats.reads_unrecovered += 1;
+                let result = Err(HostError::Damaged { lba: read.lba, count: read.count });
+                out.push(Action::CompleteHost { id: host, epoch: self.epoch, result });
+            }
             return;
         };
         repair.peer = node;
@@ -718,14 +744,18 @@ impl Term {
         self.reads_in_flight -= 1;
         let HostRead { host, lba, .. } = repair.read;
         if !self.serving(shared, now_ms) {
-            out.push(Action::CompleteHost {
-                id: host,
-                epoch: self.epoch,
-                result: Err(HostError::NotPrimary),
-            });
+            if let Some(host) = host {
+                out.push(Action::CompleteHost {
+                    id: host,
+                    epoch: self.epoch,
+                    result: Err(HostError::NotPrimary),
+                });
+            }
             return;
         }
-        shared.stats.reads_repaired += 1;
+        if host.is_some() {
+            shared.stats.reads_repaired += 1;
+        }
         let lbas = lba..lba + u64::from(count);
         let block_bytes = shared.config.block_size_bytes;
         let well_formed = blocks.iter().flatten().all(|block| block.len() == block_bytes);
@@ -741,7 +771,129 @@ impl Term {
         } else {
             Err(HostError::Damaged { lba, count })
         };
-        out.push(Action::CompleteHost { id: host, epoch: self.epoch, result });
+        if let Some(host) = host {
+            out.push(Action::CompleteHost { id: host, epoch: self.epoch, result });
+        }
+    }
+
+    /// Starts repairs of blocks the node's scrub found damaged here, a few per round, each
+    /// read from an in-sync replica and rewritten as a host read's would be (a block with a
+    /// host write pending or a repair under way waits: the write replaces it anyway).
+    pub fn repair_damaged(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        if !self.serving(shared, now_ms) {
+            return;
+        }
+        let pending: Vec<Range<u64>> = self.pending_lbas().collect();
+        let repairing: Vec<Range<u64>> = self
+            .repairs
+            .values()
+            .map(|repair| repair.read.lba..repair.read.lba + u64::from(repair.read.count))
+            .collect();
+        let overlaps =
+            |lba: u64, ranges: &[Range<u64>]| ranges.iter().any(|range| range.contains(&lba));
+        let due: Vec<u64> = shared
+            .damaged
+            .iter()
+            .copied()
+            .filter(|&lba| !overlaps(lba, &pending) && !overlaps(lba, &repairing))
+            .filter(|&lba| !shared.write_in_flight(lba..lba + 1))
+            .take(DAMAGED_PER_ROUND_MAX)
+            .collect();
+        for lba in due {
+            if self.reads_in_flight >= INFLIGHT_READS_MAX {
+                return;
+            }
+            self.reads_in_flight += 1;
+            let request = self.next_repair;
+            self.next_repair += 1;
+            let repair = Repair {
+                read: HostRead { host: None, lba, count: 1 },
+                peer: shared.me,
+                tried: Vec::new(),
+                asked_ms: now_ms,
+                last_sent_ms: now_ms,
+                overwritten: false,
+            };
+            self.repairs.insert(request, repair);
+            self.ask_next_peer(shared, now_ms, request, out);
+        }
+    }
+
+    /// An in-sync replica reports its copy of blocks damaged: this node reads its own and
+    /// sends them on the replica's stream as a copy entry, unless a host write to them is
+    /// pending (its entry replaces them there) or starts before the read is back.
+    fn on_peer_damaged(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        from: NodeId,
+        incarnation: u64,
+        lbas: Range<u64>,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(peer) = self.peers.get(&from) else { return };
+        let Some(stream) = peer.stream.as_ref() else { return };
+        let count = lbas.end.saturating_sub(lbas.start);
+        let valid = (1..=u64::from(BLOCKS_PER_OP_MAX)).contains(&count)
+            && lbas.end <= shared.config.volume_blocks;
+        if !matches!(peer.state, PeerState::InSync)
+            || stream.incarnation != incarnation
+            || !valid
+            || !self.serving(shared, now_ms)
+            || self.peer_repairs.len() >= PEER_REPAIRS_MAX
+            || self.peer_repairs.values().any(|repair| repair.peer == from && repair.lbas == lbas)
+            || shared.write_in_flight(lbas.clone())
+            || self.pending_lbas().any(|write| write.start < lbas.end && lbas.start < write.end)
+        {
+            return;
+        }
+        let stream = stream.id;
+        let purpose = Purpose::PeerRepairRead { epoch: self.epoch, count: count as u32 };
+        let id = shared.storage_read(lbas.start, count as u32, purpose, out);
+        self.peer_repairs.insert(id, PeerRepair { peer: from, stream, lbas, cancelled: false });
+    }
+
+    /// This node's copy for a replica's damaged blocks is read: sent on that replica's stream
+    /// if it is still the same in-sync stream and no host write came first. Damaged here too,
+    /// the blocks join this node's own damaged ones, which it repairs from another replica.
+    pub fn on_peer_repair_read(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        id: StorageOpId,
+        result: StorageResult,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(repair) = self.peer_repairs.remove(&id) else { return };
+        let blocks = match result {
+            StorageResult::Read(blocks) => blocks,
+            StorageResult::Damaged => {
+                for lba in repair.lbas {
+                    if shared.damaged.len() < DAMAGED_BLOCKS_MAX && shared.damaged.insert(lba) {
+                        shared.stats.damaged_noted += 1;
+                    }
+                }
+                return;
+            }
+            _ => return,
+        };
+        let Some(peer) = self.peers.get_mut(&repair.peer) else { return };
+        if repair.cancelled || !matches!(peer.state, PeerState::InSync) {
+            return;
+        }
+        // A copy entry takes a stream slot that host writes may need: only a few at a time.
+        let Some(stream) = peer
+            .stream
+            .as_mut()
+            .filter(|stream| stream.id == repair.stream && stream.unacked.len() < COPY_WINDOW_MAX)
+        else {
+            return;
+        };
+        shared.stats.blocks_sent_for_repair += repair.lbas.end - repair.lbas.start;
+        // Only completed writes are in it: none to these blocks was pending.
+        let entry =
+            Entry { kind: EntryKind::Copy { covers_op: 0 }, lba: repair.lbas.start, blocks };
+        send_entry(shared, self.epoch, repair.peer, stream, self.committed_op, entry, now_ms, out);
     }
 
     /// Completes every pending write that is durable here and on every peer it must wait for.
@@ -844,6 +996,10 @@ impl Term {
             Message::Failed { .. } => self.abort_peer(from),
             Message::ReadReply { request, blocks, .. } => {
                 self.on_read_reply(shared, now_ms, from, request, blocks, out)
+            }
+            Message::Damaged { incarnation, lba, count, .. } => {
+                let lbas = lba..lba.saturating_add(u64::from(count));
+                self.on_peer_damaged(shared, now_ms, from, incarnation, lbas, out)
             }
             _ => {}
         }

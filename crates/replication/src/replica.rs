@@ -13,7 +13,10 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::message::{Entry, Message};
 use crate::volume::{Action, Purpose, Shared};
-use crate::{NodeId, StreamId, BLOCKS_PER_OP_MAX, INFLIGHT_READS_MAX, STREAM_WINDOW_MAX};
+use crate::{
+    NodeId, StreamId, BLOCKS_PER_OP_MAX, DAMAGED_PER_ROUND_MAX, INFLIGHT_READS_MAX,
+    STREAM_WINDOW_MAX,
+};
 
 /// A primary's `Read`: blocks it found damaged in its own copy.
 #[derive(Debug, Clone, Copy)]
@@ -291,6 +294,21 @@ impl Replica {
         shared.peer_reads_in_flight += 1;
         let purpose = Purpose::PeerRead { epoch, to: from, request, count };
         shared.storage_read(lba, count, purpose, out);
+    }
+
+    /// Asks the primary streaming to this process for its copies of blocks damaged here, a
+    /// few at a time; each is asked again until a write replaces it (the primary's copy comes
+    /// as a stream entry, so it is applied in order with the host writes).
+    pub fn report_damaged(&mut self, shared: &mut Shared, out: &mut Vec<Action>) {
+        let Some(stream) = self.stream.as_ref().filter(|stream| stream.epoch == shared.epoch)
+        else {
+            return;
+        };
+        let (epoch, incarnation, primary) = (shared.epoch, shared.incarnation, stream.primary);
+        let lbas: Vec<u64> = shared.damaged.iter().copied().take(DAMAGED_PER_ROUND_MAX).collect();
+        for lba in lbas {
+            shared.send(primary, Message::Damaged { epoch, incarnation, lba, count: 1 }, out);
+        }
     }
 
     /// The divergence list is final for older epochs once this node adopted `epoch` (no more

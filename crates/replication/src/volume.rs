@@ -7,7 +7,7 @@
 //! intent that keeps it across a restart) and the transitions between roles; `replica` and
 //! `primary` hold the roles themselves.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 use crate::divergence::Divergence;
@@ -19,7 +19,7 @@ use crate::replica::{PeerReadRequest, Replica};
 use crate::store::{StoreReply, StoreRequest, Versioned, VolumeState};
 use crate::{
     Block, BlockData, Config, HostOpId, LeaseId, NodeId, ResyncProgress, StorageOpId,
-    StoreRequestId, StreamId,
+    StoreRequestId, StreamId, DAMAGED_BLOCKS_MAX,
 };
 
 /// A command from a host, submitted to the node it believes is the primary.
@@ -224,6 +224,13 @@ pub struct Stats {
     pub reads_unrecovered: u64,
     /// Reads this node served, as a replica, to a primary whose copy was damaged.
     pub peer_reads_served: u64,
+    /// Blocks the node's scrub reported damaged here (`VolumeNode::note_damaged`).
+    pub damaged_noted: u64,
+    /// Blocks known damaged here that a write then replaced: a repair from a replica, a copy
+    /// from the primary, or a host write.
+    pub damaged_rewritten: u64,
+    /// Blocks this primary sent to replicas that reported their copies damaged.
+    pub blocks_sent_for_repair: u64,
 }
 
 /// Why a local storage request was made; its completion goes back to whoever made it.
@@ -256,6 +263,11 @@ pub(crate) enum Purpose {
     /// A primary rewriting blocks it found damaged with a replica's copy.
     Repair {
         epoch: u64,
+    },
+    /// A primary reading blocks to send to a replica whose copy of them is damaged.
+    PeerRepairRead {
+        epoch: u64,
+        count: u32,
     },
     /// A primary reading a block to copy it to `peer` on `stream`.
     CopyRead {
@@ -301,6 +313,11 @@ pub(crate) struct Shared {
     pub latched: bool,
     /// Reads this node runs for a primary whose copy was damaged (`Purpose::PeerRead`).
     pub peer_reads_in_flight: usize,
+    /// Blocks known damaged here (found by the scrub, or by a read for a peer), until a write
+    /// replaces them; at most `DAMAGED_BLOCKS_MAX`.
+    pub damaged: BTreeSet<u64>,
+    /// When the damaged blocks are acted on next (see `DAMAGED_PER_ROUND_MAX`).
+    pub damaged_next_ms: u64,
     /// Set by `VolumeNode::step_down` and cleared when the epoch moves past the one it gave up:
     /// meanwhile this node starts no term and resigns whenever the store names it primary.
     stepping_down: bool,
@@ -471,6 +488,8 @@ impl VolumeNode {
             next_storage_op: 1,
             writes_in_flight: BTreeMap::new(),
             peer_reads_in_flight: 0,
+            damaged: BTreeSet::new(),
+            damaged_next_ms: 0,
             storage_ops: BTreeMap::new(),
             latched: false,
             stepping_down: false,
@@ -571,6 +590,22 @@ impl VolumeNode {
         }
     }
 
+    /// Storage found block `lba`'s data damaged here outside the reads this machine asked for
+    /// (the node's scrub). It is remembered until a write replaces it: a serving primary reads
+    /// it from an in-sync replica and rewrites it, a replica asks its primary to send its copy
+    /// (crate docs, "Read repair"), each at the next tick and again every
+    /// `hello_interval_ms` until then.
+    pub fn note_damaged(&mut self, lba: u64) {
+        let shared = &mut self.shared;
+        if lba >= shared.config.volume_blocks || shared.damaged.len() >= DAMAGED_BLOCKS_MAX {
+            return;
+        }
+        if shared.damaged.insert(lba) {
+            shared.stats.damaged_noted += 1;
+            shared.damaged_next_ms = 0;
+        }
+    }
+
     /// What this process has done so far (for metrics and tests).
     pub fn stats(&self) -> &Stats {
         &self.shared.stats
@@ -650,6 +685,14 @@ impl VolumeNode {
         match &mut self.role {
             Role::Replica(replica) => replica.tick(&mut self.shared, now_ms, out),
             Role::Primary(term) => term.tick(&mut self.shared, now_ms, out),
+        }
+        let shared = &mut self.shared;
+        if !shared.damaged.is_empty() && shared.damaged_next_ms <= now_ms && !shared.latched {
+            shared.damaged_next_ms = now_ms + shared.config.hello_interval_ms;
+            match &mut self.role {
+                Role::Replica(replica) => replica.report_damaged(shared, out),
+                Role::Primary(term) => term.repair_damaged(shared, now_ms, out),
+            }
         }
         self.shrink_intent(now_ms, out);
         self.resign_if_needed(now_ms, out);
@@ -763,6 +806,7 @@ impl VolumeNode {
         let result = match (&in_flight.purpose, result) {
             (Purpose::HostRead { count, .. }, StorageResult::Read(blocks))
             | (Purpose::PeerRead { count, .. }, StorageResult::Read(blocks))
+            | (Purpose::PeerRepairRead { count, .. }, StorageResult::Read(blocks))
                 if blocks.len() != *count as usize =>
             {
                 StorageResult::Failed
@@ -770,9 +814,12 @@ impl VolumeNode {
             // Damaged data is an answer to a host read or a peer's, which can go elsewhere or
             // say so; anything else that meets it (a copy to a peer) cannot, and stops as on an
             // I/O error.
-            (Purpose::HostRead { .. } | Purpose::PeerRead { .. }, StorageResult::Damaged) => {
-                StorageResult::Damaged
-            }
+            (
+                Purpose::HostRead { .. }
+                | Purpose::PeerRead { .. }
+                | Purpose::PeerRepairRead { .. },
+                StorageResult::Damaged,
+            ) => StorageResult::Damaged,
             (_, StorageResult::Damaged) => StorageResult::Failed,
             (Purpose::CopyRead { .. }, StorageResult::Read(blocks)) if blocks.len() != 1 => {
                 StorageResult::Failed
@@ -781,6 +828,13 @@ impl VolumeNode {
         };
         if result == StorageResult::Failed {
             self.latch(now_ms, out);
+        }
+        if let (Some(lbas), StorageResult::Written) = (&in_flight.write, &result) {
+            let rewritten: Vec<u64> = self.shared.damaged.range(lbas.clone()).copied().collect();
+            for lba in rewritten {
+                self.shared.damaged.remove(&lba);
+                self.shared.stats.damaged_rewritten += 1;
+            }
         }
         match (&mut self.role, in_flight.purpose) {
             (Role::Replica(replica), Purpose::StreamEntry { epoch, stream, seq })
@@ -796,7 +850,7 @@ impl VolumeNode {
             (Role::Primary(term), Purpose::HostRead { epoch, host, lba, count })
                 if epoch == term.epoch =>
             {
-                let read = HostRead { host, lba, count };
+                let read = HostRead { host: Some(host), lba, count };
                 term.on_host_read_done(&mut self.shared, now_ms, read, result, out);
             }
             (_, Purpose::HostRead { host, .. }) => out.push(Action::CompleteHost {
@@ -816,6 +870,9 @@ impl VolumeNode {
                     _ => None,
                 };
                 self.shared.send(to, Message::ReadReply { epoch, request, blocks }, out);
+            }
+            (Role::Primary(term), Purpose::PeerRepairRead { epoch, .. }) if epoch == term.epoch => {
+                term.on_peer_repair_read(&mut self.shared, now_ms, id, result, out);
             }
             (Role::Primary(term), Purpose::CopyRead { epoch, peer, stream, lba })
                 if epoch == term.epoch =>

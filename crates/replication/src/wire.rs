@@ -95,6 +95,8 @@ const HELLO_FIXED_BYTES: usize = 3 * U64_BYTES + 1;
 const HELLO_PAYLOAD_BYTES_MAX: usize = HELLO_FIXED_BYTES - 1 + DIVERGENCE_BYTES_MAX;
 /// Epoch, incarnation, request, LBA, block count.
 const READ_PAYLOAD_BYTES: usize = 4 * U64_BYTES + 4;
+/// Epoch, incarnation, LBA, block count.
+const DAMAGED_PAYLOAD_BYTES: usize = 3 * U64_BYTES + 4;
 /// Epoch, request, blocks tag; then, with blocks, their count and the blocks.
 const READ_REPLY_FIXED_BYTES: usize = 2 * U64_BYTES + 1;
 const READ_REPLY_PAYLOAD_BYTES_MAX: usize = READ_REPLY_FIXED_BYTES
@@ -158,6 +160,7 @@ pub enum MessageType {
     Failed = 9,
     Read = 10,
     ReadReply = 11,
+    Damaged = 12,
 }
 
 impl MessageType {
@@ -174,6 +177,7 @@ impl MessageType {
             9 => Self::Failed,
             10 => Self::Read,
             11 => Self::ReadReply,
+            12 => Self::Damaged,
             _ => return None,
         })
     }
@@ -191,6 +195,7 @@ impl MessageType {
             Message::Failed { .. } => Self::Failed,
             Message::Read { .. } => Self::Read,
             Message::ReadReply { .. } => Self::ReadReply,
+            Message::Damaged { .. } => Self::Damaged,
         }
     }
 
@@ -207,6 +212,7 @@ impl MessageType {
             Self::Resync | Self::Failed => fixed(2),
             Self::Read => READ_PAYLOAD_BYTES..=READ_PAYLOAD_BYTES,
             Self::ReadReply => READ_REPLY_FIXED_BYTES..=READ_REPLY_PAYLOAD_BYTES_MAX,
+            Self::Damaged => DAMAGED_PAYLOAD_BYTES..=DAMAGED_PAYLOAD_BYTES,
         }
     }
 }
@@ -273,7 +279,7 @@ pub fn encode(envelope: &Envelope, out: &mut Vec<u8>) -> Result<usize, EncodeErr
     let Envelope { volume, sender, message } = envelope;
     match message {
         Message::Append { entry, .. } => check_entry(entry)?,
-        Message::Read { lba, count, .. } => {
+        Message::Read { lba, count, .. } | Message::Damaged { lba, count, .. } => {
             let fits = lba.checked_add(u64::from(*count)).is_some();
             if !(1..=BLOCKS_PER_OP_MAX).contains(count) || !fits {
                 return Err(EncodeError::ReadLength { lba: *lba, count: *count });
@@ -454,6 +460,12 @@ fn encode_payload(message: &Message, out: &mut Vec<u8>) {
         }
         Message::Read { epoch, incarnation, request, lba, count } => {
             for value in [*epoch, *incarnation, *request, *lba] {
+                put(value);
+            }
+            out.extend_from_slice(&count.to_le_bytes());
+        }
+        Message::Damaged { epoch, incarnation, lba, count } => {
+            for value in [*epoch, *incarnation, *lba] {
                 put(value);
             }
             out.extend_from_slice(&count.to_le_bytes());
@@ -686,6 +698,19 @@ impl<'a> Fields<'a> {
     fn read(&mut self) -> Result<Message, WireError> {
         let (epoch, incarnation, request, lba) =
             (self.u64()?, self.u64()?, self.u64()?, self.u64()?);
+        let count = self.op_count(lba)?;
+        Ok(Message::Read { epoch, incarnation, request, lba, count })
+    }
+
+    fn damaged(&mut self) -> Result<Message, WireError> {
+        let (epoch, incarnation, lba) = (self.u64()?, self.u64()?, self.u64()?);
+        let count = self.op_count(lba)?;
+        Ok(Message::Damaged { epoch, incarnation, lba, count })
+    }
+
+    /// The block count of a `Read` or `Damaged` at `lba`: 1..=`BLOCKS_PER_OP_MAX`, not past
+    /// the last LBA.
+    fn op_count(&mut self, lba: u64) -> Result<u32, WireError> {
         let count_at = self.position;
         let count = self.u32()?;
         if count == 0 || count > BLOCKS_PER_OP_MAX {
@@ -694,7 +719,7 @@ impl<'a> Fields<'a> {
         if lba.checked_add(u64::from(count)).is_none() {
             return Err(self.invalid_at(count_at, "read runs past the last LBA"));
         }
-        Ok(Message::Read { epoch, incarnation, request, lba, count })
+        Ok(count)
     }
 
     fn read_reply(&mut self) -> Result<Message, WireError> {
@@ -798,6 +823,7 @@ fn decode_payload(
         MessageType::Failed => Message::Failed { epoch: fields.u64()?, incarnation: fields.u64()? },
         MessageType::Read => fields.read()?,
         MessageType::ReadReply => fields.read_reply()?,
+        MessageType::Damaged => fields.damaged()?,
     };
     fields.finish()?;
     Ok(message)
@@ -974,6 +1000,7 @@ mod tests {
             },
             Message::ReadReply { epoch: 4, request: 1, blocks: None },
             Message::ReadReply { epoch: 4, request: 2, blocks: Some(vec![block(8, 5), None]) },
+            Message::Damaged { epoch: 4, incarnation: 7, lba: 3, count: 1 },
         ]
     }
 
@@ -996,7 +1023,7 @@ mod tests {
         let epoch = rng.random_range(0..4u64);
         let incarnation = rng.random();
         let stream = StreamId(rng.random());
-        match rng.random_range(0..11) {
+        match rng.random_range(0..12) {
             0 => {
                 // Some entries are deallocates: long, and every block unmapped.
                 let unmapped = rng.random_bool(0.2);
@@ -1043,6 +1070,11 @@ mod tests {
                 let count = rng.random_range(1..=BLOCKS_PER_OP_MAX);
                 let lba = rng.random_range(0..=u64::MAX - u64::from(count));
                 Message::Read { epoch, incarnation, request: rng.random(), lba, count }
+            }
+            10 => {
+                let count = rng.random_range(1..=BLOCKS_PER_OP_MAX);
+                let lba = rng.random_range(0..=u64::MAX - u64::from(count));
+                Message::Damaged { epoch, incarnation, lba, count }
             }
             _ => {
                 let blocks = rng.random_bool(0.8).then(|| {
@@ -1104,7 +1136,7 @@ mod tests {
         let samples = samples();
         let mut types: Vec<MessageType> = samples.iter().map(MessageType::of).collect();
         types.dedup();
-        assert_eq!(types.len(), 11, "a variant has no sample");
+        assert_eq!(types.len(), 12, "a variant has no sample");
         for message in samples {
             check_round_trip(&envelope(message));
         }
@@ -1179,6 +1211,7 @@ mod tests {
         assert_eq!(MessageType::ProbeReply.payload_bytes(), 17..=262_165);
         assert_eq!(MessageType::Hello.payload_bytes(), 25..=262_173);
         assert_eq!(MessageType::Read.payload_bytes(), 36..=36);
+        assert_eq!(MessageType::Damaged.payload_bytes(), 28..=28);
         assert_eq!(MessageType::ReadReply.payload_bytes(), 17..=262_485);
         let largest_reply = Message::ReadReply {
             epoch: 1,
@@ -1474,8 +1507,8 @@ mod tests {
         );
         check_refused(
             Message::Probe { epoch: 1 },
-            |bytes| bytes[offset::TYPE] = 12,
-            WireError::TypeUnknown { message_type: 12 },
+            |bytes| bytes[offset::TYPE] = 13,
+            WireError::TypeUnknown { message_type: 13 },
         );
         check_refused(
             Message::Probe { epoch: 1 },
@@ -1509,7 +1542,7 @@ mod tests {
     }
 
     #[test]
-    fn decode_names_each_bad_field_of_a_read_and_its_reply() {
+    fn decode_names_each_bad_field_of_a_read_its_reply_and_a_damage_report() {
         let field =
             |message_type, offset, reason| WireError::FieldInvalid { message_type, offset, reason };
         let read = Message::Read { epoch: 1, incarnation: 2, request: 3, lba: 4, count: 1 };
@@ -1526,6 +1559,17 @@ mod tests {
             read.clone(),
             |bytes| bytes[lba_at..lba_at + 8].copy_from_slice(&u64::MAX.to_le_bytes()),
             field(MessageType::Read, count_at, "read runs past the last LBA"),
+        );
+        let damaged = Message::Damaged { epoch: 1, incarnation: 2, lba: 4, count: 1 };
+        let damaged_count_at = HEADER_BYTES + 24;
+        check_refused(
+            damaged.clone(),
+            |bytes| bytes[damaged_count_at..damaged_count_at + 4].copy_from_slice(&[65, 0, 0, 0]),
+            field(
+                MessageType::Damaged,
+                damaged_count_at,
+                "block count outside 1..=BLOCKS_PER_OP_MAX",
+            ),
         );
         let reply = Message::ReadReply { epoch: 1, request: 2, blocks: Some(vec![block(4, 0)]) };
         let tag_at = HEADER_BYTES + 16;

@@ -1262,3 +1262,58 @@ fn a_repair_asks_again_when_its_replica_is_silent_and_the_term_end_fails_it() {
         "{result:?}"
     );
 }
+
+#[test]
+fn a_block_the_scrub_found_damaged_on_a_replica_is_sent_again_by_the_primary() {
+    let mut cluster = Cluster::started(config());
+    cluster.write(0, 3, 7);
+    cluster.nodes[1].damaged.insert(3);
+    cluster.nodes[1].volume.note_damaged(3);
+    cluster.run(100);
+    assert!(cluster.nodes[1].damaged.is_empty(), "the primary's copy replaced it");
+    assert_eq!(cluster.nodes[1].disk[3], Some(block(7)));
+    let replica = cluster.nodes[1].volume.stats().clone();
+    assert_eq!((replica.damaged_noted, replica.damaged_rewritten), (1, 1));
+    assert_eq!(cluster.nodes[0].volume.stats().blocks_sent_for_repair, 1);
+    // Nothing more is asked once it is whole, and writes go on as before.
+    cluster.run(300);
+    assert_eq!(cluster.nodes[0].volume.stats().blocks_sent_for_repair, 1);
+    let write = cluster.write(0, 3, 8);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    assert_eq!(cluster.nodes[1].disk[3], Some(block(8)));
+}
+
+#[test]
+fn a_block_the_scrub_found_damaged_on_the_primary_is_rewritten_from_a_replica() {
+    let mut cluster = Cluster::started(config());
+    cluster.write(0, 3, 7);
+    cluster.nodes[0].damaged.insert(3);
+    cluster.nodes[0].volume.note_damaged(3);
+    cluster.run(100);
+    assert!(cluster.nodes[0].damaged.is_empty());
+    let stats = cluster.nodes[0].volume.stats().clone();
+    assert_eq!((stats.blocks_repaired, stats.damaged_rewritten, stats.reads_repaired), (1, 1, 0));
+    let read = cluster.host(0, read_op(3, 1));
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![Some(block(7))])));
+}
+
+#[test]
+fn a_damaged_block_a_host_write_replaces_needs_no_repair() {
+    let mut cluster = Cluster::started(config());
+    cluster.write(0, 3, 7);
+    for node in 0..2 {
+        cluster.nodes[node].damaged.insert(3);
+        cluster.nodes[node].volume.note_damaged(3);
+    }
+    // The write is handled before the next tick acts on the damaged blocks.
+    let write = cluster.write(0, 3, 9);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    cluster.run(100);
+    for node in 0..2 {
+        let stats = cluster.nodes[node].volume.stats().clone();
+        assert_eq!(stats.damaged_rewritten, 1, "node {node}: {stats:?}");
+        assert_eq!(cluster.nodes[node].disk[3], Some(block(9)));
+    }
+    let sent = cluster.nodes[0].volume.stats();
+    assert_eq!((sent.blocks_sent_for_repair, sent.blocks_repaired), (0, 0));
+}

@@ -133,6 +133,9 @@ fn run_range(part: u64, parts: u64) {
             "no read repaired: {stats:?}"
         );
         assert!(stats.peer_reads_served > 0, "no replica served a repair: {stats:?}");
+        // And blocks the scrub found damaged are replaced, on primaries and on replicas.
+        assert!(stats.damaged_rewritten > 0, "no scrubbed damage replaced: {stats:?}");
+        assert!(stats.blocks_sent_for_repair > 0, "no primary sent a replica a copy: {stats:?}");
     }
 }
 

@@ -312,6 +312,9 @@ pub fn add_stats(total: &mut Stats, more: &Stats) {
     total.blocks_repaired += more.blocks_repaired;
     total.reads_unrecovered += more.reads_unrecovered;
     total.peer_reads_served += more.peer_reads_served;
+    total.damaged_noted += more.damaged_noted;
+    total.damaged_rewritten += more.damaged_rewritten;
+    total.blocks_sent_for_repair += more.blocks_sent_for_repair;
 }
 
 pub struct World {
@@ -1052,6 +1055,10 @@ impl World {
         sim.volume =
             VolumeNode::new(config.clone(), id, sim.incarnation, sim.persisted_epoch, intent);
         sim.lease = LeaseKeeper::new(id, sim.incarnation, &config);
+        // The scrub's first pass after a start finds the damage the disk holds.
+        for &lba in &sim.damaged {
+            sim.volume.note_damaged(lba);
+        }
         let (incarnation, epoch) = (sim.incarnation, sim.persisted_epoch);
         self.log(|| format!("n{node} restarts (incarnation {incarnation}, epoch {epoch})"));
     }
@@ -1165,7 +1172,12 @@ impl World {
         }
         self.nodes[node].damaged.insert(lba);
         self.ever_damaged.insert(lba);
-        self.log(|| format!("n{node}: block {lba} damaged"));
+        // Half the time the node's scrub finds it before any read does.
+        let scrubbed = self.nodes[node].up && self.rng.random_bool(0.5);
+        if scrubbed {
+            self.nodes[node].volume.note_damaged(lba);
+        }
+        self.log(|| format!("n{node}: block {lba} damaged (found by the scrub: {scrubbed})"));
     }
 
     /// A planned move of the primary (`target` is the node the store names, or any node when
