@@ -240,10 +240,14 @@
 //! must hold, and a read beside a write may return either, so it answers the read only. The
 //! rewrite needs no write intent: the data is what every in-sync replica already holds. When
 //! no in-sync replica gives the blocks, the read fails with `HostError::Damaged` (an
-//! unrecovered read error for those blocks only) and the volume goes on serving. A copy to a
-//! returning replica that meets damaged data here still stops the node as an I/O error would
-//! (`CopyRead` has no second source when this node is the only one in sync). Reads run by the
-//! wiring outside the state machine (`serving_until`) hand a failed read to it to get this.
+//! unrecovered read error for those blocks only) and the volume goes on serving. A resync copy
+//! that meets damaged data here puts the block back among those it owes and waits for it,
+//! while the block is repaired as below (from another in-sync replica, or replaced by a host
+//! write); with no good copy in sync that resync waits, and the volume still serves. A
+//! reconciliation cannot wait (its term serves only once it is done, and repairs need a
+//! serving term): its read of a damaged block stops the node as an I/O error would, so
+//! another in-sync member is promoted. Reads run by the wiring outside the state machine
+//! (`serving_until`) hand a failed read to it to get this.
 //!
 //! Damage no host read met: the wiring reports blocks its scrub found damaged
 //! ([`VolumeNode::note_damaged`]); the node remembers them (at most `DAMAGED_BLOCKS_MAX`) until

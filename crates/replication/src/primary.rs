@@ -1256,8 +1256,40 @@ impl Term {
         self.advance_peer(shared, node);
     }
 
+    /// A copy read found this node's block damaged. A resync puts the block back in its dirty
+    /// set, where it waits until this node's copy is rewritten (the block joins its damaged
+    /// ones, repaired from another in-sync replica, or replaced by a host write); with no
+    /// good copy in sync the resync waits, and the volume goes on serving. A reconciliation
+    /// cannot wait (the term serves only once it is done): false, and the node stops as on
+    /// an I/O error, so another in-sync member is promoted.
+    pub fn on_copy_read_damaged(&mut self, shared: &mut Shared, read: CopyRead) -> bool {
+        let CopyRead { id, peer: node, stream: stream_id, lba } = read;
+        let Some(peer) = self.peers.get_mut(&node) else { return true };
+        if peer.stream.as_ref().is_none_or(|stream| stream.id != stream_id) {
+            return true;
+        }
+        let Some(job) = peer.job_mut() else { return true };
+        if job.reconcile {
+            return false;
+        }
+        if job.reads.remove(&id).is_none() {
+            return true;
+        }
+        if job.cancelled.remove(&id) {
+            // A host write overtook it: the peer gets that write live.
+            job.blocks_copied += 1;
+            return true;
+        }
+        job.dirty.insert_range(lba..lba + 1);
+        if shared.damaged.len() < DAMAGED_BLOCKS_MAX && shared.damaged.insert(lba) {
+            shared.stats.damaged_noted += 1;
+        }
+        true
+    }
+
     /// Starts copy reads, at most `copy_blocks_per_tick` per call over all peers. A block
     /// with a local write in flight or not yet issued waits: its read would not show that write.
+    /// So does a block a resync would copy that is known damaged here, until it is rewritten.
     fn pump_copies(&mut self, shared: &mut Shared, out: &mut Vec<Action>) {
         let mut budget = self.copy_budget;
         let mut reads = Vec::new();
@@ -1274,13 +1306,17 @@ impl Term {
                 let Some(stream) = &peer.stream else { continue };
                 let (stream_id, in_window) = (stream.id, stream.unacked.len());
                 let Some(job) = peer.job_mut() else { continue };
+                // A resync waits for a damaged block to be repaired here; a reconciliation
+                // cannot (repairs need a serving term), so its read fails and the node stops.
+                let reconcile = job.reconcile;
+                let blocked = |lba: u64| busy(lba) || (!reconcile && shared.damaged.contains(&lba));
                 let mut started = 0;
                 while budget > 0
                     && job.reads.len() + started < COPY_WINDOW_MAX
                     && in_window + job.reads.len() + started
                         < STREAM_WINDOW_MAX - INFLIGHT_WRITES_MAX
                 {
-                    match job.dirty.take(busy) {
+                    match job.dirty.take(blocked) {
                         Take::Lba(lba) => {
                             reads.push((node, stream_id, lba));
                             started += 1;

@@ -811,13 +811,13 @@ impl VolumeNode {
             {
                 StorageResult::Failed
             }
-            // Damaged data is an answer to a host read or a peer's, which can go elsewhere or
-            // say so; anything else that meets it (a copy to a peer) cannot, and stops as on an
-            // I/O error.
+            // Damaged data is an answer to the reads that can go elsewhere or say so (a copy
+            // read decides below); a write cannot meet it, and stops as on an I/O error.
             (
                 Purpose::HostRead { .. }
                 | Purpose::PeerRead { .. }
-                | Purpose::PeerRepairRead { .. },
+                | Purpose::PeerRepairRead { .. }
+                | Purpose::CopyRead { .. },
                 StorageResult::Damaged,
             ) => StorageResult::Damaged,
             (_, StorageResult::Damaged) => StorageResult::Failed,
@@ -836,6 +836,7 @@ impl VolumeNode {
                 self.shared.stats.damaged_rewritten += 1;
             }
         }
+        let mut latch = false;
         match (&mut self.role, in_flight.purpose) {
             (Role::Replica(replica), Purpose::StreamEntry { epoch, stream, seq })
                 if result == StorageResult::Written =>
@@ -877,12 +878,21 @@ impl VolumeNode {
             (Role::Primary(term), Purpose::CopyRead { epoch, peer, stream, lba })
                 if epoch == term.epoch =>
             {
-                if let StorageResult::Read(blocks) = result {
-                    let read = CopyRead { id, peer, stream, lba };
-                    term.on_copy_read_done(&mut self.shared, now_ms, read, blocks, out);
+                let read = CopyRead { id, peer, stream, lba };
+                match result {
+                    StorageResult::Read(blocks) => {
+                        term.on_copy_read_done(&mut self.shared, now_ms, read, blocks, out);
+                    }
+                    StorageResult::Damaged => {
+                        latch = !term.on_copy_read_damaged(&mut self.shared, read);
+                    }
+                    _ => {}
                 }
             }
             _ => {}
+        }
+        if latch {
+            self.latch(now_ms, out);
         }
         // A completed write may unblock entries or local writes waiting for its blocks.
         match &mut self.role {

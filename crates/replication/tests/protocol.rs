@@ -1317,3 +1317,52 @@ fn a_damaged_block_a_host_write_replaces_needs_no_repair() {
     let sent = cluster.nodes[0].volume.stats();
     assert_eq!((sent.blocks_sent_for_repair, sent.blocks_repaired), (0, 0));
 }
+
+/// Node 2 misses a write to block 5 (cut off until it is removed from the in-sync set), then
+/// node 0's copy of block 5 is damaged and node 2 is let back: its resync must copy block 5.
+fn resync_meets_damage(damaged_on: &[usize]) -> Cluster {
+    let mut cluster = Cluster::started(config());
+    cluster.cut_link(0, 2);
+    cluster.cut_link(1, 2);
+    let write = cluster.write(0, 5, 9);
+    cluster.run(400);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    assert!(!cluster.state().in_sync.contains(&NodeId(2)), "node 2 was removed");
+    for &node in damaged_on {
+        cluster.nodes[node].damaged.insert(5);
+    }
+    cluster.heal();
+    cluster.run(1_000);
+    cluster
+}
+
+#[test]
+fn a_resync_that_meets_a_damaged_block_has_it_repaired_from_another_replica_first() {
+    let mut cluster = resync_meets_damage(&[0]);
+    assert_eq!(cluster.state().in_sync.len(), 3, "node 2 is back in sync: {:?}", cluster.state());
+    assert_eq!(cluster.nodes[2].disk[5], Some(block(9)));
+    assert!(cluster.nodes[0].damaged.is_empty(), "node 0's copy was repaired from node 1");
+    let stats = cluster.nodes[0].volume.stats().clone();
+    assert!(stats.damaged_noted >= 1 && stats.blocks_repaired >= 1, "{stats:?}");
+    assert!(!cluster.nodes[0].volume.latched());
+    let read = cluster.host(0, read_op(5, 1));
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![Some(block(9))])));
+}
+
+#[test]
+fn a_resync_waits_while_no_good_copy_is_in_sync_and_the_volume_still_serves() {
+    let mut cluster = resync_meets_damage(&[0, 1]);
+    assert_eq!(cluster.state().in_sync.len(), 2, "node 2 cannot be copied block 5 yet");
+    assert!(!cluster.nodes[0].volume.latched(), "the primary serves on");
+    let read = cluster.host(0, read_op(5, 1));
+    assert_eq!(cluster.result(read), Err(HostError::Damaged { lba: 5, count: 1 }));
+    let other = cluster.write(0, 6, 3);
+    assert_eq!(cluster.result(other), Ok(HostReply::Written));
+    // A host write replaces the block: the resync goes on and ends.
+    let write = cluster.write(0, 5, 10);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    cluster.run(1_000);
+    assert_eq!(cluster.state().in_sync.len(), 3, "{:?}", cluster.state());
+    assert_eq!(cluster.nodes[2].disk[5], Some(block(10)));
+    assert_eq!(cluster.nodes[2].disk[6], Some(block(3)));
+}

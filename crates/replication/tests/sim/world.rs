@@ -539,10 +539,13 @@ impl World {
         self.settings.spike_probability = 0.0;
         for node in 0..self.nodes.len() {
             self.nodes[node].disk_fault_until_ms = 0;
-            // Damaged blocks go too, as if restored from a backup: a block damaged on the only
-            // in-sync copy stops every resync that must copy it (the primary latches, as on a
-            // failed drive), so the cluster could never settle.
-            self.nodes[node].damaged.clear();
+            // Damaged blocks go too, as if restored from a backup, and their node restarts (it
+            // remembers them as damaged otherwise): a block damaged on the only in-sync copy
+            // holds up every resync that must copy it, so the cluster could never settle.
+            if !self.nodes[node].damaged.is_empty() {
+                self.nodes[node].damaged.clear();
+                self.crash(node);
+            }
             if !self.nodes[node].up {
                 self.schedule(1, SimEvent::Restart(node));
             }
