@@ -233,7 +233,8 @@
 //! when the replica answers without blocks or leaves the in-sync set). The replica reads them
 //! from its storage only if it is the process the primary streams to in this epoch, so it
 //! applied every write the primary completed before asking; its own damaged copy is answered
-//! with no blocks, never repaired from the primary. The host gets the replica's blocks. The
+//! with no blocks and joins its damaged blocks (below), which the primary sends it once its own
+//! copy is whole. The host gets the replica's blocks. The
 //! primary also writes them over its own copy, ordered like any write (no write of those
 //! blocks in flight; later ones wait for it), unless a host write to one of them was pending
 //! when it asked or started since: the replica's copy may then be older than what the primary

@@ -292,7 +292,7 @@ impl Replica {
             return;
         }
         shared.peer_reads_in_flight += 1;
-        let purpose = Purpose::PeerRead { epoch, to: from, request, count };
+        let purpose = Purpose::PeerRead { epoch, to: from, request, lba, count };
         shared.storage_read(lba, count, purpose, out);
     }
 

@@ -258,6 +258,7 @@ pub(crate) enum Purpose {
         epoch: u64,
         to: NodeId,
         request: u64,
+        lba: u64,
         count: u32,
     },
     /// A primary rewriting blocks it found damaged with a replica's copy.
@@ -859,7 +860,7 @@ impl VolumeNode {
                 epoch: self.shared.epoch,
                 result: Err(HostError::NotPrimary),
             }),
-            (_, Purpose::PeerRead { epoch, to, request, .. }) => {
+            (_, Purpose::PeerRead { epoch, to, request, lba, count }) => {
                 // Answered whatever this node became meanwhile: the primary checks the epoch.
                 assert!(self.shared.peer_reads_in_flight > 0);
                 self.shared.peer_reads_in_flight -= 1;
@@ -867,6 +868,14 @@ impl VolumeNode {
                     StorageResult::Read(blocks) => {
                         self.shared.stats.peer_reads_served += 1;
                         Some(blocks)
+                    }
+                    StorageResult::Damaged => {
+                        // Damaged here too: repaired like blocks the scrub finds (the primary,
+                        // once its own copy is whole again, sends them).
+                        for lba in lba..lba + u64::from(count) {
+                            self.note_damaged(lba);
+                        }
+                        None
                     }
                     _ => None,
                 };

@@ -1194,8 +1194,13 @@ fn a_replica_with_a_damaged_copy_too_sends_the_primary_to_the_next_one() {
     let read = cluster.host(0, read_op(5, 1));
     assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![Some(block(9))])));
     assert_eq!(cluster.nodes[2].volume.stats().peer_reads_served, 1);
-    assert!(cluster.nodes[1].damaged.contains(&5), "a replica does not repair itself");
     assert!(!cluster.nodes[1].volume.latched());
+    // Node 1 learnt that its copy is damaged: the primary, whole again, sends it its copy.
+    assert_eq!(cluster.nodes[1].volume.stats().damaged_noted, 1);
+    cluster.run(200);
+    assert!(cluster.nodes[1].damaged.is_empty());
+    assert_eq!(cluster.nodes[1].disk[5], Some(block(9)));
+    assert_eq!(cluster.nodes[0].volume.stats().blocks_sent_for_repair, 1);
 }
 
 #[test]
