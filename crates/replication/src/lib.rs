@@ -239,7 +239,9 @@
 //! blocks in flight; later ones wait for it), unless a host write to one of them was pending
 //! when it asked or started since: the replica's copy may then be older than what the primary
 //! must hold, and a read beside a write may return either, so it answers the read only. The
-//! rewrite needs no write intent: the data is what every in-sync replica already holds. When
+//! rewrite goes inside the durable write intent like any write of a primary (if its regions
+//! are not there yet, the blocks are repaired again once they are), though its data is what
+//! every in-sync replica already holds. When
 //! no in-sync replica gives the blocks, the read fails with `HostError::Damaged` (an
 //! unrecovered read error for those blocks only) and the volume goes on serving. A resync copy
 //! that meets damaged data here puts the block back among those it owes and waits for it,

@@ -760,11 +760,21 @@ impl Term {
         let block_bytes = shared.config.block_size_bytes;
         let well_formed = blocks.iter().flatten().all(|block| block.len() == block_bytes);
         // A write to these blocks pending now came after the ask (it sets `overwritten`) or
-        // before it (so did it): either way the copy is not written here.
-        if well_formed && !repair.overwritten && !shared.write_in_flight(lbas) {
-            shared.stats.blocks_repaired += u64::from(count);
-            let purpose = Purpose::Repair { epoch: self.epoch };
-            shared.storage_write(lba, blocks.clone(), purpose, out);
+        // before it (so did it): either way the copy is not written here. Like every write of
+        // a primary it goes only inside the durable write intent; if its regions are not there
+        // yet, the blocks join the damaged ones and are repaired again once they are.
+        if well_formed && !repair.overwritten && !shared.write_in_flight(lbas.clone()) {
+            if shared.intend(lbas.clone(), now_ms, out) {
+                shared.stats.blocks_repaired += u64::from(count);
+                let purpose = Purpose::Repair { epoch: self.epoch };
+                shared.storage_write(lba, blocks.clone(), purpose, out);
+            } else {
+                for lba in lbas {
+                    if shared.damaged.len() < DAMAGED_BLOCKS_MAX && shared.damaged.insert(lba) {
+                        shared.stats.damaged_noted += 1;
+                    }
+                }
+            }
         }
         let result = if well_formed {
             Ok(HostReply::Read(blocks))
