@@ -646,7 +646,8 @@ pub struct ScrubFindingInfo {
     pub location: u32,
     /// The scrub pass that found it, from 1.
     pub pass: u64,
-    /// Whether it was repaired: rebuilt from parity and rewritten (erasure-coded nodes only).
+    /// Whether it was repaired: rebuilt from parity and rewritten (erasure-coded nodes), or, for
+    /// a block of a replicated volume, replaced from another replica's copy.
     pub repaired: bool,
 }
 

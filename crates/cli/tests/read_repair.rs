@@ -36,6 +36,8 @@ const EVERYWHERE_LBA: u64 = 40;
 const IO_TIMEOUT: Duration = Duration::from_secs(20);
 /// Time for a rewrite the counters show as started to complete before the block is read again.
 const REWRITE_SETTLE: Duration = Duration::from_millis(500);
+/// The service looks at the scrub's findings every second.
+const FINDING_TIMEOUT: Duration = Duration::from_secs(10);
 /// Written after the blocks so that their segment is sealed (the scrub reads only those).
 const FILLER_LBAS: std::ops::Range<u64> = 1024..5120;
 const FILLER_CHUNK_BLOCKS: u64 = 256;
@@ -176,6 +178,21 @@ fn a_block_the_scrub_finds_damaged_on_a_replica_is_replaced_from_the_primary() {
     let sent = cluster.wait_local(primary, VOLUME, "a block sent for repair", |local| {
         local.blocks_sent_for_repair >= 1
     });
+    // The replica's `node show` lists the scrub's finding as repaired now.
+    let deadline = std::time::Instant::now() + FINDING_TIMEOUT;
+    loop {
+        let shown = ferrite_ok(cluster.node(replica).api_url(), &["node", "show", "--json"]);
+        let node: serde_json::Value = serde_json::from_str(&shown).expect("node show JSON");
+        let findings = node["scrub"]["findings"].as_array().cloned().unwrap_or_default();
+        let finding = findings.iter().find(|finding| {
+            finding["kind"] == "block" && finding["block"].as_u64() == Some(PRIMARY_ONLY_LBA)
+        });
+        if finding.is_some_and(|finding| finding["repaired"] == true) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "finding not repaired: {findings:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
     assert_eq!(sent.reads_repaired, 0, "no host read was needed: {sent:?}");
 
     // The replica alone now: it holds the block whole.

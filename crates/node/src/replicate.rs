@@ -1171,14 +1171,24 @@ impl Service {
             // A volume not served here yet (the scrub's first pass ran at start) is looked at
             // again at the next scan.
             let Some(replica) = self.volumes.get_mut(&label) else { continue };
-            if !finding.repaired && self.damage_seen.insert((label, block, finding.pass)) {
-                tracing::warn!(
-                    volume = label,
-                    block,
-                    "scrub found a damaged block of a replicated volume: repairing it from \
-                     another copy"
-                );
-                replica.node.note_damaged(block);
+            if finding.repaired {
+                continue;
+            }
+            let key = (label, block, finding.pass);
+            if !self.damage_seen.contains(&key) {
+                if replica.node.note_damaged(block) {
+                    self.damage_seen.insert(key);
+                    tracing::warn!(
+                        volume = label,
+                        block,
+                        "scrub found a damaged block of a replicated volume: repairing it from \
+                         another copy"
+                    );
+                }
+            } else if !replica.node.is_damaged(block)
+                && self.store.engine().mark_scrub_block_repaired(label, block)
+            {
+                tracing::info!(volume = label, block, "damaged block replaced from another copy");
             }
         }
         // Findings are at most `SCRUB_FINDINGS_MAX` at a time; older ones are forgotten.

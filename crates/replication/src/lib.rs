@@ -302,6 +302,10 @@
 //!   in flight; after a crash each write in flight may or may not have reached the disk. A write
 //!   holds at most `BLOCKS_PER_OP_MAX` blocks, or `DEALLOCATE_BLOCKS_PER_OP_MAX` when every
 //!   block is unmapped (a deallocate).
+//! - Storage tells damaged data (a checksum that fails on a working drive:
+//!   `StorageResult::Damaged`) from a failed drive (`StorageResult::Failed`), and reports the
+//!   blocks its own scrub finds damaged (`VolumeNode::note_damaged`), so that they are read or
+//!   copied from another replica instead of stopping the node ("Read repair").
 //! - Messages travel between nodes in a [`wire`] frame that names the volume and the sender
 //!   ([`Envelope`]); the wiring hands the message to that volume's `VolumeNode` with the sender.
 //! - `PersistEpoch` durable with the node's state; `incarnation` different at every start.

@@ -596,15 +596,25 @@ impl VolumeNode {
     /// it from an in-sync replica and rewrites it, a replica asks its primary to send its copy
     /// (crate docs, "Read repair"), each at the next tick and again every
     /// `hello_interval_ms` until then.
-    pub fn note_damaged(&mut self, lba: u64) {
+    /// Returns whether the block is remembered (false past `DAMAGED_BLOCKS_MAX`, or outside
+    /// the volume).
+    pub fn note_damaged(&mut self, lba: u64) -> bool {
         let shared = &mut self.shared;
+        if shared.damaged.contains(&lba) {
+            return true;
+        }
         if lba >= shared.config.volume_blocks || shared.damaged.len() >= DAMAGED_BLOCKS_MAX {
-            return;
+            return false;
         }
-        if shared.damaged.insert(lba) {
-            shared.stats.damaged_noted += 1;
-            shared.damaged_next_ms = 0;
-        }
+        shared.damaged.insert(lba);
+        shared.stats.damaged_noted += 1;
+        shared.damaged_next_ms = 0;
+        true
+    }
+
+    /// Whether block `lba` is known damaged here and not yet replaced by a write.
+    pub fn is_damaged(&self, lba: u64) -> bool {
+        self.shared.damaged.contains(&lba)
     }
 
     /// What this process has done so far (for metrics and tests).
@@ -873,7 +883,7 @@ impl VolumeNode {
                         // Damaged here too: repaired like blocks the scrub finds (the primary,
                         // once its own copy is whole again, sends them).
                         for lba in lba..lba + u64::from(count) {
-                            self.note_damaged(lba);
+                            let _ = self.note_damaged(lba);
                         }
                         None
                     }

@@ -1277,9 +1277,12 @@ fn a_block_the_scrub_found_damaged_on_a_replica_is_sent_again_by_the_primary() {
     let mut cluster = Cluster::started(config());
     cluster.write(0, 3, 7);
     cluster.nodes[1].damaged.insert(3);
-    cluster.nodes[1].volume.note_damaged(3);
+    assert!(cluster.nodes[1].volume.note_damaged(3));
+    assert!(cluster.nodes[1].volume.is_damaged(3));
     cluster.run(100);
     assert!(cluster.nodes[1].damaged.is_empty(), "the primary's copy replaced it");
+    assert!(!cluster.nodes[1].volume.is_damaged(3));
+    assert!(!cluster.nodes[1].volume.note_damaged(1 << 20), "outside the volume");
     assert_eq!(cluster.nodes[1].disk[3], Some(block(7)));
     let replica = cluster.nodes[1].volume.stats().clone();
     assert_eq!((replica.damaged_noted, replica.damaged_rewritten), (1, 1));
@@ -1297,7 +1300,7 @@ fn a_block_the_scrub_found_damaged_on_the_primary_is_rewritten_from_a_replica() 
     let mut cluster = Cluster::started(config());
     cluster.write(0, 3, 7);
     cluster.nodes[0].damaged.insert(3);
-    cluster.nodes[0].volume.note_damaged(3);
+    assert!(cluster.nodes[0].volume.note_damaged(3));
     cluster.run(100);
     assert!(cluster.nodes[0].damaged.is_empty());
     let stats = cluster.nodes[0].volume.stats().clone();
@@ -1312,7 +1315,7 @@ fn a_damaged_block_a_host_write_replaces_needs_no_repair() {
     cluster.write(0, 3, 7);
     for node in 0..2 {
         cluster.nodes[node].damaged.insert(3);
-        cluster.nodes[node].volume.note_damaged(3);
+        assert!(cluster.nodes[node].volume.note_damaged(3));
     }
     // The write is handled before the next tick acts on the damaged blocks.
     let write = cluster.write(0, 3, 9);

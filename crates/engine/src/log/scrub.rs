@@ -183,7 +183,8 @@ pub struct ScrubFinding {
     /// The pass that found it, counting from 1 (the cursor's completed passes plus one). Damage
     /// found again in a later pass is kept once, with the later pass.
     pub pass: u64,
-    /// Whether it was repaired (rebuilt from parity and rewritten; coded logs only).
+    /// Whether it was repaired: rebuilt from parity and rewritten (coded logs), or replaced
+    /// from another replica's copy ([`LogEngine::mark_scrub_block_repaired`], cluster nodes).
     pub repaired: bool,
 }
 
@@ -224,6 +225,21 @@ impl LogEngine {
     pub fn scrub_findings(&self) -> Vec<ScrubFinding> {
         let findings = self.counters.scrub_findings.lock().unwrap_or_else(|e| e.into_inner());
         findings.iter().copied().collect()
+    }
+
+    /// Marks the findings of block `block` of the layer `label` repaired: the block was
+    /// replaced from another copy outside the engine (a replica's, on a cluster node). Returns
+    /// whether any finding changed.
+    pub fn mark_scrub_block_repaired(&self, label: u64, block: u64) -> bool {
+        let mut findings = self.counters.scrub_findings.lock().unwrap_or_else(|e| e.into_inner());
+        let mut changed = false;
+        for finding in findings.iter_mut() {
+            if finding.damage == (ScrubDamage::Block { label, block }) && !finding.repaired {
+                finding.repaired = true;
+                changed = true;
+            }
+        }
+        changed
     }
 
     /// Counts a finding and keeps it, in place of an earlier finding of the same damage.
