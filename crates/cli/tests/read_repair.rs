@@ -68,17 +68,23 @@ async fn connect(cluster: &Cluster, node: usize) -> initiator::MultipathNamespac
     device
 }
 
-#[test]
-fn a_block_damaged_on_the_primary_is_read_from_the_replica_and_rewritten() {
+/// Two nodes without parity and the test volume on both, uncompressed, served with both in
+/// sync; returns the cluster and that state.
+fn start_cluster() -> (Cluster, api::ReplicationInfo) {
     let options = ClusterOptions {
         up_args: vec!["--erasure-coding".to_owned(), "none".to_owned()],
         ..ClusterOptions::nodes(2)
     };
     let cluster = Cluster::start(&options);
-    let api = cluster.api_url();
     let create = ["volume", "create", VOLUME, "--size", "64M", "--replicas", "2"];
-    ferrite_ok(&api, &[&create[..], &["--compression", "off"]].concat());
+    ferrite_ok(&cluster.api_url(), &[&create[..], &["--compression", "off"]].concat());
     let state = cluster.wait_serving(VOLUME, 2, &[]);
+    (cluster, state)
+}
+
+#[test]
+fn a_block_damaged_on_the_primary_is_read_from_the_replica_and_rewritten() {
+    let (cluster, state) = start_cluster();
     let primary = cluster.index(state.primary.as_deref().expect("a primary"));
     let replica = 1 - primary;
     let rt = runtime();
@@ -142,15 +148,7 @@ fn a_block_damaged_on_the_primary_is_read_from_the_replica_and_rewritten() {
 
 #[test]
 fn a_block_the_scrub_finds_damaged_on_a_replica_is_replaced_from_the_primary() {
-    let options = ClusterOptions {
-        up_args: vec!["--erasure-coding".to_owned(), "none".to_owned()],
-        ..ClusterOptions::nodes(2)
-    };
-    let mut cluster = Cluster::start(&options);
-    let api = cluster.api_url();
-    let create = ["volume", "create", VOLUME, "--size", "64M", "--replicas", "2"];
-    ferrite_ok(&api, &[&create[..], &["--compression", "off"]].concat());
-    let state = cluster.wait_serving(VOLUME, 2, &[]);
+    let (mut cluster, state) = start_cluster();
     let primary_name = state.primary.clone().expect("a primary");
     let primary = cluster.index(&primary_name);
     let replica = 1 - primary;

@@ -36,9 +36,8 @@ use crate::store::StoreRequest;
 use crate::volume::{Action, HostError, HostOp, HostReply, Purpose, Shared, StorageResult};
 use crate::{
     BlockData, HostOpId, LeaseId, NodeId, ResyncProgress, StorageOpId, StreamId, BLOCKS_PER_OP_MAX,
-    COPY_WINDOW_MAX, DAMAGED_BLOCKS_MAX, DAMAGED_PER_ROUND_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX,
-    INFLIGHT_READS_MAX, INFLIGHT_WRITES_MAX, PEER_REPAIRS_MAX, RETRANSMITS_PER_TICK_MAX,
-    STREAM_WINDOW_MAX,
+    COPY_WINDOW_MAX, DAMAGED_PER_ROUND_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX, INFLIGHT_READS_MAX,
+    INFLIGHT_WRITES_MAX, PEER_REPAIRS_MAX, RETRANSMITS_PER_TICK_MAX, STREAM_WINDOW_MAX,
 };
 
 /// The op number of a term's reconciliation: every block it pushes is tagged with it, and it
@@ -217,6 +216,17 @@ pub(crate) struct HostRead {
     pub host: Option<HostOpId>,
     pub lba: u64,
     pub count: u32,
+}
+
+impl HostRead {
+    fn lbas(&self) -> Range<u64> {
+        self.lba..self.lba + u64::from(self.count)
+    }
+}
+
+/// Whether two LBA ranges share a block.
+fn overlap(a: &Range<u64>, b: &Range<u64>) -> bool {
+    a.start < b.end && b.start < a.end
 }
 
 /// A host read whose blocks were damaged here, being read from a replica instead.
@@ -524,13 +534,12 @@ impl Term {
         self.next_op += 1;
         let lbas = lba..lba + blocks.len() as u64;
         for repair in self.repairs.values_mut() {
-            let read = repair.read.lba..repair.read.lba + u64::from(repair.read.count);
-            if read.start < lbas.end && lbas.start < read.end {
+            if overlap(&repair.read.lbas(), &lbas) {
                 repair.overwritten = true;
             }
         }
         for repair in self.peer_repairs.values_mut() {
-            if repair.lbas.start < lbas.end && lbas.start < repair.lbas.end {
+            if overlap(&repair.lbas, &lbas) {
                 repair.cancelled = true;
             }
         }
@@ -602,9 +611,7 @@ impl Term {
                 unreachable!("a deferred write is pending until it completes");
             };
             assert_eq!(write.local, Local::Deferred);
-            let overlaps_waiting = waiting
-                .iter()
-                .any(|other| other.start < write.lbas.end && write.lbas.start < other.end);
+            let overlaps_waiting = waiting.iter().any(|other| overlap(other, &write.lbas));
             if overlaps_waiting
                 || shared.write_in_flight(write.lbas.clone())
                 || !shared.intend(write.lbas.clone(), now_ms, out)
@@ -655,23 +662,10 @@ impl Term {
                 Ok(HostReply::Read(blocks))
             }
             StorageResult::Damaged if self.serving(shared, now_ms) => {
-                let request = self.next_repair;
-                self.next_repair += 1;
-                let read_lbas = read.lba..read.lba + u64::from(read.count);
-                let overwritten = shared.write_in_flight(read_lbas.clone())
-                    || self
-                        .pending_lbas()
-                        .any(|lbas| lbas.start < read_lbas.end && read_lbas.start < lbas.end);
-                let repair = Repair {
-                    read,
-                    peer: shared.me,
-                    tried: Vec::new(),
-                    asked_ms: now_ms,
-                    last_sent_ms: now_ms,
-                    overwritten,
-                };
-                self.repairs.insert(request, repair);
-                self.ask_next_peer(shared, now_ms, request, out);
+                let lbas = read.lbas();
+                let overwritten = shared.write_in_flight(lbas.clone())
+                    || self.pending_lbas().any(|write| overlap(&write, &lbas));
+                self.start_repair(shared, now_ms, read, overwritten, out);
                 return;
             }
             _ => Err(HostError::NotPrimary),
@@ -770,9 +764,7 @@ impl Term {
                 shared.storage_write(lba, blocks.clone(), purpose, out);
             } else {
                 for lba in lbas {
-                    if shared.damaged.len() < DAMAGED_BLOCKS_MAX && shared.damaged.insert(lba) {
-                        shared.stats.damaged_noted += 1;
-                    }
+                    let _ = shared.note_damaged(lba);
                 }
             }
         }
@@ -794,11 +786,8 @@ impl Term {
             return;
         }
         let pending: Vec<Range<u64>> = self.pending_lbas().collect();
-        let repairing: Vec<Range<u64>> = self
-            .repairs
-            .values()
-            .map(|repair| repair.read.lba..repair.read.lba + u64::from(repair.read.count))
-            .collect();
+        let repairing: Vec<Range<u64>> =
+            self.repairs.values().map(|repair| repair.read.lbas()).collect();
         let overlaps =
             |lba: u64, ranges: &[Range<u64>]| ranges.iter().any(|range| range.contains(&lba));
         let due: Vec<u64> = shared
@@ -814,19 +803,33 @@ impl Term {
                 return;
             }
             self.reads_in_flight += 1;
-            let request = self.next_repair;
-            self.next_repair += 1;
-            let repair = Repair {
-                read: HostRead { host: None, lba, count: 1 },
-                peer: shared.me,
-                tried: Vec::new(),
-                asked_ms: now_ms,
-                last_sent_ms: now_ms,
-                overwritten: false,
-            };
-            self.repairs.insert(request, repair);
-            self.ask_next_peer(shared, now_ms, request, out);
+            let read = HostRead { host: None, lba, count: 1 };
+            self.start_repair(shared, now_ms, read, false, out);
         }
+    }
+
+    /// Reads `read`'s blocks from an in-sync replica (the read counts in `reads_in_flight`
+    /// until it completes). `overwritten`: see `Repair::overwritten`.
+    fn start_repair(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        read: HostRead,
+        overwritten: bool,
+        out: &mut Vec<Action>,
+    ) {
+        let request = self.next_repair;
+        self.next_repair += 1;
+        let repair = Repair {
+            read,
+            peer: shared.me,
+            tried: Vec::new(),
+            asked_ms: now_ms,
+            last_sent_ms: now_ms,
+            overwritten,
+        };
+        self.repairs.insert(request, repair);
+        self.ask_next_peer(shared, now_ms, request, out);
     }
 
     /// An in-sync replica reports its copy of blocks damaged: this node reads its own and
@@ -853,7 +856,7 @@ impl Term {
             || self.peer_repairs.len() >= PEER_REPAIRS_MAX
             || self.peer_repairs.values().any(|repair| repair.peer == from && repair.lbas == lbas)
             || shared.write_in_flight(lbas.clone())
-            || self.pending_lbas().any(|write| write.start < lbas.end && lbas.start < write.end)
+            || self.pending_lbas().any(|write| overlap(&write, &lbas))
         {
             return;
         }
@@ -879,9 +882,7 @@ impl Term {
             StorageResult::Read(blocks) => blocks,
             StorageResult::Damaged => {
                 for lba in repair.lbas {
-                    if shared.damaged.len() < DAMAGED_BLOCKS_MAX && shared.damaged.insert(lba) {
-                        shared.stats.damaged_noted += 1;
-                    }
+                    let _ = shared.note_damaged(lba);
                 }
                 return;
             }
@@ -1291,9 +1292,7 @@ impl Term {
             return true;
         }
         job.dirty.insert_range(lba..lba + 1);
-        if shared.damaged.len() < DAMAGED_BLOCKS_MAX && shared.damaged.insert(lba) {
-            shared.stats.damaged_noted += 1;
-        }
+        let _ = shared.note_damaged(lba);
         true
     }
 

@@ -336,6 +336,20 @@ impl Shared {
         out.push(Action::Send { to, message });
     }
 
+    /// Remembers block `lba` as damaged here (see `VolumeNode::note_damaged`); false if it
+    /// is outside the volume or `DAMAGED_BLOCKS_MAX` blocks are remembered already.
+    pub fn note_damaged(&mut self, lba: u64) -> bool {
+        if self.damaged.contains(&lba) {
+            return true;
+        }
+        if lba >= self.config.volume_blocks || self.damaged.len() >= DAMAGED_BLOCKS_MAX {
+            return false;
+        }
+        self.damaged.insert(lba);
+        self.stats.damaged_noted += 1;
+        true
+    }
+
     pub fn write_in_flight(&self, lbas: Range<u64>) -> bool {
         // The ranges are disjoint, so the one starting last before `lbas.end` ends last too: if
         // it ends at or before `lbas.start`, so does every other one starting earlier.
@@ -600,16 +614,12 @@ impl VolumeNode {
     /// the volume).
     pub fn note_damaged(&mut self, lba: u64) -> bool {
         let shared = &mut self.shared;
-        if shared.damaged.contains(&lba) {
-            return true;
+        let known = shared.damaged.contains(&lba);
+        let kept = shared.note_damaged(lba);
+        if kept && !known {
+            shared.damaged_next_ms = 0;
         }
-        if lba >= shared.config.volume_blocks || shared.damaged.len() >= DAMAGED_BLOCKS_MAX {
-            return false;
-        }
-        shared.damaged.insert(lba);
-        shared.stats.damaged_noted += 1;
-        shared.damaged_next_ms = 0;
-        true
+        kept
     }
 
     /// Whether block `lba` is known damaged here and not yet replaced by a write.
