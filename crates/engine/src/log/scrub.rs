@@ -19,7 +19,9 @@
 //! rewriting it with the verified bytes restores it; the segment is pinned meanwhile so it cannot
 //! be reused underneath). Then, once every live block of a batch is intact, the parity of the
 //! batch's stripes is recomputed from its data and any parity cell that differs is rewritten the
-//! same way ([`ScrubDamage::Parity`]), so a later drive loss rebuilds right. A batch header cell
+//! same way ([`ScrubDamage::Parity`]), so a later drive loss rebuilds right; not in a segment
+//! where a drive's cells cannot be read (latched, or being rebuilt and not restored there yet),
+//! whose parity there is nothing to judge against. A batch header cell
 //! that does not decode where the segment's chain must go on (live blocks remain past it) is
 //! rebuilt from its stripe the same way, written back ([`ScrubDamage::Header`]) and the walk goes
 //! on with it, as GC and recovery do; only a header the stripe cannot rebuild ends the chain

@@ -510,6 +510,13 @@ impl<D: Drive> LogHandle<D> {
     ) -> Result<(Vec<u32>, u32), LogError> {
         let engine = &*self.engine;
         let geometry = &engine.geometry;
+        if !self.unreadable_drives(segment).is_empty() {
+            // A drive's cells of this segment are not there to compare (latched failed, or
+            // being rebuilt and not restored here yet: a new drive holds nothing of it). Parity
+            // recomputed from them would be wrong, and written over the good parity on the
+            // other drives it would make the missing cells impossible to rebuild.
+            return Ok((Vec::new(), 0));
+        }
         let k = u32::from(geometry.data_shards);
         let m = u32::from(geometry.parity_shards);
         let width = geometry.stripe_width();
