@@ -4,9 +4,11 @@
 # network) and fio with io_uring + O_DIRECT on a raw file of the same size on the same
 # filesystem, then both at queue depth 1 (4k_randread and 4k_randwrite, one queue of one
 # request: the latency of a single I/O). Repeats the set ROUNDS times, alternating, and prints
-# the medians: IOPS and p99.9 of each side with the median of the per-round ratios, then the
-# QD1 mean and p99 latency of each side, then each round's figures with the engine's summary
-# (write amplification, batches, syncs, GC). Both sides use QD = IODEPTH x QUEUES.
+# the medians: IOPS, p99.9 and CPU cores of each side with the median of the per-round ratios,
+# then the QD1 mean and p99 latency of each side, then each round's figures with the engine's
+# summary (write amplification, batches, syncs, GC). Both sides use QD = IODEPTH x QUEUES. CPU
+# cores are CPU seconds per second of the measured window: the whole `ferrite bench` process
+# (engine and request generator) against fio's jobs (fio's usr_cpu + sys_cpu).
 #
 #   scripts/bench-engine.sh            # defaults: 2 GiB volume, 4 x 4 GiB drives, 3 rounds
 #   SIZE=4G ROUNDS=5 RUNTIME=20 scripts/bench-engine.sh
@@ -129,8 +131,9 @@ import json, sys
 prefix = "qd1_" if sys.argv[3] == "qd1" else ""
 for line in open(sys.argv[1]):
     r = json.loads(line)
+    cores = r.get("process_cpu_cores")
     print(f"{sys.argv[2]}\tferrite\t{prefix}{r['workload']}\t{r['iops']:.0f}\t{r['lat_mean_us']:.1f}"
-          f"\t{r['lat_p99_us']:.1f}\t{r['lat_p999_us']:.1f}")
+          f"\t{r['lat_p99_us']:.1f}\t{r['lat_p999_us']:.1f}\t{'' if cores is None else cores}")
 PY
 }
 
@@ -149,7 +152,11 @@ iops = sum(s["iops"] for s in sides)
 mean = sum(s["lat_ns"]["mean"] * s["iops"] for s in sides) / iops / 1000
 def pct(key):
     return max(s["lat_ns"]["percentile"].get(key, 0) for s in sides) / 1000
-print(f"{sys.argv[2]}\tfio\t{sys.argv[3]}\t{iops:.0f}\t{mean:.1f}\t{pct('99.000000'):.1f}\t{pct('99.900000'):.1f}")
+# usr_cpu and sys_cpu are percentages of the jobs' summed runtime (job_runtime, ms): cores over
+# the measured window are their sum times that runtime over the window.
+runtime_s = sum(s["runtime"] for s in sides) / len(sides) / 1000
+cores = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1000 / runtime_s if runtime_s else 0
+print(f"{sys.argv[2]}\tfio\t{sys.argv[3]}\t{iops:.0f}\t{mean:.1f}\t{pct('99.000000'):.1f}\t{pct('99.900000'):.1f}\t{cores:.2f}")
 PY
 }
 
@@ -196,14 +203,20 @@ def median(side, workload, column):
     return statistics.median(float(r[column]) for r in rows if r[1] == side and r[2] == workload)
 order = ["4k_randread", "4k_randwrite", "8k_randrw_80_20", "16k_randrw_70_30", "32k_randrw_50_50"]
 print(f"QD {int(sys.argv[3]) * int(sys.argv[4])} ({sys.argv[4]} queues x {sys.argv[3]}):\n")
-print("| workload | engine IOPS (median) | fio raw IOPS (median) | ratio (median of per-round ratios) | engine p99.9 us | fio p99.9 us |")
-print("|---|---:|---:|---:|---:|---:|")
+def cores(side, workload):
+    values = [float(r[7]) for r in rows if r[1] == side and r[2] == workload and len(r) > 7 and r[7]]
+    return f"{statistics.median(values):.2f}" if values else "-"
+print("| workload | engine IOPS (median) | fio raw IOPS (median) | ratio (median of per-round ratios) | engine p99.9 us | fio p99.9 us | engine CPU cores | fio CPU cores |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|")
 for w in order:
     f = {r[0]: r for r in rows if r[1] == "ferrite" and r[2] == w}
     g = {r[0]: r for r in rows if r[1] == "fio" and r[2] == w}
     ratios = [float(f[k][3]) / float(g[k][3]) for k in f if k in g and float(g[k][3]) > 0]
     print(f"| {w} | {median('ferrite', w, 3):,.0f} | {median('fio', w, 3):,.0f} | "
-          f"{statistics.median(ratios):.2f}x | {median('ferrite', w, 6):,.0f} | {median('fio', w, 6):,.0f} |")
+          f"{statistics.median(ratios):.2f}x | {median('ferrite', w, 6):,.0f} | {median('fio', w, 6):,.0f} | "
+          f"{cores('ferrite', w)} | {cores('fio', w)} |")
+print("\nCPU cores: CPU seconds per second of the measured window, all threads: the engine's are the")
+print("whole `ferrite bench` process (the engine and the bench's request generator), fio's its jobs'.")
 print("\nQD1 (1 queue x 1), latency in microseconds (medians):\n")
 print("| workload | engine mean | fio mean | engine p99 | fio p99 |")
 print("|---|---:|---:|---:|---:|")
@@ -211,7 +224,7 @@ for w in ["qd1_4k_randread", "qd1_4k_randwrite"]:
     print(f"| {w[4:]} | {median('ferrite', w, 4):,.1f} | {median('fio', w, 4):,.1f} | "
           f"{median('ferrite', w, 5):,.1f} | {median('fio', w, 5):,.1f} |")
 rounds = sorted(set(r[0] for r in rows), key=int)
-print(f"\nrounds: {len(rounds)}; per-round rows (round side workload IOPS mean_us p99_us p99.9_us):")
+print(f"\nrounds: {len(rounds)}; per-round rows (round side workload IOPS mean_us p99_us p99.9_us CPU_cores):")
 for n in rounds:
     for r in rows:
         if r[0] == n:

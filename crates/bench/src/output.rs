@@ -66,6 +66,9 @@ pub(crate) fn summary_line(report: &WorkloadReport) -> String {
         format_latency_us(report.latency.p99_us),
         format_latency_us(report.latency.p999_us),
     );
+    if let Some(cores) = report.process_cpu_cores {
+        line.push_str(&format!(", this process {cores:.2} CPU cores"));
+    }
     if report.errors > 0 {
         line.push_str(&format!(", {} errors", report.errors));
     }
@@ -168,6 +171,8 @@ struct JsonRecord<'a> {
     errors: u64,
     verify: bool,
     verify_mismatches: u64,
+    /// [`WorkloadReport::process_cpu_cores`], to two decimals.
+    process_cpu_cores: Option<f64>,
 }
 
 /// One report as a JSON object on one line (no newline). `target` names what was measured
@@ -201,6 +206,7 @@ pub fn json_line(target: &str, report: &WorkloadReport) -> String {
         errors: report.errors,
         verify: report.verify,
         verify_mismatches: report.verify_mismatches,
+        process_cpu_cores: report.process_cpu_cores.map(|cores| (cores * 100.0).round() / 100.0),
     };
     serde_json::to_string(&record).expect("a record of numbers and strings serialises")
 }
@@ -251,6 +257,7 @@ mod tests {
             verify: false,
             verify_mismatches: 0,
             mismatch_examples: Vec::new(),
+            process_cpu_cores: Some(0.934),
         }
     }
 
@@ -325,6 +332,7 @@ workload         |    IOPS |  MB/s |    mean |    p50 |     p99 |   p99.9
         assert!(first["write_lat_p99_us"].is_null());
         assert_eq!(first["errors"], 0);
         assert_eq!(first["verify_mismatches"], 0);
+        assert_eq!(first["process_cpu_cores"], 0.93);
         assert_eq!(lines[1]["read_percent"], 80);
         assert_eq!(lines[1]["write_lat_p99_us"], 1234.0);
         for field in

@@ -2,6 +2,7 @@
 //! window - and the reports they produce; also the read-back pass of a saved verify map.
 
 use std::cell::{Cell, RefCell};
+use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -182,6 +183,11 @@ pub struct WorkloadReport {
     pub verify_mismatches: u64,
     /// The first few mismatches, with details.
     pub mismatch_examples: Vec<Mismatch>,
+    /// CPU time this process took (user and system, all its threads) per second of the
+    /// measured window and the drain after it: with `--target engine:` the engine and the
+    /// bench's own request generator, with a network target the client alone. `None` when the
+    /// process's CPU time could not be read.
+    pub process_cpu_cores: Option<f64>,
 }
 
 impl WorkloadReport {
@@ -324,6 +330,42 @@ impl VerifyMap {
     }
 }
 
+/// The CPU time this process had taken (user and system, all threads) at an instant.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CpuMark {
+    at: Instant,
+    cpu: Duration,
+}
+
+impl CpuMark {
+    /// Now; `None` if the kernel does not say.
+    pub(crate) fn now() -> Option<CpuMark> {
+        // SAFETY: rusage is plain integers, for which all zeros is a valid value.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `usage` is valid for writes of one rusage for the call.
+        if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+            return None;
+        }
+        let time = |t: libc::timeval| -> Option<Duration> {
+            let micros = u32::try_from(t.tv_usec).ok().filter(|micros| *micros < 1_000_000)?;
+            Some(Duration::new(u64::try_from(t.tv_sec).ok()?, micros * 1000))
+        };
+        let cpu = time(usage.ru_utime)? + time(usage.ru_stime)?;
+        Some(CpuMark { at: Instant::now(), cpu })
+    }
+
+    /// CPU seconds per wall second from `earlier` to this mark (0 over no time).
+    pub(crate) fn cores_since(&self, earlier: CpuMark) -> f64 {
+        let wall = self.at.saturating_duration_since(earlier.at).as_secs_f64();
+        let cpu = self.cpu.saturating_sub(earlier.cpu).as_secs_f64();
+        if wall > 0.0 {
+            cpu / wall
+        } else {
+            0.0
+        }
+    }
+}
+
 /// Open queues and their slot tables, for the length of one run.
 struct Session<Q: BlockQueue> {
     queues: Vec<Q>,
@@ -432,6 +474,8 @@ impl<Q: BlockQueue> Session<Q> {
         Ok(reports)
     }
 
+    /// Runs one phase. With `cpu_mark`, the process's CPU time is read at its instant (the
+    /// end of a workload's ramp) into its cell.
     async fn phase(
         &mut self,
         stats: &mut [QueueStats],
@@ -439,13 +483,25 @@ impl<Q: BlockQueue> Session<Q> {
         shared: &PhaseShared<'_, '_>,
         label: &str,
         plan: ProgressPlan,
+        cpu_mark: Option<(Instant, &Cell<Option<CpuMark>>)>,
     ) -> Result<(), BenchError> {
         let work = engine::drive_all(&mut self.queues, &mut self.states, stats, source, shared);
+        // The timers are polled first and outside tokio's cooperative budget: busy queues use
+        // the whole budget on every poll, and a timer polled after them would never fire.
+        let mark = tokio::task::coop::unconstrained(async move {
+            if let Some((at, cell)) = cpu_mark {
+                tokio::time::sleep_until(at.into()).await;
+                cell.set(CpuMark::now());
+            }
+            std::future::pending::<Infallible>().await
+        });
         if self.style == ProgressStyle::Off {
-            return work.await;
+            return tokio::select! {
+                biased;
+                never = mark => match never {},
+                result = work => result,
+            };
         }
-        // The progress line is polled first and outside tokio's cooperative budget: busy queues
-        // use the whole budget on every poll, and a timer polled after them would never fire.
         let progress = tokio::task::coop::unconstrained(show_progress(
             self.style,
             label,
@@ -455,6 +511,7 @@ impl<Q: BlockQueue> Session<Q> {
         tokio::select! {
             biased;
             never = progress => match never {},
+            never = mark => match never {},
             result = work => result,
         }
     }
@@ -470,7 +527,7 @@ impl<Q: BlockQueue> Session<Q> {
         let source = OpSource::Fill { region_size_bytes, io_size_bytes: FILL_IO_SIZE_BYTES };
         let mut stats: Vec<QueueStats> = self.queues.iter().map(|_| QueueStats::new()).collect();
         let plan = ProgressPlan::Sized { start, total_bytes: region_size_bytes };
-        self.phase(&mut stats, &source, &shared, "fill", plan).await?;
+        self.phase(&mut stats, &source, &shared, "fill", plan, None).await?;
         let elapsed = start.elapsed();
         let errors: u64 = stats.iter().map(|s| s.errors).sum();
         if errors > 0 {
@@ -503,7 +560,11 @@ impl<Q: BlockQueue> Session<Q> {
             PhaseShared { verifier, cursor: Cell::new(0), counters: PhaseCounters::default() };
         let mut stats: Vec<QueueStats> = self.queues.iter().map(|_| QueueStats::new()).collect();
         let plan = ProgressPlan::Timed { start, ramp_end, end };
-        self.phase(&mut stats, &source, &shared, label, plan).await?;
+        let at_ramp_end = Cell::new(None);
+        self.phase(&mut stats, &source, &shared, label, plan, Some((ramp_end, &at_ramp_end)))
+            .await?;
+        let process_cpu_cores =
+            at_ramp_end.get().zip(CpuMark::now()).map(|(from, to)| to.cores_since(from));
 
         let (verify_mismatches, mismatch_examples) =
             verifier.map(|v| v.borrow_mut().take_mismatches()).unwrap_or_default();
@@ -533,6 +594,7 @@ impl<Q: BlockQueue> Session<Q> {
             verify: verifier.is_some(),
             verify_mismatches,
             mismatch_examples,
+            process_cpu_cores,
         })
     }
 
@@ -549,7 +611,7 @@ impl<Q: BlockQueue> Session<Q> {
         let mut stats: Vec<QueueStats> = self.queues.iter().map(|_| QueueStats::new()).collect();
         let plan =
             ProgressPlan::Sized { start, total_bytes: blocks_checked * VERIFY_BLOCK_BYTES as u64 };
-        self.phase(&mut stats, &source, &shared, "check", plan).await?;
+        self.phase(&mut stats, &source, &shared, "check", plan, None).await?;
         let (mismatches, mismatch_examples) = verifier.borrow_mut().take_mismatches();
         let report = CheckReport {
             blocks_checked,
@@ -658,11 +720,34 @@ mod tests {
                 ramp_end: start,
                 end: start + Duration::from_millis(2300),
             };
-            session.phase(&mut stats, &source, &shared, "test", plan).await.unwrap();
+            session.phase(&mut stats, &source, &shared, "test", plan, None).await.unwrap();
             assert!(shared.counters.measured_ops.get() > 1000);
             let lines = shared.counters.progress_lines.get();
             assert!((2..=3).contains(&lines), "one line per second, got {lines}");
         });
+    }
+
+    /// The instant queues keep the bench's thread busy through the whole window: the process
+    /// took CPU, and never more than the machine's CPUs can give per second.
+    #[test]
+    fn a_workload_reports_the_cpu_the_process_took_in_its_window() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let reports = runtime.block_on(async {
+            let config = BenchConfig {
+                workloads: vec![STANDARD_WORKLOADS[1]],
+                queue_count: 2,
+                queue_depth: 4,
+                ramp: Duration::from_millis(300),
+                runtime: Duration::from_millis(700),
+                progress: false,
+                ..BenchConfig::default()
+            };
+            run(&config, &mut InstantConnector).await.unwrap()
+        });
+        let cores = reports[0].process_cpu_cores.expect("getrusage works on Linux");
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        assert!(cores > 0.05 && cores <= cpus + 0.5, "{cores} cores on {cpus} CPUs");
+        assert!(output::summary_line(&reports[0]).contains("CPU cores"));
     }
 
     #[test]
