@@ -666,7 +666,9 @@ pub const SCRUB_DAMAGE_PARITY: &str = "parity";
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DriveInfo {
     pub index: u16,
-    /// The drive file, or the block device or file given with `ferrite up --drive`.
+    /// The drive file, or the block device or file given with `ferrite up --drive`; empty for
+    /// a drive none of the `--drive` paths held when the node started (a node with parity
+    /// starts without up to its parity count of drives; such a drive is failed until replaced).
     pub path: String,
     /// The bytes of the drive the node uses.
     pub size_bytes: u64,

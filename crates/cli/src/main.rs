@@ -67,8 +67,12 @@ are the drives instead of files in DATA-DIR/drives. On the first start they are 
 device that is mounted or in use, smaller than 64 MiB, or already holding another Ferrite
 node's drive is refused. Each drive uses as many bytes as the smallest one holds. Later starts
 must pass the same drives again, in any order and under any name (a /dev/loopN or /dev/sdX that
-was renumbered is fine): each drive is recognised by its superblock (node and drive index), and
-a missing one is an error naming its index. --drives and --drive-size do not apply.
+was renumbered is fine): each drive is recognised by its superblock (node and drive index). A
+node with parity starts without as many devices as its parity covers (a dead disk): each shows
+as failed with no device in `ferrite node show`, its data is served from parity, and `ferrite
+drive replace INDEX --path NEW` rebuilds it onto a new device; if the old device comes back at
+a later start instead, it is stale and is rebuilt in place. Without parity, or with more
+devices missing, the start fails naming them. --drives and --drive-size do not apply.
 
 With --drive-backend memory, nothing is durable: the drives are anonymous memory that goes away
 with the process, and the metadata lives in a scratch directory under $TMPDIR (or /tmp) that is

@@ -103,7 +103,7 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
         println!(
             "{key:<17}{} {} ({}){rebuilt}",
             drive.state,
-            drive.path,
+            drive_path(drive),
             ByteSize(drive.size_bytes)
         );
     }
@@ -111,7 +111,7 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
         .drives
         .iter()
         .filter(|drive| drive.state == api::DRIVE_STATE_FAILED)
-        .map(|drive| format!("{} ({})", drive.index, drive.path))
+        .map(|drive| format!("{} ({})", drive.index, drive_path(drive)))
         .collect();
     if let Some(erasure) = &node.erasure {
         print_erasure(erasure);
@@ -160,6 +160,16 @@ pub fn node(json: bool, node: &api::NodeInfo) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A drive's path, or what stands for it when the node started without it (the API's empty
+/// path: none of its `--drive` paths held the drive).
+fn drive_path(drive: &api::DriveInfo) -> &str {
+    if drive.path.is_empty() {
+        "(no device: not among the --drive paths at start)"
+    } else {
+        &drive.path
+    }
 }
 
 /// `k+m: what it survives; the share of raw space that holds data`.

@@ -12,6 +12,10 @@
 //!   rebuilds it, and serves every block; asking for another erasure coding is refused.
 //! - A node on block devices (loop devices) replaces drive 1 by a new device given with
 //!   `--path`, rebuilds it, and starts again on the new set of devices with every block intact.
+//! - A node on block devices started without one of them serves from parity (the drive shows
+//!   failed, with no device), takes writes, rebuilds the device when it comes back at a later
+//!   start (its contents are stale by then), takes a new device in its place after another
+//!   start without it, and refuses to start without two of its three devices.
 //! - Replacements a node refuses: an unknown drive (404), a node without parity (409), a path
 //!   on a node of drive files (400).
 //!
@@ -403,6 +407,141 @@ fn a_block_device_is_replaced_by_another() {
         workload.verify("after a device replacement and a restart").await;
     });
     drop(node);
+}
+
+/// A node on block devices started without one of them runs degraded; the device coming back
+/// at a later start is rebuilt (its contents are stale); started without it again and given a
+/// new device, it rebuilds that one; without two of them it refuses to start.
+#[test]
+fn a_node_starts_without_a_missing_device_and_rebuilds_it_when_it_comes_back() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let devices: Vec<common::LoopDevice> = (0..4)
+        .map(|index| {
+            let backing = dir.path().join(format!("backing-{index}.img"));
+            std::fs::File::create(&backing)
+                .and_then(|file| file.set_len(64 << 20))
+                .expect("create a sparse backing file");
+            common::LoopDevice::attach(&backing)
+        })
+        .collect();
+    let data_dir = dir.path().join("data");
+    let nvme_port = free_port();
+    let args_for = |indexes: &[usize], first: bool| -> Vec<String> {
+        let mut args: Vec<String> = indexes
+            .iter()
+            .flat_map(|&index| ["--drive".to_owned(), devices[index].path().to_owned()])
+            .collect();
+        if first {
+            args.extend(["--erasure-coding", "2+1"].map(str::to_owned));
+        }
+        args.extend(["--data-threads", "1"].map(str::to_owned));
+        args
+    };
+    let start = |indexes: &[usize], first: bool| {
+        let args = args_for(indexes, first);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Node::start_with_drives(&data_dir, nvme_port, &args)
+    };
+    let marker = data_dir.join("drive-001.missing");
+    let node = start(&[0, 1, 2], true);
+    ferrite_ok(&node.api_url, &["volume", "create", "db", "--size", "32M"]);
+    let rt = runtime();
+    let mut tags = rt.block_on(async {
+        let mut workload = Workload::connect(&node.nvme_address()).await;
+        workload.write(0, 1024, 11).await;
+        workload.tags
+    });
+    assert_no_error_lines(&node.stop_cleanly(), &[], "the first run");
+
+    // Device 1 is not given: the node serves without it, and takes writes.
+    let node = start(&[2, 0], false);
+    let api = node.api_url.clone();
+    assert_eq!(drive_states(&api), ["ok", "failed", "ok"]);
+    assert_eq!(node_json(&api)["drives"][1]["path"], "", "no device stands for drive 1");
+    let shown = ferrite_ok(&api, &["node", "show"]);
+    assert!(shown.contains("(no device: not among the --drive paths at start)"), "{shown}");
+    assert!(shown.contains("DEGRADED:"), "{shown}");
+    let stderr = node.stderr_now();
+    assert!(
+        stderr.contains("drive 1 is not among the --drive paths: the node runs without it"),
+        "{stderr}"
+    );
+    assert!(marker.exists(), "the node records that it ran without drive 1");
+    tags = rt.block_on(async {
+        let mut workload = Workload::connect(&node.nvme_address()).await;
+        workload.tags = tags;
+        workload.verify("drive 1 missing").await;
+        workload.write(512, 1024, 12).await;
+        workload.verify("drive 1 missing, after writes").await;
+        workload.tags
+    });
+    // Its replacement needs a device.
+    let error = api::Client::new(&api)
+        .expect("client")
+        .replace_drive(1, None)
+        .expect_err("a replacement without a path");
+    assert_eq!(error.code(), Some(api::ErrorCode::InvalidDrive), "{error}");
+    let latched = "drives latched failed during this run";
+    assert_no_error_lines(&node.stop_cleanly(), &[latched], "degraded");
+
+    // Device 1 comes back, stale: it is rebuilt before the node trusts it.
+    let node = start(&[0, 1, 2], false);
+    let api = node.api_url.clone();
+    wait_rebuilt(&api, 1);
+    assert_eq!(drive_states(&api), ["ok", "ok", "ok"]);
+    let stderr = node.stderr_now();
+    assert!(stderr.contains("drive 1 is back after the node ran without it"), "{stderr}");
+    assert!(!marker.exists(), "drive 1 is rebuilt in place");
+    rt.block_on(async {
+        let mut workload = Workload::connect(&node.nvme_address()).await;
+        workload.tags = tags.clone();
+        workload.verify("drive 1 back and rebuilt").await;
+    });
+    assert_no_error_lines(&node.stop_cleanly(), &[], "drive 1 rebuilt in place");
+
+    // Without two of the three devices the data is not all there: refused, naming them.
+    let output = Command::new(FERRITE)
+        .args(["up", "--data-dir", path_str(&data_dir), "--api-listen", "127.0.0.1:0"])
+        .args(["--nvme-listen", &format!("127.0.0.1:{}", free_port()), "--nbd-listen", "off"])
+        .args(args_for(&[0], false))
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferrite up");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "a node without two of its drives started: {stderr}");
+    assert!(
+        stderr.contains("drives [1, 2] of this node's 3 are not among the --drive paths")
+            && stderr.contains("survives the loss of 1 drive(s)"),
+        "{stderr}"
+    );
+
+    // Device 1 gone again, and a new device takes its place.
+    let node = start(&[0, 2], false);
+    let api = node.api_url.clone();
+    rt.block_on(async {
+        let mut workload = Workload::connect(&node.nvme_address()).await;
+        workload.tags = tags.clone();
+        workload.verify("drive 1 missing again").await;
+    });
+    let replaced = ferrite_ok(&api, &["drive", "replace", "1", "--path", devices[3].path()]);
+    assert!(replaced.contains(devices[3].path()), "{replaced}");
+    wait_rebuilt(&api, 1);
+    assert_eq!(drive_states(&api), ["ok", "ok", "ok"]);
+    assert!(!marker.exists(), "a replaced drive is no longer missing");
+    rt.block_on(async {
+        let mut workload = Workload::connect(&node.nvme_address()).await;
+        workload.tags = tags.clone();
+        workload.verify("drive 1 replaced by a new device").await;
+    });
+    assert_no_error_lines(&node.stop_cleanly(), &[], "replaced");
+    let node = start(&[3, 2, 0], false);
+    assert_eq!(drive_states(&node.api_url), ["ok", "ok", "ok"]);
+    rt.block_on(async {
+        let mut workload = Workload::connect(&node.nvme_address()).await;
+        workload.tags = tags;
+        workload.verify("drive 1 replaced by a new device, after a restart").await;
+    });
+    assert_no_error_lines(&node.stop_cleanly(), &[], "the new set of devices");
 }
 
 #[test]

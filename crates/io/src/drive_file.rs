@@ -31,7 +31,8 @@ use crate::ring::Ring;
 #[derive(Debug)]
 pub struct DriveFile {
     path: PathBuf,
-    file: Rc<File>,
+    /// `None` for a drive that is not there ([`DriveFile::missing`]): every operation fails.
+    file: Option<Rc<File>>,
     ring: Rc<Ring>,
     size_bytes: u64,
     /// A memory drive, served inline instead of through `ring` (see the module comment).
@@ -87,11 +88,44 @@ impl DriveFile {
         }
         Ok(Self {
             path: path.to_owned(),
-            file: Rc::new(file),
+            file: Some(Rc::new(file)),
             ring: Rc::clone(ring),
             size_bytes,
             memory,
             block_device,
+        })
+    }
+
+    /// Stands in for drive `index` of a node with parity that started without it (none of its
+    /// `--drive` paths held it): every operation fails, so the engine latches the drive failed
+    /// when it opens the log and serves its data from parity until it is replaced.
+    pub fn missing(index: u16, ring: &Rc<Ring>) -> Self {
+        Self {
+            path: PathBuf::from(format!("(drive {index}: no device)")),
+            file: None,
+            ring: Rc::clone(ring),
+            size_bytes: 0,
+            memory: false,
+            block_device: false,
+        }
+    }
+
+    /// The open file, or the error every operation of a missing drive gets.
+    fn file(
+        &self,
+        operation: DriveOperation,
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Result<&Rc<File>, DriveError> {
+        self.file.as_ref().ok_or_else(|| DriveError::Io {
+            operation,
+            offset_bytes,
+            length_bytes,
+            source: io::Error::new(
+                io::ErrorKind::NotFound,
+                "the drive was not found when the node started (none of its --drive paths holds \
+                 it); replace it with `ferrite drive replace`",
+            ),
         })
     }
 
@@ -202,18 +236,22 @@ impl Drive for DriveFile {
         buf: AlignedBuf,
     ) -> (Result<(), DriveError>, AlignedBuf) {
         let length_bytes = buf.len() as u64;
+        let file = match self.file(DriveOperation::Read, offset_bytes, length_bytes) {
+            Ok(file) => file,
+            Err(error) => return (Err(error), buf),
+        };
         if let Err(error) = self.check(DriveOperation::Read, offset_bytes, length_bytes) {
             return (Err(error), buf);
         }
         if self.memory {
             let mut buf = buf;
-            let result = self.file.read_exact_at(&mut buf, offset_bytes).map(|()| buf.len());
+            let result = file.read_exact_at(&mut buf, offset_bytes).map(|()| buf.len());
             return (
                 transfer_result(DriveOperation::Read, offset_bytes, length_bytes, result),
                 buf,
             );
         }
-        let (result, buf) = self.ring.read_at(&self.file, offset_bytes, buf).await;
+        let (result, buf) = self.ring.read_at(file, offset_bytes, buf).await;
         (transfer_result(DriveOperation::Read, offset_bytes, length_bytes, result), buf)
     }
 
@@ -223,17 +261,21 @@ impl Drive for DriveFile {
         buf: AlignedBuf,
     ) -> (Result<(), DriveError>, AlignedBuf) {
         let length_bytes = buf.len() as u64;
+        let file = match self.file(DriveOperation::Write, offset_bytes, length_bytes) {
+            Ok(file) => file,
+            Err(error) => return (Err(error), buf),
+        };
         if let Err(error) = self.check(DriveOperation::Write, offset_bytes, length_bytes) {
             return (Err(error), buf);
         }
         if self.memory {
-            let result = self.file.write_all_at(&buf, offset_bytes).map(|()| buf.len());
+            let result = file.write_all_at(&buf, offset_bytes).map(|()| buf.len());
             return (
                 transfer_result(DriveOperation::Write, offset_bytes, length_bytes, result),
                 buf,
             );
         }
-        let (result, buf) = self.ring.write_at(&self.file, offset_bytes, buf).await;
+        let (result, buf) = self.ring.write_at(file, offset_bytes, buf).await;
         (transfer_result(DriveOperation::Write, offset_bytes, length_bytes, result), buf)
     }
 
@@ -247,20 +289,25 @@ impl Drive for DriveFile {
             return self.write_at(offset_bytes, buf).await;
         }
         let length_bytes = buf.len() as u64;
+        let file = match self.file(DriveOperation::Write, offset_bytes, length_bytes) {
+            Ok(file) => file,
+            Err(error) => return (Err(error), buf),
+        };
         if let Err(error) = self.check(DriveOperation::Write, offset_bytes, length_bytes) {
             return (Err(error), buf);
         }
-        let (result, buf) = self.ring.write_dsync_at(&self.file, offset_bytes, buf).await;
+        let (result, buf) = self.ring.write_dsync_at(file, offset_bytes, buf).await;
         (transfer_result(DriveOperation::Write, offset_bytes, length_bytes, result), buf)
     }
 
     async fn sync(&self) -> Result<(), DriveError> {
+        let file = self.file(DriveOperation::Sync, 0, 0)?;
         if self.memory {
             // RAM is the medium: a completed write is all there is (fdatasync on tmpfs does
             // nothing either).
             return Ok(());
         }
-        self.ring.fdatasync(&self.file).await.map_err(|source| DriveError::Io {
+        self.ring.fdatasync(file).await.map_err(|source| DriveError::Io {
             operation: DriveOperation::Sync,
             offset_bytes: 0,
             length_bytes: 0,
@@ -269,12 +316,13 @@ impl Drive for DriveFile {
     }
 
     async fn punch_hole(&self, offset_bytes: u64, length_bytes: u64) -> Result<(), DriveError> {
+        let file = self.file(DriveOperation::PunchHole, offset_bytes, length_bytes)?;
         self.check(DriveOperation::PunchHole, offset_bytes, length_bytes)?;
         let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
         let mut result = if self.memory {
-            fallocate_now(&self.file, offset_bytes, length_bytes, mode)
+            fallocate_now(file, offset_bytes, length_bytes, mode)
         } else {
-            self.ring.fallocate(&self.file, offset_bytes, length_bytes, mode).await
+            self.ring.fallocate(file, offset_bytes, length_bytes, mode).await
         };
         if self.block_device
             && result.as_ref().is_err_and(|error| error.raw_os_error() == Some(libc::EOPNOTSUPP))
@@ -284,7 +332,7 @@ impl Drive for DriveFile {
             // zeroing the range (which the kernel may do by writing zeros) gives the same
             // promise, that the range reads as zeros.
             let zero = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
-            result = self.ring.fallocate(&self.file, offset_bytes, length_bytes, zero).await;
+            result = self.ring.fallocate(file, offset_bytes, length_bytes, zero).await;
         }
         result.map_err(|source| DriveError::Io {
             operation: DriveOperation::PunchHole,
@@ -301,6 +349,7 @@ impl Drive for DriveFile {
     /// then one fdatasync. A memory drive took all its RAM at open and a block device has no
     /// holes: nothing to do for either.
     async fn fill_holes(&self, offset_bytes: u64, length_bytes: u64) -> Result<u64, DriveError> {
+        let file = self.file(DriveOperation::LayOut, offset_bytes, length_bytes)?;
         self.check(DriveOperation::LayOut, offset_bytes, length_bytes)?;
         if self.memory || self.block_device || length_bytes == 0 {
             return Ok(0);
@@ -311,27 +360,26 @@ impl Drive for DriveFile {
             length_bytes,
             source,
         };
-        let holes =
-            hole_ranges(&self.file, offset_bytes, offset_bytes + length_bytes).map_err(failed)?;
+        let holes = hole_ranges(file, offset_bytes, offset_bytes + length_bytes).map_err(failed)?;
         let Some(largest) = holes.iter().map(|(start, end)| end - start).max() else {
             return Ok(0);
         };
         let mut zeros = AlignedBuf::new((largest as usize).min(FILL_WRITE_BYTES));
         let mut written = 0;
         for (start, end) in holes {
-            self.ring.fallocate(&self.file, start, end - start, 0).await.map_err(failed)?;
+            self.ring.fallocate(file, start, end - start, 0).await.map_err(failed)?;
             let mut at = start;
             while at < end {
                 let length = (end - at).min(zeros.capacity() as u64);
                 zeros.set_len(length as usize);
-                let (result, buf) = self.ring.write_at(&self.file, at, zeros).await;
+                let (result, buf) = self.ring.write_at(file, at, zeros).await;
                 zeros = buf;
                 transfer_result(DriveOperation::LayOut, at, length, result)?;
                 at += length;
                 written += length;
             }
         }
-        self.ring.fdatasync(&self.file).await.map_err(failed)?;
+        self.ring.fdatasync(file).await.map_err(failed)?;
         Ok(written)
     }
 

@@ -441,6 +441,18 @@ pub fn read_log_superblock(path: &Path) -> Result<LogSuperblockFound, DriveSetup
     })
 }
 
+/// Zeros the log superblock of the drive at `path` and syncs it, so the engine takes the
+/// drive as one whose log was never written (`LogSuperblockFound::Blank`) and rebuilds it: for
+/// a drive that comes back after the node ran without it, whose cells are stale. The drive's
+/// own superblock (node, index) stays, so it is still found as that drive.
+pub fn blank_log_superblock(path: &Path) -> Result<(), DriveSetupError> {
+    let file = OpenOptions::new().write(true).open(path).map_err(io_error("open", path))?;
+    let offset_bytes = HEADER_REGION_BYTES + SUPERBLOCK_BLOCK * LOG_BLOCK_BYTES as u64;
+    file.write_all_at(&[0u8; LOG_BLOCK_BYTES], offset_bytes)
+        .and_then(|()| file.sync_all())
+        .map_err(io_error("clear the log superblock of", path))
+}
+
 /// What an external drive path names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DriveKind {
@@ -600,6 +612,24 @@ pub fn open_external_drives(
     node_uuid: NodeUuid,
     count: u16,
 ) -> Result<Vec<DriveInfo>, DriveSetupError> {
+    let slots = open_external_drives_found(paths, node_uuid, count)?;
+    let mut drives = Vec::with_capacity(usize::from(count));
+    for (index, slot) in (0..count).zip(slots) {
+        let Some(drive) = slot else {
+            return Err(DriveSetupError::DriveIndexMissing { index, count });
+        };
+        drives.push(drive);
+    }
+    Ok(drives)
+}
+
+/// [`open_external_drives`], with `None` for each index none of `paths` holds (a node with
+/// parity may start without as many drives as its parity covers; the caller decides).
+pub fn open_external_drives_found(
+    paths: &[PathBuf],
+    node_uuid: NodeUuid,
+    count: u16,
+) -> Result<Vec<Option<DriveInfo>>, DriveSetupError> {
     let mut slots: Vec<Option<DriveInfo>> = vec![None; usize::from(count)];
     for path in paths {
         let (file, _kind) = open_external(path, false)?;
@@ -635,14 +665,7 @@ pub fn open_external_drives(
         }
         *slot = Some(DriveInfo { path: path.clone(), superblock });
     }
-    let mut drives = Vec::with_capacity(usize::from(count));
-    for (index, slot) in (0..count).zip(slots) {
-        let Some(drive) = slot else {
-            return Err(DriveSetupError::DriveIndexMissing { index, count });
-        };
-        drives.push(drive);
-    }
-    Ok(drives)
+    Ok(slots)
 }
 
 /// Whether two paths name the same drive: the same block device (by device number, whatever
@@ -1011,6 +1034,14 @@ mod tests {
         let opened_paths: Vec<&PathBuf> = opened.iter().map(|drive| &drive.path).collect();
         assert_eq!(opened_paths, paths.iter().collect::<Vec<_>>(), "in index order");
 
+        // Without drive 1: an error for a caller that needs every drive, a gap for one that
+        // may start without it.
+        let found =
+            open_external_drives_found(&[paths[2].clone(), paths[0].clone()], NODE, 3).unwrap();
+        let found: Vec<Option<&PathBuf>> =
+            found.iter().map(|slot| slot.as_ref().map(|drive| &drive.path)).collect();
+        assert_eq!(found, [Some(&paths[0]), None, Some(&paths[2])]);
+
         let check = |given: &[PathBuf], node: NodeUuid, expect: &str| {
             let error = message(open_external_drives(given, node, 3).unwrap_err());
             assert!(error.contains(expect), "{error:?} lacks {expect:?}");
@@ -1084,6 +1115,14 @@ mod tests {
         let short = dir.path().join("short");
         File::create(&short).unwrap().set_len(HEADER_REGION_BYTES).unwrap();
         assert!(matches!(read_log_superblock(&short).unwrap(), LogSuperblockFound::Invalid(_)));
+
+        // A drive back after the node ran without it: its log is forgotten, its drive
+        // superblock kept.
+        file.write_all_at(&superblock.encode(), HEADER_REGION_BYTES).unwrap();
+        assert!(matches!(read_log_superblock(&path).unwrap(), LogSuperblockFound::Valid(_)));
+        blank_log_superblock(&path).unwrap();
+        assert_eq!(read_log_superblock(&path).unwrap(), LogSuperblockFound::Blank);
+        assert_eq!(open_drives(dir.path(), NODE).unwrap().len(), 3, "still drive 0 of the node");
     }
 
     #[test]

@@ -22,10 +22,10 @@ mod ring;
 
 pub use drive_file::DriveFile;
 pub use drives::{
-    check_lay_out_space, drive_path, format_drives, format_external_drives, lay_out_drive_file,
-    open_drives, open_external_drives, prepare_external_replacement, probe_external_drive,
-    read_log_superblock, replace_drive_file, DriveInfo, DriveKind, DriveSetupError, ExternalDrive,
-    LogSuperblockFound, MemoryDrives,
+    blank_log_superblock, check_lay_out_space, drive_path, format_drives, format_external_drives,
+    lay_out_drive_file, open_drives, open_external_drives, open_external_drives_found,
+    prepare_external_replacement, probe_external_drive, read_log_superblock, replace_drive_file,
+    DriveInfo, DriveKind, DriveSetupError, ExternalDrive, LogSuperblockFound, MemoryDrives,
 };
 pub use ring::{Ring, RingError, INFLIGHT_OPS_MAX, RING_ENTRIES};
 

@@ -235,6 +235,36 @@ fn drive_file_checks_bounds_and_names_files() {
     });
 }
 
+/// The stand-in for a drive a node started without: every operation fails, saying why, and
+/// nothing is read or written anywhere.
+#[test]
+fn a_missing_drive_fails_every_operation() {
+    run_on_ring(|ring| async move {
+        let drive = DriveFile::missing(2, &ring);
+        assert!(drive.path().display().to_string().contains("drive 2"));
+        let not_found = |error: &DriveError| match error {
+            DriveError::Io { source, .. } => {
+                source.kind() == std::io::ErrorKind::NotFound
+                    && source.to_string().contains("ferrite drive replace")
+            }
+            _ => false,
+        };
+        let (result, _) = drive.read_at(0, AlignedBuf::new(BLOCK)).await;
+        assert!(result.as_ref().is_err_and(not_found), "{result:?}");
+        let (result, _) = drive.write_at(0, pattern(1, BLOCK)).await;
+        assert!(result.as_ref().is_err_and(not_found), "{result:?}");
+        let (result, _) = drive.write_durable_at(0, pattern(1, BLOCK)).await;
+        assert!(result.as_ref().is_err_and(not_found), "{result:?}");
+        let result = drive.sync().await;
+        assert!(result.as_ref().is_err_and(not_found), "{result:?}");
+        let result = drive.punch_hole(0, 4096).await;
+        assert!(result.as_ref().is_err_and(not_found), "{result:?}");
+        let result = drive.fill_holes(0, 4096).await;
+        assert!(result.as_ref().is_err_and(not_found), "{result:?}");
+        assert_eq!(ring.inflight(), 0, "nothing reached the ring");
+    });
+}
+
 #[test]
 fn fill_holes_allocates_the_holes_of_a_range_and_keeps_its_data() {
     let dir = tempfile::tempdir().unwrap();

@@ -242,6 +242,12 @@ fn reopen_drive(
         let Some(path) = paths.get(usize::from(index)) else {
             return Err(reopen_error(format!("the node has no drive {index}")));
         };
+        if *path == crate::rebuild::missing_drive_path() {
+            return Err(reopen_error(format!(
+                "drive {index} has no device since the start: replace it with `ferrite drive \
+                 replace {index} --path NEW`"
+            )));
+        }
         DriveFile::open(path, &ring).map_err(|error| reopen_error(error.to_string()))
     })
 }
@@ -305,10 +311,18 @@ fn lay_out_drive_files(paths: &[PathBuf], size_bytes: u64) -> Result<(), DataPla
     Ok(())
 }
 
+/// Opens this thread's handle of each drive; a drive missing since the start
+/// (`rebuild::missing_drive_path`) gets a stand-in whose every operation fails.
 fn open_drive_files(paths: &[PathBuf], ring: &Rc<Ring>) -> Result<Vec<DriveFile>, String> {
-    paths
-        .iter()
-        .map(|path| DriveFile::open(path, ring))
+    (0u16..)
+        .zip(paths)
+        .map(|(index, path)| {
+            if *path == crate::rebuild::missing_drive_path() {
+                Ok(DriveFile::missing(index, ring))
+            } else {
+                DriveFile::open(path, ring)
+            }
+        })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|error| error.to_string())
 }
@@ -347,15 +361,16 @@ impl DataPathBuilder for NvmeDataPathBuilder {
         context: DataPathContext,
     ) -> Result<Arc<dyn DataPlane>, DataPlaneError> {
         let drives = &context.drives;
-        let replacements = crate::rebuild::prepare_drive_files(drives)?;
-        let infos = if drives.external.is_empty() {
-            io::open_drives(&drives.dir, node_uuid(drives))
+        let (drive_paths, replacements) = if drives.external.is_empty() {
+            let replacements = crate::rebuild::prepare_drive_files(drives)?;
+            let infos =
+                io::open_drives(&drives.dir, node_uuid(drives)).map_err(DataPlaneError::failed)?;
+            (infos.into_iter().map(|info| info.path).collect::<Vec<PathBuf>>(), replacements)
         } else {
-            io::open_external_drives(&drives.external, node_uuid(drives), drives.count)
-        }
-        .map_err(DataPlaneError::failed)?;
-        let drive_count = u16::try_from(infos.len()).map_err(DataPlaneError::failed)?;
-        let drive_paths: Vec<PathBuf> = infos.iter().map(|info| info.path.clone()).collect();
+            let found = crate::rebuild::prepare_external_drives(drives)?;
+            (found.paths, found.replacements)
+        };
+        let drive_count = u16::try_from(drive_paths.len()).map_err(DataPlaneError::failed)?;
         let volumes = Arc::new(Volumes::new());
         volumes
             .restore(context.volumes.iter().map(layout_of).collect())
@@ -2160,6 +2175,10 @@ impl DataPlane for NvmeDataPlane {
             }
             tracing::warn!(drive = index, %error, "drive replacement refused");
             return Err(error);
+        }
+        if !self.shared.drives.external.is_empty() {
+            // A drive missing since a start is replaced: the new one is rebuilt now.
+            crate::rebuild::forget_missing(&self.shared.drives, index);
         }
         tracing::info!(
             drive = index,

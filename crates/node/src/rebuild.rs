@@ -357,8 +357,8 @@ fn log_progress(current: &mut Current, progress: &RebuildProgress) {
 /// the [`Rebuilder`] to replace and rebuild.
 ///
 /// Without parity, or when more drives are missing than the parity covers, nothing is created:
-/// opening the drives then fails naming the missing one. External drives are left alone (a
-/// missing one is an error naming its index).
+/// opening the drives then fails naming the missing one. External drives are
+/// [`prepare_external_drives`]' to check.
 pub fn prepare_drive_files(drives: &DriveSet) -> Result<Vec<u16>, DataPlaneError> {
     if !drives.external.is_empty() {
         return Ok(Vec::new());
@@ -426,6 +426,159 @@ pub fn prepare_drive_files(drives: &DriveSet) -> Result<Vec<u16>, DataPlaneError
     let mut replacements: Vec<u16> = missing.into_iter().chain(blank).collect();
     replacements.sort_unstable();
     Ok(replacements)
+}
+
+/// The external drives (`--drive`) a start found, by index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExternalDrives {
+    /// Each drive's path; empty for a drive none of the paths holds (see [`missing_drive_path`]).
+    pub paths: Vec<std::path::PathBuf>,
+    /// Drives none of the `--drive` paths holds: the node runs without them (latched failed)
+    /// until they are replaced.
+    pub missing: Vec<u16>,
+    /// Drives to rebuild in place: whose log was never written (a replacement the node stopped
+    /// before rebuilding), or that come back after the node ran without them.
+    pub replacements: Vec<u16>,
+}
+
+/// The path a drive none of the `--drive` paths held at start has until it is replaced.
+pub fn missing_drive_path() -> std::path::PathBuf {
+    std::path::PathBuf::new()
+}
+
+/// The file in DATA-DIR that records that the node started without external drive `index`: a
+/// drive that comes back later holds stale cells (every write since skipped it), so it is
+/// rebuilt, never trusted.
+fn missing_marker(drives: &DriveSet, index: u16) -> std::path::PathBuf {
+    let data_dir = drives.dir.parent().unwrap_or(&drives.dir);
+    data_dir.join(format!("drive-{index:03}.missing"))
+}
+
+/// Writes the marker of a missing drive durably (the file, then its directory).
+fn mark_missing(drives: &DriveSet, index: u16) -> Result<(), DataPlaneError> {
+    let path = missing_marker(drives, index);
+    let text = format!(
+        "Drive {index} of this node was not among its --drive paths at a start, and the node \
+         ran without it. If it comes back, its contents are stale: the node rebuilds it. \
+         `ferrite drive replace {index} --path NEW` puts a new drive in its place and removes \
+         this file.\n"
+    );
+    let write = || -> std::io::Result<()> {
+        let mut file = std::fs::File::create(&path)?;
+        std::io::Write::write_all(&mut file, text.as_bytes())?;
+        file.sync_all()?;
+        std::fs::File::open(path.parent().unwrap_or(std::path::Path::new(".")))?.sync_all()
+    };
+    write().map_err(|error| {
+        DataPlaneError::failed(format!(
+            "cannot record that drive {index} is missing in {}: {error}",
+            path.display()
+        ))
+    })
+}
+
+/// Forgets that drive `index` was missing (it was replaced, or is being rebuilt in place).
+pub fn forget_missing(drives: &DriveSet, index: u16) {
+    let path = missing_marker(drives, index);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => {
+            tracing::warn!(drive = index, %error, path = %path.display(), "cannot remove the record of a missing drive")
+        }
+    }
+}
+
+/// At start, before the drives are opened: finds each external drive by the index in its
+/// superblock. On a node with parity, a drive none of the paths holds is left out (the engine
+/// opens without it, latched failed, and serves its data from parity) as long as the parity
+/// covers every drive lost or to be rebuilt, and that is recorded in DATA-DIR, so that if the
+/// drive comes back at a later start its stale contents are rebuilt (its log superblock is
+/// cleared first, so the engine never reads them). Without parity, or with more drives lost
+/// than it covers, a missing drive is an error naming it.
+pub fn prepare_external_drives(drives: &DriveSet) -> Result<ExternalDrives, DataPlaneError> {
+    let found = io::open_external_drives_found(
+        &drives.external,
+        engine::NodeUuid(drives.node_uuid),
+        drives.count,
+    )
+    .map_err(DataPlaneError::failed)?;
+    let mut missing = Vec::new();
+    let mut blank = Vec::new();
+    let mut returning = Vec::new();
+    let mut scheme = None;
+    for (index, slot) in (0u16..).zip(&found) {
+        let Some(info) = slot else {
+            missing.push(index);
+            continue;
+        };
+        match io::read_log_superblock(&info.path) {
+            Ok(io::LogSuperblockFound::Valid(superblock)) => {
+                scheme.get_or_insert(superblock.geometry.scheme());
+                if missing_marker(drives, index).exists() {
+                    returning.push(index);
+                }
+            }
+            Ok(io::LogSuperblockFound::Blank) => blank.push(index),
+            // The engine judges (and reports) a damaged log superblock.
+            Ok(io::LogSuperblockFound::Invalid(_)) | Err(_) => {}
+        }
+    }
+    let parity = scheme.map_or(0, |scheme| usize::from(scheme.parity_shards()));
+    let lost = missing.len() + blank.len() + returning.len();
+    if let Some(&first) = missing.first() {
+        if parity == 0 {
+            return Err(DataPlaneError::failed(io::DriveSetupError::DriveIndexMissing {
+                index: first,
+                count: drives.count,
+            }));
+        }
+        if lost > parity {
+            let scheme = scheme.map_or_else(String::new, |scheme| scheme.to_string());
+            return Err(DataPlaneError::failed(format!(
+                "drives {missing:?} of this node's {} are not among the --drive paths, and \
+                 drives {:?} must be rebuilt, but erasure coding {scheme} survives the loss of \
+                 {parity} drive(s): pass every drive of the node with --drive (in any order)",
+                drives.count,
+                blank.iter().chain(&returning).collect::<Vec<_>>()
+            )));
+        }
+    }
+    if !returning.is_empty() && lost > parity {
+        return Err(DataPlaneError::failed(format!(
+            "drives {returning:?} come back after the node ran without them, so their contents \
+             are stale and must be rebuilt, but with drives {:?} lost as well that is more \
+             than the {parity} drive(s) the erasure coding covers: pass every drive of the node \
+             with --drive",
+            missing.iter().chain(&blank).collect::<Vec<_>>()
+        )));
+    }
+    for &index in &missing {
+        mark_missing(drives, index)?;
+        tracing::warn!(
+            drive = index,
+            "drive {index} is not among the --drive paths: the node runs without it, serving \
+             its data from parity; replace it with `ferrite drive replace {index} --path NEW`"
+        );
+    }
+    for &index in &returning {
+        let Some(info) = &found[usize::from(index)] else { continue };
+        io::blank_log_superblock(&info.path).map_err(DataPlaneError::failed)?;
+        forget_missing(drives, index);
+        tracing::warn!(
+            drive = index,
+            path = %info.path.display(),
+            "drive {index} is back after the node ran without it: its contents are stale; \
+             rebuilding it"
+        );
+    }
+    let paths = found
+        .into_iter()
+        .map(|slot| slot.map_or_else(missing_drive_path, |info| info.path))
+        .collect();
+    let mut replacements: Vec<u16> = blank.into_iter().chain(returning).collect();
+    replacements.sort_unstable();
+    Ok(ExternalDrives { paths, missing, replacements })
 }
 
 #[cfg(test)]
