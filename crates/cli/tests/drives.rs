@@ -3,14 +3,16 @@
 //!
 //! - A node on two loop devices serves a verified bench, restarts with the devices given in the
 //!   other order (drives are found by their superblocks, not their paths) and keeps its data;
-//!   it refuses to start without `--drive` or with a drive missing, and another node refuses
-//!   its devices.
+//!   it refuses to start without `--drive`, starts without one of the two (its default
+//!   erasure coding is a mirror) and serves every block from the other, and another node
+//!   refuses its devices.
 //! - A real drive failure: one drive is a loop device over a sparse 1 GiB file on a 48 MiB
 //!   tmpfs, on a node without parity (`--erasure-coding none`; tests/erasure.rs covers failures
 //!   on nodes with parity). Writing more than the tmpfs holds makes the device fail writes with
 //!   I/O errors; the engine latches the drive, the node keeps running and reports it (`ferrite node show`, the
 //!   REST JSON, `ferrite_drive_failed`), every later write fails, and earlier acknowledged data
-//!   reads back intact or fails with an error status, never as wrong data.
+//!   reads back intact or fails with an error status, never as wrong data. Without parity, a
+//!   start without one of the devices is refused, naming the drive.
 //!
 //! Both need root (losetup, mount), as CI has; without them the tests fail with a clear message.
 
@@ -214,8 +216,13 @@ fn node_on_block_devices_keeps_its_data_across_renamed_devices() {
 
     let stderr = up_fails(&data_dir, &[]);
     assert!(stderr.contains("pass --drive PATH for each of its 2 drives"), "{stderr}");
-    let stderr = up_fails(&data_dir, &[&second]);
-    assert!(stderr.contains("drive 0 of this node's 2 drives is missing"), "{stderr}");
+    // Without drive 0 the mirror (1+1, the default on two drives) serves from drive 1 alone.
+    let node = start(&data_dir, nvme_port, &[&second]);
+    let degraded = drives(&node.api_url);
+    assert_eq!(degraded[0], (0, String::new(), "failed".to_owned()), "{degraded:?}");
+    let (ok, text) = bench(&["--target", &target, "--check", path_str(&map), "--quiet"]);
+    assert!(ok && text.contains(" 0 mismatches, 0 read errors"), "data lost:\n{text}");
+    node.stop_cleanly();
     let stderr = up_fails(&dir.path().join("other"), &[&first]);
     assert!(stderr.contains("refusing to format over it"), "{stderr}");
     assert!(stderr.contains(first.path()), "{stderr}");
@@ -308,4 +315,8 @@ fn a_failed_drive_is_latched_and_reported_while_the_node_keeps_serving() {
     let output = ferrite(&node.api_url, &["volume", "list"]);
     assert!(output.status.success(), "the control plane stopped answering");
     drop(node);
+
+    // Without parity a start without one of the devices is refused, naming the drive.
+    let stderr = up_fails(&data_dir, &[&healthy]);
+    assert!(stderr.contains("drive 1 of this node's 2 drives is missing"), "{stderr}");
 }
