@@ -346,24 +346,32 @@ fn a_missing_drive_file_is_replaced_and_rebuilt_at_start() {
     );
 }
 
-#[test]
-fn a_block_device_is_replaced_by_another() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let devices: Vec<common::LoopDevice> = (0..4)
+/// `count` loop devices over sparse 64 MiB files in `dir`, detached when dropped.
+fn loop_devices(dir: &Path, count: usize) -> Vec<common::LoopDevice> {
+    (0..count)
         .map(|index| {
-            let backing = dir.path().join(format!("backing-{index}.img"));
+            let backing = dir.join(format!("backing-{index}.img"));
             std::fs::File::create(&backing)
                 .and_then(|file| file.set_len(64 << 20))
                 .expect("create a sparse backing file");
             common::LoopDevice::attach(&backing)
         })
-        .collect();
-    let drive_args = |indexes: &[usize]| -> Vec<String> {
-        indexes
-            .iter()
-            .flat_map(|&index| ["--drive".to_owned(), devices[index].path().to_owned()])
-            .collect()
-    };
+        .collect()
+}
+
+/// `--drive PATH` for each of `devices` picked by `indexes`, in that order.
+fn device_args(devices: &[common::LoopDevice], indexes: &[usize]) -> Vec<String> {
+    indexes
+        .iter()
+        .flat_map(|&index| ["--drive".to_owned(), devices[index].path().to_owned()])
+        .collect()
+}
+
+#[test]
+fn a_block_device_is_replaced_by_another() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let devices = loop_devices(dir.path(), 4);
+    let drive_args = |indexes: &[usize]| device_args(&devices, indexes);
     let data_dir = dir.path().join("data");
     let nvme_port = free_port();
     let mut args = drive_args(&[0, 1, 2]);
@@ -415,22 +423,11 @@ fn a_block_device_is_replaced_by_another() {
 #[test]
 fn a_node_starts_without_a_missing_device_and_rebuilds_it_when_it_comes_back() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let devices: Vec<common::LoopDevice> = (0..4)
-        .map(|index| {
-            let backing = dir.path().join(format!("backing-{index}.img"));
-            std::fs::File::create(&backing)
-                .and_then(|file| file.set_len(64 << 20))
-                .expect("create a sparse backing file");
-            common::LoopDevice::attach(&backing)
-        })
-        .collect();
+    let devices = loop_devices(dir.path(), 4);
     let data_dir = dir.path().join("data");
     let nvme_port = free_port();
     let args_for = |indexes: &[usize], first: bool| -> Vec<String> {
-        let mut args: Vec<String> = indexes
-            .iter()
-            .flat_map(|&index| ["--drive".to_owned(), devices[index].path().to_owned()])
-            .collect();
+        let mut args = device_args(&devices, indexes);
         if first {
             args.extend(["--erasure-coding", "2+1"].map(str::to_owned));
         }
