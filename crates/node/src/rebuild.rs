@@ -433,9 +433,6 @@ pub fn prepare_drive_files(drives: &DriveSet) -> Result<Vec<u16>, DataPlaneError
 pub struct ExternalDrives {
     /// Each drive's path; empty for a drive none of the paths holds (see [`missing_drive_path`]).
     pub paths: Vec<std::path::PathBuf>,
-    /// Drives none of the `--drive` paths holds: the node runs without them (latched failed)
-    /// until they are replaced.
-    pub missing: Vec<u16>,
     /// Drives to rebuild in place: whose log was never written (a replacement the node stopped
     /// before rebuilding), or that come back after the node ran without them.
     pub replacements: Vec<u16>,
@@ -578,7 +575,7 @@ pub fn prepare_external_drives(drives: &DriveSet) -> Result<ExternalDrives, Data
         .collect();
     let mut replacements: Vec<u16> = blank.into_iter().chain(returning).collect();
     replacements.sort_unstable();
-    Ok(ExternalDrives { paths, missing, replacements })
+    Ok(ExternalDrives { paths, replacements })
 }
 
 #[cfg(test)]
