@@ -231,8 +231,10 @@
 //! that holds a stream of the term for the blocks (`Message::Read`, asked again every
 //! `retransmit_ms`, given up for the next in-sync replica after `ack_timeout_ms`, or at once
 //! when the replica answers without blocks or leaves the in-sync set). The replica reads them
-//! from its storage only if it is the process the primary streams to in this epoch, so it
-//! applied every write the primary completed before asking; its own damaged copy is answered
+//! from its storage only if it is the process the primary streams to, or answered a probe of,
+//! in this epoch, so it applied every write the primary completed before asking (a probed
+//! process was in sync when the term started and applies nothing of older epochs after its
+//! reply); its own damaged copy is answered
 //! with no blocks and joins its damaged blocks (below), which the primary sends it once its own
 //! copy is whole. The host gets the replica's blocks. The
 //! primary also writes them over its own copy, ordered like any write (no write of those
@@ -246,11 +248,20 @@
 //! unrecovered read error for those blocks only) and the volume goes on serving. A resync copy
 //! that meets damaged data here puts the block back among those it owes and waits for it,
 //! while the block is repaired as below (from another in-sync replica, or replaced by a host
-//! write); with no good copy in sync that resync waits, and the volume still serves. A
-//! reconciliation cannot wait (its term serves only once it is done, and repairs need a
-//! serving term): its read of a damaged block stops the node as an I/O error would, so
-//! another in-sync member is promoted. Reads run by the wiring outside the state machine
-//! (`serving_until`) hand a failed read to it to get this.
+//! write); with no good copy in sync that resync waits, and the volume still serves.
+//!
+//! A reconciliation that meets a block damaged on the new primary takes the block from a
+//! member it probed (`Message::Read` as above, to the probed members in turn): its pushes of
+//! the block wait, the copy is written here inside the durable write intent and joins this
+//! node's divergence (a term that ends before the reconciliation does leaves it to the next
+//! primary), and then every member gets it: members being pushed and those already
+//! reconciled (pushed again before the term serves), the dirty sets of members out of sync, and
+//! those made later from this node's divergence. Any probed member's copy will do: it was in
+//! sync when the term started, so it holds every completed write to the block, or a later
+//! write that never completed, which may take effect as long as every member ends with it.
+//! Only when no probed member gives the block does the node stop as an I/O error would, so
+//! another in-sync member may be promoted. Reads run by the wiring outside the state machine
+//! (`serving_until`) hand a failed read to it to get the repairs above.
 //!
 //! Damage no host read met: the wiring reports blocks its scrub found damaged
 //! ([`VolumeNode::note_damaged`]); the node remembers them (at most `DAMAGED_BLOCKS_MAX`) until

@@ -224,6 +224,18 @@ impl HostRead {
     }
 }
 
+/// Whether a peer in `state` may be asked for a repair's blocks: an in-sync replica (it
+/// applied every write this node completed), or, for a reconciliation's, any member this term
+/// probed (`Pushing` or already reconciled), since each held every completed write when the
+/// term started.
+fn can_serve_repair(state: &PeerState, reconcile: bool) -> bool {
+    match state {
+        PeerState::InSync => true,
+        PeerState::Pushing(_) => reconcile,
+        _ => false,
+    }
+}
+
 /// Whether two LBA ranges share a block.
 fn overlap(a: &Range<u64>, b: &Range<u64>) -> bool {
     a.start < b.end && b.start < a.end
@@ -242,6 +254,9 @@ struct Repair {
     /// since: the replica's copy may then be older than what this node must hold, so it only
     /// answers the host (a read beside a write may return either) and is not written here.
     overwritten: bool,
+    /// A block a reconciliation found damaged here: asked of the probed members, and the copy
+    /// becomes this node's own (see `Term::reconcile_damaged`).
+    reconcile: bool,
 }
 
 /// A read of this node's blocks for a replica whose copy of them is damaged.
@@ -286,6 +301,22 @@ pub(crate) struct Term {
     next_repair: u64,
     /// Reads for replicas whose copies are damaged, by storage request.
     peer_repairs: BTreeMap<StorageOpId, PeerRepair>,
+    /// Blocks a reconciliation copy read found damaged here, not rewritten yet: each is read
+    /// from a probed member (a reconcile `Repair`), then written here (`reconcile_fetched`,
+    /// then a write in flight), and the pushes of the block wait for that. At most the blocks
+    /// of the reconciliation's dirty sets (each bounded by `dirty_lbas_max`), as is `adopted`;
+    /// `reconcile_fetched` holds at most `INFLIGHT_READS_MAX`, one per repair.
+    reconcile_damaged: BTreeSet<u64>,
+    /// Copies of `reconcile_damaged` blocks got from a member, waiting for their regions to be
+    /// in the durable write intent (or for a write in flight to them) before they are written.
+    reconcile_fetched: BTreeMap<u64, BlockData>,
+    /// Blocks whose value this term changed while reconciling (a damaged block taken from a
+    /// member): every member must get them, so they join every dirty set made from this
+    /// node's divergence (`own_divergence_dirty`) as well as those that exist.
+    adopted: BTreeSet<u64>,
+    /// No probed member could give a damaged block: the reconciliation cannot finish, and the
+    /// node stops as on an I/O error, so another in-sync member is promoted.
+    reconcile_unrecoverable: bool,
     peers: BTreeMap<NodeId, Peer>,
     next_stream: u64,
     /// This node's divergence when the term started, for reconciliation.
@@ -322,6 +353,10 @@ impl Term {
             repairs: BTreeMap::new(),
             next_repair: 1,
             peer_repairs: BTreeMap::new(),
+            reconcile_damaged: BTreeSet::new(),
+            reconcile_fetched: BTreeMap::new(),
+            adopted: BTreeSet::new(),
+            reconcile_unrecoverable: false,
             peers: BTreeMap::new(),
             next_stream: 1,
             own_divergence: shared.divergence.report(),
@@ -644,6 +679,7 @@ impl Term {
     /// A storage request finished: writes waiting for its blocks may go, and so may copies.
     pub fn on_storage_idle(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
         self.issue_deferred(shared, now_ms, out);
+        self.write_fetched(shared, now_ms, out);
         self.pump_copies(shared, out);
         self.try_complete(shared, now_ms, out);
     }
@@ -665,7 +701,7 @@ impl Term {
                 let lbas = read.lbas();
                 let overwritten = shared.write_in_flight(lbas.clone())
                     || self.pending_lbas().any(|write| overlap(&write, &lbas));
-                self.start_repair(shared, now_ms, read, overwritten, out);
+                self.start_repair(shared, now_ms, read, overwritten, false, out);
                 return;
             }
             _ => Err(HostError::NotPrimary),
@@ -676,8 +712,9 @@ impl Term {
         }
     }
 
-    /// Asks the next in-sync replica with a stream for the blocks of repair `request`, or, if
-    /// every one was tried, fails the host read as damaged.
+    /// Asks the next in-sync replica with a stream for the blocks of repair `request` (for a
+    /// reconciliation's, the next probed member), or, if every one was tried, fails the host
+    /// read as damaged (a reconciliation's: see `reconcile_unrecoverable`).
     fn ask_next_peer(
         &mut self,
         shared: &mut Shared,
@@ -686,16 +723,24 @@ impl Term {
         out: &mut Vec<Action>,
     ) {
         let Some(repair) = self.repairs.get_mut(&request) else { return };
+        let reconcile = repair.reconcile;
         let next = self.peers.iter().find_map(|(&node, peer)| {
             let stream = peer.stream.as_ref()?;
             let untried = !repair.tried.contains(&node);
-            (matches!(peer.state, PeerState::InSync) && untried)
+            (can_serve_repair(&peer.state, reconcile) && untried)
                 .then_some((node, stream.incarnation))
         });
         let Some((node, incarnation)) = next else {
             let read = repair.read;
             self.repairs.remove(&request);
             self.reads_in_flight -= 1;
+            if reconcile {
+                if !self.reconcile_unrecoverable {
+                    shared.stats.reconcile_unrecovered += 1;
+                }
+                self.reconcile_unrecoverable = true;
+                return;
+            }
             // A scrub's repair stays among the damaged blocks and is tried again later.
             if let Some(host) = read.host {
                 shared.stats.reads_unrecovered += 1;
@@ -734,6 +779,26 @@ impl Term {
             self.ask_next_peer(shared, now_ms, request, out);
             return;
         };
+        let block_bytes = shared.config.block_size_bytes;
+        if repair.reconcile {
+            // Mapped blocks of the node's size, or unmapped: anything else is not a copy.
+            if blocks.iter().flatten().any(|block| block.len() != block_bytes) {
+                self.ask_next_peer(shared, now_ms, request, out);
+                return;
+            }
+            let Some(repair) = self.repairs.remove(&request) else { return };
+            self.reads_in_flight -= 1;
+            if self.phase == Phase::Reconciling {
+                let lba = repair.read.lba;
+                if let (true, Some(block)) =
+                    (self.reconcile_damaged.contains(&lba), blocks.into_iter().next())
+                {
+                    self.reconcile_fetched.insert(lba, block);
+                    self.write_fetched(shared, now_ms, out);
+                }
+            }
+            return;
+        }
         let Some(repair) = self.repairs.remove(&request) else { return };
         self.reads_in_flight -= 1;
         let HostRead { host, lba, .. } = repair.read;
@@ -751,7 +816,6 @@ impl Term {
             shared.stats.reads_repaired += 1;
         }
         let lbas = lba..lba + u64::from(count);
-        let block_bytes = shared.config.block_size_bytes;
         let well_formed = blocks.iter().flatten().all(|block| block.len() == block_bytes);
         // A write to these blocks pending now came after the ask (it sets `overwritten`) or
         // before it (so did it): either way the copy is not written here. Like every write of
@@ -804,18 +868,19 @@ impl Term {
             }
             self.reads_in_flight += 1;
             let read = HostRead { host: None, lba, count: 1 };
-            self.start_repair(shared, now_ms, read, false, out);
+            self.start_repair(shared, now_ms, read, false, false, out);
         }
     }
 
     /// Reads `read`'s blocks from an in-sync replica (the read counts in `reads_in_flight`
-    /// until it completes). `overwritten`: see `Repair::overwritten`.
+    /// until it completes). `overwritten` and `reconcile`: see `Repair`.
     fn start_repair(
         &mut self,
         shared: &mut Shared,
         now_ms: u64,
         read: HostRead,
         overwritten: bool,
+        reconcile: bool,
         out: &mut Vec<Action>,
     ) {
         let request = self.next_repair;
@@ -827,6 +892,7 @@ impl Term {
             asked_ms: now_ms,
             last_sent_ms: now_ms,
             overwritten,
+            reconcile,
         };
         self.repairs.insert(request, repair);
         self.ask_next_peer(shared, now_ms, request, out);
@@ -1193,6 +1259,9 @@ impl Term {
     fn own_divergence_dirty(&self) -> DirtySet {
         let mut dirty = self.empty_dirty();
         add_divergence(&mut dirty, &self.own_divergence);
+        for &lba in &self.adopted {
+            dirty.insert_range(lba..lba + 1);
+        }
         dirty
     }
 
@@ -1271,29 +1340,139 @@ impl Term {
     /// set, where it waits until this node's copy is rewritten (the block joins its damaged
     /// ones, repaired from another in-sync replica, or replaced by a host write); with no
     /// good copy in sync the resync waits, and the volume goes on serving. A reconciliation
-    /// cannot wait (the term serves only once it is done): false, and the node stops as on
-    /// an I/O error, so another in-sync member is promoted.
-    pub fn on_copy_read_damaged(&mut self, shared: &mut Shared, read: CopyRead) -> bool {
+    /// puts it back too, and takes the block from a probed member (crate docs, "Read
+    /// repair"): its pushes of the block wait until that copy is written here.
+    pub fn on_copy_read_damaged(
+        &mut self,
+        shared: &mut Shared,
+        now_ms: u64,
+        read: CopyRead,
+        out: &mut Vec<Action>,
+    ) {
         let CopyRead { id, peer: node, stream: stream_id, lba } = read;
-        let Some(peer) = self.peers.get_mut(&node) else { return true };
+        let Some(peer) = self.peers.get_mut(&node) else { return };
         if peer.stream.as_ref().is_none_or(|stream| stream.id != stream_id) {
-            return true;
+            return;
         }
-        let Some(job) = peer.job_mut() else { return true };
-        if job.reconcile {
-            return false;
-        }
+        let Some(job) = peer.job_mut() else { return };
         if job.reads.remove(&id).is_none() {
-            return true;
+            return;
+        }
+        if job.reconcile {
+            job.cancelled.remove(&id);
+            job.dirty.insert_range(lba..lba + 1);
+            if self.phase == Phase::Reconciling && self.reconcile_damaged.insert(lba) {
+                shared.stats.reconcile_damaged += 1;
+                let _ = shared.note_damaged(lba);
+                self.start_reconcile_repairs(shared, now_ms, out);
+            }
+            return;
         }
         if job.cancelled.remove(&id) {
             // A host write overtook it: the peer gets that write live.
             job.blocks_copied += 1;
-            return true;
+            return;
         }
         job.dirty.insert_range(lba..lba + 1);
         let _ = shared.note_damaged(lba);
-        true
+    }
+
+    /// Whether no probed member could give a block a reconciliation found damaged here: the
+    /// node then stops as on an I/O error (another in-sync member may hold a good copy and is
+    /// promoted in its place).
+    pub fn reconcile_unrecoverable(&self) -> bool {
+        self.reconcile_unrecoverable
+    }
+
+    /// Starts a read from a probed member of each block a reconciliation found damaged here
+    /// that has none under way, nor a copy got, nor a write in flight (within
+    /// `INFLIGHT_READS_MAX`; the rest on a later call).
+    fn start_reconcile_repairs(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        if self.phase != Phase::Reconciling {
+            return;
+        }
+        let asking: BTreeSet<u64> = self
+            .repairs
+            .values()
+            .filter(|repair| repair.reconcile)
+            .map(|repair| repair.read.lba)
+            .collect();
+        let due: Vec<u64> = self
+            .reconcile_damaged
+            .iter()
+            .copied()
+            .filter(|lba| !asking.contains(lba) && !self.reconcile_fetched.contains_key(lba))
+            .filter(|&lba| !shared.write_in_flight(lba..lba + 1))
+            .collect();
+        for lba in due {
+            if self.reads_in_flight >= INFLIGHT_READS_MAX || self.reconcile_unrecoverable {
+                return;
+            }
+            self.reads_in_flight += 1;
+            let read = HostRead { host: None, lba, count: 1 };
+            self.start_repair(shared, now_ms, read, false, true, out);
+        }
+    }
+
+    /// Writes the copies got for blocks a reconciliation found damaged, each once its region
+    /// is in the durable write intent and no write to it is in flight: the value may be one
+    /// no other member holds yet (a write that never completed), like a host write's. It is
+    /// this node's divergence until every member holds it.
+    fn write_fetched(&mut self, shared: &mut Shared, now_ms: u64, out: &mut Vec<Action>) {
+        if self.phase != Phase::Reconciling || self.reconcile_fetched.is_empty() {
+            return;
+        }
+        let ready: Vec<u64> = self
+            .reconcile_fetched
+            .keys()
+            .copied()
+            .filter(|&lba| !shared.write_in_flight(lba..lba + 1))
+            .collect();
+        for lba in ready {
+            if !shared.intend(lba..lba + 1, now_ms, out) {
+                continue;
+            }
+            let Some(block) = self.reconcile_fetched.remove(&lba) else { continue };
+            shared.divergence.record(self.epoch, RECONCILE_OP, lba..lba + 1);
+            shared.stats.blocks_repaired += 1;
+            let purpose = Purpose::Repair { epoch: self.epoch };
+            shared.storage_write(lba, vec![block], purpose, out);
+        }
+    }
+
+    /// A repair's write of `lbas` is durable here. A block a reconciliation found damaged now
+    /// holds a member's copy, which may differ from what other members hold: every member
+    /// gets it (in-sync ones are pushed it before the term serves; the others' dirty sets take
+    /// it), and its pushes, held back until now, may start.
+    pub fn on_repair_written(&mut self, shared: &mut Shared, lbas: Range<u64>) {
+        let rewritten: Vec<u64> = self.reconcile_damaged.range(lbas).copied().collect();
+        if rewritten.is_empty() || self.phase != Phase::Reconciling {
+            return;
+        }
+        let empty = self.empty_dirty();
+        for lba in rewritten {
+            self.reconcile_damaged.remove(&lba);
+            shared.stats.reconcile_repaired += 1;
+            self.adopted.insert(lba);
+            for peer in self.peers.values_mut() {
+                match &mut peer.state {
+                    PeerState::Pushing(job) => job.dirty.insert_range(lba..lba + 1),
+                    PeerState::InSync => {
+                        let mut dirty = empty.clone();
+                        dirty.insert_range(lba..lba + 1);
+                        peer.state = PeerState::Pushing(CopyJob::new(dirty, true));
+                    }
+                    PeerState::Removing(dirty) | PeerState::OutOfSync(dirty) => {
+                        dirty.insert_range(lba..lba + 1);
+                    }
+                    // Their dirty sets come from `own_divergence_dirty`, which holds it.
+                    PeerState::Probing { .. } => {}
+                    PeerState::CatchingUp { .. } | PeerState::Adding => {
+                        unreachable!("no peer catches up while the term reconciles")
+                    }
+                }
+            }
+        }
     }
 
     /// Starts copy reads, at most `copy_blocks_per_tick` per call over all peers. A block
@@ -1315,10 +1494,19 @@ impl Term {
                 let Some(stream) = &peer.stream else { continue };
                 let (stream_id, in_window) = (stream.id, stream.unacked.len());
                 let Some(job) = peer.job_mut() else { continue };
-                // A resync waits for a damaged block to be repaired here; a reconciliation
-                // cannot (repairs need a serving term), so its read fails and the node stops.
+                // A resync waits for a damaged block to be repaired here (by a repair of the
+                // serving term, or a host write); a reconciliation for the copy it takes from a
+                // probed member (`reconcile_damaged`).
                 let reconcile = job.reconcile;
-                let blocked = |lba: u64| busy(lba) || (!reconcile && shared.damaged.contains(&lba));
+                let reconcile_damaged = &self.reconcile_damaged;
+                let blocked = |lba: u64| {
+                    busy(lba)
+                        || if reconcile {
+                            reconcile_damaged.contains(&lba)
+                        } else {
+                            shared.damaged.contains(&lba)
+                        }
+                };
                 let mut started = 0;
                 while budget > 0
                     && job.reads.len() + started < COPY_WINDOW_MAX
@@ -1490,6 +1678,8 @@ impl Term {
             self.abort_peer(node);
         }
         self.tick_repairs(shared, now_ms, out);
+        self.start_reconcile_repairs(shared, now_ms, out);
+        self.write_fetched(shared, now_ms, out);
         self.copy_budget = shared.config.copy_blocks_per_tick;
         self.pump_copies(shared, out);
         self.drive_membership(shared, now_ms, out);
@@ -1507,7 +1697,7 @@ impl Term {
         let mut give_up = Vec::new();
         for (&request, repair) in self.repairs.iter_mut() {
             let peer = self.peers.get(&repair.peer);
-            let stream = peer.filter(|peer| matches!(peer.state, PeerState::InSync));
+            let stream = peer.filter(|peer| can_serve_repair(&peer.state, repair.reconcile));
             let Some(stream) = stream.and_then(|peer| peer.stream.as_ref()) else {
                 give_up.push(request);
                 continue;

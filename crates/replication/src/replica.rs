@@ -53,11 +53,21 @@ pub(crate) struct Replica {
     last_hello_ms: Option<u64>,
     /// A probe to answer once its epoch is durable.
     probe_from: Option<(NodeId, u64)>,
+    /// The primary this process answered a probe of, and in which epoch: from then on it
+    /// applies nothing of older epochs, so it may serve that primary's `Read` before any
+    /// entry of the new stream arrives (a reconciliation's repair reads).
+    probed_by: Option<(NodeId, u64)>,
 }
 
 impl Replica {
     pub fn new() -> Self {
-        Self { stream: None, last_stream_ms: 0, last_hello_ms: None, probe_from: None }
+        Self {
+            stream: None,
+            last_stream_ms: 0,
+            last_hello_ms: None,
+            probe_from: None,
+            probed_by: None,
+        }
     }
 
     pub fn on_epoch_raised(&mut self, epoch: u64) {
@@ -68,6 +78,9 @@ impl Replica {
         }
         if self.probe_from.is_some_and(|(_, probe_epoch)| probe_epoch < epoch) {
             self.probe_from = None;
+        }
+        if self.probed_by.is_some_and(|(_, probe_epoch)| probe_epoch < epoch) {
+            self.probed_by = None;
         }
     }
 
@@ -264,9 +277,10 @@ impl Replica {
     }
 
     /// A primary's `Read`: served from this node's storage only if this is the process the
-    /// primary streams to in this very epoch (so it applied every write the primary completed
-    /// before asking), else answered with no blocks. Beyond `INFLIGHT_READS_MAX` reads at once
-    /// it is dropped: the primary asks again.
+    /// primary streams to, or answered a probe of, in this very epoch (so it applied every
+    /// write the primary completed before asking: a probed process was in sync when the term
+    /// started and applies nothing of older epochs since), else answered with no blocks.
+    /// Beyond `INFLIGHT_READS_MAX` reads at once it is dropped: the primary asks again.
     pub fn on_read(
         &mut self,
         shared: &mut Shared,
@@ -283,11 +297,16 @@ impl Replica {
             .stream
             .as_ref()
             .is_some_and(|stream| stream.epoch == epoch && stream.primary == from);
+        let probed = self.probed_by == Some((from, epoch));
         let in_range = (1..=BLOCKS_PER_OP_MAX).contains(&count)
             && lba
                 .checked_add(u64::from(count))
                 .is_some_and(|end| end <= shared.config.volume_blocks);
-        if shared.latched || incarnation != shared.incarnation || !streaming || !in_range {
+        if shared.latched
+            || incarnation != shared.incarnation
+            || !(streaming || probed)
+            || !in_range
+        {
             shared.send(from, Message::ReadReply { epoch, request, blocks: None }, out);
             return;
         }
@@ -329,6 +348,7 @@ impl Replica {
             incarnation: shared.incarnation,
             divergence: shared.divergence.report(),
         };
+        self.probed_by = Some((to, epoch));
         shared.send(to, message, out);
     }
 

@@ -218,7 +218,7 @@ pub struct Stats {
     /// Host reads whose blocks were damaged here and were served from a replica's copy.
     pub reads_repaired: u64,
     /// Blocks this node rewrote from a replica's copy after such a read (none when a host
-    /// write to them came first).
+    /// write to them came first), or after a reconciliation met them damaged.
     pub blocks_repaired: u64,
     /// Host reads failed as damaged: no in-sync replica could give another copy.
     pub reads_unrecovered: u64,
@@ -231,6 +231,14 @@ pub struct Stats {
     pub damaged_rewritten: u64,
     /// Blocks this primary sent to replicas that reported their copies damaged.
     pub blocks_sent_for_repair: u64,
+    /// Blocks a reconciliation found damaged here, as a new primary after a failover.
+    pub reconcile_damaged: u64,
+    /// Of those, blocks taken from a probed member and written here, which every member then
+    /// got before the term served.
+    pub reconcile_repaired: u64,
+    /// Reconciliations that stopped the node because no probed member had a good copy of a
+    /// block damaged here.
+    pub reconcile_unrecovered: u64,
 }
 
 /// Why a local storage request was made; its completion goes back to whoever made it.
@@ -678,6 +686,13 @@ impl VolumeNode {
                 self.maybe_start_term(now_ms, out);
             }
         }
+        // A reconciliation that no member could give a damaged block stops the node, as an
+        // I/O error would (crate docs, "Read repair").
+        if let Role::Primary(term) = &self.role {
+            if term.reconcile_unrecoverable() {
+                self.latch(now_ms, out);
+            }
+        }
     }
 
     fn on_tick(&mut self, now_ms: u64, out: &mut Vec<Action>) {
@@ -857,7 +872,6 @@ impl VolumeNode {
                 self.shared.stats.damaged_rewritten += 1;
             }
         }
-        let mut latch = false;
         match (&mut self.role, in_flight.purpose) {
             (Role::Replica(replica), Purpose::StreamEntry { epoch, stream, seq })
                 if result == StorageResult::Written =>
@@ -913,15 +927,19 @@ impl VolumeNode {
                         term.on_copy_read_done(&mut self.shared, now_ms, read, blocks, out);
                     }
                     StorageResult::Damaged => {
-                        latch = !term.on_copy_read_damaged(&mut self.shared, read);
+                        term.on_copy_read_damaged(&mut self.shared, now_ms, read, out);
                     }
                     _ => {}
                 }
             }
+            (Role::Primary(term), Purpose::Repair { epoch })
+                if epoch == term.epoch && result == StorageResult::Written =>
+            {
+                if let Some(lbas) = &in_flight.write {
+                    term.on_repair_written(&mut self.shared, lbas.clone());
+                }
+            }
             _ => {}
-        }
-        if latch {
-            self.latch(now_ms, out);
         }
         // A completed write may unblock entries or local writes waiting for its blocks.
         match &mut self.role {

@@ -94,7 +94,11 @@ struct Cluster {
 
 impl Cluster {
     fn new(config: Config) -> Cluster {
-        let members: BTreeSet<NodeId> = (0..3).map(NodeId).collect();
+        Cluster::with_nodes(config, 3)
+    }
+
+    fn with_nodes(config: Config, count: u32) -> Cluster {
+        let members: BTreeSet<NodeId> = (0..count).map(NodeId).collect();
         let initial = VolumeState {
             epoch: 0,
             primary: None,
@@ -102,7 +106,7 @@ impl Cluster {
             in_sync: members.clone(),
             members,
         };
-        let nodes = (0..3)
+        let nodes = (0..count)
             .map(|index| Node {
                 volume: VolumeNode::new(config.clone(), NodeId(index), 1, 0, None),
                 lease: LeaseKeeper::new(NodeId(index), 1, &config),
@@ -125,7 +129,7 @@ impl Cluster {
             store_cut: BTreeSet::new(),
             completions: Vec::new(),
             next_host_op: 1,
-            progress: vec![Vec::new(); 3],
+            progress: vec![Vec::new(); count as usize],
             storage_held: BTreeSet::new(),
             held_writes: Vec::new(),
         }
@@ -353,7 +357,11 @@ impl Cluster {
 
     /// Starts the cluster and waits until node 0 serves epoch 1.
     fn started(config: Config) -> Cluster {
-        let mut cluster = Cluster::new(config);
+        Cluster::started_with_nodes(config, 3)
+    }
+
+    fn started_with_nodes(config: Config, count: u32) -> Cluster {
+        let mut cluster = Cluster::with_nodes(config, count);
         cluster.run(200);
         let state = cluster.state();
         assert_eq!((state.epoch, state.primary), (1, Some(NodeId(0))));
@@ -1377,4 +1385,80 @@ fn a_resync_waits_while_no_good_copy_is_in_sync_and_the_volume_still_serves() {
     assert_eq!(cluster.state().in_sync.len(), 3, "{:?}", cluster.state());
     assert_eq!(cluster.nodes[2].disk[5], Some(block(10)));
     assert_eq!(cluster.nodes[2].disk[6], Some(block(3)));
+}
+
+/// Node 0 writes block 1 (byte 1) on every node, then a second write of it (byte 2) reaches
+/// node 2 alone before node 0 is cut off for good; node 1, whose copy of block 1 is damaged
+/// (`damaged_on`), is promoted and reconciles. Returns the cluster once node 1 serves epoch 2.
+fn reconcile_meets_damage(nodes: u32, damaged_on: &[usize]) -> Cluster {
+    let mut cluster = Cluster::started_with_nodes(config(), nodes);
+    let first = cluster.write(0, 1, 1);
+    assert_eq!(cluster.result(first), Ok(HostReply::Written));
+    // Heartbeats tell the replicas the write committed: it leaves their divergence lists.
+    cluster.run(50);
+    for other in (1..nodes as usize).filter(|&node| node != 2) {
+        cluster.cut_link(0, other);
+    }
+    let lost = cluster.write(0, 1, 2);
+    assert!(cluster.completion(lost).is_none());
+    assert_eq!(cluster.nodes[2].disk[1], Some(block(2)), "the write reached node 2");
+    assert_eq!(cluster.nodes[1].disk[1], Some(block(1)));
+    cluster.isolate(0);
+    for &node in damaged_on {
+        cluster.nodes[node].damaged.insert(1);
+    }
+    cluster
+}
+
+#[test]
+fn a_reconciliation_takes_a_block_damaged_on_the_new_primary_from_a_probed_member() {
+    let mut cluster = reconcile_meets_damage(3, &[1]);
+    // Node 2's divergence lists block 1, so node 1 pushes its copy, which it cannot read:
+    // it takes node 2's, writes it, pushes it, and serves.
+    fail_over_to_node_1(&mut cluster);
+    let stats = cluster.nodes[1].volume.stats().clone();
+    assert_eq!((stats.reconcile_damaged, stats.reconcile_repaired), (1, 1), "{stats:?}");
+    assert_eq!(stats.reconcile_unrecovered, 0);
+    assert!(!cluster.nodes[1].volume.latched());
+    assert!(cluster.nodes[1].damaged.is_empty(), "the new primary rewrote its copy");
+    for node in [1, 2] {
+        assert_eq!(cluster.nodes[node].disk[1], Some(block(2)), "node {node}");
+    }
+    assert_eq!(cluster.nodes[2].volume.stats().peer_reads_served, 1);
+    let read = cluster.host(1, read_op(1, 1));
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![Some(block(2))])));
+    // The old primary comes back and ends with the same blocks.
+    cluster.heal();
+    cluster.run(500);
+    assert_eq!(cluster.state().in_sync.len(), 3, "node 0 is back in sync");
+    for node in [0, 2] {
+        assert_eq!(cluster.nodes[node].disk, cluster.nodes[1].disk, "node {node} converged");
+    }
+}
+
+#[test]
+fn a_block_a_reconciliation_took_from_a_member_reaches_the_members_already_reconciled() {
+    // Four nodes: node 3 never got the second write, so nothing of it needs pushing (it is
+    // reconciled at once), but node 1 takes node 2's copy of block 1: node 3 must get it too.
+    let mut cluster = reconcile_meets_damage(4, &[1]);
+    fail_over_to_node_1(&mut cluster);
+    assert_eq!(cluster.nodes[1].volume.stats().reconcile_repaired, 1);
+    assert!(!cluster.nodes[1].volume.latched());
+    for node in 1..4 {
+        assert_eq!(cluster.nodes[node].disk[1], Some(block(2)), "node {node} holds the copy");
+    }
+    let write = cluster.write(1, 1, 3);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+}
+
+#[test]
+fn a_reconciliation_with_no_good_copy_of_a_damaged_block_stops_the_node() {
+    // Node 2's copy is damaged too: no probed member has one, and node 1 stops as on an I/O
+    // error rather than serve a volume whose members may differ on the block.
+    let mut cluster = reconcile_meets_damage(3, &[1, 2]);
+    cluster.run(4 * cluster.config.lease_ms);
+    let stats = cluster.nodes[1].volume.stats().clone();
+    assert_eq!((stats.reconcile_damaged, stats.reconcile_unrecovered), (1, 1), "{stats:?}");
+    assert!(cluster.nodes[1].volume.latched());
+    assert_eq!(cluster.nodes[1].volume.serving_epoch(cluster.now_ms), None);
 }

@@ -315,6 +315,9 @@ pub fn add_stats(total: &mut Stats, more: &Stats) {
     total.damaged_noted += more.damaged_noted;
     total.damaged_rewritten += more.damaged_rewritten;
     total.blocks_sent_for_repair += more.blocks_sent_for_repair;
+    total.reconcile_damaged += more.reconcile_damaged;
+    total.reconcile_repaired += more.reconcile_repaired;
+    total.reconcile_unrecovered += more.reconcile_unrecovered;
 }
 
 pub struct World {
@@ -1166,10 +1169,24 @@ impl World {
 
     /// The data of one block on one node fails its checksum from now on (the primary half the
     /// time): never a block already damaged on another node, so the members together always
-    /// hold a good copy of every block, though perhaps not an in-sync one.
+    /// hold a good copy of every block, though perhaps not an in-sync one. Half the time it is
+    /// a block a host write in flight is writing, which a failover then leaves in some
+    /// divergence list, so a new primary's reconciliation meets it.
     fn damage_block(&mut self, primary: usize, random_node: usize) {
         let node = if self.rng.random_bool(0.5) { primary } else { random_node };
-        let lba = self.rng.random_range(0..self.settings.config.volume_blocks);
+        let written: Vec<u64> = self
+            .host
+            .values()
+            .filter_map(|command| match command.command {
+                Command::Write { lba, .. } => Some(lba),
+                _ => None,
+            })
+            .collect();
+        let lba = if !written.is_empty() && self.rng.random_bool(0.5) {
+            written[self.rng.random_range(0..written.len())]
+        } else {
+            self.rng.random_range(0..self.settings.config.volume_blocks)
+        };
         if self.nodes.iter().any(|sim| sim.damaged.contains(&lba)) {
             return;
         }
