@@ -238,7 +238,8 @@ pub struct LocalReplica {
     /// copy (read repair).
     #[serde(default)]
     pub reads_repaired: u64,
-    /// Blocks rewritten here from a replica's copy after such a read.
+    /// Blocks rewritten here from a replica's copy after such a read (or after a
+    /// reconciliation met them damaged here).
     #[serde(default)]
     pub blocks_repaired: u64,
     /// Host reads failed because no in-sync replica had another copy of a damaged block.
@@ -257,6 +258,14 @@ pub struct LocalReplica {
     /// Blocks this primary sent to replicas whose copies were damaged.
     #[serde(default)]
     pub blocks_sent_for_repair: u64,
+    /// Blocks a reconciliation after a failover found damaged here, as the new primary, and
+    /// took from another member (written here and pushed to every member before serving).
+    #[serde(default)]
+    pub reconcile_blocks_repaired: u64,
+    /// Reconciliations that stopped this node because no member had a good copy of a block
+    /// damaged here.
+    #[serde(default)]
+    pub reconcile_unrecovered: u64,
 }
 
 /// `GET /v1/cluster`: the cluster's nodes as the answering node sees them.

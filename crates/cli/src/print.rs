@@ -417,13 +417,16 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
                 local.peer_reads_served,
                 local.damaged_found,
                 local.blocks_sent_for_repair,
+                local.reconcile_blocks_repaired,
+                local.reconcile_unrecovered,
             ];
             if repair.iter().any(|count| *count > 0) {
                 println!(
                     "{:<13}{} reads of damaged blocks served from a replica ({} blocks rewritten \
                      here), {} failed with no good copy in sync, {} served to the primary; \
                      scrub found {} damaged blocks here, {} since rewritten; {} blocks sent to \
-                     replicas with damaged copies",
+                     replicas with damaged copies; after failovers, {} damaged blocks taken from \
+                     another member, {} reconciliations stopped with no good copy",
                     "read repair:",
                     local.reads_repaired,
                     local.blocks_repaired,
@@ -432,6 +435,8 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
                     local.damaged_found,
                     local.damaged_rewritten,
                     local.blocks_sent_for_repair,
+                    local.reconcile_blocks_repaired,
+                    local.reconcile_unrecovered,
                 );
             }
         }

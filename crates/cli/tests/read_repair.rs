@@ -1,5 +1,6 @@
-//! Read repair across replicas on a real two-node cluster (`common::cluster`, each node on two
-//! drive files without parity, so a damaged block has no second copy on its own node):
+//! Read repair across replicas on a real cluster (`common::cluster`: two nodes, three for the
+//! failover; each node on two drive files without parity, so a damaged block has no second copy
+//! on its own node):
 //!
 //! - The test writes known blocks, finds one of them in the primary's drive files (written raw:
 //!   compression off) and flips bytes in it while the nodes run. A host's read of it through
@@ -15,6 +16,11 @@
 //!   segments only, so the test writes 16 MiB more after the blocks, and it waits out the write
 //!   intent's linger first (10 s), so that the replica's return copies nothing and only the
 //!   repair can replace the block.
+//! - On three nodes, a host writes one block over and over while the primary is killed: the
+//!   replicas hold its newest versions beyond the commit point they know, so the next primary's
+//!   reconciliation pushes the block. Its own copy is damaged meanwhile: it takes the third
+//!   node's copy instead, writes and pushes it, and serves (before, it stopped serving, and the
+//!   third node was promoted in its place).
 
 mod common;
 
@@ -43,6 +49,80 @@ const FILLER_LBAS: std::ops::Range<u64> = 1024..5120;
 const FILLER_CHUNK_BLOCKS: u64 = 256;
 /// A region of the write intent leaves 10 s after its last write (`replication` crate docs).
 const INTENT_LINGER: Duration = Duration::from_secs(15);
+
+/// Damages the newest version of `lba` in `node`'s drive files: of the blocks holding its
+/// pattern under one of `tags` (each a write of the host, applied in order), the one with the
+/// highest tag, which is the block the node's index points to. One pass over the files;
+/// returns that tag.
+fn damage_newest(cluster: &Cluster, node: usize, lba: u64, tags: std::ops::Range<u64>) -> u64 {
+    use std::io::{Read, Seek, SeekFrom};
+    use std::os::fd::AsRawFd;
+    let drives = cluster.node(node).data_dir().join("drives");
+    let mut files: Vec<_> = std::fs::read_dir(&drives)
+        .expect("list the drive files")
+        .map(|entry| entry.expect("a drive file").path())
+        .collect();
+    files.sort();
+    let mut newest: Option<(u64, Vec<(std::path::PathBuf, u64)>)> = None;
+    let mut chunk = vec![0u8; 4 << 20];
+    for path in files {
+        let mut file = std::fs::File::open(&path).expect("open a drive file");
+        let fd = file.as_raw_fd();
+        // The files are sparse: only their data extents are read (the lseek calls fail past
+        // the last one).
+        let mut at: i64 = 0;
+        loop {
+            // SAFETY: plain lseek calls on a descriptor this function owns.
+            let start = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+            if start < 0 {
+                break;
+            }
+            // SAFETY: as above.
+            let end = unsafe { libc::lseek(fd, start, libc::SEEK_HOLE) };
+            assert!(end > start, "a data extent ends in a hole or at the end of the file");
+            let mut offset = start as u64 - start as u64 % BLOCK_BYTES as u64;
+            file.seek(SeekFrom::Start(offset)).expect("seek to the extent");
+            while offset < end as u64 {
+                let want = chunk.len().min((end as u64 - offset) as usize);
+                let want = want.div_ceil(BLOCK_BYTES) * BLOCK_BYTES;
+                let mut filled = 0;
+                while filled < want {
+                    match file.read(&mut chunk[filled..want]).expect("read a drive file") {
+                        0 => break,
+                        read => filled += read,
+                    }
+                }
+                for (index, block) in chunk[..filled].chunks_exact(BLOCK_BYTES).enumerate() {
+                    let word = |at: usize| {
+                        u64::from_le_bytes(block[at..at + 8].try_into().expect("eight bytes"))
+                    };
+                    if word(0) != lba {
+                        continue;
+                    }
+                    let tag = word(8);
+                    let newer = newest.as_ref().is_none_or(|(newest, _)| tag >= *newest);
+                    if tags.contains(&tag) && newer && pattern_mismatch(block, lba, tag).is_none() {
+                        let place = (path.clone(), offset + (index * BLOCK_BYTES) as u64);
+                        match &mut newest {
+                            Some((newest, places)) if *newest == tag => places.push(place),
+                            _ => newest = Some((tag, vec![place])),
+                        }
+                    }
+                }
+                if filled < want {
+                    break;
+                }
+                offset += filled as u64;
+            }
+            at = end;
+        }
+    }
+    let (tag, places) = newest.expect("the node holds a version of the block");
+    for (path, offset) in places {
+        damage(&path, offset);
+    }
+    tag
+}
 
 /// Where `lba`'s block (as written with `TAG`) is in `node`'s drive files; damages every copy.
 fn damage_block(cluster: &Cluster, node: usize, lba: u64) {
@@ -204,4 +284,77 @@ fn a_block_the_scrub_finds_damaged_on_a_replica_is_replaced_from_the_primary() {
     let local = cluster.replication_at(replica, VOLUME).and_then(|state| state.local);
     let local = local.expect("the replica's view");
     assert_eq!((local.reads_repaired, local.reads_unrecovered), (0, 0), "{local:?}");
+}
+
+#[test]
+fn a_new_primary_takes_a_block_damaged_in_its_reconciliation_from_another_member() {
+    const LBA: u64 = 7;
+    let options = ClusterOptions {
+        up_args: vec!["--erasure-coding".to_owned(), "none".to_owned()],
+        ..ClusterOptions::nodes(3)
+    };
+    let mut cluster = Cluster::start(&options);
+    let create = ["volume", "create", VOLUME, "--size", "64M", "--replicas", "3"];
+    ferrite_ok(&cluster.api_url(), &[&create[..], &["--compression", "off"]].concat());
+    let state = cluster.wait_serving(VOLUME, 3, &[]);
+    let old_name = state.primary.clone().expect("a primary");
+    let old = cluster.index(&old_name);
+    // The manager promotes the in-sync member with the lowest node id.
+    let info = cluster.cluster_info().expect("the cluster's nodes");
+    let id_of = |index: usize| {
+        let name = &cluster.node(index).name;
+        info.nodes.iter().find(|node| &node.name == name).map(|node| node.id).expect("an id")
+    };
+    let mut others: Vec<usize> = (0..3).filter(|&index| index != old).collect();
+    others.sort_by_key(|&index| id_of(index));
+    let next = others[0];
+
+    // One block written over and over (one write at a time): whenever the primary dies, the
+    // replicas' newest version of it is beyond the commit point they know.
+    let rt = runtime();
+    let mut device = rt.block_on(connect(&cluster, old));
+    // The next tag the writer uses: every tag below it was sent.
+    let next_tag = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(TAG));
+    let sent = std::sync::Arc::clone(&next_tag);
+    let writer = rt.spawn(async move {
+        loop {
+            let tag = sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if device.write(LBA, &pattern(LBA, 1, tag)).await.is_err() {
+                break;
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    cluster.kill9(old);
+    let killed = std::time::Instant::now();
+    // Its last write fails only once the path's I/O timeout passes: no need to wait for it.
+    writer.abort();
+    let tags_end = next_tag.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(tags_end > TAG + 10, "the host wrote the block a few times");
+    // Before the primary's lease runs out (2 s), the next primary's copy goes bad.
+    damage_newest(&cluster, next, LBA, TAG..tags_end);
+    assert!(killed.elapsed() < Duration::from_secs(1), "damaged before any failover");
+
+    let state = cluster.wait_serving(VOLUME, 2, &[&old_name]);
+    assert_eq!(state.primary.as_deref(), Some(cluster.node(next).name.as_str()), "{state:?}");
+    let local =
+        cluster.wait_local(next, VOLUME, "the damaged block taken from a member", |local| {
+            local.reconcile_blocks_repaired >= 1
+        });
+    assert!(local.serving && !local.failed, "{local:?}");
+    assert_eq!(local.reconcile_unrecovered, 0, "{local:?}");
+    let block = rt.block_on(async {
+        let mut device = connect(&cluster, next).await;
+        device.read(LBA, BLOCK_BYTES).await.expect("read through the new primary")
+    });
+    let tag = u64::from_le_bytes(block[8..16].try_into().expect("eight bytes"));
+    assert!((TAG..tags_end).contains(&tag), "a version the host wrote: tag {tag:#x}");
+    assert_eq!(pattern_mismatch(&block, LBA, tag), None);
+    let metrics = cluster.node(next).client().metrics().expect("metrics");
+    assert!(metric(&metrics, "ferrite_replication_reconcile_blocks_repaired_total") >= 1);
+    let shown = ferrite_ok(cluster.node(next).api_url(), &["volume", "show", VOLUME]);
+    assert!(shown.contains("damaged blocks taken from another member"), "{shown}");
+    let log = cluster.node(next).stderr_all();
+    assert!(log.contains("met blocks damaged on this node: taking them from another member"));
+    cluster.assert_no_error_lines(&[]);
 }

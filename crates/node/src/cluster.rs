@@ -517,6 +517,8 @@ impl Cluster {
             damaged_found: local.stats.damaged_noted,
             damaged_rewritten: local.stats.damaged_rewritten,
             blocks_sent_for_repair: local.stats.blocks_sent_for_repair,
+            reconcile_blocks_repaired: local.stats.reconcile_repaired,
+            reconcile_unrecovered: local.stats.reconcile_unrecovered,
         });
         Some(api::ReplicationInfo {
             epoch: state.epoch,

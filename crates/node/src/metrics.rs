@@ -43,7 +43,11 @@
 //!   `ferrite_replication_damaged_blocks_found_total`,
 //!   `ferrite_replication_damaged_blocks_rewritten_total` (counters, cluster nodes): blocks the
 //!   scrub found damaged here (each then repaired from another copy), and of them those a
-//!   write has replaced since;
+//!   write has replaced since; `ferrite_replication_reconcile_blocks_repaired_total`,
+//!   `ferrite_replication_reconcile_unrecovered_total` (counters, cluster nodes): blocks a
+//!   reconciliation after a failover found damaged on this node as the new primary and took
+//!   from another member, and reconciliations that found no member with a good copy (the node
+//!   then stopped serving the volume, as on an I/O error);
 //!   `ferrite_volume_replication_epoch{volume_id}` and `ferrite_volume_serving{volume_id}`
 //!   (gauges): each replicated volume's epoch as this node
 //!   knows it, and 1 while this node serves it
@@ -258,6 +262,10 @@ pub struct ReplicationGauges {
     /// Blocks the scrub found damaged here, and of them those a write has since replaced.
     pub damaged_found: u64,
     pub damaged_rewritten: u64,
+    /// Blocks a reconciliation found damaged here and took from another member, and
+    /// reconciliations that found no member with a good copy (the node then stopped).
+    pub reconcile_blocks_repaired: u64,
+    pub reconcile_unrecovered: u64,
 }
 
 struct Entry {
@@ -579,6 +587,18 @@ impl Registry {
                      had another copy.",
                     replication.reads_unrecovered,
                 ),
+                (
+                    "ferrite_replication_reconcile_blocks_repaired_total",
+                    "Blocks a reconciliation after a failover found damaged on this node, the \
+                     new primary, and took from another member.",
+                    replication.reconcile_blocks_repaired,
+                ),
+                (
+                    "ferrite_replication_reconcile_unrecovered_total",
+                    "Reconciliations that stopped this node because no member had a good copy \
+                     of a block damaged here.",
+                    replication.reconcile_unrecovered,
+                ),
             ] {
                 family(&mut out, name, "counter", help);
                 let _ = writeln!(out, "{name} {value}");
@@ -853,6 +873,8 @@ mod tests {
                 reads_unrecovered: 1,
                 damaged_found: 4,
                 damaged_rewritten: 2,
+                reconcile_blocks_repaired: 6,
+                reconcile_unrecovered: 7,
             }),
             volume_space: [(
                 1,
@@ -923,6 +945,8 @@ mod tests {
         assert_eq!(value(&text, "ferrite_replication_reads_repaired_total"), 3);
         assert_eq!(value(&text, "ferrite_replication_blocks_repaired_total"), 5);
         assert_eq!(value(&text, "ferrite_replication_reads_unrecovered_total"), 1);
+        assert_eq!(value(&text, "ferrite_replication_reconcile_blocks_repaired_total"), 6);
+        assert_eq!(value(&text, "ferrite_replication_reconcile_unrecovered_total"), 7);
         assert_eq!(value(&text, "ferrite_replication_damaged_blocks_found_total"), 4);
         assert_eq!(value(&text, "ferrite_replication_damaged_blocks_rewritten_total"), 2);
         assert!(text.contains("ferrite_volume_serving{volume_id=\"1\"} 1\n"), "{text}");

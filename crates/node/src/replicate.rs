@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
-use types::{AlignedBuf, Nqn, LOGICAL_BLOCK_SIZE_BYTES};
+use types::{AlignedBuf, Nqn, VolumeName, LOGICAL_BLOCK_SIZE_BYTES};
 
 /// Pieces one host command is split into at most (an NVMe/TCP or NBD command carries at most
 /// a few MiB; a piece is up to `BLOCKS_PER_OP_MAX` blocks), for the capacity of the answer list.
@@ -895,14 +895,7 @@ impl Service {
             Input::Message(envelope) => {
                 self.status.frames_received.fetch_add(1, Ordering::Relaxed);
                 let Envelope { volume, sender, message } = envelope;
-                if let Some(replica) = self.volumes.get_mut(&volume) {
-                    replica.node.handle(
-                        now,
-                        Event::Message { from: sender, message },
-                        &mut self.actions,
-                    );
-                    self.run_actions(volume);
-                }
+                self.event(volume, Event::Message { from: sender, message });
             }
             Input::Store { origin, id, reply } => match origin {
                 Origin::Keeper => {
@@ -1069,7 +1062,15 @@ impl Service {
     fn event(&mut self, volume: u64, event: Event) {
         let now = self.now_ms();
         let Some(replica) = self.volumes.get_mut(&volume) else { return };
+        let reconcile = |stats: &replication::Stats| {
+            (stats.reconcile_damaged, stats.reconcile_repaired, stats.reconcile_unrecovered)
+        };
+        let before = reconcile(replica.node.stats());
         replica.node.handle(now, event, &mut self.actions);
+        let after = reconcile(replica.node.stats());
+        if after != before {
+            log_reconcile_damage(&replica.handle.name, before, after);
+        }
         self.run_actions(volume);
     }
 
@@ -1468,6 +1469,35 @@ struct QueuedWrite {
 }
 
 /// Fails every host command of a volume that is no longer replicated here.
+/// Says what a failover's reconciliation did about blocks damaged on this node, the new
+/// primary (`replication` crate docs, "Read repair"); the counters are `(damaged met,
+/// repaired from another member, reconciliations stopped with no good copy)`.
+fn log_reconcile_damage(volume: &VolumeName, before: (u64, u64, u64), after: (u64, u64, u64)) {
+    if after.0 > before.0 {
+        tracing::warn!(
+            %volume,
+            blocks = after.0 - before.0,
+            "the reconciliation after a failover met blocks damaged on this node: taking them \
+             from another member"
+        );
+    }
+    if after.1 > before.1 {
+        tracing::info!(
+            %volume,
+            blocks = after.1 - before.1,
+            "damaged blocks taken from another member and pushed to every member"
+        );
+    }
+    if after.2 > before.2 {
+        tracing::error!(
+            %volume,
+            "no member had a good copy of a block damaged on this node: it stops serving the \
+             volume so that another in-sync member can be promoted; check `ferrite node show` \
+             for damaged blocks"
+        );
+    }
+}
+
 fn fail_all(replica: Replica) {
     replica.gate.set(None);
     for (_, (_, reply)) in replica.pending {
