@@ -38,8 +38,9 @@ Examples:
       may fail without losing data; 4/6 = 67% of the drive space holds data.
   ferrite up --nvme-listen 0.0.0.0:4420 --api-listen 127.0.0.1:9000
   ferrite up --nbd-listen 0.0.0.0:10809     # or --nbd-listen off
-      Every volume open to any host is also an NBD export (nbd://HOST:10809/VOLUME); a volume
-      restricted to listed NVMe hosts is not exported over NBD.
+      Every volume open to any host is also an NBD export (nbd://HOST:10809/VOLUME), and each
+      of its snapshots a read-only one (nbd://HOST:10809/VOLUME@SNAPSHOT); a volume restricted
+      to listed NVMe hosts is not exported over NBD, nor are its snapshots.
   ferrite up --data-dir /var/lib/ferrite --drive /dev/nvme1n1 --drive /dev/nvme2n1
       The two NVMe devices are the node's drives (formatted on the first start: everything on
       them is overwritten); the metadata stays in /var/lib/ferrite.
@@ -143,7 +144,11 @@ Use a snapshot to:
   - roll the volume back to it: `ferrite volume rollback VOLUME --to SNAP` (the writes made
     since the snapshot are dropped);
   - make a writable copy of it, a clone: `ferrite volume create NEW --from-snapshot VOLUME@SNAP`
-    (instant too; the clone shares the snapshot's blocks until it overwrites them).
+    (instant too; the clone shares the snapshot's blocks until it overwrites them);
+  - read it, for a backup or a check, without touching the volume: hosts the volume admits
+    attach it read-only over NVMe/TCP as nqn.2024-01.io.ferrite:snap:VOLUME:SNAP, and NBD
+    clients open the read-only export VOLUME@SNAP while the volume is open to every host
+    (`nbdcopy nbd://127.0.0.1:10809/db@nightly db-nightly.img`).
 
 Snapshot names follow the volume name rules and are unique per volume. Deleting a volume deletes
 its snapshots; its clones stay intact.

@@ -3,7 +3,8 @@
 //! volumes; data crosses between NBD and NVMe/TCP both ways and survives a restart; a volume
 //! restricted to listed NVMe hosts is not exported; a resize shows on new connections; a
 //! rollback drains and resumes NBD I/O; a deleted volume's connections get errors and close,
-//! as do those of a volume closed to NBD; and ext4 on a loop device over an nbdfuse file keeps
+//! as do those of a volume closed to NBD; a snapshot is a read-only export `VOLUME@SNAPSHOT`
+//! of the moment it was taken, until it is deleted; and ext4 on a loop device over an nbdfuse file keeps
 //! its files across a restart of the node.
 //!
 //! The clients are Debian packages (`libnbd-bin`, `qemu-utils`, `fio`, `fuse3`), installed by
@@ -430,7 +431,7 @@ fn deletion_rollback_and_access_changes_reach_nbd_connections() {
     shut.write_ok(0, &[0x55; BLOCK_BYTES]);
     ferrite_ok(&api, &["host", "allow", "shut", LISTED_HOST]);
     shut.expect_close(&[1], "a volume closed to NBD");
-    assert_eq!(listed_exports(&node), ["rolled"]);
+    assert_eq!(listed_exports(&node), ["rolled", "rolled@before"]);
     let refused = RawClient::connect(&address, "shut").err().expect("GO on a restricted volume");
     assert_eq!(refused.reply_type, reply_type::ERR_POLICY, "{refused:?}");
     assert!(refused.message.contains("restricted to NVMe hosts"), "{refused:?}");
@@ -445,6 +446,85 @@ fn deletion_rollback_and_access_changes_reach_nbd_connections() {
     assert!(!output.status.success(), "the deleted volume is gone");
     let stderr = node.stop_cleanly();
     assert_no_error_lines(&stderr, &[], "NBD deletion and rollback");
+}
+
+#[test]
+fn snapshots_are_read_only_exports_of_the_moment_they_were_taken() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data_dir = dir.path().join("data");
+    let node = Node::start(&data_dir, free_port());
+    let api = node.api_url.clone();
+    ferrite_ok(&api, &["volume", "create", "db", "--size", "8M"]);
+    let (taken, later) = (image(8 * MIB, 1), image(8 * MIB, 2));
+    let file = dir.path().join("image");
+    std::fs::write(&file, &taken).expect("write the image");
+    nbdcopy(path_str(&file), &node.nbd_uri("db"));
+    ferrite_ok(&api, &["snapshot", "create", "db", "nightly"]);
+    std::fs::write(&file, &later).expect("write the image");
+    nbdcopy(path_str(&file), &node.nbd_uri("db"));
+
+    // The snapshot is an export of its own, read-only, holding what the volume held when it
+    // was taken; the volume holds what was written after.
+    assert_eq!(listed_exports(&node), ["db", "db@nightly"]);
+    let info = nbdinfo(&node.nbd_uri("db@nightly"));
+    for expected in [
+        "\"export-size\": 8388608",
+        "\"is_read_only\": true",
+        "\"can_trim\": false",
+        "\"can_zero\": false",
+        "Ferrite snapshot",
+    ] {
+        assert!(info.contains(expected), "missing {expected} in:\n{info}");
+    }
+    let copied = dir.path().join("copied");
+    let same = |uri: &str, expected: &[u8], what: &str| {
+        nbdcopy(uri, path_str(&copied));
+        let read = std::fs::read(&copied).expect("read the copy");
+        let differ = read.iter().zip(expected).position(|(a, b)| a != b);
+        assert!(read.len() == expected.len() && differ.is_none(), "{what}: differs at {differ:?}");
+    };
+    same(&node.nbd_uri("db@nightly"), &taken, "the snapshot");
+    same(&node.nbd_uri("db"), &later, "the volume");
+
+    // Writes, trims and zeroings are refused with EPERM, and change nothing; reads go on.
+    let address = node.nbd_address.clone();
+    let mut raw = RawClient::connect(&address, "db@nightly").expect("GO db@nightly");
+    let block = [0x77u8; BLOCK_BYTES];
+    let refused =
+        [(command::WRITE, &block[..]), (command::TRIM, &[][..]), (command::WRITE_ZEROES, &[][..])];
+    for (command, data) in refused {
+        let (error, _) = raw.request(command, 0, BLOCK_BYTES as u32, data).expect("request");
+        assert_eq!(error, 1, "command {command} on a snapshot: errno {error}, not EPERM");
+    }
+    assert_eq!(raw.read_ok(0, 2 * BLOCK_BYTES), taken[..2 * BLOCK_BYTES]);
+
+    // A volume closed to NBD closes its snapshots' connections too, and says why.
+    ferrite_ok(&api, &["host", "allow", "db", LISTED_HOST]);
+    raw.expect_close(&[1], "a snapshot of a volume closed to NBD");
+    assert!(listed_exports(&node).is_empty());
+    let refused = RawClient::connect(&address, "db@nightly").err().expect("GO on its snapshot");
+    assert_eq!(refused.reply_type, reply_type::ERR_POLICY, "{refused:?}");
+    assert!(refused.message.contains("snap:db:nightly"), "{refused:?}");
+    ferrite_ok(&api, &["host", "allow", "db", "any"]);
+
+    // Still exported after a restart.
+    let stderr = node.stop_cleanly();
+    assert_no_error_lines(&stderr, &[], "NBD snapshots");
+    let node = Node::start(&data_dir, free_port());
+    let api = node.api_url.clone();
+    assert_eq!(listed_exports(&node), ["db", "db@nightly"]);
+    same(&node.nbd_uri("db@nightly"), &taken, "the snapshot after a restart");
+
+    // Deleting the snapshot closes its connections and ends its export.
+    let raw = RawClient::connect(&node.nbd_address, "db@nightly").expect("GO db@nightly");
+    ferrite_ok(&api, &["snapshot", "delete", "db", "nightly"]);
+    raw.expect_close(&[1, 108], "a deleted snapshot's connection");
+    assert_eq!(listed_exports(&node), ["db"]);
+    let refused = RawClient::connect(&node.nbd_address, "db@nightly").err().expect("GO");
+    assert_eq!(refused.reply_type, reply_type::ERR_UNKNOWN, "{refused:?}");
+    same(&node.nbd_uri("db"), &later, "the volume after its snapshot's deletion");
+    let stderr = node.stop_cleanly();
+    assert_no_error_lines(&stderr, &[], "NBD snapshots after a restart");
 }
 
 // ----- A real file system on an NBD export -----

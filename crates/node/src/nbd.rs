@@ -11,14 +11,18 @@
 //! bounds what is in flight (`nbd::server::INFLIGHT_REQUESTS_MAX` requests and
 //! `INFLIGHT_PAYLOAD_BYTES_MAX` bytes), so the driver holds at most that many storage tasks.
 //!
-//! Exports. The export name is the volume name, its size the volume's size when the client
-//! connects (a volume grown later shows its new size on new connections), and every export is
-//! writable. Snapshots are not exported yet. Host access control is per host NQN, which an NBD
-//! client cannot present, so a volume restricted to listed hosts is not exported: it is left out
-//! of NBD_OPT_LIST, and NBD_OPT_INFO/GO name it with NBD_REP_ERR_POLICY and a message saying
-//! why (NBD_OPT_EXPORT_NAME, which cannot be refused, closes the connection). A volume that
-//! becomes restricted while NBD clients are connected closes their connections, as NVMe/TCP
-//! disconnects the controllers of hosts it no longer allows.
+//! Exports. A volume's export name is the volume name, its size the volume's size when the
+//! client connects (a volume grown later shows its new size on new connections), and it is
+//! writable. Each snapshot of an exported volume is a read-only export named `VOLUME@SNAPSHOT`
+//! (as `ferrite volume create --from-snapshot` names it; volume names never contain `@`): the
+//! server advertises NBD_FLAG_READ_ONLY and answers writes, trims and zeroings with EPERM. Host
+//! access control is per host NQN, which an NBD client cannot present, so a volume restricted
+//! to listed hosts is not exported, nor are its snapshots: they are left out of NBD_OPT_LIST,
+//! and NBD_OPT_INFO/GO name them with NBD_REP_ERR_POLICY and a message saying why
+//! (NBD_OPT_EXPORT_NAME, which cannot be refused, closes the connection). A volume that becomes
+//! restricted while NBD clients are connected closes their connections, its snapshots' too, as
+//! NVMe/TCP disconnects the controllers of hosts it no longer allows; deleting a snapshot drains
+//! its reads, then closes its connections.
 //!
 //! Durability. A write completes only once durable (group commit), so FUA needs nothing more
 //! and FLUSH has nothing left to do; both are still passed on as the store defines them.
@@ -67,8 +71,12 @@ pub const FENCED_WAIT_MS_MAX: u64 = 60_000;
 const FENCED_POLL_MS: u64 = 2;
 /// Pause after a failed accept (out of descriptors and the like) instead of spinning.
 const ACCEPT_RETRY_PAUSE_MS: u64 = 100;
-/// What `nbdinfo` shows as an export's description.
+/// What `nbdinfo` shows as a volume's export's description.
 const EXPORT_DESCRIPTION: &str = "Ferrite volume";
+/// What `nbdinfo` shows as a snapshot's export's description.
+const SNAPSHOT_EXPORT_DESCRIPTION: &str = "Ferrite snapshot (read-only)";
+/// Between a volume's name and its snapshot's in a snapshot's export name.
+const SNAPSHOT_SEPARATOR: char = '@';
 
 // A volume's size is whole logical blocks, which NBD's minimum block size divides.
 const _: () = assert!(LOGICAL_BLOCK_SIZE_BYTES % nbd::server::BLOCK_BYTES_MIN == 0);
@@ -151,44 +159,89 @@ enum Exported {
     Fenced,
 }
 
-/// Whether volume `id`, served with `handle`, is exported over NBD.
-fn exported(volumes: &NodeCatalog, id: u64, handle: &VolumeHandle) -> Exported {
+/// Whether the volume or snapshot served with `handle` is exported over NBD. `access_id` is the
+/// id whose host access rules it (a snapshot's volume's), `None` once that volume is gone.
+fn exported(volumes: &NodeCatalog, access_id: Option<u64>, handle: &VolumeHandle) -> Exported {
+    let Some(access_id) = access_id else {
+        // A snapshot whose volume is no longer served: the volume is being deleted.
+        return Exported::Fenced;
+    };
     if handle.fenced.load(Ordering::Acquire) {
         return Exported::Fenced;
     }
-    match volumes.host_access_read().get(&id) {
+    match volumes.host_access_read().get(&access_id) {
         Some(access) if access.is_open() => Exported::Yes,
         _ => Exported::Restricted,
     }
 }
 
-fn export_info(handle: &VolumeHandle) -> ExportInfo {
-    let size_blocks = handle.size_blocks.load(Ordering::Acquire);
-    ExportInfo {
-        name: handle.name.as_str().to_owned(),
-        size_bytes: size_blocks * u64::from(LOGICAL_BLOCK_SIZE_BYTES),
-        read_only: false,
-        description: EXPORT_DESCRIPTION.to_owned(),
+/// The id whose host access rules `handle`, served as `id`: its own for a volume, its volume's
+/// for a snapshot (`None` once that volume is no longer served).
+fn access_id(volumes: &NodeCatalog, id: u64, handle: &VolumeHandle) -> Option<u64> {
+    match handle.snapshot {
+        None => Some(id),
+        Some(_) => volumes.volume_id(&handle.name),
     }
 }
 
-/// The served volume named `name`, with its id.
+/// The export name of what `handle` serves: `VOLUME`, or `VOLUME@SNAPSHOT`.
+fn export_name(handle: &VolumeHandle) -> String {
+    match &handle.snapshot {
+        None => handle.name.as_str().to_owned(),
+        Some(snapshot) => format!("{}{SNAPSHOT_SEPARATOR}{snapshot}", handle.name),
+    }
+}
+
+fn export_info(handle: &VolumeHandle) -> ExportInfo {
+    let size_blocks = handle.size_blocks.load(Ordering::Acquire);
+    let read_only = handle.snapshot.is_some();
+    ExportInfo {
+        name: export_name(handle),
+        size_bytes: size_blocks * u64::from(LOGICAL_BLOCK_SIZE_BYTES),
+        read_only,
+        description: if read_only { SNAPSHOT_EXPORT_DESCRIPTION } else { EXPORT_DESCRIPTION }
+            .to_owned(),
+    }
+}
+
+/// The served volume or snapshot whose export name is `name`, with its id.
 fn find(volumes: &NodeCatalog, name: &str) -> Option<(u64, Arc<VolumeHandle>)> {
-    let served = volumes.read();
-    served
-        .iter()
-        .find(|(_, handle)| handle.name.as_str() == name)
-        .map(|(id, handle)| (*id, Arc::clone(handle)))
+    let found = match name.split_once(SNAPSHOT_SEPARATOR) {
+        None => volumes
+            .read()
+            .iter()
+            .find(|(_, handle)| handle.name.as_str() == name)
+            .map(|(id, handle)| (*id, Arc::clone(handle))),
+        Some((volume, snapshot)) => volumes
+            .snapshots_read()
+            .iter()
+            .find(|(_, handle)| {
+                handle.name.as_str() == volume
+                    && handle.snapshot.as_ref().is_some_and(|name| name.as_str() == snapshot)
+            })
+            .map(|(id, handle)| (*id, Arc::clone(handle))),
+    };
+    found
 }
 
 impl Catalog for NbdCatalog {
     fn list(&self) -> Vec<ExportInfo> {
-        // Lock order: the volumes, then host access (taken inside `exported`).
+        // Lock order: the volumes, then the snapshots, then host access (inside `exported`).
         let served = self.volumes.read();
-        let mut exports: Vec<ExportInfo> = served
+        let snapshots = self.volumes.snapshots_read();
+        let volume_ids: std::collections::HashMap<&types::VolumeName, u64> =
+            served.iter().map(|(id, handle)| (&handle.name, *id)).collect();
+        let volumes = served
             .iter()
-            .filter(|(id, handle)| exported(&self.volumes, **id, handle) == Exported::Yes)
-            .map(|(_, handle)| export_info(handle))
+            .filter(|(id, handle)| exported(&self.volumes, Some(**id), handle) == Exported::Yes);
+        let snapshots = snapshots.values().filter(|handle| {
+            let access_id = volume_ids.get(&handle.name).copied();
+            exported(&self.volumes, access_id, handle) == Exported::Yes
+        });
+        let mut exports: Vec<ExportInfo> = volumes
+            .map(|(_, handle)| handle)
+            .chain(snapshots)
+            .map(|handle| export_info(handle))
             .collect();
         exports.sort_by(|a, b| a.name.cmp(&b.name));
         exports
@@ -196,21 +249,34 @@ impl Catalog for NbdCatalog {
 
     fn lookup(&self, name: &str) -> Option<ExportInfo> {
         let (id, handle) = find(&self.volumes, name)?;
-        (exported(&self.volumes, id, &handle) == Exported::Yes).then(|| export_info(&handle))
+        let access_id = access_id(&self.volumes, id, &handle);
+        (exported(&self.volumes, access_id, &handle) == Exported::Yes).then(|| export_info(&handle))
     }
 
     fn refusal(&self, name: &str) -> Option<String> {
         let (id, handle) = find(&self.volumes, name)?;
-        match exported(&self.volumes, id, &handle) {
-            Exported::Restricted => Some(format!(
-                "volume {name} is restricted to NVMe hosts (its host access lists host NQNs, \
+        let volume = &handle.name;
+        let exported = exported(&self.volumes, access_id(&self.volumes, id, &handle), &handle);
+        match (exported, &handle.snapshot) {
+            (Exported::Yes, _) => None,
+            (Exported::Restricted, None) => Some(format!(
+                "volume {volume} is restricted to NVMe hosts (its host access lists host NQNs, \
                  which NBD clients cannot present), so it is not exported over NBD: attach it \
-                 over NVMe/TCP, or open it to every host with `ferrite host allow {name} any`"
+                 over NVMe/TCP, or open it to every host with `ferrite host allow {volume} any`"
             )),
-            Exported::Fenced => Some(format!(
-                "volume {name} is being deleted or rolled back; try again if it still exists"
+            (Exported::Restricted, Some(_)) => Some(format!(
+                "snapshot {name} is not exported over NBD: its volume {volume} is restricted to \
+                 NVMe hosts (its host access lists host NQNs, which NBD clients cannot present), \
+                 and a snapshot admits its volume's hosts; attach it over NVMe/TCP as {}, or \
+                 open the volume to every host with `ferrite host allow {volume} any`",
+                handle.nqn()
             )),
-            Exported::Yes => None,
+            (Exported::Fenced, None) => Some(format!(
+                "volume {volume} is being deleted or rolled back; try again if it still exists"
+            )),
+            (Exported::Fenced, Some(_)) => Some(format!(
+                "snapshot {name} is being deleted, or its volume is; try again if it still exists"
+            )),
         }
     }
 }
@@ -296,7 +362,7 @@ pub(crate) async fn serve_connection(
             if let Some(export) = connection.export() {
                 match find(&volumes, &export.name) {
                     Some(found) => {
-                        tracing::debug!(%peer, volume = %export.name, "NBD client attached");
+                        tracing::debug!(%peer, export = %export.name, "NBD client attached");
                         volume = Some(found);
                     }
                     None => refusal = Some(Errno::Shutdown),
@@ -403,21 +469,28 @@ fn log_refusal(peer: &str, handle: &VolumeHandle, refusal: Option<Errno>) {
     if let Some(errno) = refusal {
         tracing::info!(
             %peer,
-            volume = %handle.name,
+            export = %export_name(handle),
             %errno,
-            "closing NBD connection: its volume is deleted or no longer open to every host"
+            "closing NBD connection: its volume or snapshot is deleted, or the volume is no \
+             longer open to every host"
         );
     }
 }
 
-/// None while the connection's volume is served and open to every host; else the error its
-/// requests get from now on: ESHUTDOWN once deleted, EPERM once restricted to listed hosts.
+/// None while the connection's volume (or snapshot) is served and open to every host (its
+/// volume is); else the error its requests get from now on: ESHUTDOWN once deleted (a snapshot's
+/// volume too), EPERM once restricted to listed hosts.
 fn still_exported(volumes: &NodeCatalog, id: u64, handle: &Arc<VolumeHandle>) -> Option<Errno> {
     match volumes.get(id) {
-        Some(served) if Arc::ptr_eq(&served, handle) => match volumes.host_access_read().get(&id) {
-            Some(access) if access.is_open() => None,
-            _ => Some(Errno::Perm),
-        },
+        Some(served) if Arc::ptr_eq(&served, handle) => {
+            let Some(access_id) = access_id(volumes, id, handle) else {
+                return Some(Errno::Shutdown);
+            };
+            match volumes.host_access_read().get(&access_id) {
+                Some(access) if access.is_open() => None,
+                _ => Some(Errno::Perm),
+            }
+        }
         _ => Some(Errno::Shutdown),
     }
 }
@@ -652,6 +725,79 @@ mod tests {
         // Opening the restricted volume exports it.
         volumes.set_host_access(3, HostAccess::Open);
         assert!(catalog.lookup("locked").is_some());
+    }
+
+    fn snapshot(id: u64, volume: &str, name: &str, size_bytes: u64) -> meta::SnapshotRecord {
+        meta::SnapshotRecord {
+            id,
+            volume: types::VolumeName::new(volume).unwrap(),
+            name: types::VolumeName::new(name).unwrap(),
+            size_bytes,
+            uuid: [id as u8; 16],
+            created_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn snapshots_of_open_volumes_are_read_only_exports() {
+        let restricted = HostAccess::Restricted([host()].into());
+        let volumes = serving(&[
+            record(1, "db", 64 * MIB, HostAccess::Open),
+            record(2, "locked", 16 * MIB, restricted),
+        ]);
+        volumes.insert_snapshot(&snapshot(3, "db", "nightly", 32 * MIB), Arc::default());
+        volumes.insert_snapshot(&snapshot(4, "locked", "before", 16 * MIB), Arc::default());
+        let catalog = NbdCatalog::new(Arc::clone(&volumes));
+        let listed: Vec<(String, u64, bool)> = catalog
+            .list()
+            .into_iter()
+            .map(|export| (export.name, export.size_bytes, export.read_only))
+            .collect();
+        assert_eq!(
+            listed,
+            [("db".to_owned(), 64 * MIB, false), ("db@nightly".to_owned(), 32 * MIB, true)]
+        );
+        let export = catalog.lookup("db@nightly").unwrap();
+        assert!(export.read_only && export.description.contains("snapshot"), "{export:?}");
+        assert_eq!(catalog.refusal("db@nightly"), None);
+        // Names that are not a served snapshot are unknown, not refused.
+        for name in ["db@", "@nightly", "db@other", "nightly@db", "db@nightly@x", "db@nightly "] {
+            assert_eq!(catalog.lookup(name), None, "{name}");
+            assert_eq!(catalog.refusal(name), None, "{name}");
+        }
+
+        // A restricted volume's snapshot is refused with the reason and the NVMe way in.
+        assert_eq!(catalog.lookup("locked@before"), None);
+        let refusal = catalog.refusal("locked@before").unwrap();
+        assert!(refusal.contains("restricted to NVMe hosts"), "{refusal}");
+        assert!(refusal.contains("snap:locked:before"), "{refusal}");
+        assert!(refusal.contains("ferrite host allow locked any"), "{refusal}");
+        volumes.set_host_access(2, HostAccess::Open);
+        assert!(catalog.lookup("locked@before").is_some());
+
+        // A connection to a snapshot follows its volume's access, then the snapshot's deletion.
+        let nightly = volumes.get(3).unwrap();
+        assert_eq!(still_exported(&volumes, 3, &nightly), None);
+        volumes.set_host_access(1, HostAccess::Restricted([host()].into()));
+        assert_eq!(still_exported(&volumes, 3, &nightly), Some(Errno::Perm));
+        assert!(catalog.list().iter().all(|export| !export.name.starts_with("db")));
+        volumes.set_host_access(1, HostAccess::Open);
+        assert_eq!(still_exported(&volumes, 3, &nightly), None);
+        nightly.fenced.store(true, Ordering::SeqCst);
+        assert_eq!(catalog.lookup("db@nightly"), None);
+        assert!(catalog.refusal("db@nightly").unwrap().contains("being deleted"));
+        let changes = volumes.changes();
+        volumes.remove_snapshot(3);
+        assert!(volumes.changes() > changes, "a snapshot's removal is a change connections see");
+        assert_eq!(still_exported(&volumes, 3, &nightly), Some(Errno::Shutdown));
+        assert_eq!(catalog.lookup("db@nightly"), None);
+
+        // A snapshot whose volume is gone is not exported.
+        let before = volumes.get(4).unwrap();
+        volumes.remove(2);
+        assert_eq!(still_exported(&volumes, 4, &before), Some(Errno::Shutdown));
+        assert_eq!(catalog.lookup("locked@before"), None);
+        assert!(catalog.list().iter().all(|export| export.name != "locked@before"));
     }
 
     #[test]

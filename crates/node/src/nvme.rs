@@ -635,14 +635,15 @@ impl VolumeHandle {
 #[derive(Default)]
 pub(crate) struct NodeCatalog {
     volumes: RwLock<HashMap<u64, Arc<VolumeHandle>>>,
-    /// Snapshots, served read-only over NVMe/TCP, by snapshot id. Their hosts are their
-    /// volume's. Not NBD exports.
+    /// Snapshots, served read-only over NVMe/TCP and NBD, by snapshot id. Their hosts are their
+    /// volume's. Lock order: `volumes`, then `snapshots`, then `host_access`.
     snapshots: RwLock<HashMap<u64, Arc<VolumeHandle>>>,
     /// Each volume's host access, by volume id. Kept apart from [`VolumeHandle`] because only
     /// Connect and the discovery log read it, never the I/O path. Lock order: `volumes` first.
     host_access: RwLock<HashMap<u64, HostAccess>>,
-    /// Bumped after every removal and host access change, so NBD connections (`crate::nbd`)
-    /// notice at their next request that their volume may have gone, without a lock per I/O.
+    /// Bumped after every removal (of a volume or a snapshot) and host access change, so NBD
+    /// connections (`crate::nbd`) notice at their next request that their export may have gone,
+    /// without a lock per I/O.
     changes: AtomicU64,
 }
 
@@ -733,10 +734,14 @@ impl NodeCatalog {
 
     /// Stops serving a snapshot.
     pub(crate) fn remove_snapshot(&self, id: u64) -> Option<Arc<VolumeHandle>> {
-        self.snapshots.write().unwrap_or_else(|e| e.into_inner()).remove(&id)
+        let removed = self.snapshots.write().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        self.changes.fetch_add(1, Ordering::AcqRel);
+        removed
     }
 
-    fn snapshots_read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u64, Arc<VolumeHandle>>> {
+    pub(crate) fn snapshots_read(
+        &self,
+    ) -> std::sync::RwLockReadGuard<'_, HashMap<u64, Arc<VolumeHandle>>> {
         self.snapshots.read().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -765,7 +770,7 @@ impl NodeCatalog {
     }
 
     /// The id of the served volume named `name`.
-    fn volume_id(&self, name: &VolumeName) -> Option<u64> {
+    pub(crate) fn volume_id(&self, name: &VolumeName) -> Option<u64> {
         self.read().iter().find_map(|(id, handle)| (handle.name == *name).then_some(*id))
     }
 }
