@@ -160,6 +160,11 @@ pub struct VolumeInfo {
     /// node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replication: Option<ReplicationInfo>,
+    /// The volume's NBD export, `nbd://HOST:PORT/NAME`, when the answering node serves NBD and
+    /// the volume is open to every host (NBD clients carry no host NQN). Absent otherwise, and
+    /// from older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_uri: Option<String>,
 }
 
 /// A replicated volume's state ([`VolumeInfo::replication`]), from the cluster's store and
@@ -349,6 +354,14 @@ pub struct SnapshotInfo {
     pub created_unix_ms: u64,
     /// Bytes of blocks held by this snapshot alone: what deleting it frees (through GC).
     pub exclusive_bytes: u64,
+    /// The read-only NVMe subsystem that serves the snapshot to its volume's hosts. Absent from
+    /// older nodes and from a deletion's answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nqn: Option<String>,
+    /// The snapshot's read-only NBD export, `nbd://HOST:PORT/VOLUME@SNAPSHOT`, when the
+    /// answering node serves NBD and the volume is open to every host. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_uri: Option<String>,
 }
 
 /// `GET /v1/volumes/{name}/snapshots`: the volume's snapshots, oldest first.
@@ -931,6 +944,7 @@ mod tests {
             compression: COMPRESSION_ZSTD.to_owned(),
             data_reduction: 2.5,
             replication: None,
+            nbd_uri: None,
         };
         assert_eq!(
             info.nvme_connect_command(),
@@ -1126,6 +1140,8 @@ mod tests {
             size_bytes: 1 << 30,
             created_unix_ms: 1_700_000_000_000,
             exclusive_bytes: 8192,
+            nqn: None,
+            nbd_uri: None,
         };
         let json = serde_json::to_value(&info).unwrap();
         assert_eq!(
@@ -1136,6 +1152,14 @@ mod tests {
             })
         );
         assert_eq!(serde_json::from_value::<SnapshotInfo>(json).unwrap(), info);
+        let served = SnapshotInfo {
+            nqn: Some("nqn.2024-01.io.ferrite:snap:db:nightly".to_owned()),
+            nbd_uri: Some("nbd://127.0.0.1:10809/db@nightly".to_owned()),
+            ..info.clone()
+        };
+        let json = serde_json::to_value(&served).unwrap();
+        assert_eq!(json["nbd_uri"], "nbd://127.0.0.1:10809/db@nightly");
+        assert_eq!(serde_json::from_value::<SnapshotInfo>(json).unwrap(), served);
         let list = SnapshotList { snapshots: vec![info] };
         let text = serde_json::to_string(&list).unwrap();
         assert_eq!(serde_json::from_str::<SnapshotList>(&text).unwrap(), list);

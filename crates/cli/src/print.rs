@@ -363,6 +363,7 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
         ("address", format!("tcp {}:{}", volume.nvme_host, volume.nvme_port)),
         ("connect", volume.nvme_connect_command()),
         ("access", access_summary(volume.access, &volume.name)),
+        ("nbd", nbd_summary(volume.nbd_uri.as_deref(), volume.access)),
         ("origin", volume.origin.clone().unwrap_or_else(|| "none (not a clone)".to_owned())),
         ("snapshots", snapshot_summary(volume.snapshot_count, &volume.name)),
     ];
@@ -519,6 +520,19 @@ fn compression_summary(compression: &str) -> String {
     }
 }
 
+/// Where NBD clients find a volume (or a snapshot of it), or why they cannot.
+fn nbd_summary(uri: Option<&str>, access: AccessMode) -> String {
+    match (uri, access) {
+        (Some(uri), _) => uri.to_owned(),
+        (None, AccessMode::Restricted) => {
+            "not exported: restricted to listed NVMe hosts (NBD clients present none)".to_owned()
+        }
+        (None, AccessMode::Open) => {
+            "not served: this node runs without NBD (--nbd-listen off)".to_owned()
+        }
+    }
+}
+
 fn snapshot_summary(count: u32, volume: &str) -> String {
     match count {
         0 => "none".to_owned(),
@@ -567,6 +581,16 @@ pub fn snapshot(json: bool, snapshot: &SnapshotInfo) -> anyhow::Result<()> {
     ];
     for (key, value) in rows {
         println!("{:<11}{value}", format!("{key}:"));
+    }
+    // Read-only ways in, from nodes that report them.
+    if let Some(nqn) = &snapshot.nqn {
+        println!("{:<11}{nqn} (read-only, for the volume's hosts)", "nqn:");
+        let nbd = snapshot.nbd_uri.clone().unwrap_or_else(|| {
+            "not exported (the volume is restricted to listed hosts, or the node runs without \
+             NBD)"
+                .to_owned()
+        });
+        println!("{:<11}{nbd}", "nbd:");
     }
     Ok(())
 }

@@ -466,6 +466,12 @@ fn snapshots_are_read_only_exports_of_the_moment_they_were_taken() {
     // The snapshot is an export of its own, read-only, holding what the volume held when it
     // was taken; the volume holds what was written after.
     assert_eq!(listed_exports(&node), ["db", "db@nightly"]);
+    // The API names both exports, and the snapshot's NVMe subsystem.
+    let shown = ferrite_ok(&api, &["volume", "show", "db"]);
+    assert!(shown.contains(&format!("{:<13}{}\n", "nbd:", node.nbd_uri("db"))), "{shown}");
+    let shown = ferrite_ok(&api, &["snapshot", "show", "db", "nightly"]);
+    assert!(shown.contains(&format!("{:<11}{}\n", "nbd:", node.nbd_uri("db@nightly"))), "{shown}");
+    assert!(shown.contains("nqn.2024-01.io.ferrite:snap:db:nightly (read-only"), "{shown}");
     let info = nbdinfo(&node.nbd_uri("db@nightly"));
     for expected in [
         "\"export-size\": 8388608",
@@ -505,6 +511,11 @@ fn snapshots_are_read_only_exports_of_the_moment_they_were_taken() {
     let refused = RawClient::connect(&address, "db@nightly").err().expect("GO on its snapshot");
     assert_eq!(refused.reply_type, reply_type::ERR_POLICY, "{refused:?}");
     assert!(refused.message.contains("snap:db:nightly"), "{refused:?}");
+    let shown = ferrite_ok(&api, &["snapshot", "show", "db", "nightly", "--json"]);
+    let json: serde_json::Value = serde_json::from_str(&shown).expect("snapshot show --json");
+    assert!(json.get("nbd_uri").is_none(), "a restricted volume's snapshot has no NBD URI: {json}");
+    let shown = ferrite_ok(&api, &["volume", "show", "db"]);
+    assert!(shown.contains(&format!("{:<13}not exported: restricted", "nbd:")), "{shown}");
     ferrite_ok(&api, &["host", "allow", "db", "any"]);
 
     // Still exported after a restart.

@@ -40,6 +40,8 @@ pub struct NodeView {
     /// The NVMe/TCP address hosts are told to connect to.
     pub nvme_advertised: SocketAddr,
     pub nvme_serving: bool,
+    /// The NBD address clients are told to connect to, if the node serves NBD.
+    pub nbd_advertised: Option<SocketAddr>,
     /// What holds the drives' bytes; memory is NOT DURABLE.
     pub drive_backend: DriveBackend,
 }
@@ -253,7 +255,15 @@ fn volume_info(record: &VolumeRecord, node: &NodeView, extras: VolumeExtras) -> 
         compression: record.compression.name().to_owned(),
         data_reduction: extras.reduction.unwrap_or(1.0),
         replication: extras.replication,
+        nbd_uri: nbd_uri(node, &record.host_access, record.name.as_str()),
     }
+}
+
+/// The NBD URI of export `export` of a volume with `access`, if this node exports it: it
+/// serves NBD and the volume is open to every host (`crate::nbd`).
+fn nbd_uri(node: &NodeView, access: &HostAccess, export: &str) -> Option<String> {
+    let address = node.nbd_advertised?;
+    access.is_open().then(|| format!("nbd://{address}/{export}"))
 }
 
 /// The volume's space and snapshot count, for answers about one volume.
@@ -272,7 +282,15 @@ fn volume_extras(
     })
 }
 
-fn snapshot_info(record: &SnapshotRecord, exclusive_bytes: u64) -> api::SnapshotInfo {
+/// A snapshot's answer. `access` is its volume's host access while the snapshot is served
+/// (`None` for a deletion's answer: no longer served).
+fn snapshot_info(
+    record: &SnapshotRecord,
+    exclusive_bytes: u64,
+    node: &NodeView,
+    access: Option<&HostAccess>,
+) -> api::SnapshotInfo {
+    let export = api::snapshot_ref(record.volume.as_str(), record.name.as_str());
     api::SnapshotInfo {
         name: record.name.to_string(),
         volume: record.volume.to_string(),
@@ -280,6 +298,8 @@ fn snapshot_info(record: &SnapshotRecord, exclusive_bytes: u64) -> api::Snapshot
         size_bytes: record.size_bytes,
         created_unix_ms: record.created_unix_ms,
         exclusive_bytes,
+        nqn: access.map(|_| record.volume.snapshot_nqn(&record.name).to_string()),
+        nbd_uri: access.and_then(|access| nbd_uri(node, access, &export)),
     }
 }
 
@@ -410,11 +430,16 @@ async fn list_snapshots(
     path: Result<Path<String>, PathRejection>,
 ) -> Result<Json<api::SnapshotList>, ApiError> {
     let name = parse_name(path)?;
+    let node = Arc::clone(&state.node);
     let snapshots = call(&state, move |service| {
         let records = service.snapshots(&name)?;
+        let access = service.volume(&name)?.host_access;
         Ok(records
             .iter()
-            .map(|record| snapshot_info(record, service.snapshot_exclusive_bytes(record.id)))
+            .map(|record| {
+                let exclusive_bytes = service.snapshot_exclusive_bytes(record.id);
+                snapshot_info(record, exclusive_bytes, &node, Some(&access))
+            })
             .collect())
     })
     .await?;
@@ -429,9 +454,12 @@ async fn create_snapshot(
 ) -> Result<(StatusCode, Json<api::SnapshotInfo>), ApiError> {
     let name = parse_name(path)?;
     let request: api::CreateSnapshot = parse_body(body)?;
+    let node = Arc::clone(&state.node);
     let info = call(&state, move |service| {
         let record = service.create_snapshot(&name, &request.name)?;
-        Ok(snapshot_info(&record, service.snapshot_exclusive_bytes(record.id)))
+        let access = service.volume(&name)?.host_access;
+        let exclusive_bytes = service.snapshot_exclusive_bytes(record.id);
+        Ok(snapshot_info(&record, exclusive_bytes, &node, Some(&access)))
     })
     .await?;
     Ok((StatusCode::CREATED, Json(info)))
@@ -443,9 +471,12 @@ async fn show_snapshot(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<api::SnapshotInfo>, ApiError> {
     let (name, snapshot) = parse_name_and_host(path)?;
+    let node = Arc::clone(&state.node);
     let info = call(&state, move |service| {
         let record = service.snapshot(&name, &snapshot)?;
-        Ok(snapshot_info(&record, service.snapshot_exclusive_bytes(record.id)))
+        let access = service.volume(&name)?.host_access;
+        let exclusive_bytes = service.snapshot_exclusive_bytes(record.id);
+        Ok(snapshot_info(&record, exclusive_bytes, &node, Some(&access)))
     })
     .await?;
     Ok(Json(info))
@@ -457,12 +488,13 @@ async fn delete_snapshot(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Json<api::SnapshotInfo>, ApiError> {
     let (name, snapshot) = parse_name_and_host(path)?;
+    let node = Arc::clone(&state.node);
     let info = call(&state, move |service| {
         // Read before the deletion: afterwards the engine no longer knows the snapshot.
         let record = service.snapshot(&name, &snapshot)?;
         let exclusive_bytes = service.snapshot_exclusive_bytes(record.id);
         let deleted = service.delete_snapshot(&name, &snapshot)?;
-        Ok(snapshot_info(&deleted, exclusive_bytes))
+        Ok(snapshot_info(&deleted, exclusive_bytes, &node, None))
     })
     .await?;
     Ok(Json(info))

@@ -396,6 +396,7 @@ impl Node {
             record: record.clone(),
             nvme_advertised,
             nvme_serving,
+            nbd_advertised,
             drive_backend: backend,
         };
         let reconciler = cluster.as_ref().map(|cluster| {
