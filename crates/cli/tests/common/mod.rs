@@ -348,9 +348,19 @@ pub fn metric(metrics: &str, series: &str) -> u64 {
 }
 
 /// The volumes as `ferrite volume list --json` prints them.
+/// `volume list --json`, without each volume's `nbd_uri`: it names the NBD port of this start
+/// of the node (each [`Node::start`] picks a free one), which is not what a volume is.
 pub fn volume_list(api_url: &str) -> serde_json::Value {
     let text = ferrite_ok(api_url, &["volume", "list", "--json"]);
-    serde_json::from_str(&text).expect("volume list JSON")
+    let mut list: serde_json::Value = serde_json::from_str(&text).expect("volume list JSON");
+    if let Some(volumes) = list["volumes"].as_array_mut() {
+        for volume in volumes {
+            if let Some(volume) = volume.as_object_mut() {
+                volume.remove("nbd_uri");
+            }
+        }
+    }
+    list
 }
 
 /// A block-sized pattern that names its volume tag, LBA and a salt, so a block that lands at
