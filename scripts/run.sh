@@ -54,5 +54,8 @@ echo "== the five standard workloads on volume '$volume' over NVMe/TCP (--verify
 echo
 echo "Ferrite is serving. Connect a Linux host with:"
 "$ferrite" volume show "$volume" | grep 'nvme connect' || true
+echo "or an NBD client (qemu-img, nbdcopy, nbdfuse) to:"
+"$ferrite" volume show "$volume" | grep '^nbd:' || true
+echo "Snapshots (\`$ferrite snapshot create $volume NAME\`) are read-only NBD exports $volume@NAME."
 echo "Stop with Ctrl-C."
 wait "$server"
