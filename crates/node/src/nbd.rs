@@ -684,6 +684,15 @@ mod tests {
             .unwrap()
     }
 
+    /// What NBD_OPT_LIST shows: (name, size, read-only) of each export.
+    fn listed(catalog: &NbdCatalog) -> Vec<(String, u64, bool)> {
+        catalog
+            .list()
+            .into_iter()
+            .map(|export| (export.name, export.size_bytes, export.read_only))
+            .collect()
+    }
+
     #[test]
     fn open_volumes_are_exported_and_restricted_ones_say_why() {
         let restricted = HostAccess::Restricted([host()].into());
@@ -693,11 +702,7 @@ mod tests {
             record(3, "locked", 16 * MIB, restricted),
         ]);
         let catalog = NbdCatalog::new(Arc::clone(&volumes));
-        let listed: Vec<(String, u64, bool)> = catalog
-            .list()
-            .into_iter()
-            .map(|export| (export.name, export.size_bytes, export.read_only))
-            .collect();
+        let listed = listed(&catalog);
         assert_eq!(
             listed,
             [("alpha".to_owned(), 8 * MIB, false), ("beta".to_owned(), 64 * MIB, false)]
@@ -748,11 +753,7 @@ mod tests {
         volumes.insert_snapshot(&snapshot(3, "db", "nightly", 32 * MIB), Arc::default());
         volumes.insert_snapshot(&snapshot(4, "locked", "before", 16 * MIB), Arc::default());
         let catalog = NbdCatalog::new(Arc::clone(&volumes));
-        let listed: Vec<(String, u64, bool)> = catalog
-            .list()
-            .into_iter()
-            .map(|export| (export.name, export.size_bytes, export.read_only))
-            .collect();
+        let listed = listed(&catalog);
         assert_eq!(
             listed,
             [("db".to_owned(), 64 * MIB, false), ("db@nightly".to_owned(), 32 * MIB, true)]
