@@ -618,6 +618,13 @@ pub struct ScrubInfo {
     pub state: String,
     /// The most the scrub reads per second, in MiB (0: off).
     pub rate_mb_per_s: u64,
+    /// The most it reads per second while hosts keep the node busy, in MiB: it yields to host
+    /// I/O (0: off; absent from nodes before it did).
+    #[serde(default)]
+    pub busy_rate_mb_per_s: u64,
+    /// Whether it reads at `busy_rate_mb_per_s` now, hosts keeping the node busy.
+    #[serde(default)]
+    pub slowed_for_hosts: bool,
     /// Full passes over the node's data since the node started.
     pub passes_completed: u64,
     /// Blocks read back and found intact since the node started.
@@ -1051,6 +1058,8 @@ mod tests {
         let scrub = ScrubInfo {
             state: SCRUB_STATE_RUNNING.to_owned(),
             rate_mb_per_s: 32,
+            busy_rate_mb_per_s: 2,
+            slowed_for_hosts: true,
             passes_completed: 2,
             blocks_verified: 1000,
             errors: 1,
@@ -1070,7 +1079,13 @@ mod tests {
         let json = serde_json::to_value(&scrub).unwrap();
         assert!(json["findings"][0].get("segment").is_none(), "{json}");
         assert_eq!(json["findings"][0]["volume"], "db");
-        assert_eq!(serde_json::from_value::<ScrubInfo>(json).unwrap(), scrub);
+        assert_eq!(serde_json::from_value::<ScrubInfo>(json.clone()).unwrap(), scrub);
+        // An older node sends neither busy field: a scrub that never slowed down.
+        let mut old = json;
+        old.as_object_mut().unwrap().remove("busy_rate_mb_per_s");
+        old.as_object_mut().unwrap().remove("slowed_for_hosts");
+        let old: ScrubInfo = serde_json::from_value(old).unwrap();
+        assert_eq!((old.busy_rate_mb_per_s, old.slowed_for_hosts), (0, false));
     }
 
     #[test]

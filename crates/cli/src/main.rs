@@ -488,9 +488,12 @@ struct UpArgs {
     ///
     /// The scrub reads every live block back and checks it against its checksum, so damage on
     /// a drive is found before a host reads it; `ferrite node show` reports its passes and what
-    /// it found. It only reads and never holds up host writes, but its reads share the drives:
-    /// raise the rate on fast drives, lower it where host I/O needs every bit of bandwidth. A
-    /// pass starts at most once a minute. It pauses while a drive is latched failed.
+    /// it found. It only reads and never holds up host writes, but its reads share the drives,
+    /// so it yields to hosts: while they read and write through the node at 1 MiB/s or more,
+    /// it reads at a sixteenth of this rate (at least 1 MiB/s, so a pass still ends under
+    /// steady load), and at the full rate again once they have been quiet for a second. Raise
+    /// the rate on fast drives, lower it where host I/O needs every bit of bandwidth. A pass
+    /// starts at most once a minute. It pauses while a drive is latched failed.
     #[arg(long, value_name = "MB", default_value_t = node::scrub::DEFAULT_SCRUB_MB_PER_S)]
     scrub_mb_per_s: u64,
     /// Erasure coding across the drives, on the first start: K+M (such as 4+1) or none

@@ -273,6 +273,10 @@ fn reduction(ratio: f64) -> String {
 /// The scrub block of `node show`: its state, its counts, and what it found.
 fn print_scrub(scrub: &api::ScrubInfo) {
     let state = match scrub.state.as_str() {
+        api::SCRUB_STATE_RUNNING if scrub.slowed_for_hosts => format!(
+            "running, pass {:.0}% done, slowed to {} MiB/s while hosts are busy",
+            scrub.pass_progress_percent, scrub.busy_rate_mb_per_s
+        ),
         api::SCRUB_STATE_RUNNING => {
             format!("running, pass {:.0}% done", scrub.pass_progress_percent)
         }
@@ -286,7 +290,17 @@ fn print_scrub(scrub: &api::ScrubInfo) {
         other => other.to_owned(),
     };
     let rows = [
-        ("scrub", format!("{state}, at most {} MiB/s", scrub.rate_mb_per_s)),
+        (
+            "scrub",
+            if scrub.rate_mb_per_s == 0 {
+                state
+            } else {
+                format!(
+                    "{state}; at most {} MiB/s, {} MiB/s while hosts are busy",
+                    scrub.rate_mb_per_s, scrub.busy_rate_mb_per_s
+                )
+            },
+        ),
         ("scrub passes", scrub.passes_completed.to_string()),
         ("scrub verified", format!("{} blocks", scrub.blocks_verified)),
         ("scrub errors", scrub.errors.to_string()),

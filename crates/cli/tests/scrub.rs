@@ -238,3 +238,88 @@ fn on_a_coded_node_scrub_repairs_a_damaged_block_in_place() {
         "the block was rewritten in place"
     );
 }
+
+/// The scrub yields to hosts: on a node holding 64 MiB and scrubbing at 16 MiB/s (a pass of
+/// about four seconds), a host reading without pause slows it to 1 MiB/s, which `node show`
+/// says, and the scrub verifies no more than that while slowed; a second after the host stops
+/// it reads at its full rate again.
+#[test]
+fn host_io_slows_the_scrub_down() {
+    const DATA_BLOCKS: usize = 16 * 1024;
+    const WRITE_BLOCKS: usize = 256;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data_dir = dir.path().join("data");
+    let nvme_port = free_port();
+    let args = ["--drives", "2", "--drive-size", "1G", "--scrub-mb-per-s", "16"];
+    let rt = runtime();
+    let node = Node::start_with_drives(&data_dir, nvme_port, &args);
+    let api = node.api_url.clone();
+    ferrite_ok(&api, &["volume", "create", "busy", "--size", "128M", "--compression", "off"]);
+    rt.block_on(async {
+        let (controller, mut queue) = connect(&node, "busy").await;
+        for first in (0..DATA_BLOCKS).step_by(WRITE_BLOCKS) {
+            let data = pattern(first as u64, WRITE_BLOCKS, VICTIM_TAG);
+            queue.write(first as u64, data).await.expect("write");
+        }
+        drop(queue);
+        controller.shutdown().await.expect("shut down");
+    });
+    node.stop_cleanly();
+
+    // Restarted (every segment sealed), a host reads over and over while the scrub runs.
+    let node = Node::start_with_drives(&data_dir, nvme_port, &args);
+    let api = node.api_url.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let stop = std::sync::Arc::clone(&stop);
+        let address = node.nvme_address();
+        std::thread::spawn(move || {
+            runtime().block_on(async move {
+                let controller =
+                    Controller::connect(&address, &volume_nqn("busy"), ConnectOptions::default())
+                        .await
+                        .expect("connect");
+                let mut queue = controller.open_io_queue(8).await.expect("open an I/O queue");
+                let mut reads = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let first = (reads * 64) % DATA_BLOCKS as u64;
+                    queue.read(first, AlignedBuf::new(64 * BLOCK_BYTES)).await.expect("read");
+                    reads += 1;
+                }
+                drop(queue);
+                controller.shutdown().await.expect("shut down");
+                reads
+            })
+        })
+    };
+    let deadline = Instant::now() + SCRUB_TIMEOUT;
+    let slowed = loop {
+        let scrub = node_json(&api)["scrub"].clone();
+        if scrub["slowed_for_hosts"] == true {
+            break scrub;
+        }
+        assert!(Instant::now() < deadline, "the scrub never slowed for the reading host: {scrub}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(slowed["state"], "running", "{slowed}");
+    assert_eq!(slowed["busy_rate_mb_per_s"], 1, "{slowed}");
+    let shown = ferrite_ok(&api, &["node", "show"]);
+    assert!(shown.contains("slowed to 1 MiB/s while hosts are busy"), "{shown}");
+    // While slowed, it verifies about 1 MiB (256 blocks) a second, not 16 MiB.
+    let before = node_json(&api)["scrub"]["blocks_verified"].as_u64().expect("verified");
+    std::thread::sleep(Duration::from_secs(2));
+    let scrub = node_json(&api)["scrub"].clone();
+    let during = scrub["blocks_verified"].as_u64().expect("verified") - before;
+    assert_eq!(scrub["slowed_for_hosts"], true, "{scrub}");
+    assert!(during <= 3 * 256, "{during} blocks verified in 2 s while slowed: {scrub}");
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reads = reader.join().expect("the reader");
+    assert!(reads > 0);
+    // Hosts quiet: the full rate again, and the pass ends.
+    let scrub = wait_for_pass(&api);
+    assert_eq!(scrub["slowed_for_hosts"], false, "{scrub}");
+    assert_eq!(scrub["errors"], 0, "{scrub}");
+    let stderr = node.stop_cleanly();
+    assert_no_error_lines(&stderr, &[], "slowed scrub");
+}

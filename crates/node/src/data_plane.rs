@@ -162,6 +162,9 @@ pub struct ScrubReport {
     pub phase: ScrubPhase,
     /// The most it reads, in MiB per second (0: off).
     pub rate_mb_per_s: u64,
+    /// The most it reads while hosts keep the node busy, and whether it does now.
+    pub busy_rate_mb_per_s: u64,
+    pub slowed_for_hosts: bool,
     pub passes_completed: u64,
     pub blocks_verified: u64,
     /// Damage found (blocks and header chains, counted in each pass that finds them).

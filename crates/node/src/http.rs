@@ -826,6 +826,8 @@ fn scrub_info(report: &ScrubReport, volumes: &[VolumeRecord]) -> api::ScrubInfo 
     api::ScrubInfo {
         state: report.phase.as_str().to_owned(),
         rate_mb_per_s: report.rate_mb_per_s,
+        busy_rate_mb_per_s: report.busy_rate_mb_per_s,
+        slowed_for_hosts: report.slowed_for_hosts,
         passes_completed: report.passes_completed,
         blocks_verified: report.blocks_verified,
         errors: report.errors,

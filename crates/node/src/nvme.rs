@@ -2225,6 +2225,8 @@ impl DataPlane for NvmeDataPlane {
             scrub: ScrubReport {
                 phase: self.shared.scrub.phase(),
                 rate_mb_per_s: self.shared.scrub.rate_mb_per_s(),
+                busy_rate_mb_per_s: self.shared.scrub.busy_rate_mb_per_s(),
+                slowed_for_hosts: self.shared.scrub.slowed(),
                 passes_completed: stats.scrub_passes,
                 blocks_verified: stats.scrub_blocks_verified,
                 errors: stats.scrub_errors,

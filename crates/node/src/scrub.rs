@@ -10,6 +10,13 @@
 //! starts at most every [`SCRUB_PASS_INTERVAL_MIN_MS`], so a node holding little data does not
 //! read it back over and over.
 //!
+//! The scrub yields to hosts, as Linux md's resync does (`sync_speed_min`/`sync_speed_max`):
+//! while hosts read and write through the node at [`SCRUB_BUSY_HOST_MB_PER_S`] or more (the
+//! engine's host bytes, measured tick by tick; a replica's replicated writes count), it reads at
+//! a [`SCRUB_BUSY_DIVISOR`]th of its rate (at least 1 MiB/s, so a pass still ends under steady
+//! load), and goes back to the full rate once hosts have been quiet for
+//! [`SCRUB_QUIET_MS`]. `ferrite node show` says when it is slowed.
+//!
 //! While any drive is latched failed the scrub pauses, until the drive is replaced (on a node
 //! with erasure coding) or the node restarts: reads of the failed drive's blocks are rebuilt
 //! from parity or fail anyway (and are reported as the drive's failure), so nothing scrub could
@@ -21,7 +28,7 @@
 
 use engine::log::{LogHandle, ScrubCursor};
 use engine::Drive;
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 /// `--scrub-mb-per-s` when none is given: a modest share of one drive's bandwidth.
@@ -34,6 +41,13 @@ pub const SCRUB_MB_PER_S_MAX: u64 = 4096;
 pub const SCRUB_STEPS_PER_TICK_MAX: u32 = 16;
 /// A scrub pass starts at most this often: a pass that completes sooner waits for the rest.
 pub const SCRUB_PASS_INTERVAL_MIN_MS: u64 = 60_000;
+/// Host I/O through the node (reads and writes, MiB per second over a tick) at or above which
+/// the scrub slows down.
+pub const SCRUB_BUSY_HOST_MB_PER_S: u64 = 1;
+/// While hosts are busy the scrub reads at its rate divided by this (at least 1 MiB/s).
+pub const SCRUB_BUSY_DIVISOR: u64 = 16;
+/// How long hosts must have been quiet before the scrub reads at its full rate again.
+pub const SCRUB_QUIET_MS: u64 = 1_000;
 
 const BLOCKS_PER_MIB: u64 = (1 << 20) / types::BLOCK_SIZE_BYTES as u64;
 /// The most blocks one engine scrub step verifies (the engine's `SCRUB_BLOCKS_PER_STEP_MAX`,
@@ -88,6 +102,8 @@ impl ScrubPhase {
 pub struct ScrubStatus {
     rate_mb_per_s: u64,
     phase: AtomicU8,
+    /// Whether the scrub reads at its busy rate now, hosts keeping the node busy.
+    slowed: AtomicBool,
     /// The segment the current pass verifies, of `segments_total`.
     segment: AtomicU32,
     segments_total: AtomicU32,
@@ -100,6 +116,7 @@ impl ScrubStatus {
         Self {
             rate_mb_per_s,
             phase: AtomicU8::new(ScrubPhase::Off.code()),
+            slowed: AtomicBool::new(false),
             segment: AtomicU32::new(0),
             segments_total: AtomicU32::new(0),
         }
@@ -107,6 +124,16 @@ impl ScrubStatus {
 
     pub fn rate_mb_per_s(&self) -> u64 {
         self.rate_mb_per_s
+    }
+
+    /// The most the scrub reads per second while hosts keep the node busy, in MiB (0: off).
+    pub fn busy_rate_mb_per_s(&self) -> u64 {
+        busy_rate_mb_per_s(self.rate_mb_per_s)
+    }
+
+    /// Whether the scrub reads at its busy rate now.
+    pub fn slowed(&self) -> bool {
+        self.slowed.load(Ordering::Relaxed)
     }
 
     pub fn phase(&self) -> ScrubPhase {
@@ -131,6 +158,12 @@ impl ScrubStatus {
     }
 }
 
+/// The scrub's rate while hosts keep the node busy: a [`SCRUB_BUSY_DIVISOR`]th of `rate_mb_per_s`,
+/// at least 1 MiB/s and at most the rate itself (0 stays off).
+pub fn busy_rate_mb_per_s(rate_mb_per_s: u64) -> u64 {
+    (rate_mb_per_s / SCRUB_BUSY_DIVISOR).max(1).min(rate_mb_per_s)
+}
+
 /// Blocks one tick of `tick` may verify at `rate_mb_per_s` (at least one when not off).
 pub fn blocks_per_tick(rate_mb_per_s: u64, tick: Duration) -> u32 {
     let tick_ms = u64::try_from(tick.as_millis()).unwrap_or(u64::MAX);
@@ -144,6 +177,16 @@ pub fn blocks_per_tick(rate_mb_per_s: u64, tick: Duration) -> u32 {
 pub struct Scrubber {
     status: std::sync::Arc<ScrubStatus>,
     blocks_per_tick: u32,
+    /// The share of a tick while hosts keep the node busy.
+    busy_blocks_per_tick: u32,
+    /// The background tick, the shortest time a host I/O rate is measured over.
+    tick: Duration,
+    /// The engine's host I/O bytes at the previous tick, and when that was (`None` before the
+    /// first tick: the counts start with the engine, as the scrubber does).
+    host_bytes_seen: Option<(u64, Instant)>,
+    /// Until when the scrub reads at its busy rate: hosts were busy up to
+    /// [`SCRUB_QUIET_MS`] before.
+    busy_until: Option<Instant>,
     cursor: ScrubCursor,
     /// When the current pass started (`None` before the first).
     pass_started: Option<Instant>,
@@ -160,6 +203,7 @@ impl Scrubber {
     /// segments.
     pub fn new(status: std::sync::Arc<ScrubStatus>, tick: Duration, segments_total: u32) -> Self {
         let blocks_per_tick = blocks_per_tick(status.rate_mb_per_s(), tick);
+        let busy_blocks_per_tick = self::blocks_per_tick(status.busy_rate_mb_per_s(), tick);
         status.segments_total.store(segments_total, Ordering::Relaxed);
         status.segment.store(0, Ordering::Relaxed);
         let phase = if blocks_per_tick == 0 { ScrubPhase::Off } else { ScrubPhase::Running };
@@ -167,6 +211,10 @@ impl Scrubber {
         Self {
             status,
             blocks_per_tick,
+            busy_blocks_per_tick,
+            tick,
+            host_bytes_seen: None,
+            busy_until: None,
             cursor: ScrubCursor::new(),
             pass_started: None,
             next_pass_at: None,
@@ -175,11 +223,30 @@ impl Scrubber {
         }
     }
 
-    /// One tick's share of the scrub, at time `now`: at most the paced number of blocks.
+    /// Whether hosts keep the node busy at `now`, given the engine's host I/O bytes then: busy
+    /// if hosts moved [`SCRUB_BUSY_HOST_MB_PER_S`] or more since the previous tick (over at
+    /// least one tick's time), or did within the last [`SCRUB_QUIET_MS`].
+    fn hosts_busy(&mut self, host_bytes: u64, now: Instant) -> bool {
+        let (seen_bytes, seen_at) = self.host_bytes_seen.unwrap_or((0, now));
+        self.host_bytes_seen = Some((host_bytes, now));
+        let moved = host_bytes.saturating_sub(seen_bytes);
+        let over = now.saturating_duration_since(seen_at).max(self.tick);
+        let busy_bytes = SCRUB_BUSY_HOST_MB_PER_S as f64 * (1u64 << 20) as f64 * over.as_secs_f64();
+        if moved as f64 >= busy_bytes {
+            self.busy_until = Some(now + Duration::from_millis(SCRUB_QUIET_MS));
+        }
+        self.busy_until.is_some_and(|until| now < until)
+    }
+
+    /// One tick's share of the scrub, at time `now`: at most the paced number of blocks, or the
+    /// busy share while hosts keep the node busy.
     pub async fn tick<D: Drive>(&mut self, store: &LogHandle<D>, now: Instant) {
         if self.blocks_per_tick == 0 {
             return;
         }
+        // Sampled every tick, reading or not, so a pass that resumes knows how busy hosts are.
+        let busy = self.hosts_busy(store.engine().host_io_bytes(), now);
+        self.status.slowed.store(false, Ordering::Relaxed);
         let failed = store.engine().latches().failed_drives();
         if !failed.is_empty() {
             if !self.paused_logged {
@@ -207,7 +274,8 @@ impl Scrubber {
         }
         let pass_started = *self.pass_started.get_or_insert(now);
         self.status.set_phase(ScrubPhase::Running);
-        let mut blocks_left = self.blocks_per_tick;
+        self.status.slowed.store(busy, Ordering::Relaxed);
+        let mut blocks_left = if busy { self.busy_blocks_per_tick } else { self.blocks_per_tick };
         for _ in 0..SCRUB_STEPS_PER_TICK_MAX {
             let pass = self.cursor.passes_completed() + 1;
             let result = store.scrub_step(&mut self.cursor, blocks_left).await;
@@ -293,6 +361,7 @@ mod tests {
         drives: Vec<SimDrive>,
         engine: Arc<LogEngine>,
         handle: LogHandle<SimDrive>,
+        map: Arc<VolumeMap>,
     }
 
     impl Fixture {
@@ -317,7 +386,7 @@ mod tests {
             drop(handle);
             drop(engine);
             let (engine, handle) = Self::open(&drives);
-            Self { drives, engine, handle }
+            Self { drives, engine, handle, map }
         }
 
         fn open(drives: &[SimDrive]) -> (Arc<LogEngine>, LogHandle<SimDrive>) {
@@ -336,6 +405,57 @@ mod tests {
         fn verified(&self) -> u64 {
             self.engine.stats().scrub_blocks_verified
         }
+
+        /// A host reads `blocks` blocks of the volume from its start.
+        fn host_read(&self, blocks: u64) {
+            let buf = AlignedBuf::new((blocks * BLOCK) as usize);
+            let (result, _) = block_on(self.handle.read_blocks(&self.map, 0, buf));
+            result.unwrap();
+        }
+    }
+
+    #[test]
+    fn busy_rates_are_a_sixteenth_at_least_one_mib() {
+        assert_eq!(busy_rate_mb_per_s(0), 0);
+        assert_eq!(busy_rate_mb_per_s(1), 1);
+        assert_eq!(busy_rate_mb_per_s(8), 1);
+        assert_eq!(busy_rate_mb_per_s(DEFAULT_SCRUB_MB_PER_S), 2);
+        assert_eq!(busy_rate_mb_per_s(SCRUB_MB_PER_S_MAX), 256);
+    }
+
+    #[test]
+    fn host_io_slows_the_scrub_until_hosts_have_been_quiet() {
+        let fixture = Fixture::written(300);
+        // 16 MiB/s: 205 blocks per tick of 50 ms; 1 MiB/s (13 blocks) while hosts are busy.
+        let (mut scrubber, status) = fixture.scrubber(16);
+        assert_eq!(status.busy_rate_mb_per_s(), 1);
+        let start = Instant::now();
+        // 256 KiB read within a tick: 5 MiB/s, busy.
+        fixture.host_read(64);
+        block_on(scrubber.tick(&fixture.handle, start));
+        assert_eq!(fixture.verified(), 13, "a busy tick verifies the busy share");
+        assert!(status.slowed());
+        // Hosts quiet, but not for long enough yet.
+        let mut now = start;
+        for _ in 0..3 {
+            now += TICK;
+            block_on(scrubber.tick(&fixture.handle, now));
+        }
+        assert_eq!(fixture.verified(), 4 * 13);
+        assert!(status.slowed());
+        // A trickle of host I/O (4 KiB in a tick: 80 KiB/s) does not count as busy.
+        now = start + Duration::from_millis(SCRUB_QUIET_MS);
+        fixture.host_read(1);
+        block_on(scrubber.tick(&fixture.handle, now));
+        assert!(!status.slowed());
+        assert_eq!(fixture.verified(), 4 * 13 + 205, "quiet hosts: the full rate again");
+        // Busy again: slowed at once.
+        fixture.host_read(64);
+        now += TICK;
+        block_on(scrubber.tick(&fixture.handle, now));
+        assert!(status.slowed());
+        assert_eq!(fixture.verified(), 4 * 13 + 205 + 13);
+        assert_eq!(status.phase(), ScrubPhase::Running);
     }
 
     #[test]

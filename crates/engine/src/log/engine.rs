@@ -118,6 +118,9 @@ pub(super) struct HandleSlot {
 #[derive(Debug, Default)]
 pub(super) struct Counters {
     pub host_bytes_written: AtomicU64,
+    /// Bytes hosts asked to read (`LogHandle::read_blocks`), errors and unmapped blocks
+    /// included: the background work's measure of how busy hosts keep the node.
+    pub host_bytes_read: AtomicU64,
     pub device_bytes_written: AtomicU64,
     pub gc_relocated_blocks: AtomicU64,
     pub gc_segments_cleaned: AtomicU64,
@@ -421,6 +424,14 @@ impl LogEngine {
             defrag_queued_blocks: Cell::new(0),
             defrag_ready: LocalNotify::new(),
         }
+    }
+
+    /// Bytes hosts have read and written through this engine since it opened (writes counted
+    /// once durable): two relaxed loads, cheap enough for a pacing decision every tick.
+    pub fn host_io_bytes(&self) -> u64 {
+        let counters = &self.counters;
+        counters.host_bytes_read.load(Ordering::Relaxed)
+            + counters.host_bytes_written.load(Ordering::Relaxed)
     }
 
     /// Node-wide space and traffic figures.
@@ -2187,6 +2198,7 @@ impl<D: Drive> LogHandle<D> {
         if let Err(error) = volume.check_range(offset_bytes, buf.len() as u64) {
             return (Err(error.into()), buf);
         }
+        self.engine.counters.host_bytes_read.fetch_add(buf.len() as u64, Ordering::Relaxed);
         let first = offset_bytes / BLOCK_BYTES_U64;
         let count = buf.len() / BLOCK_BYTES;
         let Some(index) = self.volume_index(volume.volume().0, false) else {
