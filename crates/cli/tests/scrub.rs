@@ -305,6 +305,8 @@ fn host_io_slows_the_scrub_down() {
     assert_eq!(slowed["busy_rate_mb_per_s"], 1, "{slowed}");
     let shown = ferrite_ok(&api, &["node", "show"]);
     assert!(shown.contains("slowed to 1 MiB/s while hosts are busy"), "{shown}");
+    let metrics = api::Client::new(&api).expect("client").metrics().expect("metrics");
+    assert_eq!(metric(&metrics, "ferrite_scrub_slowed_for_hosts"), 1);
     // While slowed, it verifies about 1 MiB (256 blocks) a second, not 16 MiB.
     let before = node_json(&api)["scrub"]["blocks_verified"].as_u64().expect("verified");
     std::thread::sleep(Duration::from_secs(2));
@@ -320,6 +322,8 @@ fn host_io_slows_the_scrub_down() {
     let scrub = wait_for_pass(&api);
     assert_eq!(scrub["slowed_for_hosts"], false, "{scrub}");
     assert_eq!(scrub["errors"], 0, "{scrub}");
+    let metrics = api::Client::new(&api).expect("client").metrics().expect("metrics");
+    assert_eq!(metric(&metrics, "ferrite_scrub_slowed_for_hosts"), 0);
     let stderr = node.stop_cleanly();
     assert_no_error_lines(&stderr, &[], "slowed scrub");
 }

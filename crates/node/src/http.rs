@@ -861,6 +861,7 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
             scrub_blocks_verified: capacity.scrub.blocks_verified,
             scrub_errors: capacity.scrub.errors,
             scrub_passes: capacity.scrub.passes_completed,
+            scrub_slowed_for_hosts: capacity.scrub.slowed_for_hosts,
             erasure: capacity.erasure,
             volume_space,
             replication: service.cluster().map(|cluster| {

@@ -19,7 +19,9 @@
 //! - `ferrite_mapped_physical_bytes`, `ferrite_data_reduction_ratio` (gauges): drive space the
 //!   mapped blocks take, and mapped bytes per byte of it (above 1 when compression saves space)
 //! - `ferrite_scrub_blocks_verified_total`, `ferrite_scrub_errors_total`,
-//!   `ferrite_scrub_passes_total` (counters): the background scrub since the node started
+//!   `ferrite_scrub_passes_total` (counters): the background scrub since the node started;
+//!   `ferrite_scrub_slowed_for_hosts` (gauge): 1 while it reads at its busy rate because hosts
+//!   keep the node busy
 //! - `ferrite_erasure_data_shards`, `ferrite_erasure_parity_shards` (gauges): the node's
 //!   erasure coding `k+m` (1 and 0 without parity)
 //! - `ferrite_reads_reconstructed_total`, `ferrite_reads_repaired_total`,
@@ -237,6 +239,8 @@ pub struct NodeGauges {
     pub scrub_blocks_verified: u64,
     pub scrub_errors: u64,
     pub scrub_passes: u64,
+    /// Whether the scrub reads at its busy rate now, hosts keeping the node busy.
+    pub scrub_slowed_for_hosts: bool,
     /// Erasure coding, degraded reads and rebuilds.
     pub erasure: ErasureReport,
     /// The space of each volume the data path knows, by volume id.
@@ -387,6 +391,12 @@ impl Registry {
             rebuild.map_or(0, |rebuild| u64::from(rebuild.segments_total)),
         );
         render_gauge(&mut out, "ferrite_volumes", "Volumes on this node.", node.volumes);
+        render_gauge(
+            &mut out,
+            "ferrite_scrub_slowed_for_hosts",
+            "1 while the background scrub reads at its busy rate, hosts keeping the node busy.",
+            u64::from(node.scrub_slowed_for_hosts),
+        );
         render_gauge(
             &mut out,
             "ferrite_capacity_total_bytes",
@@ -863,6 +873,7 @@ mod tests {
             scrub_blocks_verified: 77,
             scrub_errors: 1,
             scrub_passes: 2,
+            scrub_slowed_for_hosts: true,
             replication: Some(ReplicationGauges {
                 frames_sent: 10,
                 frames_received: 9,
@@ -941,6 +952,7 @@ mod tests {
         assert_eq!(value(&text, "ferrite_scrub_blocks_verified_total"), 77);
         assert_eq!(value(&text, "ferrite_scrub_errors_total"), 1);
         assert_eq!(value(&text, "ferrite_scrub_passes_total"), 2);
+        assert_eq!(value(&text, "ferrite_scrub_slowed_for_hosts"), 1);
         assert_eq!(value(&text, "ferrite_replication_frames_dropped_total"), 1);
         assert_eq!(value(&text, "ferrite_replication_reads_repaired_total"), 3);
         assert_eq!(value(&text, "ferrite_replication_blocks_repaired_total"), 5);
