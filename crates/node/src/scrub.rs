@@ -230,9 +230,9 @@ impl Scrubber {
         let (seen_bytes, seen_at) = self.host_bytes_seen.unwrap_or((0, now));
         self.host_bytes_seen = Some((host_bytes, now));
         let moved = host_bytes.saturating_sub(seen_bytes);
-        let over = now.saturating_duration_since(seen_at).max(self.tick);
-        let busy_bytes = SCRUB_BUSY_HOST_MB_PER_S as f64 * (1u64 << 20) as f64 * over.as_secs_f64();
-        if moved as f64 >= busy_bytes {
+        let over_ms = now.saturating_duration_since(seen_at).max(self.tick).as_millis();
+        let busy_bytes = u128::from(SCRUB_BUSY_HOST_MB_PER_S << 20) * over_ms / 1000;
+        if u128::from(moved) >= busy_bytes {
             self.busy_until = Some(now + Duration::from_millis(SCRUB_QUIET_MS));
         }
         self.busy_until.is_some_and(|until| now < until)
