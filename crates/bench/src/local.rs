@@ -165,7 +165,8 @@ impl EngineBench {
         let config = LogConfig {
             erasure: setup.erasure,
             area_zeroed: setup.lay_out,
-            ..LogConfig::for_drives(node_uuid, setup.drive_size_bytes, setup.threads)
+            // One handle per thread and, as on a node, one for thread 0's background GC.
+            ..LogConfig::for_drives(node_uuid, setup.drive_size_bytes, setup.threads + 1)
         };
         let opened = async {
             LogEngine::format(&open_files(&paths, &ring)?, &config).await?;
@@ -199,8 +200,15 @@ impl EngineBench {
                 }
             }
         }
+        let gc_handle = match open_files(&paths, &ring) {
+            Ok(files) => Rc::new(engine.handle(files)),
+            Err(error) => {
+                ring_driver.abort();
+                return Err(error);
+            }
+        };
         let handle = Rc::new(handle);
-        let upkeep = tokio::task::spawn_local(upkeep(Rc::clone(&handle)));
+        let upkeep = tokio::task::spawn_local(upkeep(Rc::clone(&handle), gc_handle));
         Ok(EngineBench { handle, volume, ring_driver, upkeep, workers, dir })
     }
 
@@ -351,18 +359,18 @@ async fn serve<S: VolumeStore>(store: &S, volume: &VolumeMap, request: IoRequest
     IoCompletion { tag, buffer, status }
 }
 
-/// What a node's thread 0 does for the engine between host I/O: paced GC steps and, beside
-/// them (as on a node, a checkpoint never holds GC up), a periodic checkpoint and the lay-out
-/// of the next free segments; and, as on every
+/// What a node's thread 0 does for the engine between host I/O: paced GC steps on a handle
+/// of their own (`gc_handle`) and, beside them (as on a node, a checkpoint never holds GC
+/// up), a periodic checkpoint and the lay-out of the next free segments; and, as on every
 /// data-path thread, the handle's defragmenter. Errors end the
 /// upkeep; the host I/O that follows reports them.
-async fn upkeep(handle: Rc<LogHandle<DriveFile>>) {
+async fn upkeep(handle: Rc<LogHandle<DriveFile>>, gc_handle: Rc<LogHandle<DriveFile>>) {
     let collect = async {
         let mut tick = tokio::time::interval(BACKGROUND_TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            if let Err(error) = handle.gc_tick().await {
+            if let Err(error) = gc_handle.gc_tick().await {
                 eprintln!("garbage collection failed: {error}");
                 return;
             }

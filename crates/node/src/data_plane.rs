@@ -189,6 +189,8 @@ pub struct EngineCounters {
     pub drive_syncs: u64,
     pub gc_relocated_blocks: u64,
     pub gc_segments_cleaned: u64,
+    /// Of those, segments host writes cleaned themselves for space (background GC behind).
+    pub gc_segments_cleaned_inline: u64,
     /// Blocks read-triggered defragmentation rewrote back to back.
     pub defrag_relocated_blocks: u64,
     /// Free segments laid out ahead of the log, and the zeros written over holes for it.

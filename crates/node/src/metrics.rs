@@ -59,6 +59,7 @@
 //! - `ferrite_host_bytes_written_total`, `ferrite_device_bytes_written_total`,
 //!   `ferrite_log_batches_total`, `ferrite_log_batch_blocks_total`, `ferrite_drive_syncs_total`,
 //!   `ferrite_gc_relocated_blocks_total`, `ferrite_gc_segments_cleaned_total`,
+//!   `ferrite_gc_segments_cleaned_inline_total`,
 //!   `ferrite_defrag_relocated_blocks_total`, `ferrite_segments_laid_out_total`,
 //!   `ferrite_laid_out_bytes_total`,
 //!   `ferrite_checkpoints_total`, `ferrite_checkpoint_bytes_written_total` (counters): the engine's traffic since the node started
@@ -502,6 +503,11 @@ impl Registry {
                 "ferrite_gc_segments_cleaned_total",
                 "Segments garbage collection freed.",
                 counters.gc_segments_cleaned,
+            ),
+            (
+                "ferrite_gc_segments_cleaned_inline_total",
+                "Segments host writes cleaned themselves, finding no free segment beyond the reserve (their thread's writes waited meanwhile: background GC fell behind).",
+                counters.gc_segments_cleaned_inline,
             ),
             ("ferrite_checkpoints_total", "Index checkpoints written.", counters.checkpoints),
             (

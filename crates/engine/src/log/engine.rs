@@ -124,6 +124,9 @@ pub(super) struct Counters {
     pub device_bytes_written: AtomicU64,
     pub gc_relocated_blocks: AtomicU64,
     pub gc_segments_cleaned: AtomicU64,
+    /// Of those, segments a host write cleaned itself, finding no free segment beyond the
+    /// reserve (its thread's writes wait meanwhile: background GC fell behind).
+    pub gc_segments_cleaned_inline: AtomicU64,
     /// Blocks read-triggered defragmentation rewrote back to back (`defrag`).
     pub defrag_relocated_blocks: AtomicU64,
     /// Segments laid out (`lay_out`), and the zeros written over holes to do it.
@@ -193,6 +196,9 @@ pub struct LogStats {
     pub write_amplification: f64,
     pub gc_relocated_blocks: u64,
     pub gc_segments_cleaned: u64,
+    /// Of those, segments host writes cleaned themselves for space, their thread's writes
+    /// waiting meanwhile (background GC fell behind).
+    pub gc_segments_cleaned_inline: u64,
     /// Blocks rewritten back to back by read-triggered defragmentation.
     pub defrag_relocated_blocks: u64,
     /// Free segments laid out ahead of the log (`LogHandle::lay_out_step`), and the zeros
@@ -464,6 +470,7 @@ impl LogEngine {
             segments_laid_out: counters.segments_laid_out.load(Ordering::Relaxed),
             laid_out_bytes: counters.laid_out_bytes.load(Ordering::Relaxed),
             gc_segments_cleaned: counters.gc_segments_cleaned.load(Ordering::Relaxed),
+            gc_segments_cleaned_inline: counters.gc_segments_cleaned_inline.load(Ordering::Relaxed),
             checkpoints: counters.checkpoints.load(Ordering::Relaxed),
             checkpoint_bytes_written: counters.checkpoint_blocks.load(Ordering::Relaxed)
                 * BLOCK_BYTES as u64,
