@@ -1097,9 +1097,9 @@ mod tests {
     use crate::join::{join_all, LocalFuture};
     use crate::latches::DriveLatches;
     use crate::log::format::{BLOCK_BYTES, LOG_HEADER_BYTES};
-    use crate::log::{LogConfig, LogEngine};
+    use crate::log::{LogConfig, LogEngine, LogHandle};
     use crate::testing::{block_on, fill_block, Rng, SimDrive};
-    use crate::volumes::{VolumeId, Volumes};
+    use crate::volumes::{VolumeId, VolumeMap, Volumes};
 
     const BLOCK: u64 = BLOCK_BYTES as u64;
     const DRIVES: u16 = 2;
@@ -1131,6 +1131,34 @@ mod tests {
     }
     const GC_STEPS: usize = 8;
 
+    /// A log of [`SEGMENTS`] small segments over [`DRIVES`] simulated drives (`uuid_byte` names
+    /// the node, `seed` seeds the drives, each operation yields up to `yields_max` times) with
+    /// one volume of 85% of its capacity: the engine, its handle, the volume and its blocks.
+    fn log_with_volume(
+        uuid_byte: u8,
+        seed: u64,
+        yields_max: u64,
+    ) -> (Arc<LogEngine>, LogHandle<SimDrive>, Arc<VolumeMap>, u64) {
+        let config = LogConfig {
+            unit_bytes: 64 << 10,
+            handles_max: 2,
+            checkpoint_interval_segments: 4,
+            ..LogConfig::new(NodeUuid([uuid_byte; 16]))
+        };
+        let size_bytes = HEADER_REGION_BYTES + LOG_HEADER_BYTES + SEGMENTS * config.unit_bytes;
+        let drives: Vec<SimDrive> = (0..DRIVES)
+            .map(|index| SimDrive::new(index, size_bytes, seed + u64::from(index), yields_max))
+            .collect();
+        block_on(LogEngine::format(&drives, &config)).unwrap();
+        let latches = Arc::new(DriveLatches::new(DRIVES));
+        let (engine, handle, _) = block_on(LogEngine::open(drives, config, latches)).unwrap();
+        let fill = engine.capacity_blocks() * 85 / 100;
+        let volumes = Volumes::new();
+        volumes.publish(volumes.reserve_create(VolumeId(1), fill * BLOCK).unwrap());
+        let map = volumes.mapping(VolumeId(1)).unwrap();
+        (engine, handle, map, fill)
+    }
+
     /// Yields an observer of an urgent tick takes at most (far more than the tick needs).
     const OBSERVER_YIELDS_MAX: usize = 10_000_000;
 
@@ -1143,23 +1171,7 @@ mod tests {
         use crate::testing::block_matches;
         use std::cell::Cell;
 
-        let config = LogConfig {
-            unit_bytes: 64 << 10,
-            handles_max: 2,
-            checkpoint_interval_segments: 4,
-            ..LogConfig::new(NodeUuid([9; 16]))
-        };
-        let size_bytes = HEADER_REGION_BYTES + LOG_HEADER_BYTES + SEGMENTS * config.unit_bytes;
-        let drives: Vec<SimDrive> = (0..DRIVES)
-            .map(|index| SimDrive::new(index, size_bytes, 29 + u64::from(index), 4))
-            .collect();
-        block_on(LogEngine::format(&drives, &config)).unwrap();
-        let latches = Arc::new(DriveLatches::new(DRIVES));
-        let (engine, handle, _) = block_on(LogEngine::open(drives, config, latches)).unwrap();
-        let fill = engine.capacity_blocks() * 85 / 100;
-        let volumes = Volumes::new();
-        volumes.publish(volumes.reserve_create(VolumeId(1), fill * BLOCK).unwrap());
-        let map = volumes.mapping(VolumeId(1)).unwrap();
+        let (engine, handle, map, fill) = log_with_volume(9, 29, 4);
         let mut tags = vec![0u64; fill as usize];
         let mut next_tag = 0;
         let mut write = |first: u64, count: u64| {
@@ -1223,23 +1235,7 @@ mod tests {
     /// loop ends (which stalled host I/O for over 30 s at 90% fill in scripts/bench-wa.sh).
     #[test]
     fn background_gc_steps_let_host_writes_through() {
-        let config = LogConfig {
-            unit_bytes: 64 << 10,
-            handles_max: 2,
-            checkpoint_interval_segments: 4,
-            ..LogConfig::new(NodeUuid([7; 16]))
-        };
-        let size_bytes = HEADER_REGION_BYTES + LOG_HEADER_BYTES + SEGMENTS * config.unit_bytes;
-        let drives: Vec<SimDrive> = (0..DRIVES)
-            .map(|index| SimDrive::new(index, size_bytes, 17 + u64::from(index), 1))
-            .collect();
-        block_on(LogEngine::format(&drives, &config)).unwrap();
-        let latches = Arc::new(DriveLatches::new(DRIVES));
-        let (engine, handle, _) = block_on(LogEngine::open(drives, config, latches)).unwrap();
-        let fill = engine.capacity_blocks() * 85 / 100;
-        let volumes = Volumes::new();
-        volumes.publish(volumes.reserve_create(VolumeId(1), fill * BLOCK).unwrap());
-        let map = volumes.mapping(VolumeId(1)).unwrap();
+        let (engine, handle, map, fill) = log_with_volume(7, 17, 1);
         let mut tag = 0;
         let mut write = |first: u64, count: u64| {
             tag += 1;
