@@ -63,15 +63,15 @@ pub const GC_READS_IN_FLIGHT: usize = 16;
 
 /// Header blocks (4 KiB each) GC reads at once from a victim whose header positions are known.
 /// A victim of the 32K mix (`make compare-ceph`) holds ~330 batches: 16 at a time, a clean
-/// took ~21 rounds of reads at a busy disk's latency (96 ms at the median, session 37), and
-/// background GC fell behind the host writes.
+/// took ~21 rounds of reads at a busy disk's latency (a background clean 72-144 ms at the
+/// median, session 37), and background GC fell behind the host writes.
 pub const GC_HEADER_READS_IN_FLIGHT: usize = 64;
 
 /// Victims an urgent background tick cleans at once, in as many lanes on its handle: a clean
 /// waits mostly on reads, so two overlap and background GC frees segments about twice as fast.
 /// With one, host writes of the 32K mix found no free segment beyond the reserve and cleaned
-/// inline about five times a second, each holding their thread's writes 60-80 ms (the mix's
-/// write p99 was 84 ms against 12 ms for reads).
+/// inline five or six times a second, each holding their thread's writes 60-80 ms (the mix's
+/// write p99 was 77-84 ms against 8 ms for its reads).
 pub const GC_LANES_URGENT: usize = 2;
 
 /// Dead blocks between two live ones of a batch that GC reads through rather than read the two
