@@ -23,7 +23,11 @@ What it does, in order:
      volume (scripts/pgbench-ext4.sh). The node is stopped and its drives deleted.
   2. Ferrite, 3 replicas: a private etcd and 3 `ferrite up` nodes in one cluster (each with its
      own data dir, drives and ports), a volume with --replicas 3, and the same fio and pgbench
-     through the primary's NBD export. The nodes are stopped and their drives deleted.
+     through the primary's NBD export. Each measurement records whether every replica stayed
+     in sync (the primary's count of replicas it removed, the epoch, the in-sync set): a
+     replica that fell behind and left the set (the machine stalled past half the lease, say)
+     makes the writes land on fewer copies than Ceph's, and the report does not judge that
+     workload's goals. The nodes are stopped and their drives deleted.
 
 Like for like: Ceph's replicated pools keep no parity inside an OSD, so Ferrite's nodes run
 with --erasure-coding none unless FERRITE_ERASURE_CODING says otherwise (Ferrite's default,
@@ -195,6 +199,7 @@ has_side() { [[ ",$sides," == *",$1,"* ]]; }
 # releases exactly those: by PID and by path, never by name.
 child_pid=""          # the long-running command being waited on (fio, up.sh, pgbench-ext4.sh)
 stall_pid=""          # scripts/disk-stall.py watching the disk during a measurement
+replication_api=""    # the API of the replicated volume's primary while Ferrite's cluster runs
 guard_pid=""          # the free-disk guard
 ferrite_pids=()       # `ferrite up` processes
 ferrite_data_dirs=()  # their data dirs (drive files), deleted when they stop
@@ -364,6 +369,14 @@ measure_begin() {
     measure_server0=$(process_ticks "${server_pids[@]}")
     measure_client0=$(children_ticks)
     measure_host0=$(host_busy_ticks)
+    [ -z "$replication_api" ] || measure_replication0=$(replication_state)
+}
+# -> "REMOVED EPOCH IN_SYNC PRIMARY" of the replicated volume, as its primary answers (a
+# failed query gives "? ? ? ?": the check then fails, never passes, by mistake)
+replication_state() {
+    "$ferrite" volume show "$volume" --json --api "$replication_api" 2>/dev/null |
+        jq -r '.replication | "\(.local.replicas_removed // "?") \(.epoch) \(.in_sync | length) \(.primary // "?")"' 2>/dev/null ||
+        echo "? ? ? ?"
 }
 measure_json() {  # -> the JSON fields of the CPU spent since measure_begin
     local t1 server1 client1 host1
@@ -382,9 +395,33 @@ measure_json() {  # -> the JSON fields of the CPU spent since measure_begin
     for i in $(seq 1 50); do [ -s "$stall_file" ] && break; sleep 0.1; done
     jq -j '", \"disk\": \(.disk | tojson), \"disk_stall_max_ms\": \(.stall_max_ms // null), \"disk_stalls_100ms\": \(.stalls_100ms // null)"' \
         "$stall_file" 2>/dev/null || printf ', "disk": null, "disk_stall_max_ms": null, "disk_stalls_100ms": null'
+    [ -n "$replication_api" ] || return 0
+    # Whether every replica stayed in sync: no removal by the primary, no failover, the whole
+    # set in sync at the start and at the end (a removal and its resync within the run count
+    # too).
+    local removed0 epoch0 in_sync0 removed1 epoch1 in_sync1 primary1 _
+    read -r removed0 epoch0 in_sync0 _ <<<"$measure_replication0"
+    read -r removed1 epoch1 in_sync1 primary1 <<<"$(replication_state)"
+    awk -v r0="$removed0" -v r1="$removed1" -v e0="$epoch0" -v e1="$epoch1" -v n0="$in_sync0" -v n1="$in_sync1" -v p="$primary1" \
+        'function num(x) { return x ~ /^[0-9]+$/ }
+         function or_null(x) { return num(x) ? x : "null" }
+         BEGIN { known = num(r0) && num(r1) && num(e0) && num(e1) && num(n0) && num(n1)
+                 printf ", \"replication\": {\"known\": %s, \"replicas_removed\": %s, \"epoch_changed\": %s, \"in_sync_at_start\": %s, \"in_sync_at_end\": %s, \"primary\": \"%s\"}",
+                        known ? "true" : "false", known ? r1 - r0 : "null", known ? (e1 != e0 ? "true" : "false") : "null",
+                        or_null(n0), or_null(n1), p }'
 }
 
 record() { echo "{$1}" >>"$results"; }
+# Logs when the last record's measurement lost a replica from the in-sync set (or could not tell).
+replication_warning() {  # what
+    local said
+    said=$(tail -1 "$results" | jq -r '.replicas as $replicas | .replication // empty
+        | if .known != true then "could not tell whether every replica stayed in sync"
+          elif .replicas_removed > 0 or .epoch_changed or .in_sync_at_start < $replicas or .in_sync_at_end < $replicas then
+            "not every replica was in sync throughout (\(.replicas_removed) removed, epoch changed: \(.epoch_changed), in sync \(.in_sync_at_start) at the start and \(.in_sync_at_end) at the end): not like for like, not judged"
+          else empty end')
+    [ -z "$said" ] || log "WARNING: $1: $said"
+}
 not_run() {  # side replicas reason
     record "\"kind\": \"not_run\", \"side\": \"$1\", \"replicas\": $2, \"reason\": \"$3\""
     log "$1 with $2 replicas: not run: $3"
@@ -426,6 +463,7 @@ fio_suite() {
             { tail -20 "$out/logs/$label-$workload.log"; die "$label: fio $workload failed"; }
         record "\"kind\": \"fio\", \"side\": \"$side\", \"replicas\": $replicas, \"workload\": \"$workload\", \"fio_json\": \"$json\", $(measure_json)"
         log "$label $workload: $(jq -r '.jobs[0].mixed | "\(.iops | round) IOPS, p99.9 \(.lat_ns.percentile["99.900000"] / 1000 | round) us"' "$json") ($(tail -1 "$results" | jq -r '"server CPU \(.server_cpu_s) s, fio CPU \(.client_cpu_s) s, host busy \(.host_busy_cpu_s) s in \(.wall_s) s"'))"
+        replication_warning "$label $workload"
     done
 }
 
@@ -550,8 +588,11 @@ ferrite_replicated() {  # replicas
     nbd=$("$ferrite" node list --json --api "${apis[0]}" | jq -r --arg name "$primary" '.[] | select(.name == $name) | .nbd_addr // empty')
     [ -n "$nbd" ] || die "cannot find the NBD address of the primary $primary"
     log "primary of $volume: $primary (NBD $nbd)"
+    replication_api=http://$("$ferrite" node list --json --api "${apis[0]}" | jq -r --arg name "$primary" '.[] | select(.name == $name) | .api_addr // empty')
+    [ "$replication_api" != http:// ] || die "cannot find the API address of the primary $primary"
     sleep 1
     ferrite_measure "$replicas" "nbd://$nbd/$volume"
+    replication_api=""
     "$ferrite" cluster status --api "${apis[0]}" >"$out/logs/ferrite-cluster-r$replicas.txt" 2>&1 || true
     "$ferrite" volume show "$volume" --api "${apis[0]}" >>"$out/logs/ferrite-cluster-r$replicas.txt" 2>&1 || true
     stop_ferrite

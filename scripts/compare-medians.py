@@ -8,7 +8,9 @@ IOPS over Ceph's, Ceph's p99.9 over Ferrite's: both sides of a ratio always come
 and prints, per replica count and workload, the median IOPS of each side, the median ratios and
 the runs' range of each ratio, the median server CPU per I/O each IOPS goal leaves beside
 Ferrite's, and the median of pgbench's TPS and its ratio. It reuses compare-report.py's
-parsers, so it reads exactly what the tables of one run are made of.
+parsers, so it reads exactly what the tables of one run are made of. A run whose Ferrite side
+lost a replica from the in-sync set during a workload is left out of that workload's medians
+(compare-report.py's `replication_lost`: not like for like).
 
     scripts/compare-medians.py OUT_DIR_1 OUT_DIR_2 OUT_DIR_3 [...]
 """
@@ -49,9 +51,11 @@ def main(argv):
     print("|---|---|---:|---:|---:|---:|---|")
     replica_counts = sorted({key[1] for _, fios, _ in runs for key in fios})
     for replicas, workload in [(r, w) for r in replica_counts for w in report.WORKLOADS]:
+        # A run in which a replica left the in-sync set is not like for like: left out.
         pairs = [(fios[("ferrite", replicas, workload)], fios[("ceph", replicas, workload)])
                  for _, fios, _ in runs
-                 if ("ferrite", replicas, workload) in fios and ("ceph", replicas, workload) in fios]
+                 if ("ferrite", replicas, workload) in fios and ("ceph", replicas, workload) in fios
+                 and not report.replication_lost(fios[("ferrite", replicas, workload)])]
         if not pairs:
             continue
         iops_ratios = [f["iops"] / c["iops"] for f, c in pairs if c["iops"] > 0]

@@ -181,6 +181,30 @@ def stall_in_tail(record):
     return stall_ms if stall_ms * 1000 >= record["lat_p999_us"] / 3 else None
 
 
+def replication_lost(record):
+    """Why a Ferrite run with replicas is not like for like, or None: compare-ceph.sh records
+    whether every replica stayed in sync during each measurement (the primary's count of
+    replicas it removed, the epoch, the in-sync set at the start and at the end). A replica
+    out of the set made writes land on fewer copies than Ceph's; a run that could not tell is
+    not trusted either. Records without the field (one copy, or runs before it existed) are
+    taken as they are."""
+    replication = (record or {}).get("replication")
+    if replication is None:
+        return None
+    if not replication.get("known"):
+        return "whether every replica stayed in sync is unknown"
+    lost = []
+    if replication.get("replicas_removed"):
+        lost.append(f"the primary removed {replication['replicas_removed']} replica(s) from the in-sync set")
+    if replication.get("epoch_changed"):
+        lost.append("the primary failed over")
+    for when in ("start", "end"):
+        in_sync = replication.get(f"in_sync_at_{when}")
+        if in_sync is not None and in_sync < record.get("replicas", 0):
+            lost.append(f"{in_sync} of {record['replicas']} copies in sync at the {when}")
+    return "; ".join(lost) or None
+
+
 def stall_text(record):
     """The longest time the disk held requests and completed none during a run
     (scripts/disk-stall.py); '-' where it was not watched."""
@@ -371,7 +395,12 @@ def performance_table(replicas, workloads, fios, not_run, lines, goals):
                     number(result["lat_p99_us"]),
                     number(result["lat_p999_us"]),
                 ]
-        if ferrite and ceph:
+        lost = replication_lost(ferrite)
+        if ferrite and ceph and lost:
+            iops_ratio, p999_ratio, *_ = goal_cells(workload, ferrite, ceph)
+            cells += [ratio(iops_ratio), ratio(p999_ratio)] + [f"not judged ({lost})"] * 2
+            goals.append((replicas, workload, iops_ratio, None, p999_ratio, None))
+        elif ferrite and ceph:
             iops_ratio, p999_ratio, iops_goal, p999_goal, iops_met, p999_met = goal_cells(workload, ferrite, ceph)
             cells += [ratio(iops_ratio), ratio(p999_ratio), iops_goal, p999_goal]
             goals.append((replicas, workload, iops_ratio, iops_met, p999_ratio, p999_met))
@@ -455,8 +484,13 @@ def goals_summary(goals, counts, not_run, fios, bound_records, host_cpus, lines)
             lines.append(f"- {copies(replicas)}: not judged: " + ("; ".join(missing) or "no results") + ".")
             continue
         met = [g for g in judged if g[3] and g[5]]
+        unjudged = [g for g in judged if g[3] is None]
         parts = []
         for _, workload, iops_ratio, iops_met, p999_ratio, p999_met in judged:
+            if iops_met is None:
+                lost = replication_lost(fios.get(("ferrite", replicas, workload)))
+                parts.append(f"{workload} not judged (Ferrite's run: {lost}; not like for like)")
+                continue
             bound = None if iops_met else beyond_bound(replicas, workload, fios, bound_records)
             beyond = f", above the disk bound of {number(bound)} IOPS" if bound else ""
             budget = None if iops_met else cpu_budget(replicas, workload, fios, host_cpus)
@@ -471,7 +505,12 @@ def goals_summary(goals, counts, not_run, fios, bound_records, host_cpus, lines)
                 f"{workload} IOPS {ratio(iops_ratio)} ({'met' if iops_met else 'missed'}{beyond}), "
                 f"p99.9 {ratio(p999_ratio)} lower ({'met' if p999_met else 'missed'}{stall})"
             )
-        verdict = "all met" if len(met) == len(judged) else f"**{len(judged) - len(met)} of {len(judged)} workloads miss a goal**"
+        missed = len(judged) - len(met) - len(unjudged)
+        verdict = "all met" if len(met) == len(judged) else ", ".join(
+            text for count, text in (
+                (missed, f"**{missed} of {len(judged)} workloads miss a goal**"),
+                (len(unjudged), f"**{len(unjudged)} of {len(judged)} not judged**"),
+            ) if count)
         lines.append(f"- {copies(replicas)}: {verdict}: " + "; ".join(parts) + ".")
 
 
@@ -535,7 +574,10 @@ def markdown(meta, fills, fios, pgbenches, not_run, bound_records, commit, svg_n
         "The longest disk stall is the longest time during the workload in which the disk under the side's data "
         "held requests and completed none (`scripts/disk-stall.py`, /sys/block stat sampled every 50 ms): a pause "
         "of the virtual disk itself, which puts every request in flight at once into the latency tail, whatever "
-        "the storage system.",
+        "the storage system. For Ferrite's replicated rows each measurement also records whether every replica "
+        "stayed in sync (the primary's count of replicas it removed from the in-sync set, the epoch, the set at the "
+        "start and at the end); a workload during which one did not has its goals not judged, since its writes "
+        "landed on fewer copies than Ceph's.",
         "",
     ]
     goals = []

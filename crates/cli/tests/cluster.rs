@@ -934,6 +934,15 @@ fn a_returning_replica_is_resynced_incrementally_within_the_rate_limit_and_shows
         local.resyncs_completed > resyncs_before.resyncs_completed
     });
     println!("the primary's replica before the return: {resyncs_before:?}; after: {local:?}");
+    // The primary said so in its log: the removal, the resync and the return.
+    let log = cluster.node(primary_index).stderr_all();
+    for said in [
+        "left the in-sync set",
+        "resyncing a replica that is out of sync",
+        "a resynced replica is back in the in-sync set",
+    ] {
+        assert!(log.contains(said), "the primary's log does not say {said:?}:\n{log}");
+    }
 
     // Only the missed blocks were copied, by the primary's counters.
     let missed_blocks = WRITTEN_AWAY.end - WRITTEN_AWAY.start;

@@ -26,7 +26,7 @@ fn fio_json(iops: f64) -> String {
     )
 }
 
-/// One workload's record: fio's figures from `iops`, CPU seconds over a 10 s run.
+/// One workload's record with one copy: fio's figures from `iops`, CPU seconds over a 10 s run.
 fn fio_record(
     dir: &Path,
     side: &str,
@@ -35,22 +35,67 @@ fn fio_record(
     server_s: f64,
     client_s: f64,
 ) -> String {
-    let json = dir.join(format!("{side}-{workload}.json"));
+    let cpu = Cpu { server_s, client_s };
+    replicated_fio_record(dir, side, 1, workload, iops, cpu, "")
+}
+
+struct Cpu {
+    server_s: f64,
+    client_s: f64,
+}
+
+/// One workload's record with `replicas` copies; `extra` is more JSON fields, each preceded by
+/// a comma (compare-ceph.sh's `replication` check, say).
+fn replicated_fio_record(
+    dir: &Path,
+    side: &str,
+    replicas: u32,
+    workload: &str,
+    iops: f64,
+    Cpu { server_s, client_s }: Cpu,
+    extra: &str,
+) -> String {
+    let json = dir.join(format!("{side}-{replicas}-{workload}.json"));
     std::fs::write(&json, fio_json(iops)).expect("write fio json");
     format!(
-        r#"{{"kind": "fio", "side": "{side}", "replicas": 1, "workload": "{workload}", "fio_json": "{}",
-        "wall_s": 10.0, "server_cpu_s": {server_s}, "client_cpu_s": {client_s}, "host_busy_cpu_s": {busy}}}"#,
+        r#"{{"kind": "fio", "side": "{side}", "replicas": {replicas}, "workload": "{workload}", "fio_json": "{}",
+        "wall_s": 10.0, "server_cpu_s": {server_s}, "client_cpu_s": {client_s}, "host_busy_cpu_s": {busy}{extra}}}"#,
         json.display(),
         busy = server_s + client_s
     )
     .replace('\n', " ")
 }
 
+/// Runs compare-report.py over `records` and gives back the markdown report.
+fn report(dir: &Path, records: &[String]) -> String {
+    let results = dir.join("results.jsonl");
+    std::fs::write(&results, records.join("\n") + "\n").expect("write results");
+    let markdown = dir.join("report.md");
+    let output = client("python3", "python3")
+        .arg(script())
+        .arg("--results")
+        .arg(&results)
+        .arg("--markdown")
+        .arg(&markdown)
+        .arg("--svg")
+        .arg(dir.join("chart.svg"))
+        .output()
+        .expect("run compare-report.py");
+    assert!(
+        output.status.success(),
+        "compare-report.py failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    std::fs::read_to_string(&markdown).expect("read the report")
+}
+
+const META: &str = r#"{"kind": "meta", "host_cpus": 2, "size_gb": 2, "runtime_s": 10, "ramp_s": 0, "iodepth": 32, "numjobs": 4, "commit": "0123456789ab"}"#;
+
 #[test]
 fn the_cpu_budget_per_io_is_the_vcpus_over_the_goal_less_fio_per_io() {
     let dir = tempfile::tempdir().expect("temp dir");
     let records = [
-        r#"{"kind": "meta", "host_cpus": 2, "size_gb": 2, "runtime_s": 10, "ramp_s": 0, "iodepth": 32, "numjobs": 4, "commit": "0123456789ab"}"#.to_string(),
+        META.to_string(),
         // Reads: goal 10 x 6,000 = 60,000/s; 2 cores / 60,000 = 33.3 us per I/O; fio 0.6 cores
         // for 60,000/s = 10 us; 23.3 us left; the server took 0.3 cores = 5 us: within.
         fio_record(dir.path(), "ferrite", "4k_randread", 60_000.0, 3.0, 6.0),
@@ -64,25 +109,7 @@ fn the_cpu_budget_per_io_is_the_vcpus_over_the_goal_less_fio_per_io() {
         fio_record(dir.path(), "ferrite", "8k_randrw_80_20", 40_000.0, 4.0, 12.0),
         fio_record(dir.path(), "ceph", "8k_randrw_80_20", 8_000.0, 16.0, 2.0),
     ];
-    let results = dir.path().join("results.jsonl");
-    std::fs::write(&results, records.join("\n") + "\n").expect("write results");
-    let markdown = dir.path().join("report.md");
-    let output = client("python3", "python3")
-        .arg(script())
-        .arg("--results")
-        .arg(&results)
-        .arg("--markdown")
-        .arg(&markdown)
-        .arg("--svg")
-        .arg(dir.path().join("chart.svg"))
-        .output()
-        .expect("run compare-report.py");
-    assert!(
-        output.status.success(),
-        "compare-report.py failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let report = std::fs::read_to_string(&markdown).expect("read the report");
+    let report = report(dir.path(), &records);
     let row = |workload: &str| {
         report
             .lines()
@@ -115,5 +142,79 @@ fn the_cpu_budget_per_io_is_the_vcpus_over_the_goal_less_fio_per_io() {
             "4k_randwrite IOPS 12.50x (missed; at the goal the CPUs leave the server 0.7 us per I/O, it took 10.0)"
         ),
         "the goals summary does not name the CPU budget:\n{report}"
+    );
+}
+
+/// compare-ceph.sh records whether every replica stayed in sync during each of Ferrite's
+/// replicated measurements; a workload in which the primary removed one (or failed over, or
+/// could not say) is not like for like with Ceph's three copies, so its goals are not judged,
+/// while the workloads that kept every copy are.
+#[test]
+fn a_workload_that_lost_a_replica_from_the_in_sync_set_is_not_judged() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let cpu = || Cpu { server_s: 5.0, client_s: 5.0 };
+    let in_sync = r#", "replication": {"known": true, "replicas_removed": 0, "epoch_changed": false, "in_sync_at_start": 3, "in_sync_at_end": 3, "primary": "node1"}"#;
+    let one_removed = r#", "replication": {"known": true, "replicas_removed": 1, "epoch_changed": false, "in_sync_at_start": 3, "in_sync_at_end": 3, "primary": "node1"}"#;
+    let unknown = r#", "replication": {"known": false, "replicas_removed": null, "epoch_changed": null, "in_sync_at_start": null, "in_sync_at_end": null, "primary": "?"}"#;
+    // Nothing removed during the run, but a resync from before still under way at its start.
+    let resyncing = r#", "replication": {"known": true, "replicas_removed": 0, "epoch_changed": false, "in_sync_at_start": 2, "in_sync_at_end": 3, "primary": "node1"}"#;
+    let d = dir.path();
+    let records = [
+        META.to_string(),
+        // Both 40x Ceph's IOPS with the same p99.9 latency: the IOPS goals would be met.
+        replicated_fio_record(d, "ferrite", 3, "4k_randwrite", 40_000.0, cpu(), in_sync),
+        replicated_fio_record(d, "ceph", 3, "4k_randwrite", 1_000.0, cpu(), ""),
+        replicated_fio_record(d, "ferrite", 3, "8k_randrw_80_20", 40_000.0, cpu(), one_removed),
+        replicated_fio_record(d, "ceph", 3, "8k_randrw_80_20", 1_000.0, cpu(), ""),
+        replicated_fio_record(d, "ferrite", 3, "16k_randrw_70_30", 40_000.0, cpu(), unknown),
+        replicated_fio_record(d, "ceph", 3, "16k_randrw_70_30", 1_000.0, cpu(), ""),
+        replicated_fio_record(d, "ferrite", 3, "32k_randrw_50_50", 40_000.0, cpu(), resyncing),
+        replicated_fio_record(d, "ceph", 3, "32k_randrw_50_50", 1_000.0, cpu(), ""),
+    ];
+    let report = report(d, &records);
+    let row = |workload: &str| {
+        report
+            .lines()
+            .find(|line| line.starts_with(&format!("| {workload} |")))
+            .unwrap_or_else(|| panic!("no row for {workload} in:\n{report}"))
+            .to_string()
+    };
+    assert!(
+        row("4k_randwrite").ends_with("| 40.00x | 1.00x | >= 30x: yes | >= 10x: **no** |"),
+        "the workload that kept every copy is judged: {}",
+        row("4k_randwrite")
+    );
+    let removed = "not judged (the primary removed 1 replica(s) from the in-sync set)";
+    assert!(
+        row("8k_randrw_80_20").ends_with(&format!("| 40.00x | 1.00x | {removed} | {removed} |")),
+        "{}",
+        row("8k_randrw_80_20")
+    );
+    let unknown = "not judged (whether every replica stayed in sync is unknown)";
+    assert!(
+        row("16k_randrw_70_30").ends_with(&format!("| {unknown} | {unknown} |")),
+        "{}",
+        row("16k_randrw_70_30")
+    );
+    let resyncing = "not judged (2 of 3 copies in sync at the start)";
+    assert!(
+        row("32k_randrw_50_50").ends_with(&format!("| {resyncing} | {resyncing} |")),
+        "{}",
+        row("32k_randrw_50_50")
+    );
+    let summary = report
+        .lines()
+        .find(|line| line.starts_with("- Three copies:"))
+        .unwrap_or_else(|| panic!("no goals summary for three copies in:\n{report}"));
+    assert!(
+        summary.contains("**1 of 4 workloads miss a goal**, **3 of 4 not judged**"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains(
+            "8k_randrw_80_20 not judged (Ferrite's run: the primary removed 1 replica(s) from \
+             the in-sync set; not like for like)"
+        ),
+        "{summary}"
     );
 }

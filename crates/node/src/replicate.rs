@@ -1066,11 +1066,13 @@ impl Service {
             (stats.reconcile_damaged, stats.reconcile_repaired, stats.reconcile_unrecovered)
         };
         let before = reconcile(replica.node.stats());
+        let membership_before = Membership::of(replica.node.stats());
         replica.node.handle(now, event, &mut self.actions);
         let after = reconcile(replica.node.stats());
         if after != before {
             log_reconcile_damage(&replica.handle.name, before, after);
         }
+        Membership::of(replica.node.stats()).log_changes(&replica.handle.name, membership_before);
         self.run_actions(volume);
     }
 
@@ -1468,7 +1470,53 @@ struct QueuedWrite {
     blocks: Vec<BlockData>,
 }
 
-/// Fails every host command of a volume that is no longer replicated here.
+/// The in-sync set as a primary changes it, counted in its `replication::Stats`: replicas it
+/// removed (they stopped acknowledging within `ack_timeout_ms`, half the lease), resyncs it
+/// started and resynced replicas it added back. Each change is logged, since writes complete
+/// on fewer copies in between.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Membership {
+    removed: u64,
+    resyncs_started: u64,
+    resyncs_completed: u64,
+}
+
+impl Membership {
+    fn of(stats: &replication::Stats) -> Self {
+        Self {
+            removed: stats.replicas_removed,
+            resyncs_started: stats.resyncs_started,
+            resyncs_completed: stats.resyncs_completed,
+        }
+    }
+
+    fn log_changes(self, volume: &VolumeName, before: Self) {
+        if self.removed > before.removed {
+            tracing::warn!(
+                %volume,
+                replicas = self.removed - before.removed,
+                "a replica stopped acknowledging writes in time and left the in-sync set: \
+                 writes complete on the remaining copies until it has been resynced (`ferrite \
+                 volume show` names the copies in sync)"
+            );
+        }
+        if self.resyncs_started > before.resyncs_started {
+            tracing::info!(
+                %volume,
+                resyncs = self.resyncs_started - before.resyncs_started,
+                "resyncing a replica that is out of sync (progress: `ferrite volume show`)"
+            );
+        }
+        if self.resyncs_completed > before.resyncs_completed {
+            tracing::info!(
+                %volume,
+                replicas = self.resyncs_completed - before.resyncs_completed,
+                "a resynced replica is back in the in-sync set"
+            );
+        }
+    }
+}
+
 /// Says what a failover's reconciliation did about blocks damaged on this node, the new
 /// primary (`replication` crate docs, "Read repair"); the counters are `(damaged met,
 /// repaired from another member, reconciliations stopped with no good copy)`.
@@ -1498,6 +1546,7 @@ fn log_reconcile_damage(volume: &VolumeName, before: (u64, u64, u64), after: (u6
     }
 }
 
+/// Fails every host command of a volume that is no longer replicated here.
 fn fail_all(replica: Replica) {
     replica.gate.set(None);
     for (_, (_, reply)) in replica.pending {
