@@ -1035,7 +1035,8 @@ impl DataThread {
         let background_work = match self.commands.take() {
             None => None,
             Some(commands) => {
-                let gc_store = match self.open_gc_store(&ring, store.engine()) {
+                // Background GC commits through a handle of its own (BACKGROUND_HANDLES).
+                let gc_store = match self.take_handle(&ring, store.engine()) {
                     Ok(gc_store) => Rc::new(gc_store),
                     Err(message) => {
                         let _ = ready.send(Err(message));
@@ -1165,16 +1166,16 @@ impl DataThread {
         }
     }
 
-    /// Thread 0's handle for background GC ([`BACKGROUND_HANDLES`]), over drive files of its
-    /// own on this thread's ring.
-    fn open_gc_store(
+    /// A handle on the open `engine` over drive files of its own, opened on `ring`, which
+    /// reopens a replaced drive's file on that ring: another thread's store, or thread 0's
+    /// handle for background GC ([`BACKGROUND_HANDLES`]).
+    fn take_handle(
         &self,
         ring: &Rc<Ring>,
         engine: &Arc<LogEngine>,
     ) -> Result<LogHandle<DriveFile>, String> {
         let paths = self.shared.drive_paths.read().unwrap_or_else(PoisonError::into_inner).clone();
-        let drives = open_drive_files(&paths, ring)?;
-        let handle = engine.handle(drives);
+        let handle = engine.handle(open_drive_files(&paths, ring)?);
         handle.set_reopen(reopen_drive(Arc::clone(&self.shared.drive_paths), Rc::clone(ring)));
         Ok(handle)
     }
@@ -1182,14 +1183,12 @@ impl DataThread {
     /// Thread 0 opens the engine (recovery); the others take a handle on it. Each over this
     /// thread's own drive files.
     async fn open_store(&self, ring: &Rc<Ring>) -> Result<LogHandle<DriveFile>, String> {
+        if let Some(engine) = &self.engine {
+            return self.take_handle(ring, engine);
+        }
         let paths = self.shared.drive_paths.read().unwrap_or_else(PoisonError::into_inner).clone();
         let drives = open_drive_files(&paths, ring)?;
         let reopen = reopen_drive(Arc::clone(&self.shared.drive_paths), Rc::clone(ring));
-        if let Some(engine) = &self.engine {
-            let handle = engine.handle(drives);
-            handle.set_reopen(reopen);
-            return Ok(handle);
-        }
         let started = Instant::now();
         let latches = Arc::clone(&self.shared.latches);
         let (_engine, handle, report) =
