@@ -89,6 +89,15 @@ fn report(dir: &Path, records: &[String]) -> String {
     std::fs::read_to_string(&markdown).expect("read the report")
 }
 
+/// The report's first line that starts with `prefix`.
+fn line_starting(report: &str, prefix: &str) -> String {
+    report
+        .lines()
+        .find(|line| line.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no line starting {prefix:?} in:\n{report}"))
+        .to_string()
+}
+
 const META: &str = r#"{"kind": "meta", "host_cpus": 2, "size_gb": 2, "runtime_s": 10, "ramp_s": 0, "iodepth": 32, "numjobs": 4, "commit": "0123456789ab"}"#;
 
 #[test]
@@ -110,13 +119,7 @@ fn the_cpu_budget_per_io_is_the_vcpus_over_the_goal_less_fio_per_io() {
         fio_record(dir.path(), "ceph", "8k_randrw_80_20", 8_000.0, 16.0, 2.0),
     ];
     let report = report(dir.path(), &records);
-    let row = |workload: &str| {
-        report
-            .lines()
-            .find(|line| line.starts_with(&format!("| one copy | {workload} |")))
-            .unwrap_or_else(|| panic!("no CPU budget row for {workload} in:\n{report}"))
-            .to_string()
-    };
+    let row = |workload: &str| line_starting(&report, &format!("| one copy | {workload} |"));
     assert_eq!(
         row("4k_randread"),
         "| one copy | 4k_randread | 60,000 | 10.0 | 23.3 | 5.0 | 200.0 | yes |"
@@ -172,40 +175,21 @@ fn a_workload_that_lost_a_replica_from_the_in_sync_set_is_not_judged() {
         replicated_fio_record(d, "ceph", 3, "32k_randrw_50_50", 1_000.0, cpu(), ""),
     ];
     let report = report(d, &records);
-    let row = |workload: &str| {
-        report
-            .lines()
-            .find(|line| line.starts_with(&format!("| {workload} |")))
-            .unwrap_or_else(|| panic!("no row for {workload} in:\n{report}"))
-            .to_string()
-    };
-    assert!(
-        row("4k_randwrite").ends_with("| 40.00x | 1.00x | >= 30x: yes | >= 10x: **no** |"),
-        "the workload that kept every copy is judged: {}",
-        row("4k_randwrite")
-    );
-    let removed = "not judged (the primary removed 1 replica(s) from the in-sync set)";
-    assert!(
-        row("8k_randrw_80_20").ends_with(&format!("| 40.00x | 1.00x | {removed} | {removed} |")),
-        "{}",
-        row("8k_randrw_80_20")
-    );
-    let unknown = "not judged (whether every replica stayed in sync is unknown)";
-    assert!(
-        row("16k_randrw_70_30").ends_with(&format!("| {unknown} | {unknown} |")),
-        "{}",
-        row("16k_randrw_70_30")
-    );
-    let resyncing = "not judged (2 of 3 copies in sync at the start)";
-    assert!(
-        row("32k_randrw_50_50").ends_with(&format!("| {resyncing} | {resyncing} |")),
-        "{}",
-        row("32k_randrw_50_50")
-    );
-    let summary = report
-        .lines()
-        .find(|line| line.starts_with("- Three copies:"))
-        .unwrap_or_else(|| panic!("no goals summary for three copies in:\n{report}"));
+    let row = |workload: &str| line_starting(&report, &format!("| {workload} |"));
+    let judged = "| 40.00x | 1.00x | >= 30x: yes | >= 10x: **no** |".to_string();
+    let not_judged = |why: &str| format!("| not judged ({why}) | not judged ({why}) |");
+    let expected = [
+        // The workload that kept every copy is judged.
+        ("4k_randwrite", judged),
+        ("8k_randrw_80_20", not_judged("the primary removed 1 replica(s) from the in-sync set")),
+        ("16k_randrw_70_30", not_judged("whether every replica stayed in sync is unknown")),
+        ("32k_randrw_50_50", not_judged("2 of 3 copies in sync at the start")),
+    ];
+    for (workload, ending) in expected {
+        let line = row(workload);
+        assert!(line.ends_with(&ending), "{workload}: {line}, expected it to end {ending}");
+    }
+    let summary = line_starting(&report, "- Three copies:");
     assert!(
         summary.contains("**1 of 4 workloads miss a goal**, **3 of 4 not judged**"),
         "{summary}"
