@@ -365,11 +365,12 @@ measure_begin() {
     stall_file=$out/logs/disk-stall-$measure_count.json
     python3 "$repo/scripts/disk-stall.py" "$stall_dir" >"$stall_file" 2>>"$out/logs/disk-stall.log" &
     stall_pid=$!
+    # Before the CPU counters are read, so the query's own CPU is not counted as fio's.
+    [ -z "$replication_api" ] || measure_replication0=$(replication_state)
     measure_t0=$(date +%s.%N)
     measure_server0=$(process_ticks "${server_pids[@]}")
     measure_client0=$(children_ticks)
     measure_host0=$(host_busy_ticks)
-    [ -z "$replication_api" ] || measure_replication0=$(replication_state)
 }
 # -> "REMOVED EPOCH IN_SYNC PRIMARY" of the replicated volume, as its primary answers (a
 # failed query gives "? ? ? ?": the check then fails, never passes, by mistake)

@@ -1032,7 +1032,7 @@ impl DataThread {
                 return;
             }
         };
-        let background_work = match self.commands.take() {
+        let background = match self.commands.take() {
             None => None,
             Some(commands) => {
                 // Background GC commits through a handle of its own (BACKGROUND_HANDLES).
@@ -1043,19 +1043,16 @@ impl DataThread {
                         return;
                     }
                 };
-                Some((commands, gc_store))
+                Some(tokio::task::spawn_local(background(
+                    Rc::clone(&store),
+                    gc_store,
+                    commands,
+                    Arc::clone(&self.shared),
+                    Rc::clone(&ring),
+                    self.stop.clone(),
+                )))
             }
         };
-        let background = background_work.map(|(commands, gc_store)| {
-            tokio::task::spawn_local(background(
-                Rc::clone(&store),
-                gc_store,
-                commands,
-                Arc::clone(&self.shared),
-                Rc::clone(&ring),
-                self.stop.clone(),
-            ))
-        });
         let replication = match self.replication.take() {
             Some(start) => match crate::replicate::spawn(
                 start,

@@ -1159,6 +1159,16 @@ mod tests {
         (engine, handle, map, fill)
     }
 
+    /// `count` blocks of `volume` from block `first`, each filled as `fill_block` fills it with
+    /// `tag`.
+    fn tagged_blocks(volume: VolumeId, first: u64, count: u64, tag: u64) -> AlignedBuf {
+        let mut buf = AlignedBuf::new((count * BLOCK) as usize);
+        for (number, block) in (first..).zip(buf.chunks_mut(BLOCK_BYTES)) {
+            fill_block(block, volume, number, tag);
+        }
+        buf
+    }
+
     /// Yields an observer of an urgent tick takes at most (far more than the tick needs).
     const OBSERVER_YIELDS_MAX: usize = 10_000_000;
 
@@ -1176,11 +1186,8 @@ mod tests {
         let mut next_tag = 0;
         let mut write = |first: u64, count: u64| {
             next_tag += 1;
-            let mut buf = AlignedBuf::new((count * BLOCK) as usize);
-            for (number, block) in (first..).zip(buf.chunks_mut(BLOCK_BYTES)) {
-                fill_block(block, map.volume(), number, next_tag);
-                tags[number as usize] = next_tag;
-            }
+            let buf = tagged_blocks(map.volume(), first, count, next_tag);
+            tags[first as usize..(first + count) as usize].fill(next_tag);
             block_on(handle.write_blocks(&map, first * BLOCK, &buf)).unwrap();
         };
         for first in (0..fill).step_by(16) {
@@ -1239,10 +1246,7 @@ mod tests {
         let mut tag = 0;
         let mut write = |first: u64, count: u64| {
             tag += 1;
-            let mut buf = AlignedBuf::new((count * BLOCK) as usize);
-            for (number, block) in (first..).zip(buf.chunks_mut(BLOCK_BYTES)) {
-                fill_block(block, map.volume(), number, tag);
-            }
+            let buf = tagged_blocks(map.volume(), first, count, tag);
             let map = Arc::clone(&map);
             let handle = &handle;
             async move { handle.write_blocks(&map, first * BLOCK, &buf).await }
