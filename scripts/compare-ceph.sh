@@ -44,7 +44,9 @@ with --erasure-coding none unless FERRITE_ERASURE_CODING says otherwise (Ferrite
      workload whose share r of I/Os are reads cannot exceed the disk's random reads at its size
      divided by r, and 4 KiB writes cannot exceed the disk's sequential bandwidth over 4 KiB.
      The report says which goals lie above that bound: no such system meets them on this
-     machine.
+     machine. Then the four workloads that write, each exactly as the systems get it, on the
+     raw file: a peer figure for each IOPS goal (what the disk does with that very job), not a
+     bound, since a log's sequential writes may cost the disk less than writes in place.
   5. scripts/compare-report.py turns the results into the tables and the chart.
 
 One run is noisy on a shared machine. To repeat it and report medians, run it again with
@@ -602,7 +604,8 @@ ferrite_replicated() {  # replicas
 
 # ---------------------------------------------------------------- disk bound
 # What the disk allows (see --help, step 4): its sequential writes, then its random reads at each
-# I/O size, with the same fio depth and jobs as the workloads.
+# I/O size, with the same fio depth and jobs as the workloads; then the workloads that write,
+# each as the systems get it.
 disk_bound() {
     local bs json label=disk-bound
     log "== Disk bound: the raw disk with the same fio jobs =="
@@ -627,6 +630,23 @@ disk_bound() {
             { tail -20 "$out/logs/$label-raw-randread-$bs.log"; die "raw disk: fio randread $bs failed"; }
         record "\"kind\": \"probe\", \"probe\": \"raw_randread_$bs\", \"fio_json\": \"$json\", $(measure_json)"
         log "raw disk, random reads of $bs: $(jq -r '.jobs[0].mixed.iops | round' "$json") IOPS"
+    done
+    # The workloads that write, exactly as the systems get them: a peer figure, not a bound (a
+    # log writes sequentially, which may cost the disk less than these writes in place).
+    local workload rw mix
+    for workload in ${workloads//,/ }; do
+        read -r rw mix bs <<<"$(workload_args "$workload")"
+        [ "$rw" = randread ] && continue
+        json=$out/fio/$label-raw-$workload.json
+        measure_begin
+        run_child fio --name="raw-$workload" --filename="$raw_file" --size="${size_gb}G" --ioengine=io_uring \
+            --direct=1 --rw="$rw" --rwmixread="$mix" --bs="$bs" --iodepth="$iodepth" --numjobs="$numjobs" \
+            --group_reporting --time_based --ramp_time="$ramp_s" --runtime="$runtime_s" --norandommap \
+            --randrepeat=0 --refill_buffers=1 --lat_percentiles=1 --percentile_list=50:99:99.9 \
+            --unified_rw_reporting=both --output-format=json --output="$json" >"$out/logs/$label-raw-$workload.log" 2>&1 ||
+            { tail -20 "$out/logs/$label-raw-$workload.log"; die "raw disk: fio $workload failed"; }
+        record "\"kind\": \"probe\", \"probe\": \"raw_job_$workload\", \"fio_json\": \"$json\", $(measure_json)"
+        log "raw disk, $workload: $(jq -r '.jobs[0].mixed.iops | round' "$json") IOPS"
     done
     rm -f -- "$raw_file"
     raw_file=""

@@ -2,7 +2,9 @@
 //! docs/BENCHMARKS.md, says how much server CPU per I/O each IOPS goal leaves on the machine:
 //! the vCPUs over the goal's rate, less what fio took per I/O in Ferrite's run. Checked here on
 //! made-up results whose answers are worked out by hand: a goal the server's CPU fits, one it
-//! exceeds, and one that fio alone cannot reach on the machine.
+//! exceeds, and one that fio alone cannot reach on the machine. Also checked: a replicated
+//! workload that lost a replica is not judged, and each goal is set beside what the raw disk
+//! did with the same fio job.
 //!
 //! Needs `python3` (`scripts/deps.sh` installs it); fails without it: nothing is skipped.
 
@@ -201,4 +203,66 @@ fn a_workload_that_lost_a_replica_from_the_in_sync_set_is_not_judged() {
         ),
         "{summary}"
     );
+}
+
+/// A probe of the raw disk (`raw_randread_4k`, `raw_job_WORKLOAD`) as compare-ceph.sh records it.
+fn probe_record(dir: &Path, probe: &str, iops: f64) -> String {
+    let json = dir.join(format!("{probe}.json"));
+    std::fs::write(&json, fio_json(iops)).expect("write fio json");
+    format!(
+        r#"{{"kind": "probe", "probe": "{probe}", "fio_json": "{}", "wall_s": 10.0, "server_cpu_s": 0, "client_cpu_s": 1.0, "host_busy_cpu_s": 1.0}}"#,
+        json.display()
+    )
+}
+
+/// compare-ceph.sh also runs each workload's exact fio job on the raw disk; the report sets
+/// Ferrite's IOPS and each goal beside it, and the goals summary says what share of the raw
+/// disk's rate a missed goal asks for.
+#[test]
+fn each_workload_and_goal_is_set_beside_the_raw_disk_on_the_same_job() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = dir.path();
+    let records = [
+        META.to_string(),
+        // The 4K reads' job on the raw disk is the random 4K read probe.
+        probe_record(d, "raw_randread_4k", 82_000.0),
+        probe_record(d, "raw_job_8k_randrw_80_20", 60_000.0),
+        probe_record(d, "raw_job_32k_randrw_50_50", 33_600.0),
+        // Goal 80,000: 98% of the raw disk's 82,000; Ferrite 85% of it.
+        fio_record(d, "ferrite", "4k_randread", 70_000.0, 1.0, 1.0),
+        fio_record(d, "ceph", "4k_randread", 8_000.0, 1.0, 1.0),
+        // Met (11x): no share in the summary, the table still has it.
+        fio_record(d, "ferrite", "8k_randrw_80_20", 55_000.0, 1.0, 1.0),
+        fio_record(d, "ceph", "8k_randrw_80_20", 5_000.0, 1.0, 1.0),
+        // Goal 35,000: 104% of the raw disk's 33,600; Ferrite 89% of it.
+        fio_record(d, "ferrite", "32k_randrw_50_50", 30_000.0, 1.0, 1.0),
+        fio_record(d, "ceph", "32k_randrw_50_50", 3_500.0, 1.0, 1.0),
+    ];
+    let report = report(d, &records);
+    let rows: Vec<&str> = report
+        .lines()
+        .skip_while(|line| !line.starts_with("| workload | raw disk IOPS, this job |"))
+        .take_while(|line| line.starts_with('|'))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            "| workload | raw disk IOPS, this job | Ferrite one copy IOPS (of raw) | goal, one copy (of raw) |",
+            "|---|---:|---:|---:|",
+            "| 4k_randread | 82,000 | 70,000 (85%) | 80,000 (98%) |",
+            "| 8k_randrw_80_20 | 60,000 | 55,000 (92%) | 50,000 (83%) |",
+            "| 32k_randrw_50_50 | 33,600 | 30,000 (89%) | 35,000 (104%) |",
+        ],
+        "{report}"
+    );
+    let summary = line_starting(&report, "- One copy:");
+    for expected in [
+        // For 4K reads the job's rate is the disk bound, which the summary names when the goal
+        // lies above it.
+        "4k_randread IOPS 8.75x (missed)",
+        "8k_randrw_80_20 IOPS 11.00x (met)",
+        "32k_randrw_50_50 IOPS 8.57x (missed; the goal is 104% of the raw disk's IOPS on the same job)",
+    ] {
+        assert!(summary.contains(expected), "{expected:?} not in {summary}");
+    }
 }
