@@ -555,6 +555,10 @@ pub struct ErasureInfo {
     /// The most a rebuild writes per second, in MiB (`ferrite up --rebuild-mb-per-s`; 0: no
     /// limit).
     pub rebuild_mb_per_s: u64,
+    /// The most a rebuild writes per second while hosts keep the node busy, in MiB: it yields
+    /// to host I/O (0: no limit; absent from nodes before it did).
+    #[serde(default)]
+    pub rebuild_busy_mb_per_s: u64,
     /// The rebuild in progress, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebuild: Option<RebuildInfo>,
@@ -585,6 +589,10 @@ pub struct RebuildInfo {
     /// Why the rebuild's last step failed (another drive could not be read); it retries.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stalled: Option<String>,
+    /// Whether it writes at [`ErasureInfo::rebuild_busy_mb_per_s`] now, hosts keeping the node
+    /// busy.
+    #[serde(default)]
+    pub slowed_for_hosts: bool,
 }
 
 /// How a drive rebuild ended, in [`ErasureInfo::last_rebuild`].
@@ -1099,6 +1107,7 @@ mod tests {
             repaired_reads: 1,
             unrecoverable_reads: 0,
             rebuild_mb_per_s: 256,
+            rebuild_busy_mb_per_s: 64,
             rebuild: Some(RebuildInfo {
                 drive: 1,
                 segments_done: 10,
@@ -1109,13 +1118,21 @@ mod tests {
                 bytes_per_second: 2 << 20,
                 eta_seconds: None,
                 stalled: None,
+                slowed_for_hosts: true,
             }),
             last_rebuild: None,
         };
         let json = serde_json::to_value(&erasure).unwrap();
         assert!(json.get("last_rebuild").is_none(), "{json}");
         assert!(json["rebuild"].get("eta_seconds").is_none(), "{json}");
-        assert_eq!(serde_json::from_value::<ErasureInfo>(json).unwrap(), erasure);
+        assert_eq!(serde_json::from_value::<ErasureInfo>(json.clone()).unwrap(), erasure);
+        // An older node sends neither busy field: a rebuild that never slowed down.
+        let mut old = json;
+        old.as_object_mut().unwrap().remove("rebuild_busy_mb_per_s");
+        old["rebuild"].as_object_mut().unwrap().remove("slowed_for_hosts");
+        let old: ErasureInfo = serde_json::from_value(old).unwrap();
+        let slowed = old.rebuild.map(|rebuild| rebuild.slowed_for_hosts);
+        assert_eq!((old.rebuild_busy_mb_per_s, slowed), (0, Some(false)));
 
         let drive: DriveInfo =
             serde_json::from_str(r#"{"index":1,"path":"/d","size_bytes":4096,"state":"failed"}"#)

@@ -516,7 +516,10 @@ struct UpArgs {
     /// After `ferrite drive replace` (or a drive file found missing at start) the node rebuilds
     /// the new drive from the others in the background, yielding to host I/O between steps.
     /// Until it finishes, the stripes it has not restored have one parity block less: a faster
-    /// rebuild restores redundancy sooner, a slower one leaves hosts more of the drives.
+    /// rebuild restores redundancy sooner, a slower one leaves hosts more of the drives. While
+    /// hosts read and write through the node at 1 MiB/s or more it writes at a quarter of this
+    /// rate (at least 16 MiB/s, so redundancy still comes back under steady load), and at the
+    /// full rate again once they have been quiet for a second.
     #[arg(long, value_name = "MB", default_value_t = node::rebuild::DEFAULT_REBUILD_MB_PER_S)]
     rebuild_mb_per_s: u64,
     /// Join a cluster whose state is kept in this etcd (comma-separated endpoints such as

@@ -189,9 +189,12 @@ fn print_erasure(erasure: &api::ErasureInfo) {
         let eta = rebuild
             .eta_seconds
             .map_or_else(String::new, |seconds| format!(", about {} left", duration(seconds)));
-        let pace = match erasure.rebuild_mb_per_s {
-            0 => "no limit".to_owned(),
-            limit => format!("at most {limit} MiB/s"),
+        let pace = match (erasure.rebuild_mb_per_s, erasure.rebuild_busy_mb_per_s) {
+            (0, _) => "no limit".to_owned(),
+            (_, busy) if rebuild.slowed_for_hosts => {
+                format!("slowed to {busy} MiB/s while hosts are busy")
+            }
+            (limit, _) => format!("at most {limit} MiB/s"),
         };
         rows.push((
             "rebuild",
@@ -201,8 +204,8 @@ fn print_erasure(erasure: &api::ErasureInfo) {
                 rebuild.percent,
                 rebuild.segments_done,
                 rebuild.segments_total,
-                ByteSize(rebuild.bytes_written),
-                ByteSize(rebuild.bytes_per_second),
+                mib(rebuild.bytes_written),
+                mib(rebuild.bytes_per_second),
             ),
         ));
         if let Some(stalled) = &rebuild.stalled {
@@ -470,6 +473,13 @@ fn resync_line(progress: &api::ResyncProgress) -> String {
         thousands(progress.blocks_total),
         if progress.full { "full copy" } else { "incremental" }
     )
+}
+
+/// An amount in MiB to a tenth, rounded (`1,576.3 MiB`): for amounts that move, where
+/// `ByteSize`'s exact units would print bytes.
+fn mib(bytes: u64) -> String {
+    let tenths = (u128::from(bytes) * 10 + (1 << 19)) >> 20;
+    format!("{}.{} MiB", thousands(u64::try_from(tenths / 10).unwrap_or(u64::MAX)), tenths % 10)
 }
 
 /// A count with thousands separators: `29,952`.
@@ -772,6 +782,16 @@ mod tests {
         blocks_total: u64,
     ) -> api::ResyncProgress {
         api::ResyncProgress { node: node.to_owned(), full, blocks_total, blocks_copied }
+    }
+
+    #[test]
+    fn amounts_that_move_print_in_mib_to_a_tenth() {
+        assert_eq!(mib(0), "0.0 MiB");
+        assert_eq!(mib(34_641_838), "33.0 MiB");
+        assert_eq!(mib(1_652_555_776), "1,576.0 MiB");
+        assert_eq!(mib((1 << 20) + 55_000), "1.1 MiB", "rounded to the nearest tenth");
+        assert_eq!(mib((1 << 20) + 50_000), "1.0 MiB");
+        assert_eq!(mib(u64::MAX), "17,592,186,044,416.0 MiB");
     }
 
     #[test]

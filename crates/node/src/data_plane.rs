@@ -74,6 +74,8 @@ pub struct ErasureReport {
     pub unrecoverable_reads: u64,
     /// The rebuild pace, in MiB per second (0: no limit).
     pub rebuild_mb_per_s: u64,
+    /// The rebuild pace while hosts keep the node busy (0: no limit).
+    pub rebuild_busy_mb_per_s: u64,
     /// The rebuild in progress.
     pub rebuild: Option<RebuildReport>,
     /// How the last rebuild of this run ended.
@@ -90,6 +92,7 @@ impl Default for ErasureReport {
             repaired_reads: 0,
             unrecoverable_reads: 0,
             rebuild_mb_per_s: 0,
+            rebuild_busy_mb_per_s: 0,
             rebuild: None,
             last_rebuild: None,
             rebuild_bytes_written_total: 0,
@@ -107,6 +110,8 @@ pub struct RebuildReport {
     pub elapsed_seconds: f64,
     /// Why the last step failed (another drive could not be read), while it retries.
     pub stalled: Option<String>,
+    /// Whether it writes at the busy pace now, hosts keeping the node busy.
+    pub slowed_for_hosts: bool,
 }
 
 impl RebuildReport {

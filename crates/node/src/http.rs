@@ -688,6 +688,7 @@ fn erasure_info(report: &ErasureReport) -> api::ErasureInfo {
         repaired_reads: report.repaired_reads,
         unrecoverable_reads: report.unrecoverable_reads,
         rebuild_mb_per_s: report.rebuild_mb_per_s,
+        rebuild_busy_mb_per_s: report.rebuild_busy_mb_per_s,
         rebuild: report.rebuild.as_ref().map(|rebuild| api::RebuildInfo {
             drive: rebuild.drive,
             segments_done: rebuild.segments_done,
@@ -698,6 +699,7 @@ fn erasure_info(report: &ErasureReport) -> api::ErasureInfo {
             bytes_per_second: rebuild.bytes_per_second(),
             eta_seconds: rebuild.eta_seconds(),
             stalled: rebuild.stalled.clone(),
+            slowed_for_hosts: rebuild.slowed_for_hosts,
         }),
         last_rebuild: report.last_rebuild.as_ref().map(|end| api::RebuildOutcome {
             drive: end.drive,

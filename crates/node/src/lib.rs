@@ -26,6 +26,7 @@
 //! holds the metadata store and the drives' links and is removed when the node stops: the
 //! metadata never outlives the data it describes, so every start is a first start.
 
+pub mod activity;
 pub mod cluster;
 pub mod config;
 pub mod control;

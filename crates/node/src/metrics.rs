@@ -31,7 +31,8 @@
 //! - `ferrite_rebuild_bytes_written_total` (counter): bytes drive rebuilds wrote;
 //!   `ferrite_rebuild_segments_done`, `ferrite_rebuild_segments_total` (gauges): the rebuild in
 //!   progress (both 0 when none runs); `ferrite_drive_rebuilding{drive,path}` (gauge): 1 for a
-//!   drive being rebuilt
+//!   drive being rebuilt; `ferrite_rebuild_slowed_for_hosts` (gauge): 1 while the rebuild writes
+//!   at its busy rate because hosts keep the node busy
 //! - `ferrite_replication_frames_sent_total`, `ferrite_replication_frames_received_total`,
 //!   `ferrite_replication_frames_dropped_total` (counters, cluster nodes): replication messages
 //!   to and from other nodes, and those dropped because a peer's link was full or down (the
@@ -390,6 +391,12 @@ impl Registry {
             "ferrite_rebuild_segments_total",
             "Log segments the drive rebuild in progress examines in all (0 when none runs).",
             rebuild.map_or(0, |rebuild| u64::from(rebuild.segments_total)),
+        );
+        render_gauge(
+            &mut out,
+            "ferrite_rebuild_slowed_for_hosts",
+            "1 while the drive rebuild in progress writes at its busy rate, hosts keeping the node busy.",
+            u64::from(rebuild.is_some_and(|rebuild| rebuild.slowed_for_hosts)),
         );
         render_gauge(&mut out, "ferrite_volumes", "Volumes on this node.", node.volumes);
         render_gauge(
@@ -939,6 +946,7 @@ mod tests {
                     bytes_written: 1 << 20,
                     elapsed_seconds: 1.0,
                     stalled: None,
+                    slowed_for_hosts: true,
                 }),
                 rebuild_bytes_written_total: 3 << 20,
                 ..ErasureReport::default()
@@ -996,6 +1004,8 @@ mod tests {
         assert_eq!(value(&text, "ferrite_rebuild_segments_done"), 40);
         assert_eq!(value(&text, "ferrite_rebuild_segments_total"), 100);
         assert_eq!(value(&empty, "ferrite_rebuild_segments_total"), 0, "none runs");
+        assert_eq!(value(&text, "ferrite_rebuild_slowed_for_hosts"), 1);
+        assert_eq!(value(&empty, "ferrite_rebuild_slowed_for_hosts"), 0, "none runs");
         assert_eq!(value(&empty, "ferrite_erasure_parity_shards"), 0);
         let memory = NodeGauges { drive_backend: DriveBackend::Memory, ..gauges.clone() };
         let memory_text = registry.render(&memory);

@@ -2236,6 +2236,7 @@ impl DataPlane for NvmeDataPlane {
             repaired_reads: stats.repaired_reads,
             unrecoverable_reads: stats.unrecoverable_reads,
             rebuild_mb_per_s: rebuild.rate_mb_per_s(),
+            rebuild_busy_mb_per_s: rebuild.busy_rate_mb_per_s(),
             rebuild: rebuild.report(progress, Instant::now()),
             last_rebuild: rebuild.last(),
             rebuild_bytes_written_total: rebuild.bytes_written_total(),

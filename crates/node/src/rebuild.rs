@@ -14,14 +14,22 @@
 //! and yields to the thread's other tasks between steps, so host I/O on thread 0 keeps going.
 //! Steps over segments that need nothing (free ones) write nothing and cost no budget.
 //!
+//! The rebuild yields to hosts as the scrub does, but less: while hosts keep the node busy
+//! ([`crate::activity`]: 1 MiB/s or more of host I/O, until a quiet second) it writes at a
+//! [`REBUILD_BUSY_DIVISOR`]th of its rate, at least [`REBUILD_BUSY_MB_PER_S_MIN`] (and at most
+//! the rate itself; no limit stays no limit), so the node's redundancy still comes back under
+//! steady load while the hosts keep most of the drives. `ferrite node show` says when it is
+//! slowed.
+//!
 //! The rebuild's state is shared with the control plane through [`RebuildStatus`]: when the
 //! current rebuild started and how the last one ended. The engine keeps the progress itself.
 
+use crate::activity::HostActivity;
 use crate::data_plane::{DataPlaneError, DriveSet, RebuildEnd, RebuildReport};
 use engine::log::{LogError, LogHandle, RebuildProgress};
 use engine::Drive;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -30,6 +38,10 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_REBUILD_MB_PER_S: u64 = 256;
 /// The highest `--rebuild-mb-per-s` accepted.
 pub const REBUILD_MB_PER_S_MAX: u64 = 65_536;
+/// While hosts are busy the rebuild writes at its rate divided by this.
+pub const REBUILD_BUSY_DIVISOR: u64 = 4;
+/// The least a rebuild writes per second while hosts are busy, in MiB (unless its rate is lower).
+pub const REBUILD_BUSY_MB_PER_S_MIN: u64 = 16;
 /// Engine rebuild steps one background tick takes at most.
 pub const REBUILD_STEPS_PER_TICK_MAX: u32 = 64;
 /// The budget of one engine step: the engine restores at most 256 stripe runs per step anyway;
@@ -42,6 +54,16 @@ const PENDING_REPLACEMENTS_MAX: usize = crate::config::DRIVE_COUNT_MAX as usize;
 const PROGRESS_LOG_PERCENT: u32 = 10;
 
 const BYTES_PER_MIB: u64 = 1 << 20;
+
+/// The rebuild's rate while hosts keep the node busy: a [`REBUILD_BUSY_DIVISOR`]th of
+/// `rate_mb_per_s`, at least [`REBUILD_BUSY_MB_PER_S_MIN`] and at most the rate itself (0, no
+/// limit, stays no limit).
+pub fn busy_rate_mb_per_s(rate_mb_per_s: u64) -> u64 {
+    if rate_mb_per_s == 0 {
+        return 0;
+    }
+    (rate_mb_per_s / REBUILD_BUSY_DIVISOR).max(REBUILD_BUSY_MB_PER_S_MIN).min(rate_mb_per_s)
+}
 
 /// Bytes one tick of `tick` may write at `rate_mb_per_s` (0: no limit, `u64::MAX`).
 pub fn bytes_per_tick(rate_mb_per_s: u64, tick: Duration) -> u64 {
@@ -57,6 +79,8 @@ pub fn bytes_per_tick(rate_mb_per_s: u64, tick: Duration) -> u64 {
 #[derive(Debug)]
 pub struct RebuildStatus {
     rate_mb_per_s: u64,
+    /// Whether the rebuild writes at its busy rate now, hosts keeping the node busy.
+    slowed: AtomicBool,
     /// Bytes every rebuild of this run wrote (a counter for the metrics).
     bytes_written_total: AtomicU64,
     state: Mutex<StatusState>,
@@ -76,6 +100,7 @@ impl RebuildStatus {
         assert!(rate_mb_per_s <= REBUILD_MB_PER_S_MAX, "the rebuild rate is validated");
         Self {
             rate_mb_per_s,
+            slowed: AtomicBool::new(false),
             bytes_written_total: AtomicU64::new(0),
             state: Mutex::new(StatusState::default()),
         }
@@ -83,6 +108,17 @@ impl RebuildStatus {
 
     pub fn rate_mb_per_s(&self) -> u64 {
         self.rate_mb_per_s
+    }
+
+    /// The most a rebuild writes per second while hosts keep the node busy, in MiB (0: no
+    /// limit).
+    pub fn busy_rate_mb_per_s(&self) -> u64 {
+        busy_rate_mb_per_s(self.rate_mb_per_s)
+    }
+
+    /// Whether the rebuild in progress writes at its busy rate now (never when that is its rate).
+    pub fn slowed(&self) -> bool {
+        self.slowed.load(Ordering::Relaxed)
     }
 
     pub fn bytes_written_total(&self) -> u64 {
@@ -113,6 +149,7 @@ impl RebuildStatus {
             bytes_written: progress.bytes_written,
             elapsed_seconds: elapsed,
             stalled,
+            slowed_for_hosts: self.slowed(),
         })
     }
 
@@ -139,6 +176,10 @@ struct Current {
 pub struct Rebuilder {
     status: std::sync::Arc<RebuildStatus>,
     bytes_per_tick: u64,
+    /// A tick's share while hosts keep the node busy.
+    busy_bytes_per_tick: u64,
+    /// Whether hosts keep the node busy.
+    hosts: HostActivity,
     /// Drives to replace as soon as no rebuild runs (missing drive files found at start).
     pending: VecDeque<u16>,
     current: Option<Current>,
@@ -150,7 +191,16 @@ impl Rebuilder {
     pub fn new(status: std::sync::Arc<RebuildStatus>, tick: Duration, pending: Vec<u16>) -> Self {
         assert!(pending.len() <= PENDING_REPLACEMENTS_MAX, "more pending drives than drives");
         let bytes_per_tick = bytes_per_tick(status.rate_mb_per_s(), tick);
-        Self { status, bytes_per_tick, pending: pending.into(), current: None }
+        let busy_bytes_per_tick = self::bytes_per_tick(status.busy_rate_mb_per_s(), tick);
+        let hosts = HostActivity::new(tick);
+        Self {
+            status,
+            bytes_per_tick,
+            busy_bytes_per_tick,
+            hosts,
+            pending: pending.into(),
+            current: None,
+        }
     }
 
     /// One tick's share of the rebuild at time `now`. `open` opens this thread's handle of a
@@ -161,6 +211,10 @@ impl Rebuilder {
         open: &dyn Fn(u16) -> Result<D, String>,
         now: Instant,
     ) {
+        // Sampled every tick, rebuilding or not, so a rebuild that starts knows how busy hosts
+        // are.
+        let busy = self.hosts.busy(store.engine().host_io_bytes(), now);
+        self.status.slowed.store(false, Ordering::Relaxed);
         let progress = store.engine().rebuild_progress();
         match (&self.current, progress) {
             (Some(current), Some(progress)) if current.drive == progress.drive => {}
@@ -177,7 +231,10 @@ impl Rebuilder {
             }
         }
         let Some(mut current) = self.current.take() else { return };
-        let mut budget = self.bytes_per_tick;
+        // Slowed only where the busy share is smaller (a low rate is its own busy rate).
+        let slowed = busy && self.busy_bytes_per_tick < self.bytes_per_tick;
+        self.status.slowed.store(slowed, Ordering::Relaxed);
+        let mut budget = if slowed { self.busy_bytes_per_tick } else { self.bytes_per_tick };
         for step in 0..REBUILD_STEPS_PER_TICK_MAX {
             if step > 0 {
                 // Host I/O on this thread gets its turn between steps.
@@ -232,6 +289,7 @@ impl Rebuilder {
             drive = progress.drive,
             segments = progress.segments_total,
             rate_mb_per_s = self.status.rate_mb_per_s(),
+            busy_rate_mb_per_s = self.status.busy_rate_mb_per_s(),
             "rebuilding drive {} from the other drives",
             progress.drive
         );
@@ -282,6 +340,7 @@ impl Rebuilder {
     }
 
     fn finish(&mut self, current: &Current, progress: &RebuildProgress, now: Instant) {
+        self.status.slowed.store(false, Ordering::Relaxed);
         let seconds = now.saturating_duration_since(current.started).as_secs_f64();
         let mib = progress.bytes_written as f64 / BYTES_PER_MIB as f64;
         let mib_per_s = if seconds > 0.0 { mib / seconds } else { 0.0 };
@@ -306,6 +365,7 @@ impl Rebuilder {
     }
 
     fn fail(&mut self, current: &Current, error: &LogError, now: Instant) {
+        self.status.slowed.store(false, Ordering::Relaxed);
         let seconds = now.saturating_duration_since(current.started).as_secs_f64();
         tracing::error!(
             drive = current.drive,
@@ -628,14 +688,27 @@ mod tests {
             let volumes = Volumes::new();
             volumes.publish(volumes.reserve_create(VOLUME, 4096 * BLOCK).unwrap());
             let map = volumes.mapping(VOLUME).unwrap();
-            for first in (0..BLOCKS).step_by(32) {
+            let fixture = Self { engine, handle, map };
+            fixture.write(0, BLOCKS);
+            fixture
+        }
+
+        /// Writes blocks `first..first + count` (a multiple of 32) with generation 5.
+        fn write(&self, first: u64, count: u64) {
+            for first in (first..first + count).step_by(32) {
                 let mut buf = AlignedBuf::new((32 * BLOCK) as usize);
                 for (number, block) in (first..).zip(buf.chunks_mut(BLOCK as usize)) {
                     fill_block(block, VOLUME, number, 5);
                 }
-                block_on(handle.write_blocks(&map, first * BLOCK, &buf)).unwrap();
+                block_on(self.handle.write_blocks(&self.map, first * BLOCK, &buf)).unwrap();
             }
-            Self { engine, handle, map }
+        }
+
+        /// A host reads `blocks` blocks.
+        fn host_read(&self, blocks: u64) {
+            let buf = AlignedBuf::new((blocks * BLOCK) as usize);
+            let (result, _) = block_on(self.handle.read_blocks(&self.map, 0, buf));
+            result.unwrap();
         }
 
         fn all_read_back(&self) -> bool {
@@ -698,6 +771,69 @@ mod tests {
         assert!(!fixture.engine.latches().is_rebuilding(1));
         assert!(fixture.engine.latches().failed_drives().is_empty());
         // The rebuilt drive carries its share: losing another drive loses nothing.
+        fixture.engine.latches().latch(2);
+        assert!(fixture.all_read_back(), "data survives a second loss after the rebuild");
+    }
+
+    #[test]
+    fn busy_rates_are_a_quarter_at_least_16_mib() {
+        assert_eq!(busy_rate_mb_per_s(0), 0, "no limit stays no limit");
+        assert_eq!(busy_rate_mb_per_s(4), 4);
+        assert_eq!(busy_rate_mb_per_s(16), 16);
+        assert_eq!(busy_rate_mb_per_s(40), 16);
+        assert_eq!(busy_rate_mb_per_s(DEFAULT_REBUILD_MB_PER_S), 64);
+        assert_eq!(busy_rate_mb_per_s(REBUILD_MB_PER_S_MAX), 16_384);
+    }
+
+    #[test]
+    fn host_io_slows_the_rebuild_until_hosts_have_been_quiet() {
+        let fixture = Fixture::written();
+        fixture.write(BLOCKS, 512);
+        fixture.engine.latches().latch(1);
+        block_on(fixture.handle.begin_replace(1, new_drive(1))).unwrap();
+        // Ticks of 10 ms, so that the small log takes several: at 64 MiB/s 671,089 bytes per
+        // tick, at 16 MiB/s (167,773) while hosts are busy.
+        let short_tick = Duration::from_millis(10);
+        let status = Arc::new(RebuildStatus::new(64));
+        assert_eq!(status.busy_rate_mb_per_s(), 16);
+        let mut rebuilder = Rebuilder::new(Arc::clone(&status), short_tick, Vec::new());
+        let tick = |rebuilder: &mut Rebuilder, now| {
+            let before = status.bytes_written_total();
+            block_on(rebuilder.tick(&fixture.handle, &no_open, now));
+            status.bytes_written_total() - before
+        };
+        // A tick may go past its share by the last stripe a step restores (a block here).
+        let busy_share = 167_773 + BLOCK;
+        let start = Instant::now();
+        let mut now = start;
+        for _ in 0..3 {
+            // 256 KiB read within a tick: 25 MiB/s, busy.
+            fixture.host_read(64);
+            let written = tick(&mut rebuilder, now);
+            assert!(written > 0 && written <= busy_share, "a busy tick wrote {written} bytes");
+            assert!(status.slowed());
+            let report = status.report(fixture.engine.rebuild_progress(), now).unwrap();
+            assert!(report.slowed_for_hosts);
+            now += short_tick;
+        }
+        // Quiet, but not for a second yet: still the busy share.
+        let written = tick(&mut rebuilder, now);
+        assert!(written <= busy_share && status.slowed(), "{written}");
+        // Quiet for a second: the full share.
+        now = start + 2 * short_tick + Duration::from_millis(crate::activity::HOSTS_QUIET_MS);
+        let written = tick(&mut rebuilder, now);
+        assert!(written > busy_share, "a quiet tick wrote only {written} bytes");
+        assert!(!status.slowed());
+        let mut ticks = 0;
+        while fixture.engine.rebuild_progress().is_some() {
+            now += short_tick;
+            fixture.host_read(64);
+            tick(&mut rebuilder, now);
+            ticks += 1;
+            assert!(ticks < 10_000, "the rebuild never finished");
+        }
+        assert!(status.last().is_some_and(|last| last.finished));
+        assert!(!status.slowed(), "a finished rebuild is not slowed");
         fixture.engine.latches().latch(2);
         assert!(fixture.all_read_back(), "data survives a second loss after the rebuild");
     }

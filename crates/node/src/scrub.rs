@@ -11,11 +11,9 @@
 //! read it back over and over.
 //!
 //! The scrub yields to hosts, as Linux md's resync does (`sync_speed_min`/`sync_speed_max`):
-//! while hosts read and write through the node at [`SCRUB_BUSY_HOST_MB_PER_S`] or more (the
-//! engine's host bytes, measured tick by tick; a replica's replicated writes count), it reads at
-//! a [`SCRUB_BUSY_DIVISOR`]th of its rate (at least 1 MiB/s, so a pass still ends under steady
-//! load), and goes back to the full rate once hosts have been quiet for
-//! [`SCRUB_QUIET_MS`]. `ferrite node show` says when it is slowed.
+//! while hosts keep the node busy ([`crate::activity`]: 1 MiB/s or more of host I/O, until a
+//! quiet second), it reads at a [`SCRUB_BUSY_DIVISOR`]th of its rate (at least 1 MiB/s, so a
+//! pass still ends under steady load). `ferrite node show` says when it is slowed.
 //!
 //! While any drive is latched failed the scrub pauses, until the drive is replaced (on a node
 //! with erasure coding) or the node restarts: reads of the failed drive's blocks are rebuilt
@@ -26,6 +24,7 @@
 //! the counts and findings live in the engine (`LogStats::scrub_*`,
 //! `LogEngine::scrub_findings`).
 
+use crate::activity::HostActivity;
 use engine::log::{LogHandle, ScrubCursor};
 use engine::Drive;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
@@ -41,13 +40,8 @@ pub const SCRUB_MB_PER_S_MAX: u64 = 4096;
 pub const SCRUB_STEPS_PER_TICK_MAX: u32 = 16;
 /// A scrub pass starts at most this often: a pass that completes sooner waits for the rest.
 pub const SCRUB_PASS_INTERVAL_MIN_MS: u64 = 60_000;
-/// Host I/O through the node (reads and writes, MiB per second over a tick) at or above which
-/// the scrub slows down.
-pub const SCRUB_BUSY_HOST_MB_PER_S: u64 = 1;
 /// While hosts are busy the scrub reads at its rate divided by this (at least 1 MiB/s).
 pub const SCRUB_BUSY_DIVISOR: u64 = 16;
-/// How long hosts must have been quiet before the scrub reads at its full rate again.
-pub const SCRUB_QUIET_MS: u64 = 1_000;
 
 const BLOCKS_PER_MIB: u64 = (1 << 20) / types::BLOCK_SIZE_BYTES as u64;
 /// The most blocks one engine scrub step verifies (the engine's `SCRUB_BLOCKS_PER_STEP_MAX`,
@@ -179,14 +173,8 @@ pub struct Scrubber {
     blocks_per_tick: u32,
     /// The share of a tick while hosts keep the node busy.
     busy_blocks_per_tick: u32,
-    /// The background tick, the shortest time a host I/O rate is measured over.
-    tick: Duration,
-    /// The engine's host I/O bytes at the previous tick, and when that was (`None` before the
-    /// first tick: the counts start with the engine, as the scrubber does).
-    host_bytes_seen: Option<(u64, Instant)>,
-    /// Until when the scrub reads at its busy rate: hosts were busy up to
-    /// [`SCRUB_QUIET_MS`] before.
-    busy_until: Option<Instant>,
+    /// Whether hosts keep the node busy.
+    hosts: HostActivity,
     cursor: ScrubCursor,
     /// When the current pass started (`None` before the first).
     pass_started: Option<Instant>,
@@ -212,30 +200,13 @@ impl Scrubber {
             status,
             blocks_per_tick,
             busy_blocks_per_tick,
-            tick,
-            host_bytes_seen: None,
-            busy_until: None,
+            hosts: HostActivity::new(tick),
             cursor: ScrubCursor::new(),
             pass_started: None,
             next_pass_at: None,
             paused_logged: false,
             read_error_logged_pass: None,
         }
-    }
-
-    /// Whether hosts keep the node busy at `now`, given the engine's host I/O bytes then: busy
-    /// if hosts moved [`SCRUB_BUSY_HOST_MB_PER_S`] or more since the previous tick (over at
-    /// least one tick's time), or did within the last [`SCRUB_QUIET_MS`].
-    fn hosts_busy(&mut self, host_bytes: u64, now: Instant) -> bool {
-        let (seen_bytes, seen_at) = self.host_bytes_seen.unwrap_or((0, now));
-        self.host_bytes_seen = Some((host_bytes, now));
-        let moved = host_bytes.saturating_sub(seen_bytes);
-        let over_ms = now.saturating_duration_since(seen_at).max(self.tick).as_millis();
-        let busy_bytes = u128::from(SCRUB_BUSY_HOST_MB_PER_S << 20) * over_ms / 1000;
-        if u128::from(moved) >= busy_bytes {
-            self.busy_until = Some(now + Duration::from_millis(SCRUB_QUIET_MS));
-        }
-        self.busy_until.is_some_and(|until| now < until)
     }
 
     /// One tick's share of the scrub, at time `now`: at most the paced number of blocks, or the
@@ -245,7 +216,7 @@ impl Scrubber {
             return;
         }
         // Sampled every tick, reading or not, so a pass that resumes knows how busy hosts are.
-        let busy = self.hosts_busy(store.engine().host_io_bytes(), now);
+        let busy = self.hosts.busy(store.engine().host_io_bytes(), now);
         self.status.slowed.store(false, Ordering::Relaxed);
         let failed = store.engine().latches().failed_drives();
         if !failed.is_empty() {
@@ -444,7 +415,7 @@ mod tests {
         assert_eq!(fixture.verified(), 4 * 13);
         assert!(status.slowed());
         // A trickle of host I/O (4 KiB in a tick: 80 KiB/s) does not count as busy.
-        now = start + Duration::from_millis(SCRUB_QUIET_MS);
+        now = start + Duration::from_millis(crate::activity::HOSTS_QUIET_MS);
         fixture.host_read(1);
         block_on(scrubber.tick(&fixture.handle, now));
         assert!(!status.slowed());
