@@ -115,7 +115,8 @@ Environment (all optional):
 Needs root (losetup, mount, FUSE), fio with the nbd and rbd engines, nbdfuse, rbd-fuse and
 postgresql-15; the Ceph packages and rbd-fuse are installed with apt when missing. Disk: free
 space for 3 x CEPH_OSD_SIZE_GB + 6 GiB (up.sh's own check; 33 GiB with the defaults). Time: about
-20 minutes with the defaults; the short trial below took 9.5 minutes:
+25 minutes with the defaults, teardown included; the short trial below took 9.5 minutes before the
+raw-disk jobs of the writing workloads were added (they add about 2.5 minutes at the defaults):
 
   COMPARE_RUNTIME=15 COMPARE_RAMP=3 COMPARE_SIZE_GB=2 COMPARE_PGBENCH_TIME=15 \
     COMPARE_LABEL="Short trial run" make compare-ceph
