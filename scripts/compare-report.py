@@ -181,6 +181,16 @@ def stall_in_tail(record):
     return stall_ms if stall_ms * 1000 >= record["lat_p999_us"] / 3 else None
 
 
+def ceph_stalled(ferrite, ceph):
+    """A note for a workload whose Ceph run met a disk stall long enough to set its tail (and
+    longer than any in Ferrite's run): the pause slowed Ceph, not Ceph's design, so both ratios
+    flatter Ferrite. Empty otherwise."""
+    stalled = stall_in_tail(ceph)
+    if not stalled or stalled <= ((ferrite or {}).get("disk_stall_max_ms") or 0):
+        return ""
+    return f" (Ceph's run met a disk stall of {number(stalled)} ms: both ratios flatter Ferrite)"
+
+
 def replication_lost(record):
     """Why a Ferrite run with replicas is not like for like, or None: compare-ceph.sh records
     whether every replica stayed in sync during each measurement (the primary's count of
@@ -542,6 +552,7 @@ def goals_summary(goals, counts, not_run, fios, bound_records, host_cpus, lines)
             parts.append(
                 f"{workload} IOPS {ratio(iops_ratio)} ({'met' if iops_met else 'missed'}{beyond}), "
                 f"p99.9 {ratio(p999_ratio)} lower ({'met' if p999_met else 'missed'}{stall})"
+                + ceph_stalled(fios.get(("ferrite", replicas, workload)), ceph)
             )
         missed = len(judged) - len(met) - len(unjudged)
         verdict = "all met" if len(met) == len(judged) else ", ".join(

@@ -266,3 +266,34 @@ fn each_workload_and_goal_is_set_beside_the_raw_disk_on_the_same_job() {
         assert!(summary.contains(expected), "{expected:?} not in {summary}");
     }
 }
+
+/// A disk stall in Ceph's run that may have set its tail (a third of its p99.9 or more) and is
+/// longer than any in Ferrite's run slowed Ceph, not its design: the goals summary says the
+/// workload's ratios flatter Ferrite.
+#[test]
+fn a_stall_in_cephs_run_is_named_beside_the_ratios_it_flatters() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let d = dir.path();
+    let cpu = || Cpu { server_s: 1.0, client_s: 1.0 };
+    let stalled = |ms: u32| format!(r#", "disk_stall_max_ms": {ms}"#);
+    // Every run's p99.9 is 9 ms (fio_json): a stall of 3 ms or more may have set it.
+    let records = [
+        META.to_string(),
+        // Ceph stalled 600 ms, Ferrite not at all: named.
+        replicated_fio_record(d, "ferrite", 1, "8k_randrw_80_20", 50_000.0, cpu(), &stalled(0)),
+        replicated_fio_record(d, "ceph", 1, "8k_randrw_80_20", 4_000.0, cpu(), &stalled(600)),
+        // Both stalled, Ferrite longer: not named.
+        replicated_fio_record(d, "ferrite", 1, "16k_randrw_70_30", 50_000.0, cpu(), &stalled(700)),
+        replicated_fio_record(d, "ceph", 1, "16k_randrw_70_30", 4_000.0, cpu(), &stalled(600)),
+        // Ceph's stall too short to have set its tail: not named.
+        replicated_fio_record(d, "ferrite", 1, "32k_randrw_50_50", 50_000.0, cpu(), &stalled(0)),
+        replicated_fio_record(d, "ceph", 1, "32k_randrw_50_50", 4_000.0, cpu(), &stalled(2)),
+    ];
+    let summary = line_starting(&report(d, &records), "- One copy:");
+    let note = "(Ceph's run met a disk stall of 600 ms: both ratios flatter Ferrite)";
+    assert!(
+        summary.contains(&format!("8k_randrw_80_20 IOPS 12.50x (met), p99.9 1.00x lower (missed) {note}")),
+        "{summary}"
+    );
+    assert_eq!(summary.matches("Ceph's run met a disk stall").count(), 1, "{summary}");
+}

@@ -214,13 +214,13 @@ impl Rebuilder {
         // Sampled every tick, rebuilding or not, so a rebuild that starts knows how busy hosts
         // are.
         let busy = self.hosts.busy(store.engine().host_io_bytes(), now);
-        self.status.slowed.store(false, Ordering::Relaxed);
         let progress = store.engine().rebuild_progress();
         match (&self.current, progress) {
             (Some(current), Some(progress)) if current.drive == progress.drive => {}
             (_, Some(progress)) => self.begin(progress, now),
             (_, None) => {
                 self.current = None;
+                self.status.slowed.store(false, Ordering::Relaxed);
                 if !self.start_pending(store, open).await {
                     return;
                 }
