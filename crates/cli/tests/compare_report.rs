@@ -292,7 +292,9 @@ fn a_stall_in_cephs_run_is_named_beside_the_ratios_it_flatters() {
     let summary = line_starting(&report(d, &records), "- One copy:");
     let note = "(Ceph's run met a disk stall of 600 ms: both ratios flatter Ferrite)";
     assert!(
-        summary.contains(&format!("8k_randrw_80_20 IOPS 12.50x (met), p99.9 1.00x lower (missed) {note}")),
+        summary.contains(&format!(
+            "8k_randrw_80_20 IOPS 12.50x (met), p99.9 1.00x lower (missed) {note}"
+        )),
         "{summary}"
     );
     assert_eq!(summary.matches("Ceph's run met a disk stall").count(), 1, "{summary}");
