@@ -16,6 +16,7 @@
 //!   failed, with no device), takes writes, rebuilds the device when it comes back at a later
 //!   start (its contents are stale by then), takes a new device in its place after another
 //!   start without it, and refuses to start without two of its three devices.
+//! - A rebuild slows down while a host keeps writing, and says so.
 //! - Replacements a node refuses: an unknown drive (404), a node without parity (409), a path
 //!   on a node of drive files (400).
 //!
@@ -288,6 +289,51 @@ fn a_failed_drive_is_rebuilt_and_its_redundancy_restored() {
     drop(workload);
     drop(node);
     eprintln!("erasure: failure, replace, rebuild, second failure in {:?}", started.elapsed());
+}
+
+/// A rebuild yields to a host that keeps writing (a quarter of its rate, at least 16 MiB/s:
+/// here 16 of 64), says so in `node show`, the REST API and the metrics, and still finishes.
+#[test]
+fn a_rebuild_slows_down_while_a_host_writes() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let args = ["--drives", "3", "--drive-size", DRIVE_SIZE, "--rebuild-mb-per-s", "64"];
+    let node = Node::start_with_drives(&dir.path().join("data"), free_port(), &args);
+    let api = node.api_url.clone();
+    ferrite_ok(&api, &["volume", "create", "db", "--size", "32M"]);
+    let rt = runtime();
+    let mut workload = rt.block_on(Workload::connect(&node.nvme_address()));
+    rt.block_on(workload.write(0, VOLUME_BLOCKS, 1));
+    assert_eq!(node_json(&api)["erasure"]["rebuild_busy_mb_per_s"], 16);
+
+    let replaced = ferrite_ok(&api, &["drive", "replace", "1"]);
+    assert!(replaced.contains("replaced drive 1 with"), "{replaced}");
+    // The host writes 1 MiB between looks: many MiB a second, so the node counts as busy. At
+    // 16 MiB/s the drive's share of the 32 MiB written takes about a second; at 64, a quarter.
+    let deadline = Instant::now() + REBUILD_TIMEOUT;
+    let mut tag = 2;
+    let shown = loop {
+        rt.block_on(workload.write(0, 256, tag));
+        tag += 1;
+        let shown = ferrite_ok(&api, &["node", "show"]);
+        if shown.contains("slowed to 16 MiB/s while hosts are busy") {
+            break shown;
+        }
+        assert!(shown.contains("rebuild:         drive 1: "), "done before it slowed: {shown}");
+        assert!(Instant::now() < deadline, "the rebuild never slowed down: {shown}");
+    };
+    eprintln!("node show while a host writes:\n{shown}");
+    let node_info = node_json(&api);
+    let metrics = api::Client::new(&api).expect("client").metrics().expect("metrics");
+    // The host's writes may have stopped for a second since `node show`: then neither says so.
+    if node_info["erasure"]["rebuild"]["slowed_for_hosts"] == true {
+        assert!(metrics.contains("ferrite_rebuild_slowed_for_hosts 1\n"), "{metrics}");
+    }
+    let node_info = wait_rebuilt(&api, 1);
+    assert!(node_info["erasure"].get("rebuild").is_none());
+    let metrics = api::Client::new(&api).expect("client").metrics().expect("metrics");
+    assert!(metrics.contains("ferrite_rebuild_slowed_for_hosts 0\n"), "{metrics}");
+    rt.block_on(workload.verify("drive 1 rebuilt while a host wrote"));
+    assert_no_error_lines(&node.stop_cleanly(), &[], "a rebuild slowed for a host");
 }
 
 #[test]
