@@ -281,6 +281,11 @@ def goal_cells(workload, ferrite, ceph):
     )
 
 
+def randread_probe(workload, bound_records):
+    """The raw disk's random-read probe at the workload's I/O size, or None."""
+    return bound_records["probes"].get(f"raw_randread_{IO_BYTES[workload] // 1024}k")
+
+
 def disk_bound(workload, bound_records):
     """The most IOPS a workload can reach on this disk without serving reads from RAM, or None.
 
@@ -291,7 +296,7 @@ def disk_bound(workload, bound_records):
     share = READ_SHARE[workload]
     size = IO_BYTES[workload]
     if share > 0:
-        probe = bound_records["probes"].get(f"raw_randread_{size // 1024}k")
+        probe = randread_probe(workload, bound_records)
         return probe["iops"] / share if probe else None
     fill = bound_records["fills"].get("raw-disk")
     return fill["fill_mb_s"] * 1e6 / size if fill else None
@@ -307,7 +312,7 @@ def bound_table(counts, workloads, fios, bound_records, lines):
     lines.append("|---|---:|---:|" + "---:|---:|---|" * len(counts))
     for workload in workloads:
         bound = disk_bound(workload, bound_records)
-        probe = bound_records["probes"].get(f"raw_randread_{IO_BYTES[workload] // 1024}k")
+        probe = randread_probe(workload, bound_records)
         cells = [workload, number(probe["iops"]) if probe and READ_SHARE[workload] > 0 else "-",
                  number(bound)]
         for replicas in counts:
@@ -329,7 +334,7 @@ def raw_job(workload, bound_records):
     log's sequential writes may cost the disk less than the job's writes in place). For
     4k_randread it is the random 4 KiB read probe, the same job."""
     if READ_SHARE[workload] == 1.0:
-        probe = bound_records["probes"].get(f"raw_randread_{IO_BYTES[workload] // 1024}k")
+        probe = randread_probe(workload, bound_records)
     else:
         probe = bound_records["probes"].get(f"raw_job_{workload}")
     return probe["iops"] if probe else None
@@ -529,8 +534,10 @@ def goals_summary(goals, counts, not_run, fios, bound_records, host_cpus, lines)
         unjudged = [g for g in judged if g[3] is None]
         parts = []
         for _, workload, iops_ratio, iops_met, p999_ratio, p999_met in judged:
+            ferrite = fios.get(("ferrite", replicas, workload))
+            ceph = fios.get(("ceph", replicas, workload))
             if iops_met is None:
-                lost = replication_lost(fios.get(("ferrite", replicas, workload)))
+                lost = replication_lost(ferrite)
                 parts.append(f"{workload} not judged (Ferrite's run: {lost}; not like for like)")
                 continue
             bound = None if iops_met else beyond_bound(replicas, workload, fios, bound_records)
@@ -543,16 +550,15 @@ def goals_summary(goals, counts, not_run, fios, bound_records, host_cpus, lines)
                            f"it took {number(budget[3], 1)}")
             # (For 4K reads the raw disk's rate on the job is the disk bound, named above.)
             raw = None if iops_met or READ_SHARE[workload] == 1.0 else raw_job(workload, bound_records)
-            ceph = fios.get(("ceph", replicas, workload))
             if raw and ceph:
                 beyond += (f"; the goal is {IOPS_RATIO_GOAL[workload] * ceph['iops'] / raw:.0%} of the raw "
                            "disk's IOPS on the same job")
-            stalled = stall_in_tail(fios.get(("ferrite", replicas, workload))) if not p999_met else None
+            stalled = stall_in_tail(ferrite) if not p999_met else None
             stall = f"; the disk stalled {number(stalled)} ms in Ferrite's run" if stalled else ""
             parts.append(
                 f"{workload} IOPS {ratio(iops_ratio)} ({'met' if iops_met else 'missed'}{beyond}), "
                 f"p99.9 {ratio(p999_ratio)} lower ({'met' if p999_met else 'missed'}{stall})"
-                + ceph_stalled(fios.get(("ferrite", replicas, workload)), ceph)
+                + ceph_stalled(ferrite, ceph)
             )
         missed = len(judged) - len(met) - len(unjudged)
         verdict = "all met" if len(met) == len(judged) else ", ".join(
