@@ -7,7 +7,7 @@
 //! it must never panic, and a file it accepts must write back to exactly its bytes.
 //!
 //! The first input byte picks the mode: with bit 0 set, the checksums of every frame in the
-//! input are rewritten first, so the fuzzer reaches the payload parser instead of spending its
+//! input (its blocks' too) are rewritten first, so the fuzzer reaches the payload parser instead of spending its
 //! time on CRCs; the other bits pick the reader's chunk size.
 #![no_main]
 
@@ -19,12 +19,9 @@ use replication::WriteIntent;
 /// pathological inputs.
 const FRAMES_PER_INPUT_MAX: usize = 4096;
 
-/// Header offsets of docs/replication-wire.md (version 5).
+/// Header offsets of docs/replication-wire.md (version 6).
 const PAYLOAD_BYTES_AT: usize = 8;
 const PAYLOAD_BYTES_END: usize = 12;
-const CHECKSUM_AT: usize = 24;
-const HEADER_CHECK_AT: usize = 28;
-const _: () = assert!(HEADER_CHECK_AT + 4 == HEADER_BYTES);
 /// Offsets of the write-intent file.
 const INTENT_CHECKSUM_AT: usize = 20;
 const INTENT_HEADER_BYTES: usize = replication::INTENT_FILE_HEADER_BYTES;
@@ -107,7 +104,7 @@ fn read_all(bytes: &[u8], chunk_bytes: usize) -> (Vec<Envelope>, Option<WireErro
     (envelopes, None)
 }
 
-/// Rewrites both checksums of every whole frame, walking the declared payload lengths.
+/// Rewrites the checksums of every frame, walking the declared payload lengths.
 fn seal_all(bytes: &mut [u8]) {
     let mut offset = 0;
     while bytes.len() - offset >= HEADER_BYTES {
@@ -115,15 +112,7 @@ fn seal_all(bytes: &mut [u8]) {
         let mut length = [0; 4];
         length.copy_from_slice(&frame[PAYLOAD_BYTES_AT..PAYLOAD_BYTES_END]);
         let frame_bytes = HEADER_BYTES.saturating_add(u32::from_le_bytes(length) as usize);
-        if frame_bytes <= frame.len() {
-            let checksum = crc32c::crc32c_append(
-                crc32c::crc32c(&frame[..CHECKSUM_AT]),
-                &frame[HEADER_BYTES..frame_bytes],
-            );
-            frame[CHECKSUM_AT..HEADER_CHECK_AT].copy_from_slice(&checksum.to_le_bytes());
-        }
-        let header_check = crc32c::crc32c(&frame[..HEADER_CHECK_AT]);
-        frame[HEADER_CHECK_AT..HEADER_BYTES].copy_from_slice(&header_check.to_le_bytes());
+        wire::reseal(frame);
         offset += frame_bytes.min(frame.len());
     }
 }

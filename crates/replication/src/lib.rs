@@ -410,9 +410,71 @@ pub struct StorageOpId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StoreRequestId(pub u64);
 
-/// The contents of one block. Shared, so one host write feeds every replica without a copy,
-/// and a block received from a peer is a slice of the buffer its frame was read into.
-pub type Block = bytes::Bytes;
+/// The contents of one block and their CRC-32C. The bytes are shared, so one host write feeds
+/// every replica without a copy, and a block received from a peer is a slice of the buffer its
+/// frame was read into. The checksum is computed once, where the block enters (a host write, a
+/// storage read: [`Block::new`]), or checked once, where it arrives from a peer
+/// ([`crate::wire`]); every frame it travels in carries it and the storage that writes it keeps
+/// it, so no node hashes the bytes again.
+///
+/// **Invariant:** `crc` is the CRC-32C of `bytes` (checked in debug builds wherever a block is
+/// written).
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Block {
+    bytes: bytes::Bytes,
+    crc: u32,
+}
+
+impl Block {
+    /// A block of `bytes`, hashing them.
+    pub fn new(bytes: bytes::Bytes) -> Self {
+        let crc = crc32c::crc32c(&bytes);
+        Self { bytes, crc }
+    }
+
+    /// A block whose checksum the caller has checked against the bytes (the wire, before it
+    /// hands the block out).
+    pub(crate) fn checked(bytes: bytes::Bytes, crc: u32) -> Self {
+        debug_assert_eq!(crc32c::crc32c(&bytes), crc, "a block's checksum is checked first");
+        Self { bytes, crc }
+    }
+
+    /// The CRC-32C of the block's bytes.
+    pub fn crc(&self) -> u32 {
+        self.crc
+    }
+
+    /// The block's bytes, shared.
+    pub fn bytes(&self) -> &bytes::Bytes {
+        &self.bytes
+    }
+}
+
+impl std::ops::Deref for Block {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl From<bytes::Bytes> for Block {
+    fn from(bytes: bytes::Bytes) -> Self {
+        Self::new(bytes)
+    }
+}
+
+impl From<Vec<u8>> for Block {
+    fn from(bytes: Vec<u8>) -> Self {
+        Self::new(bytes.into())
+    }
+}
+
+impl std::fmt::Debug for Block {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Block({} bytes, crc {:#010x})", self.bytes.len(), self.crc)
+    }
+}
 
 /// A block as storage holds it: `None` is a block never written (or deallocated): it reads as
 /// zeros, and copying it to a replica deallocates it there.

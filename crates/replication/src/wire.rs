@@ -5,7 +5,7 @@
 //! module knows the layout. The full specification, with byte diagrams, is
 //! docs/replication-wire.md.
 //!
-//! A frame (version 5) is a 32-byte header and a payload:
+//! A frame (version 6) is a 32-byte header and a payload:
 //!
 //! ```text
 //! 0       4    5    6       8               12       16       24         28             32
@@ -14,14 +14,21 @@
 //! +-------+----+----+-------+---------------+--------+--------+----------+--------------+-----+
 //! ```
 //!
-//! Integers are little-endian. `checksum` is the CRC-32C of header bytes `0..24` followed by the
-//! payload; `header_check` the CRC-32C of header bytes `0..28`, so a damaged length (or volume,
-//! or sender) is refused before the receiver waits for a payload that will never come.
+//! Integers are little-endian. Blocks of data (an `Append`'s, a `ReadReply`'s) end the
+//! payload: a block table gives each one's length and CRC-32C, then their bytes follow back to
+//! back. `checksum` is the CRC-32C of header bytes `0..24` followed by the payload up to the
+//! block data (the whole payload of other messages); `header_check` the CRC-32C of header bytes
+//! `0..28`, so a damaged length (or volume, or sender) is refused before the receiver waits for
+//! a payload that will never come. A block's checksum is the one the sender's storage keeps
+//! for it, computed once where the block entered the cluster: a primary sends one encoding of
+//! the fields to every replica ([`encode_head`]) with the data from where it lies, and neither
+//! side hashes a block's bytes more than once.
 //!
 //! [`decode`] checks everything before it trusts a byte: magic, version, header checksum, type,
-//! flags, the payload length against the bounds of its type, the frame checksum, then every
-//! field (tags, counts against [`BLOCKS_PER_OP_MAX`], [`DEALLOCATE_BLOCKS_PER_OP_MAX`] and
-//! [`DIVERGENCE_RANGES_MAX`], block sizes against [`BLOCK_BYTES_MAX`]) before it allocates for it.
+//! flags, the payload length against the bounds of its type, then every field (tags, counts
+//! against [`BLOCKS_PER_OP_MAX`], [`DEALLOCATE_BLOCKS_PER_OP_MAX`] and
+//! [`DIVERGENCE_RANGES_MAX`], block sizes against [`BLOCK_BYTES_MAX`]) before it allocates for
+//! it, each block's bytes against its checksum, and the frame checksum.
 //! It never panics, and never reads or allocates more than [`MESSAGE_BYTES_MAX`] for one frame.
 //! The encoding is canonical: a decoded frame encodes back to the same bytes. [`FrameReader`]
 //! cuts a byte stream into messages, buffering at most one largest frame, and hands out each
@@ -39,9 +46,10 @@ use crate::{BlockData, NodeId, StreamId, BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PE
 pub const MAGIC: [u8; 4] = *b"FRRP";
 /// The version this code writes and the only one it reads. Version 1 (a 20-byte header without
 /// volume and sender) was never deployed; version 2 (a `Hello` of epoch and incarnation only)
-/// and version 3 (a divergence of single LBAs) are refused like any other, as is version 4
-/// (without `Read` and `ReadReply`).
-pub const VERSION: u8 = 5;
+/// and version 3 (a divergence of single LBAs) are refused like any other, as are version 4
+/// (without `Read` and `ReadReply`) and version 5 (blocks without checksums of their own, the
+/// frame checksum over their bytes).
+pub const VERSION: u8 = 6;
 /// Bytes of the fixed header before the payload.
 pub const HEADER_BYTES: usize = 32;
 /// The largest block an entry carries: the node's block size. The simulation uses smaller ones;
@@ -72,8 +80,8 @@ const ENTRY_FIXED_BYTES: usize = 1 + U64_BYTES + U64_BYTES + 4;
 const APPEND_FIXED_BYTES: usize = 5 * U64_BYTES + ENTRY_FIXED_BYTES;
 /// An unmapped block is its tag alone.
 const BLOCK_UNMAPPED_BYTES: usize = 1;
-/// A mapped block: tag, length, then the bytes.
-const BLOCK_MAPPED_FIXED_BYTES: usize = 1 + 4;
+/// A mapped block in the block table: tag, length, CRC-32C; its bytes follow the table.
+const BLOCK_MAPPED_FIXED_BYTES: usize = 1 + 4 + 4;
 const APPEND_PAYLOAD_BYTES_MIN: usize = APPEND_FIXED_BYTES + BLOCK_UNMAPPED_BYTES;
 /// The largest entry with data: `BLOCKS_PER_OP_MAX` mapped blocks of `BLOCK_BYTES_MAX`.
 const APPEND_DATA_PAYLOAD_BYTES_MAX: usize =
@@ -245,6 +253,11 @@ pub enum WireError {
     LengthInvalid { message_type: MessageType, payload_bytes: u32, range: RangeInclusive<usize> },
     #[error("frame checksum mismatch: it carries {stored:#010x}, bytes hash to {computed:#010x}")]
     ChecksumMismatch { stored: u32, computed: u32 },
+    #[error(
+        "checksum mismatch of block {index} of a {message_type:?} frame: the table carries \
+         {stored:#010x}, its bytes hash to {computed:#010x}"
+    )]
+    BlockChecksumMismatch { message_type: MessageType, index: usize, stored: u32, computed: u32 },
     #[error("invalid field at byte {offset} of a {message_type:?} frame: {reason}")]
     FieldInvalid { message_type: MessageType, offset: usize, reason: &'static str },
 }
@@ -276,6 +289,31 @@ pub enum EncodeError {
 
 /// Appends the frame of `envelope` to `out` and returns its length. On error `out` is unchanged.
 pub fn encode(envelope: &Envelope, out: &mut Vec<u8>) -> Result<usize, EncodeError> {
+    let start = out.len();
+    let frame_bytes = encode_head(envelope, out)?;
+    for block in data_blocks(&envelope.message) {
+        out.extend_from_slice(block);
+    }
+    assert_eq!(out.len() - start, frame_bytes, "block data length computed wrong");
+    Ok(frame_bytes)
+}
+
+/// The blocks whose bytes end a frame of `message`, in order: the mapped blocks of an `Append`
+/// or a `ReadReply` (none for other messages).
+pub fn data_blocks(message: &Message) -> impl Iterator<Item = &crate::Block> {
+    let blocks: &[BlockData] = match message {
+        Message::Append { entry, .. } => &entry.blocks,
+        Message::ReadReply { blocks: Some(blocks), .. } => blocks,
+        _ => &[],
+    };
+    blocks.iter().flatten()
+}
+
+/// Appends the frame of `envelope` up to its block data to `out`, checksums included, and
+/// returns the length of the whole frame: the frame continues with the bytes of
+/// [`data_blocks`], back to back, which the caller sends from where they lie (one encoding
+/// serves every peer, without copying the data). On error `out` is unchanged.
+pub fn encode_head(envelope: &Envelope, out: &mut Vec<u8>) -> Result<usize, EncodeError> {
     let Envelope { volume, sender, message } = envelope;
     match message {
         Message::Append { entry, .. } => check_entry(entry)?,
@@ -296,8 +334,9 @@ pub fn encode(envelope: &Envelope, out: &mut Vec<u8>) -> Result<usize, EncodeErr
     let message_type = MessageType::of(message);
     let payload_bytes = payload_bytes(message);
     assert!(message_type.payload_bytes().contains(&payload_bytes));
+    let data_bytes: usize = data_blocks(message).map(|block| block.len()).sum();
     let start = out.len();
-    out.reserve(HEADER_BYTES + payload_bytes);
+    out.reserve(HEADER_BYTES + payload_bytes - data_bytes);
     out.extend_from_slice(&MAGIC);
     out.push(VERSION);
     out.push(message_type as u8);
@@ -309,7 +348,11 @@ pub fn encode(envelope: &Envelope, out: &mut Vec<u8>) -> Result<usize, EncodeErr
     out.extend_from_slice(&[0; 8]);
     assert_eq!(out.len() - start, HEADER_BYTES);
     encode_payload(message, out);
-    assert_eq!(out.len() - start, HEADER_BYTES + payload_bytes, "payload length computed wrong");
+    assert_eq!(
+        out.len() - start + data_bytes,
+        HEADER_BYTES + payload_bytes,
+        "payload length computed wrong"
+    );
     let frame = &mut out[start..];
     let checksum = frame_checksum(&frame[..offset::CHECKSUM], &frame[HEADER_BYTES..]);
     frame[offset::CHECKSUM..offset::HEADER_CHECK].copy_from_slice(&checksum.to_le_bytes());
@@ -368,8 +411,8 @@ fn payload_bytes(message: &Message) -> usize {
     }
 }
 
-/// Bytes of a list of blocks on the wire, after its count: a tag per block, and a mapped
-/// block's length and bytes.
+/// Bytes of a list of blocks on the wire, after its count: the table (a tag per block, and a
+/// mapped block's length and checksum), then the mapped blocks' bytes.
 fn blocks_bytes(blocks: &[BlockData]) -> usize {
     blocks
         .iter()
@@ -380,14 +423,15 @@ fn blocks_bytes(blocks: &[BlockData]) -> usize {
         .sum()
 }
 
-fn encode_blocks(blocks: &[BlockData], out: &mut Vec<u8>) {
+/// The block table of a list of blocks (their bytes follow it, from [`data_blocks`]).
+fn encode_block_table(blocks: &[BlockData], out: &mut Vec<u8>) {
     for block in blocks {
         match block {
             None => out.push(BLOCK_UNMAPPED),
             Some(block) => {
                 out.push(BLOCK_MAPPED);
                 out.extend_from_slice(&(block.len() as u32).to_le_bytes());
-                out.extend_from_slice(block);
+                out.extend_from_slice(&block.crc().to_le_bytes());
             }
         }
     }
@@ -430,7 +474,7 @@ fn encode_payload(message: &Message, out: &mut Vec<u8>) {
             out.extend_from_slice(&op.to_le_bytes());
             out.extend_from_slice(&entry.lba.to_le_bytes());
             out.extend_from_slice(&(entry.blocks.len() as u32).to_le_bytes());
-            encode_blocks(&entry.blocks, out);
+            encode_block_table(&entry.blocks, out);
         }
         Message::Heartbeat { epoch, stream, incarnation, commit_op } => {
             for value in [*epoch, stream.0, *incarnation, *commit_op] {
@@ -478,16 +522,18 @@ fn encode_payload(message: &Message, out: &mut Vec<u8>) {
                 Some(blocks) => {
                     out.push(READ_REPLY_BLOCKS);
                     out.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
-                    encode_blocks(blocks, out);
+                    encode_block_table(blocks, out);
                 }
             }
         }
     }
 }
 
-fn frame_checksum(header_start: &[u8], payload: &[u8]) -> u32 {
+/// The frame checksum: header bytes `0..24`, then the payload up to its block data (`covered`:
+/// the whole payload of a message without blocks), whose blocks carry checksums of their own.
+fn frame_checksum(header_start: &[u8], covered: &[u8]) -> u32 {
     debug_assert_eq!(header_start.len(), offset::CHECKSUM);
-    crc32c::crc32c_append(crc32c::crc32c(header_start), payload)
+    crc32c::crc32c_append(crc32c::crc32c(header_start), covered)
 }
 
 fn le_u16(bytes: &[u8], at: usize) -> u16 {
@@ -524,12 +570,14 @@ fn decode_frame(
 ) -> Result<Envelope, WireError> {
     debug_assert!(shared.is_none_or(|shared| shared.as_ref() == frame));
     let (header, payload) = frame.split_at(HEADER_BYTES);
+    // The fields are read first, since where the block data starts is in them; each block's
+    // bytes are checked against its checksum as it is read.
+    let (message, covered) = decode_payload(message_type, payload, shared)?;
     let stored = le_u32(header, offset::CHECKSUM);
-    let computed = frame_checksum(&header[..offset::CHECKSUM], payload);
+    let computed = frame_checksum(&header[..offset::CHECKSUM], &payload[..covered]);
     if stored != computed {
         return Err(WireError::ChecksumMismatch { stored, computed });
     }
-    let message = decode_payload(message_type, payload, shared)?;
     // Any volume and sender are well-formed; whether this node holds that volume, and whether
     // the sender is the peer of this connection, is the receiver's to check.
     let envelope = Envelope {
@@ -584,6 +632,13 @@ struct Fields<'a> {
     position: usize,
     /// The whole frame (header, then `payload`) as shared bytes: blocks are sliced out of it.
     frame: Option<&'a Bytes>,
+    /// Where the block data starts (the frame checksum covers the payload up to there): the
+    /// end of the payload until a block table is read.
+    covered: usize,
+    /// Where the block table starts, once one is read.
+    table_at: Option<usize>,
+    /// Whether each block's bytes are checked against its checksum (not when resealing).
+    check_blocks: bool,
 }
 
 impl<'a> Fields<'a> {
@@ -608,14 +663,12 @@ impl<'a> Fields<'a> {
         Ok(bytes)
     }
 
-    /// The next `count` bytes as a block: a slice of the shared frame, or a copy.
-    fn block(&mut self, count: usize) -> Result<Bytes, WireError> {
-        let start = self.position;
-        let bytes = self.take(count)?;
-        Ok(match self.frame {
-            Some(frame) => frame.slice(HEADER_BYTES + start..HEADER_BYTES + start + count),
-            None => Bytes::copy_from_slice(bytes),
-        })
+    /// The payload's bytes `range` as a block's: a slice of the shared frame, or a copy.
+    fn block_bytes(&self, range: Range<usize>) -> Bytes {
+        match self.frame {
+            Some(frame) => frame.slice(HEADER_BYTES + range.start..HEADER_BYTES + range.end),
+            None => Bytes::copy_from_slice(&self.payload[range]),
+        }
     }
 
     fn u8(&mut self) -> Result<u8, WireError> {
@@ -662,16 +715,20 @@ impl<'a> Fields<'a> {
     }
 
     /// `count` blocks (a count the caller checked against its own bounds, read at
-    /// `count_at`): a tag each, and a mapped block's length and bytes.
+    /// `count_at`), the last field of a payload: the block table (a tag each, and a mapped
+    /// block's length and checksum), then the mapped blocks' bytes back to back to the end of
+    /// the payload, each checked against its checksum.
     fn blocks(&mut self, count: u32, count_at: usize) -> Result<Vec<BlockData>, WireError> {
         if count as usize * BLOCK_UNMAPPED_BYTES > self.remaining_bytes() {
             return Err(self.invalid_at(count_at, "block count exceeds the payload"));
         }
-        let mut blocks: Vec<BlockData> = Vec::with_capacity(count as usize);
+        // The table first, to find where the data starts; nothing is allocated until it holds.
+        let table_at = self.position;
+        let mut data_bytes = 0usize;
         for _ in 0..count {
             let tag_at = self.position;
             match self.u8()? {
-                BLOCK_UNMAPPED => blocks.push(None),
+                BLOCK_UNMAPPED => {}
                 BLOCK_MAPPED if count > BLOCKS_PER_OP_MAX => {
                     // Only a deallocate (unmapped blocks only) may be that long.
                     return Err(self.invalid_at(
@@ -687,11 +744,52 @@ impl<'a> Fields<'a> {
                             self.invalid_at(length_at, "block length outside 1..=BLOCK_BYTES_MAX")
                         );
                     }
-                    blocks.push(Some(self.block(length)?));
+                    self.u32()?;
+                    data_bytes += length;
                 }
                 _ => return Err(self.invalid_at(tag_at, "unknown block tag")),
             }
         }
+        let data_at = self.position;
+        if data_bytes > self.remaining_bytes() {
+            return Err(self.invalid_at(data_at, "payload ends inside the block data"));
+        }
+        self.covered = data_at;
+        self.table_at = Some(table_at);
+        let table = &self.payload[table_at..data_at];
+        let mut blocks: Vec<BlockData> = Vec::with_capacity(count as usize);
+        let mut at = 0;
+        let mut data = data_at;
+        while at < table.len() {
+            if table[at] == BLOCK_UNMAPPED {
+                blocks.push(None);
+                at += BLOCK_UNMAPPED_BYTES;
+                continue;
+            }
+            let length = le_u32(table, at + 1) as usize;
+            let stored = le_u32(table, at + 5);
+            let range = data..data + length;
+            let block = if self.check_blocks {
+                let computed = crc32c::crc32c(&self.payload[range.clone()]);
+                if stored != computed {
+                    let (message_type, index) = (self.message_type, blocks.len());
+                    return Err(WireError::BlockChecksumMismatch {
+                        message_type,
+                        index,
+                        stored,
+                        computed,
+                    });
+                }
+                crate::Block::checked(self.block_bytes(range), stored)
+            } else {
+                // Resealing: the caller rewrites the checksums and drops the message.
+                crate::Block { bytes: self.block_bytes(range), crc: stored }
+            };
+            blocks.push(Some(block));
+            at += BLOCK_MAPPED_FIXED_BYTES;
+            data += length;
+        }
+        self.position = data;
         Ok(blocks)
     }
 
@@ -780,12 +878,34 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// The message of a payload, and how many of its bytes the frame checksum covers (those before
+/// the block data).
 fn decode_payload(
     message_type: MessageType,
     payload: &[u8],
     frame: Option<&Bytes>,
-) -> Result<Message, WireError> {
-    let mut fields = Fields { message_type, payload, position: 0, frame };
+) -> Result<(Message, usize), WireError> {
+    parse_payload(message_type, payload, frame, true)
+        .map(|(message, covered, _)| (message, covered))
+}
+
+/// [`decode_payload`], also giving where the block table starts; with `check_blocks` false the
+/// blocks' checksums are not compared with their bytes.
+fn parse_payload(
+    message_type: MessageType,
+    payload: &[u8],
+    frame: Option<&Bytes>,
+    check_blocks: bool,
+) -> Result<(Message, usize, Option<usize>), WireError> {
+    let mut fields = Fields {
+        message_type,
+        payload,
+        position: 0,
+        frame,
+        covered: payload.len(),
+        table_at: None,
+        check_blocks,
+    };
     let message = match message_type {
         MessageType::Append => Message::Append {
             epoch: fields.u64()?,
@@ -825,8 +945,47 @@ fn decode_payload(
         MessageType::ReadReply => fields.read_reply()?,
         MessageType::Damaged => fields.damaged()?,
     };
+    let (covered, table_at) = (fields.covered, fields.table_at);
     fields.finish()?;
-    Ok(message)
+    Ok((message, covered, table_at))
+}
+
+/// Rewrites the checksums of the frame at the start of `bytes` to match its bytes: each
+/// block's in the block table (when the fields read), the frame checksum (when the whole frame
+/// is there), and the header check (when the header is). Tests and the fuzz target use it to
+/// reach the checks behind the checksums with damaged fields; no node calls it.
+#[doc(hidden)]
+pub fn reseal(bytes: &mut [u8]) {
+    if bytes.len() < HEADER_BYTES {
+        return;
+    }
+    let payload_bytes = le_u32(bytes, offset::PAYLOAD_BYTES) as usize;
+    if let Some(frame) = bytes.get_mut(..HEADER_BYTES.saturating_add(payload_bytes)) {
+        let (header, payload) = frame.split_at_mut(HEADER_BYTES);
+        let parsed = MessageType::from_u8(header[offset::TYPE])
+            .and_then(|message_type| parse_payload(message_type, payload, None, false).ok());
+        let mut covered = payload.len();
+        if let Some((_, data_at, table_at)) = parsed {
+            covered = data_at;
+            let mut at = table_at.unwrap_or(data_at);
+            let mut data = data_at;
+            while at < data_at {
+                if payload[at] == BLOCK_UNMAPPED {
+                    at += BLOCK_UNMAPPED_BYTES;
+                    continue;
+                }
+                let length = le_u32(payload, at + 1) as usize;
+                let crc = crc32c::crc32c(&payload[data..data + length]);
+                payload[at + 5..at + 9].copy_from_slice(&crc.to_le_bytes());
+                at += BLOCK_MAPPED_FIXED_BYTES;
+                data += length;
+            }
+        }
+        let checksum = frame_checksum(&header[..offset::CHECKSUM], &payload[..covered]);
+        header[offset::CHECKSUM..offset::HEADER_CHECK].copy_from_slice(&checksum.to_le_bytes());
+    }
+    let header_check = crc32c::crc32c(&bytes[..offset::HEADER_CHECK]);
+    bytes[offset::HEADER_CHECK..HEADER_BYTES].copy_from_slice(&header_check.to_le_bytes());
 }
 
 /// Bytes a [`FrameReader`] buffers: one largest frame. Once the complete frames are taken out,
@@ -936,7 +1095,9 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     fn block(bytes: usize, seed: u8) -> BlockData {
-        Some((0..bytes).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect())
+        let data: Vec<u8> =
+            (0..bytes).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+        Some(data.into())
     }
 
     fn append(kind: EntryKind, lba: u64, blocks: Vec<BlockData>) -> Message {
@@ -1126,6 +1287,14 @@ mod tests {
         // Canonical: the decoded envelope encodes to the same bytes, and trailing bytes are
         // left alone.
         assert_eq!(frame_of(&decoded), bytes);
+        // The head and the blocks' bytes from where they lie make the same frame.
+        let mut head = vec![7];
+        let frame_bytes = encode_head(envelope, &mut head).unwrap();
+        assert_eq!(frame_bytes, bytes.len());
+        for block in data_blocks(&envelope.message) {
+            head.extend_from_slice(block);
+        }
+        assert_eq!(head[1..], bytes);
         let mut longer = bytes.clone();
         longer.extend_from_slice(&frame(&Message::Probe { epoch: 1 }));
         assert_eq!(decode(&longer).unwrap(), (decoded, used));
@@ -1160,7 +1329,7 @@ mod tests {
         // The offsets of docs/replication-wire.md.
         assert_eq!(HEADER_BYTES, 32);
         assert_eq!(&bytes[0..4], b"FRRP");
-        assert_eq!(bytes[4], 5, "version");
+        assert_eq!(bytes[4], 6, "version");
         assert_eq!(bytes[5], MessageType::Ack as u8);
         assert_eq!(&bytes[6..8], &[0, 0], "flags");
         assert_eq!(&bytes[8..12], &24u32.to_le_bytes(), "payload_bytes");
@@ -1196,7 +1365,7 @@ mod tests {
         let mut reader = FrameReader::new();
         reader.push(&v1);
         assert_eq!(reader.next_message(), Err(refused.clone()));
-        assert!(refused.to_string().contains("reads only version 5"), "{refused}");
+        assert!(refused.to_string().contains("reads only version 6"), "{refused}");
     }
 
     #[test]
@@ -1206,19 +1375,19 @@ mod tests {
         let largest = append(EntryKind::Write { op: 1 }, 0, full);
         assert_eq!(frame(&largest).len(), MESSAGE_BYTES_MAX);
         // The numbers of docs/replication-wire.md.
-        assert_eq!(MESSAGE_BYTES_MAX, 262_557);
-        assert_eq!(MessageType::Append.payload_bytes(), 62..=262_525);
+        assert_eq!(MESSAGE_BYTES_MAX, 262_813);
+        assert_eq!(MessageType::Append.payload_bytes(), 62..=262_781);
         assert_eq!(MessageType::ProbeReply.payload_bytes(), 17..=262_165);
         assert_eq!(MessageType::Hello.payload_bytes(), 25..=262_173);
         assert_eq!(MessageType::Read.payload_bytes(), 36..=36);
         assert_eq!(MessageType::Damaged.payload_bytes(), 28..=28);
-        assert_eq!(MessageType::ReadReply.payload_bytes(), 17..=262_485);
+        assert_eq!(MessageType::ReadReply.payload_bytes(), 17..=262_741);
         let largest_reply = Message::ReadReply {
             epoch: 1,
             request: 2,
             blocks: Some((0..BLOCKS_PER_OP_MAX).map(|i| block(BLOCK_BYTES_MAX, i as u8)).collect()),
         };
-        assert_eq!(frame(&largest_reply).len(), HEADER_BYTES + 262_485);
+        assert_eq!(frame(&largest_reply).len(), HEADER_BYTES + 262_741);
         check_round_trip(&envelope(largest_reply));
         check_round_trip(&envelope(largest));
 
@@ -1334,22 +1503,13 @@ mod tests {
         check(vec![block(4097, 0)], 0, EncodeError::BlockSize { index: 0, size_bytes: 4097 });
     }
 
-    /// Rewrites both checksums, so a test can reach the checks behind them.
-    fn seal(frame: &mut [u8]) {
-        let (header, payload) = frame.split_at_mut(HEADER_BYTES);
-        let checksum = frame_checksum(&header[..offset::CHECKSUM], payload);
-        header[offset::CHECKSUM..offset::HEADER_CHECK].copy_from_slice(&checksum.to_le_bytes());
-        let header_check = crc32c::crc32c(&header[..offset::HEADER_CHECK]);
-        header[offset::HEADER_CHECK..].copy_from_slice(&header_check.to_le_bytes());
-    }
-
     /// Builds a frame of `message`, lets `edit` change it, reseals it and expects `expected`.
     fn check_refused(message: Message, edit: impl FnOnce(&mut Vec<u8>), expected: WireError) {
         let mut bytes = frame(&message);
         edit(&mut bytes);
         let payload_bytes = (bytes.len() - HEADER_BYTES) as u32;
         bytes[offset::PAYLOAD_BYTES..offset::SENDER].copy_from_slice(&payload_bytes.to_le_bytes());
-        seal(&mut bytes);
+        reseal(&mut bytes);
         assert_eq!(decode(&bytes).map(|(envelope, _)| envelope), Err(expected));
     }
 
@@ -1396,10 +1556,17 @@ mod tests {
                 "mapped block in an entry of more than BLOCKS_PER_OP_MAX blocks",
             ),
         );
+        // A second table entry where the first block's bytes start (a 0, unmapped) leaves the
+        // data one byte short.
         check_refused(
             one_block.clone(),
             set_u32(count_at, 2),
-            field(append_type, block_at + 9, "payload ends inside a field"),
+            field(append_type, block_at + 10, "payload ends inside the block data"),
+        );
+        check_refused(
+            append(EntryKind::Write { op: 1 }, 5, vec![block(4, 1)]),
+            set_u32(count_at, 2),
+            field(append_type, block_at + 10, "payload ends inside a field"),
         );
         check_refused(
             append(EntryKind::Write { op: 1 }, u64::MAX - 1, vec![None]),
@@ -1426,8 +1593,28 @@ mod tests {
         check_refused(
             one_block.clone(),
             |bytes| bytes.push(0),
-            field(append_type, block_at + 9, "payload continues after its last field"),
+            field(append_type, block_at + 13, "payload continues after its last field"),
         );
+        // A block's bytes are covered by its own checksum, in the table: the frame checksum
+        // stops where the data starts.
+        let two_blocks =
+            append(EntryKind::Write { op: 1 }, 5, vec![block(4, 0), None, block(8, 3)]);
+        let mut bytes = frame(&two_blocks);
+        let stored = crc32c::crc32c(&bytes[bytes.len() - 8..]);
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x40;
+        let computed = crc32c::crc32c(&bytes[bytes.len() - 8..]);
+        assert_eq!(
+            decode(&bytes).map(|(envelope, _)| envelope),
+            Err(WireError::BlockChecksumMismatch {
+                message_type: append_type,
+                index: 2,
+                stored,
+                computed
+            })
+        );
+        let checksum = frame_checksum(&bytes[..offset::CHECKSUM], &bytes[HEADER_BYTES..last - 11]);
+        assert_eq!(&bytes[offset::CHECKSUM..offset::HEADER_CHECK], &checksum.to_le_bytes());
 
         // The divergence of a ProbeReply (after 16 bytes) and of a Hello (after 24).
         let hello = |divergence| Message::Hello {
@@ -1515,7 +1702,7 @@ mod tests {
             |bytes| bytes[offset::FLAGS] = 1,
             WireError::FlagsReserved { flags: 1 },
         );
-        for version in [0, 1, 2, 3, 4, 6, u8::MAX] {
+        for version in [0, 1, 2, 3, 4, 5, 7, u8::MAX] {
             check_refused(
                 Message::Probe { epoch: 1 },
                 |bytes| bytes[offset::VERSION] = version,
@@ -1525,7 +1712,7 @@ mod tests {
         let too_long = PAYLOAD_BYTES_MAX as u32 + 1;
         let mut bytes = frame(&one_block);
         bytes[offset::PAYLOAD_BYTES..offset::SENDER].copy_from_slice(&too_long.to_le_bytes());
-        seal(&mut bytes);
+        reseal(&mut bytes);
         assert_eq!(
             decode(&bytes[..HEADER_BYTES]).map(|(envelope, _)| envelope),
             Err(WireError::LengthInvalid {
@@ -1693,10 +1880,10 @@ mod tests {
             })
             .map(|block| block.expect("every block is mapped").as_ptr() as usize)
             .collect();
-        // Each block sits in the reader's buffer where the stream put it: one block's bytes and
-        // its tag and length after the one before, one frame's header and fields between frames.
+        // Each block sits in the reader's buffer where the stream put it: a frame's blocks back
+        // to back, one frame's header, fields and block table between frames.
         let frame_bytes = stream.len() / 2;
-        let after_block = BLOCK_BYTES_MAX + BLOCK_MAPPED_FIXED_BYTES;
+        let after_block = BLOCK_BYTES_MAX;
         assert_eq!(
             starts.windows(2).map(|pair| pair[1].wrapping_sub(pair[0])).collect::<Vec<_>>(),
             [after_block, after_block, frame_bytes - 2 * after_block, after_block, after_block]

@@ -2403,17 +2403,20 @@ impl<D: Drive> LogHandle<D> {
         data: &[u8],
     ) -> Result<(), LogError> {
         volume.check_range(offset_bytes, data.len() as u64)?;
-        self.write_block_list(volume, offset_bytes, data.chunks_exact(BLOCK_BYTES)).await
+        let blocks = data.chunks_exact(BLOCK_BYTES).map(|block| (block, crc32c::crc32c(block)));
+        self.write_block_list(volume, offset_bytes, blocks).await
     }
 
-    /// Writes the blocks `blocks` yields, each exactly one block long, back to back from
-    /// `offset_bytes`, as [`LogHandle::write_blocks`] writes them from one buffer: each is
-    /// copied into its batch from where it lies (a replica's blocks arrive one buffer each).
+    /// Writes the blocks `blocks` yields, each exactly one block long with its CRC-32C, back to
+    /// back from `offset_bytes`, as [`LogHandle::write_blocks`] writes them from one buffer:
+    /// each is copied into its batch from where it lies (a replica's blocks arrive one buffer
+    /// each), and its checksum is kept as given instead of computed again (a replicated block's
+    /// was computed once where it entered the cluster, and checked where it arrived).
     pub async fn write_block_list<'d>(
         &self,
         volume: &VolumeMap,
         offset_bytes: u64,
-        blocks: impl ExactSizeIterator<Item = &'d [u8]>,
+        blocks: impl ExactSizeIterator<Item = (&'d [u8], u32)>,
     ) -> Result<(), LogError> {
         let count = blocks.len();
         volume.check_range(offset_bytes, (count * BLOCK_BYTES) as u64)?;
@@ -2439,9 +2442,9 @@ impl<D: Drive> LogHandle<D> {
         // One turn for the whole write: its blocks go into the log back to back, so a later
         // read of the range is one drive read, however many writers wait beside this one.
         let mut turn = self.turn();
-        for (slot, block_data) in blocks.enumerate() {
+        for (slot, (block_data, crc)) in blocks.enumerate() {
             assert_eq!(block_data.len(), BLOCK_BYTES, "the blocks of a write are whole blocks");
-            let crc = crc32c::crc32c(block_data);
+            debug_assert_eq!(crc32c::crc32c(block_data), crc, "a block's checksum is its bytes'");
             let entry =
                 Entry { volume: label, block: first + slot as u64, kind: EntryKind::Data { crc } };
             let (admitted, bytes) = (unmapped[slot], BLOCK_BYTES_U64);

@@ -426,10 +426,18 @@ fn a_list_of_block_buffers_writes_as_one_buffer_would() {
     let expected = block_buf(volume, 8, 12, 3);
     let buffers: Vec<Vec<u8>> = expected.chunks(BLOCK_BYTES).map(<[u8]>::to_vec).collect();
     let handle = &node.handles[0];
-    block_on(handle.write_block_list(map, 8 * BLOCK, buffers.iter().map(Vec::as_slice))).unwrap();
+    block_on(handle.write_block_list(
+        map,
+        8 * BLOCK,
+        buffers.iter().map(|block| (&block[..], crc32c::crc32c(block))),
+    ))
+    .unwrap();
     block_on(handle.write_block_list(map, 0, std::iter::empty())).unwrap();
-    let past_end =
-        block_on(handle.write_block_list(map, 60 * BLOCK, buffers.iter().map(Vec::as_slice)));
+    let past_end = block_on(handle.write_block_list(
+        map,
+        60 * BLOCK,
+        buffers.iter().map(|block| (&block[..], crc32c::crc32c(block))),
+    ));
     assert!(
         matches!(past_end, Err(LogError::Request(StoreError::OutOfRange { .. }))),
         "{past_end:?}"
