@@ -35,6 +35,16 @@
 //! finds its volume fenced waits (bounded by [`FENCED_WAIT_MS_MAX`]): a rollback ends and the
 //! request goes on, while a deleted volume's requests fail with ESHUTDOWN. A connection whose
 //! volume was deleted stops reading, lets its in-flight requests finish with errors, and closes.
+//!
+//! Replicated volumes. NVMe/TCP answers a command this node cannot serve now (its lease lapsed,
+//! another node took over) with an ANA path error, and the host's multipath retries it on a
+//! path that serves or once this one does. An NBD client has no second path and takes any error
+//! as the end of its I/O (ext4 remounts read-only, a database stops). So a request to a
+//! replicated volume that this node served within [`NOT_SERVING_WAIT_MS_MAX`] and refuses as not
+//! serving is sent again every [`NOT_SERVING_POLL_MS`] until it is served or that time has
+//! passed since it arrived (then EIO): a lease renewal held up by a stalled disk or etcd costs
+//! the client that much latency, not an error. A node that never served the volume (a replica's
+//! NBD port) refuses at once, as does a volume being deleted.
 
 use crate::metrics::VolumeMetrics;
 use crate::nvme::{
@@ -69,6 +79,13 @@ const CONNECTION_TICK_MS: u64 = 200;
 pub const FENCED_WAIT_MS_MAX: u64 = 60_000;
 /// How often a waiting request looks at its fenced volume again.
 const FENCED_POLL_MS: u64 = 2;
+/// How long a request to a replicated volume waits, sent again, while this node refuses it as
+/// not serving, if this node served the volume within that time (module docs): over three
+/// default leases (`--lease-ms` 3000), so a lapse until the next renewal is covered, and well
+/// under the Linux NBD client's 30 s request timeout.
+pub const NOT_SERVING_WAIT_MS_MAX: u64 = 10_000;
+/// How often a request waiting for its volume to be served again is sent again.
+const NOT_SERVING_POLL_MS: u64 = 20;
 /// Pause after a failed accept (out of descriptors and the like) instead of spinning.
 const ACCEPT_RETRY_PAUSE_MS: u64 = 100;
 /// What `nbdinfo` shows as a volume's export's description.
@@ -543,7 +560,15 @@ async fn run_admitted(
 ) {
     let started = Instant::now();
     let (result, buf) = match &handle.route {
-        Some(route) => execute(&route.with_local(&store), &handle.map, kind).await,
+        Some(route) => {
+            let patient = UntilServed {
+                store: &route.with_local(&store),
+                fenced: &handle.fenced,
+                served_recently: || route.served_within_ms(NOT_SERVING_WAIT_MS_MAX),
+                started,
+            };
+            execute(&patient, &handle.map, kind).await
+        }
         None => execute(&*store, &handle.map, kind).await,
     };
     let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
@@ -572,6 +597,104 @@ async fn wait_admission(handle: &Arc<VolumeHandle>, volumes: &NodeCatalog) -> Re
             return Err(Errno::Io);
         }
         tokio::time::sleep(Duration::from_millis(FENCED_POLL_MS)).await;
+    }
+}
+
+/// A replicated volume's store as NBD requests use it: a command refused as not serving is sent
+/// again while this node served the volume recently, until [`NOT_SERVING_WAIT_MS_MAX`] after
+/// the request arrived (module docs).
+struct UntilServed<'a, S, F> {
+    store: &'a S,
+    /// The volume's fence: set while it is deleted (the request then stops waiting).
+    fenced: &'a std::sync::atomic::AtomicBool,
+    /// Whether this node served the volume within the wait.
+    served_recently: F,
+    started: Instant,
+}
+
+impl<S, F: Fn() -> bool> UntilServed<'_, S, F> {
+    /// After an answer: whether to send the command again, once a poll interval has passed.
+    async fn again<T>(&self, result: &Result<T, StoreError>) -> bool {
+        let waiting = Duration::from_millis(NOT_SERVING_WAIT_MS_MAX);
+        let retry = matches!(result, Err(StoreError::NotServing { .. }))
+            && self.started.elapsed() < waiting
+            && !self.fenced.load(Ordering::SeqCst)
+            && (self.served_recently)();
+        if retry {
+            tokio::time::sleep(Duration::from_millis(NOT_SERVING_POLL_MS)).await;
+        }
+        retry
+    }
+}
+
+// Each loop ends once `again` says no, which it does at the latest NOT_SERVING_WAIT_MS_MAX after
+// the request arrived.
+impl<S: VolumeStore, F: Fn() -> bool> VolumeStore for UntilServed<'_, S, F> {
+    async fn read(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        mut buf: AlignedBuf,
+    ) -> (Result<(), StoreError>, AlignedBuf) {
+        loop {
+            let (result, back) = self.store.read(volume, offset_bytes, buf).await;
+            buf = back;
+            if !self.again(&result).await {
+                return (result, buf);
+            }
+        }
+    }
+
+    async fn write(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        mut buf: AlignedBuf,
+    ) -> (Result<(), StoreError>, AlignedBuf) {
+        loop {
+            let (result, back) = self.store.write(volume, offset_bytes, buf).await;
+            buf = back;
+            if !self.again(&result).await {
+                return (result, buf);
+            }
+        }
+    }
+
+    async fn flush(&self, volume: &VolumeMap) -> Result<(), StoreError> {
+        loop {
+            let result = self.store.flush(volume).await;
+            if !self.again(&result).await {
+                return result;
+            }
+        }
+    }
+
+    async fn write_zeroes(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Result<(), StoreError> {
+        loop {
+            let result = self.store.write_zeroes(volume, offset_bytes, length_bytes).await;
+            if !self.again(&result).await {
+                return result;
+            }
+        }
+    }
+
+    async fn deallocate(
+        &self,
+        volume: &VolumeMap,
+        offset_bytes: u64,
+        length_bytes: u64,
+    ) -> Result<(), StoreError> {
+        loop {
+            let result = self.store.deallocate(volume, offset_bytes, length_bytes).await;
+            if !self.again(&result).await {
+                return result;
+            }
+        }
     }
 }
 
@@ -632,7 +755,8 @@ fn errno(error: &StoreError) -> Errno {
         StoreError::VolumeRemoved { .. } => Errno::Shutdown,
         StoreError::CapacityExceeded { .. } => Errno::NoSpace,
         StoreError::ReadOnly { .. } => Errno::Perm,
-        // NBD has no second path: the client sees an I/O error until this node serves again.
+        // NBD has no second path: after waiting for this node to serve again (`UntilServed`),
+        // the client sees an I/O error.
         StoreError::NotServing { .. } => Errno::Io,
         StoreError::ChecksumMismatch { .. }
         | StoreError::Unrecovered { .. }
@@ -883,5 +1007,102 @@ mod tests {
                 && message.contains("pass --nbd-listen ADDR or off"),
             "{message}"
         );
+    }
+
+    /// A store that refuses the first `refusals` commands as not serving, then serves; counts
+    /// the commands it was sent.
+    struct LapsedLease {
+        refusals: u32,
+        sent: Cell<u32>,
+    }
+
+    impl LapsedLease {
+        fn answer(&self) -> Result<(), StoreError> {
+            self.sent.set(self.sent.get() + 1);
+            if self.sent.get() <= self.refusals {
+                return Err(StoreError::NotServing { volume: VolumeId(1) });
+            }
+            Ok(())
+        }
+    }
+
+    impl VolumeStore for LapsedLease {
+        async fn read(
+            &self,
+            _: &VolumeMap,
+            _: u64,
+            buf: AlignedBuf,
+        ) -> (Result<(), StoreError>, AlignedBuf) {
+            (self.answer(), buf)
+        }
+        async fn write(
+            &self,
+            _: &VolumeMap,
+            _: u64,
+            buf: AlignedBuf,
+        ) -> (Result<(), StoreError>, AlignedBuf) {
+            (self.answer(), buf)
+        }
+        async fn flush(&self, _: &VolumeMap) -> Result<(), StoreError> {
+            self.answer()
+        }
+        async fn write_zeroes(&self, _: &VolumeMap, _: u64, _: u64) -> Result<(), StoreError> {
+            self.answer()
+        }
+        async fn deallocate(&self, _: &VolumeMap, _: u64, _: u64) -> Result<(), StoreError> {
+            self.answer()
+        }
+    }
+
+    /// A request to a replicated volume whose node stops serving for a moment (a lease renewal
+    /// held up) is sent again until it is served; it fails at once on a node that did not
+    /// serve the volume lately, when the volume is being deleted, and once the wait is over.
+    #[test]
+    fn a_request_waits_for_its_node_to_serve_again_within_the_bound() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let map = VolumeMap::standalone(VolumeId(1), MIB);
+        let not_fenced = std::sync::atomic::AtomicBool::new(false);
+        let fenced = std::sync::atomic::AtomicBool::new(true);
+        let run = |refusals, fence, served_recently, waited_ms| {
+            let store = LapsedLease { refusals, sent: Cell::new(0) };
+            let patient = UntilServed {
+                store: &store,
+                fenced: fence,
+                served_recently: || served_recently,
+                started: Instant::now() - Duration::from_millis(waited_ms),
+            };
+            let kind = RequestKind::Write { offset: 0, data: AlignedBuf::new(4096), fua: false };
+            let (result, buf) = runtime.block_on(execute(&patient, &map, kind));
+            assert!(buf.is_some(), "the buffer comes back");
+            (result.is_ok(), store.sent.get())
+        };
+        // Ten refusals (200 ms): served on the eleventh send.
+        assert_eq!(run(10, &not_fenced, true, 0), (true, 11));
+        // A node that did not serve the volume lately refuses at once, as does a fenced one.
+        assert_eq!(run(10, &not_fenced, false, 0), (false, 1));
+        assert_eq!(run(10, &fenced, true, 0), (false, 1));
+        // A request that has waited its time fails: here with 60 ms of it left, after about
+        // three more sends.
+        let (served, sent) = run(1_000, &not_fenced, true, NOT_SERVING_WAIT_MS_MAX - 60);
+        assert!(!served && (2..=5).contains(&sent), "{sent} sends");
+        // Every kind of command waits, a read and a flush too.
+        let store = LapsedLease { refusals: 3, sent: Cell::new(0) };
+        let patient = UntilServed {
+            store: &store,
+            fenced: &not_fenced,
+            served_recently: || true,
+            started: Instant::now(),
+        };
+        for kind in [
+            RequestKind::Read { offset: 0, buf: AlignedBuf::new(4096) },
+            RequestKind::Flush,
+            RequestKind::Trim { offset: 0, length_bytes: 4096, fua: false },
+            RequestKind::WriteZeroes { offset: 0, length_bytes: 4096, fua: false, no_hole: false },
+        ] {
+            store.sent.set(0);
+            let (result, _) = runtime.block_on(execute(&patient, &map, kind));
+            assert!(result.is_ok());
+            assert_eq!(store.sent.get(), 4);
+        }
     }
 }

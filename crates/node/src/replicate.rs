@@ -371,21 +371,35 @@ pub(crate) struct ServingGate {
     origin: Instant,
     /// Milliseconds since `origin` until which reads may be served here; 0 while closed.
     until_ms: AtomicU64,
+    /// The latest `until_ms` it was ever opened to; 0 if never.
+    served_until_ms: AtomicU64,
 }
 
 impl ServingGate {
     fn new(origin: Instant) -> Self {
-        Self { origin, until_ms: AtomicU64::new(0) }
+        Self { origin, until_ms: AtomicU64::new(0), served_until_ms: AtomicU64::new(0) }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     /// Whether a read may be served from local storage now.
     pub(crate) fn open(&self) -> bool {
-        let now_ms = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
-        now_ms < self.until_ms.load(Ordering::Acquire)
+        self.now_ms() < self.until_ms.load(Ordering::Acquire)
+    }
+
+    /// Whether this node served the volume at some time in the last `window_ms`, or does now.
+    pub(crate) fn served_within_ms(&self, window_ms: u64) -> bool {
+        let served_until_ms = self.served_until_ms.load(Ordering::Acquire);
+        served_until_ms != 0 && self.now_ms() < served_until_ms.saturating_add(window_ms)
     }
 
     fn set(&self, until_ms: Option<u64>) {
         self.until_ms.store(until_ms.unwrap_or(0), Ordering::Release);
+        if let Some(until_ms) = until_ms {
+            self.served_until_ms.fetch_max(until_ms, Ordering::AcqRel);
+        }
     }
 }
 
@@ -402,6 +416,12 @@ impl ReplicaRoute {
     pub(crate) fn new(volume: u64, link: ServiceLink) -> Self {
         let gate = Arc::new(ServingGate::new(link.origin));
         Self { volume, link, gate }
+    }
+
+    /// Whether this node served the volume at some time in the last `window_ms`, or does now:
+    /// a host command it refuses as not serving may be refused only until its lease is renewed.
+    pub(crate) fn served_within_ms(&self, window_ms: u64) -> bool {
+        self.gate.served_within_ms(window_ms)
     }
 
     /// This route's reads, served from `local` (the calling thread's log) while the gate is
@@ -2000,6 +2020,12 @@ mod tests {
         envelopes
     }
 
+    fn heartbeat(commit_op: u64) -> Envelope {
+        let message =
+            Message::Heartbeat { epoch: 3, stream: StreamId(1), incarnation: 5, commit_op };
+        Envelope { volume: 7, sender: NodeId(2), message }
+    }
+
     fn write(lba: u64, blocks: u8, seed: u8) -> Envelope {
         let blocks = (0..blocks)
             .map(|i| {
@@ -2033,16 +2059,7 @@ mod tests {
             queue.push(&envelope).unwrap();
             sent.push(envelope);
             if index % 7 == 0 {
-                let heartbeat = Envelope {
-                    volume: 7,
-                    sender: NodeId(2),
-                    message: Message::Heartbeat {
-                        epoch: 3,
-                        stream: StreamId(1),
-                        incarnation: 5,
-                        commit_op: index,
-                    },
-                };
+                let heartbeat = heartbeat(index);
                 queue.push(&heartbeat).unwrap();
                 sent.push(heartbeat);
             }
@@ -2108,16 +2125,7 @@ mod tests {
     #[test]
     fn acknowledgements_are_not_merged_across_other_frames_streams_epochs_or_a_taken_queue() {
         let link = PeerLink::default();
-        let heartbeat = Envelope {
-            volume: 7,
-            sender: NodeId(2),
-            message: Message::Heartbeat {
-                epoch: 3,
-                stream: StreamId(1),
-                incarnation: 5,
-                commit_op: 9,
-            },
-        };
+        let heartbeat = heartbeat(9);
         let sent = [
             ack(7, 3, 1, 10),
             heartbeat.clone(),

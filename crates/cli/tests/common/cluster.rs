@@ -382,6 +382,8 @@ pub struct ClusterNode {
     /// The address it serves NVMe/TCP, the API and replication on.
     pub ip: String,
     pub nvme_port: u16,
+    /// The port it serves NBD on, at `ip`.
+    pub nbd_port: u16,
     /// Its network namespace, with [`Network`].
     namespace: Option<String>,
     /// Everything after `ferrite up`, the same at every start.
@@ -404,6 +406,11 @@ impl ClusterNode {
 
     pub fn nvme_address(&self) -> String {
         format!("{}:{}", self.ip, self.nvme_port)
+    }
+
+    /// The NBD URI of `volume`'s export on this node.
+    pub fn nbd_uri(&self, volume: &str) -> String {
+        format!("nbd://{}:{}/{volume}", self.ip, self.nbd_port)
     }
 
     /// Whether its process runs, unpaused and connected.
@@ -592,13 +599,14 @@ impl Cluster {
             };
             let data_dir = cluster._dir.path().join(&name);
             let nvme_port = free_port();
+            let nbd_port = free_port();
             let mut args: Vec<String> =
                 vec!["--data-dir".to_owned(), data_dir.display().to_string()];
             args.extend(DRIVE_ARGS.iter().map(|arg| (*arg).to_owned()));
             for (option, value) in [
                 ("--api-listen", format!("{ip}:0")),
                 ("--nvme-listen", format!("{ip}:{nvme_port}")),
-                ("--nbd-listen", "off".to_owned()),
+                ("--nbd-listen", format!("{ip}:{nbd_port}")),
                 ("--cluster-etcd", cluster.etcd.client_url().to_owned()),
                 ("--cluster-name", cluster_name.clone()),
                 ("--node-name", name.clone()),
@@ -617,6 +625,7 @@ impl Cluster {
                 name,
                 ip,
                 nvme_port,
+                nbd_port,
                 namespace,
                 args,
                 process: None,
