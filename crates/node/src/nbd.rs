@@ -625,48 +625,48 @@ impl<S, F: Fn() -> bool> UntilServed<'_, S, F> {
         }
         retry
     }
+
+    /// Sends `command` (given what it carries, handed back with its answer) until `again` says
+    /// no, which it does at the latest NOT_SERVING_WAIT_MS_MAX after the request arrived.
+    async fn until_served<B, T, Sent>(
+        &self,
+        mut carried: B,
+        mut command: impl FnMut(B) -> Sent,
+    ) -> (Result<T, StoreError>, B)
+    where
+        Sent: std::future::Future<Output = (Result<T, StoreError>, B)>,
+    {
+        loop {
+            let (result, back) = command(carried).await;
+            carried = back;
+            if !self.again(&result).await {
+                return (result, carried);
+            }
+        }
+    }
 }
 
-// Each loop ends once `again` says no, which it does at the latest NOT_SERVING_WAIT_MS_MAX after
-// the request arrived.
 impl<S: VolumeStore, F: Fn() -> bool> VolumeStore for UntilServed<'_, S, F> {
     async fn read(
         &self,
         volume: &VolumeMap,
         offset_bytes: u64,
-        mut buf: AlignedBuf,
+        buf: AlignedBuf,
     ) -> (Result<(), StoreError>, AlignedBuf) {
-        loop {
-            let (result, back) = self.store.read(volume, offset_bytes, buf).await;
-            buf = back;
-            if !self.again(&result).await {
-                return (result, buf);
-            }
-        }
+        self.until_served(buf, |buf| self.store.read(volume, offset_bytes, buf)).await
     }
 
     async fn write(
         &self,
         volume: &VolumeMap,
         offset_bytes: u64,
-        mut buf: AlignedBuf,
+        buf: AlignedBuf,
     ) -> (Result<(), StoreError>, AlignedBuf) {
-        loop {
-            let (result, back) = self.store.write(volume, offset_bytes, buf).await;
-            buf = back;
-            if !self.again(&result).await {
-                return (result, buf);
-            }
-        }
+        self.until_served(buf, |buf| self.store.write(volume, offset_bytes, buf)).await
     }
 
     async fn flush(&self, volume: &VolumeMap) -> Result<(), StoreError> {
-        loop {
-            let result = self.store.flush(volume).await;
-            if !self.again(&result).await {
-                return result;
-            }
-        }
+        self.until_served((), |()| async { (self.store.flush(volume).await, ()) }).await.0
     }
 
     async fn write_zeroes(
@@ -675,12 +675,10 @@ impl<S: VolumeStore, F: Fn() -> bool> VolumeStore for UntilServed<'_, S, F> {
         offset_bytes: u64,
         length_bytes: u64,
     ) -> Result<(), StoreError> {
-        loop {
-            let result = self.store.write_zeroes(volume, offset_bytes, length_bytes).await;
-            if !self.again(&result).await {
-                return result;
-            }
-        }
+        let zero = |()| async move {
+            (self.store.write_zeroes(volume, offset_bytes, length_bytes).await, ())
+        };
+        self.until_served((), zero).await.0
     }
 
     async fn deallocate(
@@ -689,12 +687,10 @@ impl<S: VolumeStore, F: Fn() -> bool> VolumeStore for UntilServed<'_, S, F> {
         offset_bytes: u64,
         length_bytes: u64,
     ) -> Result<(), StoreError> {
-        loop {
-            let result = self.store.deallocate(volume, offset_bytes, length_bytes).await;
-            if !self.again(&result).await {
-                return result;
-            }
-        }
+        let deallocate = |()| async move {
+            (self.store.deallocate(volume, offset_bytes, length_bytes).await, ())
+        };
+        self.until_served((), deallocate).await.0
     }
 }
 
