@@ -73,6 +73,12 @@ of 0.25 s with 77 requests queued was seen under Ferrite's 32K mix) lands every 
 flight in the latency tail, whichever system runs; the goals summary names such a stall beside
 a missed p99.9 goal when it was long enough to set it.
 
+Where a replicated write's time goes: while Ferrite's cluster runs, every node's /metrics is
+scraped before and after each workload, and scripts/write-stages.py turns the differences into
+the means (and shares over 10 ms) of the primary's host writes, its own log writes, its wait for
+each replica's acknowledgement and each replica's log writes; the report sets them out per
+workload under the replicated rows (the scrapes stay in logs/metrics-*.txt).
+
 Environment (all optional):
   COMPARE_SIZE_GB       volume and RBD image size in GiB                 [4]
   COMPARE_RUNTIME       measured seconds per workload                    [30]
@@ -370,10 +376,33 @@ measure_begin() {
     stall_pid=$!
     # Before the CPU counters are read, so the query's own CPU is not counted as fio's.
     [ -z "$replication_api" ] || measure_replication0=$(replication_state)
+    scrape_metrics before
     measure_t0=$(date +%s.%N)
     measure_server0=$(process_ticks "${server_pids[@]}")
     measure_client0=$(children_ticks)
     measure_host0=$(host_busy_ticks)
+}
+# Every node's metrics into logs/metrics-N-NODE-WHEN.txt (replicated Ferrite only), for
+# scripts/write-stages.py. A failed scrape leaves the file empty: its stages are then missing.
+metrics_names=()  # the cluster's node names, and their REST APIs: set while it runs
+metrics_apis=()
+metrics_primary=""
+scrape_metrics() {  # when
+    local i
+    for i in "${!metrics_apis[@]}"; do
+        curl -sf --max-time 5 "${metrics_apis[$i]}/metrics" \
+            >"$out/logs/metrics-$measure_count-${metrics_names[$i]}-$1.txt" 2>/dev/null || true
+    done
+}
+# -> ', "write_stages": {...}': where the replicated writes' time went (scripts/write-stages.py)
+write_stages_json() {
+    local i nodes=() stages
+    for i in "${!metrics_names[@]}"; do
+        nodes+=("${metrics_names[$i]}=$out/logs/metrics-$measure_count-${metrics_names[$i]}-before.txt,$out/logs/metrics-$measure_count-${metrics_names[$i]}-after.txt")
+    done
+    stages=$(python3 "$repo/scripts/write-stages.py" --volume "$volume" --primary "$metrics_primary" "${nodes[@]}" \
+        2>>"$out/logs/write-stages.log") || stages=null
+    printf ', "write_stages": %s' "${stages:-null}"
 }
 # -> "REMOVED EPOCH IN_SYNC PRIMARY" of the replicated volume, as its primary answers (a
 # failed query gives "? ? ? ?": the check then fails, never passes, by mistake)
@@ -399,6 +428,10 @@ measure_json() {  # -> the JSON fields of the CPU spent since measure_begin
     for i in $(seq 1 50); do [ -s "$stall_file" ] && break; sleep 0.1; done
     jq -j '", \"disk\": \(.disk | tojson), \"disk_stall_max_ms\": \(.stall_max_ms // null), \"disk_stalls_100ms\": \(.stalls_100ms // null)"' \
         "$stall_file" 2>/dev/null || printf ', "disk": null, "disk_stall_max_ms": null, "disk_stalls_100ms": null'
+    if [ ${#metrics_apis[@]} -gt 0 ]; then
+        scrape_metrics after
+        write_stages_json
+    fi
     [ -n "$replication_api" ] || return 0
     # Whether every replica stayed in sync: no removal by the primary, no failover, the whole
     # set in sync at the start and at the end (a removal and its resync within the run count
@@ -577,6 +610,7 @@ ferrite_replicated() {  # replicas
         FERRITE_UP_ARGS="${FERRITE_UP_ARGS:-} --cluster-etcd http://127.0.0.1:$etcd_port --cluster-name compare --node-name node$i --replication-listen 127.0.0.1:$(port)" \
             start_ferrite_node "r$replicas-node$i"
         apis+=("$node_api")
+        metrics_names+=("node$i")
     done
     server_pids=("${ferrite_pids[@]}")
     "$ferrite" volume create "$volume" --size "${size_gb}G" --compression "$compression" --replicas "$replicas" \
@@ -595,8 +629,11 @@ ferrite_replicated() {  # replicas
     replication_api=http://$("$ferrite" node list --json --api "${apis[0]}" | jq -r --arg name "$primary" '.[] | select(.name == $name) | .api_addr // empty')
     [ "$replication_api" != http:// ] || die "cannot find the API address of the primary $primary"
     sleep 1
+    metrics_apis=("${apis[@]}")
+    metrics_primary=$primary
     ferrite_measure "$replicas" "nbd://$nbd/$volume"
     replication_api=""
+    metrics_apis=(); metrics_names=(); metrics_primary=""
     "$ferrite" cluster status --api "${apis[0]}" >"$out/logs/ferrite-cluster-r$replicas.txt" 2>&1 || true
     "$ferrite" volume show "$volume" --api "${apis[0]}" >>"$out/logs/ferrite-cluster-r$replicas.txt" 2>&1 || true
     stop_ferrite
@@ -745,7 +782,7 @@ else
 fi
 # A copy, so that a rebuild by someone else during the run cannot change the binary under us.
 cp "${FERRITE_BIN:-target/release/ferrite}" "$ferrite"
-command -v fio >/dev/null || scripts/deps.sh
+command -v fio >/dev/null && command -v curl >/dev/null || scripts/deps.sh
 fio --enghelp 2>/dev/null | grep -qw nbd || die "this fio has no nbd engine"
 if [ "$pgbench_enabled" = 1 ]; then
     command -v nbdfuse >/dev/null && [ -x /usr/lib/postgresql/15/bin/pgbench ] || scripts/deps.sh

@@ -493,6 +493,55 @@ def cpu_table(replicas, workloads, fios, lines):
         lines.append("| " + " | ".join(cells) + " |")
 
 
+def stage_text(stage):
+    """'MEAN (OVER%)' of one stage of scripts/write-stages.py, or '-'."""
+    if not stage or not stage.get("count") or stage.get("mean_us") is None:
+        return "-"
+    over = stage.get("over_10ms")
+    return number(stage["mean_us"]) + ("" if over is None else f" ({over * 100:.1f}%)")
+
+
+def write_stages_table(replicas, workloads, fios, lines):
+    """Where a replicated write's time went, per workload, from the nodes' metrics; False when
+    no measurement of these copies has them."""
+    rows = []
+    for workload in workloads:
+        result = fios.get(("ferrite", replicas, workload)) or {}
+        stages = result.get("write_stages")
+        if stages and (stages.get("host_write") or {}).get("count"):
+            rows.append((workload, stages))
+    if not rows:
+        return False
+    lines += [
+        "Where the writes' time went, from the nodes' metrics scraped before and after each workload "
+        "(`scripts/write-stages.py`; means in us, ramp included, and in brackets the share over 10 ms): "
+        "the primary's host writes from receipt to reply (`ferrite_volume_latency_seconds`, op write), its "
+        "own log write of each (`ferrite_replication_storage_write_seconds`), its wait for each replica's "
+        "acknowledgement from the frame queued (`ferrite_replication_ack_seconds`: the network, the "
+        "replica's log write and both nodes' queues), and each replica's log writes. A host write is "
+        "answered once its own log write and every in-sync replica's acknowledgement are in; what its "
+        "latency holds beyond the larger of those is queueing in the primary.",
+        "",
+        "| workload | host writes | host write, receipt to reply | primary's log write "
+        "| each replica's acknowledgement | each replica's log write |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    for workload, stages in rows:
+        primary = stages.get("primary")
+        storage = stages.get("storage_write") or {}
+        acks = stages.get("ack") or {}
+        replicas_seen = sorted(set(acks) | {name for name in storage if name != primary})
+        lines.append("| " + " | ".join([
+            workload,
+            number(stages["host_write"]["count"]),
+            stage_text(stages["host_write"]),
+            stage_text(storage.get(primary)),
+            "; ".join(f"{name} {stage_text(acks.get(name))}" for name in replicas_seen) or "-",
+            "; ".join(f"{name} {stage_text(storage.get(name))}" for name in replicas_seen) or "-",
+        ]) + " |")
+    return True
+
+
 def pgbench_table(meta, pgbenches, not_run, counts, lines):
     lines.append("| system | TPS | latency average ms | transactions | server CPU cores | TPS per server CPU-s | other CPU cores: PostgreSQL, FUSE, loop, other jobs |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|")
@@ -647,6 +696,8 @@ def markdown(meta, fills, fios, pgbenches, not_run, bound_records, commit, svg_n
         lines += ["CPU, and the disk's longest stall:", ""]
         cpu_table(replicas, workloads, fios, lines)
         lines.append("")
+        if write_stages_table(replicas, workloads, fios, lines):
+            lines.append("")
     goals_summary(goals, counts, not_run, fios, bound_records, meta.get("host_cpus"), lines)
     lines.append("")
     if bound_records["probes"]:

@@ -23,6 +23,8 @@ command -v fusermount3 >/dev/null 2>&1 || needed+=(fuse3)
 [ -x /usr/lib/postgresql/15/bin/pgbench ] || needed+=(postgresql-15)
 # scripts/disk-stall.py (its test: crates/cli/tests/disk_stall.rs) and the compare-ceph report.
 command -v python3 >/dev/null 2>&1 || needed+=(python3)
+# `make compare-ceph` scrapes the cluster nodes' metrics with curl (scripts/write-stages.py).
+command -v curl >/dev/null 2>&1 || needed+=(curl)
 # The cluster tests (crates/cli/tests/cluster.rs) put nodes in network namespaces with `ip`.
 command -v ip >/dev/null 2>&1 || needed+=(iproute2)
 if [ ${#needed[@]} -eq 0 ]; then

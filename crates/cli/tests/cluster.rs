@@ -167,6 +167,7 @@ fn a_killed_primary_is_replaced_resyncs_on_return_and_every_replica_holds_the_da
 
     let first_primary = primary(&first);
     let first_index = cluster.index(&first_primary);
+    check_write_latency_metrics(&cluster, &first, &first_primary);
     let pause = pause_across(&workload, "kill -9", || {
         cluster.kill9(first_index);
     });
@@ -211,6 +212,42 @@ fn a_killed_primary_is_replaced_resyncs_on_return_and_every_replica_holds_the_da
     }
     stop_and_check(workload);
     cluster.assert_no_error_lines(&[]);
+}
+
+/// The count of the one series of `family` whose labels hold `labels` in `metrics` (0 when
+/// there is none).
+fn histogram_count(metrics: &str, family: &str, labels: &str) -> u64 {
+    let prefix = format!("{family}_count{{");
+    let counts: Vec<u64> = metrics
+        .lines()
+        .filter(|line| line.starts_with(&prefix) && line.contains(labels))
+        .map(|line| line.rsplit(' ').next().and_then(|n| n.parse().ok()).expect("a count"))
+        .collect();
+    assert!(counts.len() <= 1, "several {family} series with {labels}: {counts:?}");
+    counts.first().copied().unwrap_or(0)
+}
+
+/// Under the workload, the primary's metrics time each replica's acknowledgements (by member
+/// name) and its own log writes, and a replica's its log writes and no acknowledgements.
+fn check_write_latency_metrics(cluster: &Cluster, state: &api::ReplicationInfo, primary: &str) {
+    let metrics = |name: &str| {
+        let node = cluster.node(cluster.index(name));
+        api::Client::new(node.api_url()).expect("client").metrics().expect("metrics")
+    };
+    const ACK: &str = "ferrite_replication_ack_seconds";
+    const STORAGE: &str = "ferrite_replication_storage_write_seconds";
+    let volume = format!("volume=\"{VOLUME}\"");
+    let on_primary = metrics(primary);
+    assert!(histogram_count(&on_primary, STORAGE, &volume) > 0, "{on_primary}");
+    let replicas: Vec<&String> = state.members.iter().filter(|name| *name != primary).collect();
+    assert_eq!(replicas.len(), 2, "{state:?}");
+    for replica in replicas {
+        let labels = format!("replica=\"{replica}\"");
+        assert!(histogram_count(&on_primary, ACK, &labels) > 0, "{labels}: {on_primary}");
+        let on_replica = metrics(replica);
+        assert!(histogram_count(&on_replica, STORAGE, &volume) > 0, "{replica}: {on_replica}");
+        assert!(!on_replica.contains(ACK), "{replica} acknowledges, it waits for none");
+    }
 }
 
 /// How the primary is taken away in [`isolate_the_primary_and_bring_it_back`].

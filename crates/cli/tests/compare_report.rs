@@ -299,3 +299,110 @@ fn a_stall_in_cephs_run_is_named_beside_the_ratios_it_flatters() {
     );
     assert_eq!(summary.matches("Ceph's run met a disk stall").count(), 1, "{summary}");
 }
+
+/// One node's /metrics text holding the three write-stage histograms: `host` (the primary's
+/// volume write latency), `storage` and each `(replica, histogram)` acknowledgement, each as
+/// (count, sum in seconds, count within 10 ms).
+fn metrics_text(
+    host: (u64, f64, u64),
+    storage: (u64, f64, u64),
+    acks: &[(&str, (u64, f64, u64))],
+) -> String {
+    let labels = r#"volume="vol",volume_id="3""#;
+    let histogram = |family: &str, labels: &str, (count, sum, within): (u64, f64, u64)| {
+        format!(
+            "{family}_bucket{{{labels},le=\"0.0025\"}} 0\n{family}_bucket{{{labels},le=\"0.01\"}} \
+             {within}\n{family}_bucket{{{labels},le=\"+Inf\"}} {count}\n{family}_sum{{{labels}}} \
+             {sum}\n{family}_count{{{labels}}} {count}\n"
+        )
+    };
+    let mut text = String::from("# HELP ferrite_volumes x\nferrite_volumes 1\n");
+    text += &histogram("ferrite_volume_latency_seconds", &format!("{labels},op=\"write\""), host);
+    text +=
+        &histogram("ferrite_volume_latency_seconds", &format!("{labels},op=\"read\""), (9, 9.0, 9));
+    text += &histogram("ferrite_replication_storage_write_seconds", labels, storage);
+    for (replica, ack) in acks {
+        text += &histogram(
+            "ferrite_replication_ack_seconds",
+            &format!("{labels},replica=\"{replica}\""),
+            *ack,
+        );
+    }
+    text
+}
+
+#[test]
+fn the_replicated_writes_stages_come_from_the_metrics_before_and_after_a_workload() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let write = |name: &str, text: String| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write metrics");
+        path.display().to_string()
+    };
+    // Between the scrapes the primary answered 1,000 host writes in 3 s (3,000 us each, 50 over
+    // 10 ms), wrote them to its log in 1 s, and waited 2.5 s for n2's and 2 s for n3's
+    // acknowledgements of 500 entries each; n2 wrote its 500 in 0.5 s; n3 restarted (its counts
+    // went down) and is left out.
+    let primary = [
+        write("p0", metrics_text((100, 1.0, 100), (100, 0.5, 100), &[("n2", (10, 0.1, 10))])),
+        write(
+            "p1",
+            metrics_text(
+                (1_100, 4.0, 1_050),
+                (1_100, 1.5, 1_100),
+                &[("n2", (510, 2.6, 510)), ("n3", (500, 2.0, 500))],
+            ),
+        ),
+    ];
+    let n2 = [
+        write("a0", metrics_text((0, 0.0, 0), (0, 0.0, 0), &[])),
+        write("a1", metrics_text((0, 0.0, 0), (500, 0.5, 500), &[])),
+    ];
+    let n3 = [
+        write("b0", metrics_text((0, 0.0, 0), (900, 1.0, 900), &[])),
+        write("b1", metrics_text((0, 0.0, 0), (10, 0.1, 10), &[])),
+    ];
+    let output = client("python3", "python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/write-stages.py"))
+        .args(["--volume", "vol", "--primary", "n1"])
+        .arg(format!("n1={},{}", primary[0], primary[1]))
+        .arg(format!("n2={},{}", n2[0], n2[1]))
+        .arg(format!("n3={},{}", n3[0], n3[1]))
+        .output()
+        .expect("run write-stages.py");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stages = String::from_utf8(output.stdout).expect("utf-8");
+    let parsed: serde_json::Value = serde_json::from_str(&stages).expect("JSON");
+    assert_eq!(parsed["host_write"]["count"], 1_000);
+    assert_eq!(parsed["host_write"]["mean_us"], 3_000.0);
+    assert_eq!(parsed["host_write"]["over_10ms"], 0.05);
+    assert_eq!(parsed["storage_write"]["n1"]["mean_us"], 1_000.0);
+    assert_eq!(parsed["storage_write"]["n2"]["mean_us"], 1_000.0);
+    assert!(parsed["storage_write"].get("n3").is_none(), "{stages}");
+    assert_eq!(parsed["ack"]["n2"]["mean_us"], 5_000.0);
+    assert_eq!(parsed["ack"]["n2"]["over_10ms"], 0.0);
+    assert_eq!(parsed["ack"]["n3"]["count"], 500);
+
+    // The report sets them out per workload for the replicated rows.
+    let extra = format!(r#", "write_stages": {}"#, stages.trim());
+    let cpu = Cpu { server_s: 10.0, client_s: 4.0 };
+    let records = [
+        META.to_string(),
+        replicated_fio_record(dir.path(), "ferrite", 3, "4k_randwrite", 30_000.0, cpu, &extra),
+        replicated_fio_record(
+            dir.path(),
+            "ceph",
+            3,
+            "4k_randwrite",
+            1_000.0,
+            Cpu { server_s: 10.0, client_s: 1.0 },
+            "",
+        ),
+    ];
+    let report = report(dir.path(), &records);
+    assert_eq!(
+        line_starting(&report, "| 4k_randwrite | 1,000 |"),
+        "| 4k_randwrite | 1,000 | 3,000 (5.0%) | 1,000 (0.0%) | n2 5,000 (0.0%); n3 4,000 (0.0%) \
+         | n2 1,000 (0.0%); n3 - |"
+    );
+}

@@ -887,6 +887,16 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
                         .iter()
                         .map(|(id, volume)| (*id, volume.epoch, volume.serving))
                         .collect(),
+                    member_names: cluster
+                        .store
+                        .members()
+                        .map(|members| {
+                            members
+                                .into_iter()
+                                .map(|(member, _)| (member.id.0, member.name))
+                                .collect()
+                        })
+                        .unwrap_or_default(),
                 }
             }),
         })

@@ -69,6 +69,14 @@
 //! - `ferrite_volume_bytes_total{volume,volume_id,op}` (counter), all but `flush`
 //! - `ferrite_volume_errors_total{volume,volume_id}` (counter): commands the storage failed
 //! - `ferrite_volume_latency_seconds{volume,volume_id,op}` (histogram), `op` `read` or `write`
+//! - `ferrite_replication_storage_write_seconds{volume,volume_id}` (histogram, cluster nodes,
+//!   once the volume has had one): each replicated write's local log write, from its start to
+//!   durable; on the primary its own copy of a host write, on a replica an entry it appends
+//! - `ferrite_replication_ack_seconds{volume,volume_id,replica}` (histogram, cluster nodes, on
+//!   the primary): from an entry's frame queued for replica `replica` (the member's name, or
+//!   `n<id>` when the control store does not answer) to the
+//!   replica's acknowledgement of it reaching this node's replication service. Beside the host
+//!   write latency and the storage writes, it shows where a replicated write's time goes
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -143,6 +151,13 @@ impl Histogram {
         self.sum_us.fetch_add(latency_us, Ordering::Relaxed);
     }
 
+    /// Samples recorded so far.
+    pub fn count(&self) -> u64 {
+        self.buckets
+            .iter()
+            .fold(0u64, |total, bucket| total.wrapping_add(bucket.load(Ordering::Relaxed)))
+    }
+
     /// Cumulative counts per bucket (the last is `+Inf`, the total count) and the sum in µs.
     pub fn snapshot(&self) -> ([u64; BUCKET_COUNT], u64) {
         let mut cumulative = [0; BUCKET_COUNT];
@@ -163,7 +178,17 @@ pub struct VolumeMetrics {
     read_latency: Histogram,
     write_latency: Histogram,
     errors: AtomicU64,
+    /// Replicated volumes: each replicated write's local log write (either role).
+    replicated_write_latency: Histogram,
+    /// The primary's wait for each replica's acknowledgements, by replica node id, oldest
+    /// first; at most [`REPLICA_ACK_SERIES_MAX`]. Locked once per replica and scrape, never
+    /// per write: the replication service keeps the `Arc`s it was given.
+    replica_acks: Mutex<Vec<(u32, Arc<Histogram>)>>,
 }
+
+/// Replicas whose acknowledgement latency one volume's metrics keep: a volume has at most two
+/// replicas at a time, so this covers several replacements; beyond it the oldest is forgotten.
+pub const REPLICA_ACK_SERIES_MAX: usize = 8;
 
 impl VolumeMetrics {
     pub fn record_read(&self, bytes: u64, latency_us: u64) {
@@ -211,6 +236,34 @@ impl VolumeMetrics {
 
     pub fn write_latency(&self) -> &Histogram {
         &self.write_latency
+    }
+
+    /// A replicated write's local log write took `latency_us`, start to durable.
+    pub fn record_replicated_write(&self, latency_us: u64) {
+        self.replicated_write_latency.record(latency_us);
+    }
+
+    pub fn replicated_write_latency(&self) -> &Histogram {
+        &self.replicated_write_latency
+    }
+
+    /// The histogram of replica `node`'s acknowledgement latency, made on first use.
+    pub fn replica_ack_latency(&self, node: u32) -> Arc<Histogram> {
+        let mut acks = self.replica_acks.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, histogram)) = acks.iter().find(|(id, _)| *id == node) {
+            return Arc::clone(histogram);
+        }
+        if acks.len() >= REPLICA_ACK_SERIES_MAX {
+            acks.remove(0);
+        }
+        let histogram = Arc::new(Histogram::default());
+        acks.push((node, Arc::clone(&histogram)));
+        histogram
+    }
+
+    /// Every replica's acknowledgement histogram, by node id.
+    fn replica_ack_latencies(&self) -> Vec<(u32, Arc<Histogram>)> {
+        self.replica_acks.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     fn count(&self, operation: Operation, bytes: u64) {
@@ -272,6 +325,9 @@ pub struct ReplicationGauges {
     /// reconciliations that found no member with a good copy (the node then stopped).
     pub reconcile_blocks_repaired: u64,
     pub reconcile_unrecovered: u64,
+    /// The cluster's members' names by node id, for the `replica` label (empty when the
+    /// control store could not be asked: the label is then `n<id>`).
+    pub member_names: BTreeMap<u32, String>,
 }
 
 struct Entry {
@@ -651,7 +707,7 @@ impl Registry {
         family(&mut out, "ferrite_volume_operations_total", "counter", "I/O commands completed.");
         for (id, name, metrics) in &volumes {
             for operation in Operation::ALL {
-                let labels = labels(*id, name.as_ref(), operation, None);
+                let labels = labels(*id, name.as_ref(), operation);
                 let value = metrics.operations(operation);
                 let _ = writeln!(out, "ferrite_volume_operations_total{{{labels}}} {value}");
             }
@@ -691,7 +747,7 @@ impl Registry {
         family(&mut out, "ferrite_volume_bytes_total", "counter", "Bytes moved by I/O commands.");
         for (id, name, metrics) in &volumes {
             for operation in Operation::ALL.into_iter().filter(|op| op.moves_bytes()) {
-                let labels = labels(*id, name.as_ref(), operation, None);
+                let labels = labels(*id, name.as_ref(), operation);
                 let value = metrics.bytes(operation);
                 let _ = writeln!(out, "ferrite_volume_bytes_total{{{labels}}} {value}");
             }
@@ -705,20 +761,63 @@ impl Registry {
                 (Operation::Write, &metrics.write_latency),
             ];
             for (operation, histogram) in histograms {
-                let (cumulative, sum_us) = histogram.snapshot();
-                let bounds = LATENCY_BUCKET_BOUNDS_US.iter().map(|&us| Some(us)).chain([None]);
-                for (bound_us, count) in bounds.zip(cumulative) {
-                    let le = match bound_us {
-                        Some(us) => seconds(us),
-                        None => "+Inf".to_owned(),
-                    };
-                    let labels = labels(*id, name.as_ref(), operation, Some(&le));
-                    let _ = writeln!(out, "{LATENCY}_bucket{{{labels}}} {count}");
+                let labels = labels(*id, name.as_ref(), operation);
+                render_histogram(&mut out, LATENCY, &labels, histogram);
+            }
+        }
+
+        const STORAGE_WRITE: &str = "ferrite_replication_storage_write_seconds";
+        let replicated: Vec<_> = volumes
+            .iter()
+            .filter(|(_, _, metrics)| metrics.replicated_write_latency.count() > 0)
+            .collect();
+        if !replicated.is_empty() {
+            family(
+                &mut out,
+                STORAGE_WRITE,
+                "histogram",
+                "A replicated write's local log write (the primary's copy or a replica's \
+                 entry), from its start to durable.",
+            );
+            for (id, name, metrics) in replicated {
+                let labels = volume_labels(*id, name.as_ref());
+                render_histogram(
+                    &mut out,
+                    STORAGE_WRITE,
+                    &labels,
+                    &metrics.replicated_write_latency,
+                );
+            }
+        }
+
+        const ACK: &str = "ferrite_replication_ack_seconds";
+        let acks: Vec<_> = volumes
+            .iter()
+            .map(|(id, name, metrics)| (id, name, metrics.replica_ack_latencies()))
+            .filter(|(_, _, acks)| !acks.is_empty())
+            .collect();
+        if !acks.is_empty() {
+            family(
+                &mut out,
+                ACK,
+                "histogram",
+                "On the primary: from an entry's frame queued for a replica to the replica's \
+                 acknowledgement of it.",
+            );
+            let names = node.replication.as_ref().map(|replication| &replication.member_names);
+            for (id, name, replicas) in acks {
+                for (replica, histogram) in replicas {
+                    let mut labels = volume_labels(*id, name.as_ref());
+                    labels.push_str(",replica=\"");
+                    match names.and_then(|names| names.get(&replica)) {
+                        Some(name) => escape_label_value(&mut labels, name),
+                        None => {
+                            let _ = write!(labels, "n{replica}");
+                        }
+                    }
+                    labels.push('"');
+                    render_histogram(&mut out, ACK, &labels, &histogram);
                 }
-                let labels = labels(*id, name.as_ref(), operation, None);
-                let _ = writeln!(out, "{LATENCY}_sum{{{labels}}} {}", seconds(sum_us));
-                let count = cumulative[BUCKET_COUNT - 1];
-                let _ = writeln!(out, "{LATENCY}_count{{{labels}}} {count}");
             }
         }
         out
@@ -728,6 +827,21 @@ impl Registry {
         // The map holds no invariant a panicking holder could break halfway.
         self.volumes.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// The `_bucket`, `_sum` and `_count` series of one histogram with `labels` (without `le`).
+fn render_histogram(out: &mut String, name: &str, labels: &str, histogram: &Histogram) {
+    let (cumulative, sum_us) = histogram.snapshot();
+    let bounds = LATENCY_BUCKET_BOUNDS_US.iter().map(|&us| Some(us)).chain([None]);
+    for (bound_us, count) in bounds.zip(cumulative) {
+        let le = match bound_us {
+            Some(us) => seconds(us),
+            None => "+Inf".to_owned(),
+        };
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {count}");
+    }
+    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", seconds(sum_us));
+    let _ = writeln!(out, "{name}_count{{{labels}}} {}", cumulative[BUCKET_COUNT - 1]);
 }
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -751,12 +865,9 @@ fn volume_labels(id: u64, name: Option<&VolumeName>) -> String {
     labels
 }
 
-fn labels(id: u64, name: Option<&VolumeName>, operation: Operation, le: Option<&str>) -> String {
+fn labels(id: u64, name: Option<&VolumeName>, operation: Operation) -> String {
     let mut labels = volume_labels(id, name);
     let _ = write!(labels, ",op=\"{}\"", operation.as_str());
-    if let Some(le) = le {
-        let _ = write!(labels, ",le=\"{le}\"");
-    }
     labels
 }
 
@@ -870,6 +981,57 @@ mod tests {
     }
 
     #[test]
+    fn replication_latencies_appear_once_recorded_and_keep_a_bounded_set_of_replicas() {
+        let registry = Registry::new();
+        let metrics = registry.register_volume(4, &VolumeName::new("db").unwrap());
+        registry.register_volume(5, &VolumeName::new("idle").unwrap());
+        let text = registry.render(&NodeGauges::default());
+        assert!(!text.contains("ferrite_replication_storage_write_seconds"), "{text}");
+        assert!(!text.contains("ferrite_replication_ack_seconds"), "{text}");
+
+        metrics.record_replicated_write(700);
+        metrics.record_replicated_write(3_000);
+        let first = metrics.replica_ack_latency(2);
+        first.record(1_200);
+        assert!(Arc::ptr_eq(&first, &metrics.replica_ack_latency(2)), "one series per replica");
+        metrics.replica_ack_latency(3).record(40);
+        let text = registry.render(&NodeGauges::default());
+        let labels = "volume=\"db\",volume_id=\"4\"";
+        let storage = "ferrite_replication_storage_write_seconds";
+        assert_eq!(value(&text, &format!("{storage}_count{{{labels}}}")), 2);
+        assert_eq!(value(&text, &format!("{storage}_bucket{{{labels},le=\"0.001\"}}")), 1);
+        assert_eq!(value(&text, &format!("{storage}_bucket{{{labels},le=\"0.0025\"}}")), 1);
+        assert_eq!(value(&text, &format!("{storage}_bucket{{{labels},le=\"+Inf\"}}")), 2);
+        assert!(text.contains(&format!("{storage}_sum{{{labels}}} 0.0037\n")), "{text}");
+        let ack = "ferrite_replication_ack_seconds";
+        assert_eq!(value(&text, &format!("{ack}_count{{{labels},replica=\"n2\"}}")), 1);
+        assert_eq!(
+            value(&text, &format!("{ack}_bucket{{{labels},replica=\"n3\",le=\"0.00005\"}}")),
+            1
+        );
+        assert!(!text.contains("volume=\"idle\",volume_id=\"5\",replica"), "{text}");
+        assert_eq!(text.matches("# TYPE ferrite_replication_ack_seconds histogram").count(), 1);
+        let named = NodeGauges {
+            replication: Some(ReplicationGauges {
+                member_names: [(2, "node-\"b".to_owned())].into(),
+                ..ReplicationGauges::default()
+            }),
+            ..NodeGauges::default()
+        };
+        let text = registry.render(&named);
+        assert_eq!(value(&text, &format!("{ack}_count{{{labels},replica=\"node-\\\"b\"}}")), 1);
+        assert_eq!(value(&text, &format!("{ack}_count{{{labels},replica=\"n3\"}}")), 1);
+
+        // Replacements beyond the bound forget the oldest replica's series.
+        for node in 10..10 + REPLICA_ACK_SERIES_MAX as u32 - 1 {
+            metrics.replica_ack_latency(node);
+        }
+        assert_eq!(metrics.replica_ack_latencies().len(), REPLICA_ACK_SERIES_MAX);
+        assert!(!metrics.replica_ack_latencies().iter().any(|(node, _)| *node == 2));
+        assert!(metrics.replica_ack_latencies().iter().any(|(node, _)| *node == 3));
+    }
+
+    #[test]
     fn exposition_is_well_formed() {
         let registry = Registry::new();
         registry.register_volume(1, &VolumeName::new("a").unwrap()).record_flush();
@@ -899,6 +1061,7 @@ mod tests {
                 damaged_rewritten: 2,
                 reconcile_blocks_repaired: 6,
                 reconcile_unrecovered: 7,
+                member_names: BTreeMap::new(),
             }),
             volume_space: [(
                 1,

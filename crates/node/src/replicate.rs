@@ -815,6 +815,84 @@ struct Replica {
     generation: u64,
     /// Lets the data path read local storage while this node serves the volume.
     gate: Arc<ServingGate>,
+    /// When each entry in flight to a replica was queued, for its acknowledgement's latency.
+    acks: AckClock,
+}
+
+/// When each entry in flight to each replica was queued, so that its acknowledgement's
+/// latency can be recorded (`ferrite_replication_ack_seconds`, node::metrics). One stream per
+/// replica at a time; at most `STREAM_WINDOW_MAX` entries each, the protocol's own bound on
+/// entries unacknowledged.
+#[derive(Default)]
+struct AckClock {
+    replicas: HashMap<NodeId, ReplicaAckClock>,
+}
+
+struct ReplicaAckClock {
+    /// The (epoch, stream) of the entries below: a new stream starts afresh.
+    stream: (u64, replication::StreamId),
+    /// The newest entry recorded: one sent again keeps its first time.
+    last_seq: u64,
+    /// (entry, when its frame was queued), oldest first.
+    sent: VecDeque<(u64, Instant)>,
+    latency: Arc<crate::metrics::Histogram>,
+}
+
+impl AckClock {
+    /// Entry `seq` of `stream` was queued for replica `to` at `now`.
+    fn sent(
+        &mut self,
+        metrics: &crate::metrics::VolumeMetrics,
+        to: NodeId,
+        stream: (u64, replication::StreamId),
+        seq: u64,
+        now: Instant,
+    ) {
+        let replica = self.replicas.entry(to).or_insert_with(|| ReplicaAckClock {
+            stream,
+            last_seq: 0,
+            sent: VecDeque::with_capacity(replication::STREAM_WINDOW_MAX),
+            latency: metrics.replica_ack_latency(to.0),
+        });
+        if replica.stream != stream {
+            replica.stream = stream;
+            replica.last_seq = 0;
+            replica.sent.clear();
+        }
+        if seq <= replica.last_seq {
+            return;
+        }
+        replica.last_seq = seq;
+        if replica.sent.len() >= replication::STREAM_WINDOW_MAX {
+            replica.sent.pop_front();
+        }
+        replica.sent.push_back((seq, now));
+    }
+
+    /// Replica `from` acknowledged every entry of `stream` up to `durable_seq` at `now`.
+    fn acked(
+        &mut self,
+        from: NodeId,
+        stream: (u64, replication::StreamId),
+        durable_seq: u64,
+        now: Instant,
+    ) {
+        let Some(replica) = self.replicas.get_mut(&from) else { return };
+        if replica.stream != stream {
+            return;
+        }
+        while let Some(&(seq, sent)) = replica.sent.front() {
+            if seq > durable_seq {
+                break;
+            }
+            replica.sent.pop_front();
+            replica.latency.record(micros(now.saturating_duration_since(sent)));
+        }
+    }
+}
+
+fn micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
 }
 
 struct Service {
@@ -917,6 +995,12 @@ impl Service {
             Input::Message(envelope) => {
                 self.status.frames_received.fetch_add(1, Ordering::Relaxed);
                 let Envelope { volume, sender, message } = envelope;
+                if let replication::Message::Ack { epoch, stream, durable_seq } = message {
+                    if let Some(replica) = self.volumes.get_mut(&volume) {
+                        let now = Instant::now();
+                        replica.acks.acked(sender, (epoch, stream), durable_seq, now);
+                    }
+                }
                 self.event(volume, Event::Message { from: sender, message });
             }
             Input::Store { origin, id, reply } => match origin {
@@ -1073,6 +1157,7 @@ impl Service {
                 ana: None,
                 generation: self.next_generation,
                 gate,
+                acks: AckClock::default(),
             },
         );
         self.set_ana(volume);
@@ -1306,6 +1391,12 @@ impl Service {
     }
 
     fn send(&mut self, volume: u64, to: NodeId, message: replication::Message) {
+        if let replication::Message::Append { epoch, stream, seq, .. } = message {
+            if let Some(replica) = self.volumes.get_mut(&volume) {
+                let metrics = &replica.handle.metrics;
+                replica.acks.sent(metrics, to, (epoch, stream), seq, Instant::now());
+            }
+        }
         let envelope = Envelope { volume, sender: self.me, message };
         let link = self.links.entry(to).or_insert_with(|| {
             let link = Rc::new(PeerLink::default());
@@ -1386,11 +1477,17 @@ impl Service {
                     return;
                 }
                 let map = &handle.map;
+                let metrics = &handle.metrics;
                 let store = &store;
                 let mut running: FuturesUnordered<_> = writes
                     .iter()
                     .map(|write| async move {
-                        (write.id, write_blocks(store, map, write.lba, &write.blocks).await)
+                        let started = Instant::now();
+                        let result = write_blocks(store, map, write.lba, &write.blocks).await;
+                        if result == StorageResult::Written {
+                            metrics.record_replicated_write(micros(started.elapsed()));
+                        }
+                        (write.id, result)
                     })
                     .collect();
                 while let Some(first) = running.next().await {
@@ -2106,6 +2203,50 @@ mod tests {
         });
         assert_eq!(received.len(), sent.len());
         assert!(received == sent, "the frames arrived changed");
+    }
+
+    #[test]
+    fn each_entry_is_timed_from_its_first_send_to_the_acknowledgement_that_covers_it() {
+        let metrics = crate::metrics::VolumeMetrics::default();
+        let mut clock = AckClock::default();
+        let (replica, other) = (NodeId(2), NodeId(3));
+        let stream = (4, StreamId(9));
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        for seq in 1..=3 {
+            clock.sent(&metrics, replica, stream, seq, at(seq));
+        }
+        // Sent again after a loss: timed from the first send.
+        clock.sent(&metrics, replica, stream, 2, at(50));
+        let latency = metrics.replica_ack_latency(2);
+        let (before, _) = latency.snapshot();
+        assert_eq!(before[before.len() - 1], 0);
+        // Another replica's, another stream's or an older epoch's acknowledgement times nothing.
+        clock.acked(other, stream, 3, at(10));
+        clock.acked(replica, (3, StreamId(9)), 3, at(10));
+        clock.acked(replica, (4, StreamId(8)), 3, at(10));
+        assert_eq!(latency.count(), 0);
+        // One cumulative acknowledgement covers entries 1 and 2: 9 and 8 ms.
+        clock.acked(replica, stream, 2, at(10));
+        assert_eq!(latency.count(), 2);
+        assert_eq!(latency.snapshot().1, 17_000);
+        clock.acked(replica, stream, 2, at(20));
+        assert_eq!(latency.count(), 2, "an entry is timed once");
+        // A new stream (the replica back after a resync) forgets the old one's entries.
+        let next = (5, StreamId(1));
+        clock.sent(&metrics, replica, next, 1, at(30));
+        clock.acked(replica, stream, 3, at(31));
+        assert_eq!(latency.count(), 2);
+        clock.acked(replica, next, 1, at(32));
+        assert_eq!(latency.count(), 3);
+        assert_eq!(latency.snapshot().1, 19_000);
+        // At most a stream window of entries is kept: the oldest beyond it are not timed.
+        let window = replication::STREAM_WINDOW_MAX as u64;
+        for seq in 2..=window + 11 {
+            clock.sent(&metrics, replica, next, seq, at(40));
+        }
+        clock.acked(replica, next, window + 11, at(41));
+        assert_eq!(latency.count(), 3 + window);
     }
 
     #[test]
