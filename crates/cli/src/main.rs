@@ -556,6 +556,11 @@ struct UpArgs {
     /// The most resync and rebuild copy to other nodes per second, in MiB.
     #[arg(long, value_name = "MB", default_value_t = node::cluster::DEFAULT_RESYNC_MB_PER_S, help_heading = "Cluster")]
     resync_mb_per_s: u64,
+    /// How long a starting node waits for etcd to answer, in seconds, trying again every
+    /// second (say, the node and etcd started together, or etcd restarting); 0 gives up at
+    /// the first refusal. The node serves nothing until it has joined.
+    #[arg(long, value_name = "S", default_value_t = node::cluster::DEFAULT_ETCD_WAIT_S, help_heading = "Cluster")]
+    etcd_wait_s: u64,
 }
 
 /// `--cluster-*` options as the node takes them; `None` without --cluster-etcd.
@@ -586,6 +591,7 @@ fn cluster_config(args: &UpArgs) -> anyhow::Result<Option<node::cluster::Cluster
         lease_ms: args.lease_ms,
         rebuild_grace_s: args.rebuild_grace_s,
         resync_mb_per_s: args.resync_mb_per_s,
+        etcd_wait_s: args.etcd_wait_s,
     };
     config.validate().map_err(anyhow::Error::msg)?;
     Ok(Some(config))

@@ -22,6 +22,9 @@
 //! client's I/O. A one-node cluster's primary is frozen past its lease and continued while a
 //! qemu-io writes and reads through its NBD export.
 //!
+//! A node started before its etcd answers must wait for it (`--etcd-wait-s`) and join once it
+//! does, instead of exiting; told not to wait, it must fail at once and say why.
+//!
 //! The pauses the hosts see are printed ("failover pause after kill -9: N ms") and held to a
 //! generous bound; the goal is 5 s with the 2 s lease these clusters use. The partition test
 //! needs root (network namespaces) and fails, like the file system tests, when it is missing:
@@ -33,10 +36,13 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use common::cluster::{
-    require_root_and_netns, Cluster, ClusterOptions, CONVERGE_TIMEOUT, LEASE_MS,
+    require_root_and_netns, Cluster, ClusterOptions, Etcd, CONVERGE_TIMEOUT, LEASE_MS,
 };
 use common::failover::Workload;
-use common::{ferrite, ferrite_ok, pattern, pattern_mismatch, runtime, volume_nqn, BLOCK_BYTES};
+use common::{
+    ferrite, ferrite_ok, free_port, pattern, pattern_mismatch, runtime, stdout_lines, volume_nqn,
+    ChildGuard, BLOCK_BYTES, DRIVE_ARGS, FERRITE, NODE_TIMEOUT,
+};
 
 const VOLUME: &str = "replicated";
 const VOLUME_SIZE: &str = "64M";
@@ -1133,4 +1139,121 @@ fn an_nbd_request_during_a_lapsed_lease_waits_for_the_primary_instead_of_failing
     assert!(!finished.text.contains("failed"), "{}", finished.text);
     let after = cluster.wait_serving(VOLUME, 1, &[]);
     assert!(after.epoch > before.epoch, "the lease did not lapse: {before:?} -> {after:?}");
+}
+
+/// Forwards every connection `listener` accepts to `target`, both ways, until the test ends:
+/// etcd appearing at the address a node was told to use.
+fn forward(listener: std::net::TcpListener, target: String) {
+    std::thread::spawn(move || {
+        for inbound in listener.incoming() {
+            let Ok(inbound) = inbound else { continue };
+            let Ok(outbound) = std::net::TcpStream::connect(&target) else { continue };
+            let (Ok(inbound_copy), Ok(outbound_copy)) = (inbound.try_clone(), outbound.try_clone())
+            else {
+                continue;
+            };
+            for (mut from, mut to) in [(inbound, outbound), (outbound_copy, inbound_copy)] {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        }
+    });
+}
+
+/// `ferrite up` of a cluster node named `early` on `data_dir`, told etcd is at `etcd_url`,
+/// waiting up to `wait_s` for it; its stderr gathered as it comes.
+fn start_early_node(
+    data_dir: &std::path::Path,
+    etcd_url: &str,
+    wait_s: u64,
+) -> (ChildGuard, std::sync::Arc<std::sync::Mutex<String>>) {
+    use std::io::BufRead as _;
+    let mut child = std::process::Command::new(FERRITE)
+        .args(["up", "--data-dir"])
+        .arg(data_dir)
+        .args(DRIVE_ARGS)
+        .args(["--api-listen", "127.0.0.1:0", "--nbd-listen", "127.0.0.1:0"])
+        .args(["--nvme-listen", &format!("127.0.0.1:{}", free_port())])
+        .args(["--cluster-etcd", etcd_url, "--cluster-name", "early", "--node-name", "early"])
+        .args(["--replication-listen", "127.0.0.1:0", "--etcd-wait-s", &wait_s.to_string()])
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn `ferrite up`");
+    let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let sink = std::sync::Arc::clone(&stderr);
+    let pipe = child.stderr.take().expect("piped stderr");
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+            let mut text = sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            text.push_str(&line);
+            text.push('\n');
+        }
+    });
+    (ChildGuard(child), stderr)
+}
+
+#[test]
+fn a_node_started_before_its_etcd_waits_for_it_then_joins() {
+    let etcd = Etcd::start("127.0.0.1");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data_dir = dir.path().join("early");
+    // Nothing listens at the address the node is given yet.
+    let port = free_port();
+    let etcd_url = format!("http://127.0.0.1:{port}");
+
+    // Told not to wait, it gives up at once and says why.
+    let (mut child, stderr) = start_early_node(&data_dir, &etcd_url, 0);
+    let status = child.wait_timeout(NODE_TIMEOUT).expect("ferrite up exits");
+    let said = stderr.lock().expect("stderr").clone();
+    assert!(!status.success(), "{said}");
+    assert!(said.contains(&format!("cannot reach etcd at {etcd_url}")), "{said}");
+
+    // Waiting, it tells the log so and keeps trying ...
+    let (mut child, stderr) = start_early_node(&data_dir, &etcd_url, 60);
+    let stdout = stdout_lines(&mut child.0);
+    let started = Instant::now();
+    while !stderr.lock().expect("stderr").contains("etcd does not answer yet") {
+        assert!(started.elapsed() < NODE_TIMEOUT, "{}", stderr.lock().expect("stderr"));
+        assert!(
+            child.0.try_wait().expect("try_wait").is_none(),
+            "{}",
+            stderr.lock().expect("stderr")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(child.0.try_wait().expect("try_wait").is_none(), "{}", stderr.lock().expect("stderr"));
+    // ... and joins once etcd answers there.
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port)).expect("bind the etcd port");
+    forward(listener, etcd.client_url().trim_start_matches("http://").to_owned());
+    let api_url = loop {
+        let line = stdout.recv_timeout(NODE_TIMEOUT).unwrap_or_else(|_| {
+            panic!("no REST API line once etcd answered: {}", stderr.lock().expect("stderr"))
+        });
+        if line.contains("REST API:") {
+            break line.split_whitespace().last().unwrap_or_default().to_owned();
+        }
+    };
+    let client = api::Client::new(&api_url).expect("client");
+    let deadline = Instant::now() + CONVERGE_TIMEOUT;
+    loop {
+        let live = client
+            .cluster()
+            .is_ok_and(|info| info.nodes.iter().any(|node| node.name == "early" && node.live));
+        if live {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the node never showed live in its cluster");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(stderr.lock().expect("stderr").contains("etcd answers"));
+    // SAFETY: kill(2) on the PID of a child this test started and has not reaped.
+    unsafe { libc::kill(child.0.id() as libc::pid_t, libc::SIGTERM) };
+    let status = child.wait_timeout(NODE_TIMEOUT).expect("ferrite up stops on SIGTERM");
+    assert!(status.success(), "{status:?}: {}", stderr.lock().expect("stderr"));
 }

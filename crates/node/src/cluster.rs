@@ -52,6 +52,10 @@ pub const LEASE_MS_MIN: u64 = 2_000;
 pub const DEFAULT_LEASE_MS: u64 = 3_000;
 pub const DEFAULT_REBUILD_GRACE_S: u64 = 600;
 pub const DEFAULT_RESYNC_MB_PER_S: u64 = 256;
+/// How long a starting node waits for etcd to answer, in seconds (`--etcd-wait-s`).
+pub const DEFAULT_ETCD_WAIT_S: u64 = 60;
+/// How often a starting node tries etcd again while it waits for it.
+const ETCD_RETRY_MS: u64 = 1_000;
 pub const DEFAULT_CLUSTER_NAME: &str = "ferrite";
 
 /// How a node joins a cluster (`ferrite up --cluster-etcd ...`).
@@ -73,6 +77,9 @@ pub struct ClusterConfig {
     pub rebuild_grace_s: u64,
     /// The most resync and rebuild copy, per node, in MiB per second.
     pub resync_mb_per_s: u64,
+    /// How long joining waits for etcd to answer, retrying every second (a node started
+    /// with, or before, its etcd); 0 fails at the first refusal.
+    pub etcd_wait_s: u64,
 }
 
 impl ClusterConfig {
@@ -160,6 +167,8 @@ pub enum ClusterError {
     Listen { addr: SocketAddr, source: std::io::Error },
     #[error("cannot keep the replication state in {}: {source}", path.display())]
     StateDir { path: PathBuf, source: std::io::Error },
+    #[error("stopped while waiting for etcd at {endpoints}")]
+    StoppedWaiting { endpoints: String },
 }
 
 /// A node's membership of a cluster, shared by the REST API and the reconciler.
@@ -176,19 +185,27 @@ pub struct Cluster {
 impl Cluster {
     /// Connects to etcd, binds the replication listener and registers this node. Returns the
     /// cluster and what the data path's replication service needs.
+    /// While etcd does not answer it tries again every second for up to
+    /// `config.etcd_wait_s`, saying so in the log, unless `stopping` turns true.
     pub fn join(
         config: ClusterConfig,
         node: &NodeRecord,
         data_dir: &std::path::Path,
         api_listen: SocketAddr,
         nvme_listen: &[SocketAddr],
+        stopping: &dyn Fn() -> bool,
     ) -> Result<(Arc<Cluster>, ReplicationSetup), ClusterError> {
         config.validate().map_err(ClusterError::Config)?;
         let prefix = config.prefix();
         let lease = Duration::from_millis(config.lease_ms);
-        let store =
-            Arc::new(ClusterStore::connect(&config.etcd_endpoints, &prefix, ETCD_TIMEOUT, lease)?);
-        let volumes = Arc::new(EtcdStore::connect(&config.etcd_endpoints, &prefix, ETCD_TIMEOUT)?);
+        let endpoints = &config.etcd_endpoints;
+        let wait = Duration::from_secs(config.etcd_wait_s);
+        let store = Arc::new(wait_for_etcd(endpoints, wait, stopping, || {
+            ClusterStore::connect(endpoints, &prefix, ETCD_TIMEOUT, lease)
+        })?);
+        let volumes = Arc::new(wait_for_etcd(endpoints, wait, stopping, || {
+            EtcdStore::connect(endpoints, &prefix, ETCD_TIMEOUT)
+        })?);
         let listener = std::net::TcpListener::bind(config.replication_listen)
             .map_err(|source| ClusterError::Listen { addr: config.replication_listen, source })?;
         listener
@@ -686,6 +703,50 @@ impl MetaStore for ClusterMeta {
         name: &VolumeName,
     ) -> Result<SnapshotRecord, MetaError> {
         self.cluster.delete_snapshot(volume, name)
+    }
+}
+
+/// `connect()`, tried again every [`ETCD_RETRY_MS`] while it finds etcd unreachable, for up to
+/// `wait` after the first try; other errors end it at once.
+fn wait_for_etcd<T>(
+    endpoints: &[String],
+    wait: Duration,
+    stopping: &dyn Fn() -> bool,
+    mut connect: impl FnMut() -> Result<T, MetaError>,
+) -> Result<T, ClusterError> {
+    let deadline = std::time::Instant::now() + wait;
+    let mut attempts = 0u64;
+    loop {
+        attempts += 1;
+        match connect() {
+            Ok(connected) => {
+                if attempts > 1 {
+                    tracing::info!(endpoints = %endpoints.join(","), attempts, "etcd answers");
+                }
+                return Ok(connected);
+            }
+            Err(error @ MetaError::Unreachable { .. }) => {
+                if std::time::Instant::now() >= deadline {
+                    return Err(error.into());
+                }
+                if attempts == 1 {
+                    tracing::warn!(
+                        %error,
+                        wait_s = wait.as_secs(),
+                        "etcd does not answer yet; trying again every second until it does or                          the wait ends (--etcd-wait-s)"
+                    );
+                }
+            }
+            Err(error) => return Err(error.into()),
+        }
+        let pause = Duration::from_millis(ETCD_RETRY_MS);
+        let resume = std::time::Instant::now() + pause;
+        while std::time::Instant::now() < resume {
+            if stopping() {
+                return Err(ClusterError::StoppedWaiting { endpoints: endpoints.join(",") });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 

@@ -367,6 +367,7 @@ mod tests {
                 lease_ms: 2_000,
                 rebuild_grace_s: 60,
                 resync_mb_per_s: 100,
+                etcd_wait_s: 0,
             }),
             ..NodeConfig::default()
         };

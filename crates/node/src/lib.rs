@@ -334,6 +334,7 @@ impl Node {
                 &config.data_dir,
                 config.api_listen,
                 &config.nvme_listen,
+                &|| *stop_receiver.borrow(),
             )?),
             None => None,
         };
