@@ -136,6 +136,11 @@ impl Operation {
     }
 }
 
+/// `duration` in whole microseconds, as the histograms take it (saturating).
+pub fn micros(duration: std::time::Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
+}
+
 /// A latency histogram with fixed buckets; each bucket counts the samples that fell into it
 /// alone, and rendering accumulates them as Prometheus wants.
 #[derive(Default)]

@@ -571,7 +571,7 @@ async fn run_admitted(
         }
         None => execute(&*store, &handle.map, kind).await,
     };
-    let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+    let latency_us = crate::metrics::micros(started.elapsed());
     record(&handle.metrics, &result, latency_us);
     handle.end();
     let result = result.map(|_| ()).map_err(|error| errno(&error));

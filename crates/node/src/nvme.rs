@@ -1709,7 +1709,7 @@ fn start_request(
             Some(route) => execute(&route.with_local(&store), &handle, request.operation).await,
             None => execute(&*store, &handle, request.operation).await,
         };
-        let latency_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let latency_us = crate::metrics::micros(started.elapsed());
         record(&handle.metrics, &result, latency_us);
         handle.end();
         let result = result.map(|_| ()).map_err(|error| storage_status(&error));

@@ -886,13 +886,9 @@ impl AckClock {
                 break;
             }
             replica.sent.pop_front();
-            replica.latency.record(micros(now.saturating_duration_since(sent)));
+            replica.latency.record(crate::metrics::micros(now.saturating_duration_since(sent)));
         }
     }
-}
-
-fn micros(duration: Duration) -> u64 {
-    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
 }
 
 struct Service {
@@ -1485,7 +1481,8 @@ impl Service {
                         let started = Instant::now();
                         let result = write_blocks(store, map, write.lba, &write.blocks).await;
                         if result == StorageResult::Written {
-                            metrics.record_replicated_write(micros(started.elapsed()));
+                            metrics
+                                .record_replicated_write(crate::metrics::micros(started.elapsed()));
                         }
                         (write.id, result)
                     })
