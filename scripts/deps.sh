@@ -25,6 +25,10 @@ command -v fusermount3 >/dev/null 2>&1 || needed+=(fuse3)
 command -v python3 >/dev/null 2>&1 || needed+=(python3)
 # `make compare-ceph` scrapes the cluster nodes' metrics with curl (scripts/write-stages.py).
 command -v curl >/dev/null 2>&1 || needed+=(curl)
+# The file system tests make ext4 on loop devices (mkfs.ext4, losetup, mount), and the cluster
+# tests freeze one under a cluster (fsfreeze).
+command -v mkfs.ext4 >/dev/null 2>&1 || needed+=(e2fsprogs)
+command -v fsfreeze >/dev/null 2>&1 || needed+=(util-linux)
 # The cluster tests (crates/cli/tests/cluster.rs) put nodes in network namespaces with `ip`.
 command -v ip >/dev/null 2>&1 || needed+=(iproute2)
 if [ ${#needed[@]} -eq 0 ]; then

@@ -25,6 +25,10 @@
 //! A node started before its etcd answers must wait for it (`--etcd-wait-s`) and join once it
 //! does, instead of exiting; told not to wait, it must fail at once and say why.
 //!
+//! A pause of the disk under every node (their data directories on one ext4 file system on a
+//! loop device, frozen with `fsfreeze` for three acknowledgement timeouts under the workload)
+//! must remove no replica from the in-sync set: the primary's own writes wait as long.
+//!
 //! The pauses the hosts see are printed ("failover pause after kill -9: N ms") and held to a
 //! generous bound; the goal is 5 s with the 2 s lease these clusters use. The partition test
 //! needs root (network namespaces) and fails, like the file system tests, when it is missing:
@@ -40,8 +44,9 @@ use common::cluster::{
 };
 use common::failover::Workload;
 use common::{
-    ferrite, ferrite_ok, free_port, pattern, pattern_mismatch, runtime, stdout_lines, volume_nqn,
-    ChildGuard, BLOCK_BYTES, DRIVE_ARGS, FERRITE, NODE_TIMEOUT,
+    client, ferrite, ferrite_ok, free_port, pattern, pattern_mismatch, run_ok, runtime,
+    stdout_lines, volume_nqn, ChildGuard, LoopDevice, Mount, BLOCK_BYTES, DRIVE_ARGS, FERRITE,
+    NODE_TIMEOUT,
 };
 
 const VOLUME: &str = "replicated";
@@ -484,6 +489,106 @@ fn a_frozen_primary_is_replaced_and_after_sigcont_serves_nothing_stale() {
 fn a_primary_cut_off_the_network_is_replaced_and_rejoins_when_reconnected() {
     require_root_and_netns();
     isolate_the_primary_and_bring_it_back(Isolation::Cut);
+}
+
+/// How long the test freezes the file system all nodes write to: three times the replicas'
+/// acknowledgement timeout (half the lease).
+const DISK_PAUSE: Duration = Duration::from_millis(3 * LEASE_MS / 2);
+
+/// Thaws a frozen file system when dropped, so a failed assertion never leaves it frozen.
+struct Frozen<'a>(&'a std::path::Path);
+
+impl<'a> Frozen<'a> {
+    fn freeze(mountpoint: &'a std::path::Path) -> Frozen<'a> {
+        let mut command = client("fsfreeze", "util-linux");
+        command.arg("--freeze").arg(mountpoint);
+        run_ok(command);
+        Frozen(mountpoint)
+    }
+}
+
+impl Drop for Frozen<'_> {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("fsfreeze").arg("--unfreeze").arg(self.0).status();
+    }
+}
+
+/// A block outside the workload's range that the pause test's second host writes.
+const SIDE_LBA: u64 = BLOCKS.end + 1024;
+
+/// The disk under every node pauses (the nodes' data directories share one ext4 file system,
+/// frozen with `fsfreeze` for three acknowledgement timeouts while the workload writes): the
+/// primary's own writes stop as the replicas' do, so the replicas are not late and none may
+/// leave the in-sync set or need a resync; the writes go on after the pause. (On this 2-vCPU
+/// machine the nodes share one virtual disk, whose pauses removed replicas.) A second host
+/// writes a block once the pause has begun, so the primary has a write of its own in flight
+/// through it whatever the workload's writes were doing when it began. Needs root (losetup,
+/// mount, fsfreeze).
+#[test]
+fn a_pause_of_the_disk_all_nodes_share_removes_no_replica() {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "this test needs root (losetup, mount, fsfreeze); run it as root");
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let image = dir.path().join("shared-disk.img");
+    let file = std::fs::File::create(&image).expect("create the disk image");
+    // Sparse: three nodes' drive files, themselves sparse, with room to spare.
+    file.set_len(8 << 30).expect("size the disk image");
+    drop(file);
+    let mut mkfs = client("mkfs.ext4", "e2fsprogs");
+    mkfs.args(["-q", "-F"]).arg(&image);
+    run_ok(mkfs);
+    let device = LoopDevice::attach(&image);
+    let mountpoint = dir.path().join("shared");
+    let mount = Mount::at(device.path(), &mountpoint);
+    let options =
+        ClusterOptions { data_root: Some(mountpoint.clone()), ..ClusterOptions::nodes(3) };
+    let cluster = Cluster::start(&options);
+    let state = create_volume(&cluster, VOLUME, 3);
+    let primary_index = cluster.index(&primary(&state));
+    // The workload's I/Os wait out the pause instead of timing out.
+    let io_timeout = DISK_PAUSE + IO_TIMEOUT * 5;
+    let workload =
+        Workload::start(cluster.nvme_paths(), volume_nqn(VOLUME), BLOCKS, WORKERS, io_timeout);
+    // The second host writes its block once before the pause (so that its region is in the
+    // primary's write intent, which cannot be persisted during the pause) and once during it.
+    let (paused_tx, paused_rx) = tokio::sync::oneshot::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let paths = cluster.nvme_paths();
+    let side = std::thread::spawn(move || {
+        runtime().block_on(async {
+            let mut host = connect_sequential(&paths).await;
+            let data = pattern(SIDE_LBA, 1, 1);
+            host.write(SIDE_LBA, &data).await.expect("the second host's write before the pause");
+            let _ = ready_tx.send(());
+            let _ = paused_rx.await;
+            let data = pattern(SIDE_LBA, 1, 2);
+            host.write(SIDE_LBA, &data).await.expect("the second host's write in the pause");
+        })
+    });
+    ready_rx.recv_timeout(STEP_TIMEOUT).expect("the second host wrote before the pause");
+    step(&workload, "before the pause");
+
+    let frozen = Frozen::freeze(&mountpoint);
+    let acked = workload.report().writes_acked;
+    let _ = paused_tx.send(());
+    std::thread::sleep(DISK_PAUSE);
+    let during = workload.report().writes_acked - acked;
+    drop(frozen);
+    step(&workload, "after the pause");
+    side.join().expect("the second host's writes completed");
+    // The pause was one: no more writes completed than were in flight as it began.
+    assert!(during <= WORKERS as u64, "{during} writes completed on a frozen disk");
+
+    let after = cluster.replication_at(primary_index, VOLUME).expect("the primary answers");
+    assert_eq!(after.epoch, state.epoch, "no failover: {after:?}");
+    assert_eq!(after.in_sync.len(), 3, "every replica stayed in sync: {after:?}");
+    let local = after.local.as_ref().expect("the primary holds a replica");
+    assert_eq!((local.replicas_removed, local.resyncs_started), (0, 0), "{after:?}");
+    stop_and_check(workload);
+    drop(cluster);
+    mount.unmount();
+    device.detach();
 }
 
 #[test]

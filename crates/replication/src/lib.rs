@@ -47,7 +47,11 @@
 //! locally (after any earlier write to the same blocks). It completes the write when it is
 //! durable locally and every peer in `InSync` or `Adding` acknowledged it, while no peer is
 //! `Removing`, and while the primary holds its lease. A peer that acknowledges nothing for
-//! `ack_timeout_ms` (or restarts, or reports a storage error) becomes `Removing`: the primary
+//! `ack_timeout_ms` (or restarts, or reports a storage error) becomes `Removing` (while a
+//! local write of the primary's own has been in flight for half that time, its storage
+//! paused too, and for an ack timeout after, only after [`OWN_STALL_LATE_FACTOR`] times as
+//! long: a pause of a disk the nodes share is nobody's lag, and a peer whose storage hangs
+//! alone still goes): the primary
 //! CASes it out of `in_sync` under its own epoch and only after the store confirms completes the
 //! writes waiting for it. If the CAS finds another epoch or another primary, or any node
 //! answers `Stale`, the primary is deposed: pending writes fail with
@@ -494,6 +498,11 @@ pub const BLOCKS_PER_OP_MAX: u32 = 64;
 pub const DEALLOCATE_BLOCKS_PER_OP_MAX: u32 = 2048;
 /// Copies (resync or reconciliation) read or unacknowledged on one stream at once.
 pub const COPY_WINDOW_MAX: usize = 32;
+/// While a primary's own storage is stalled too (a write of its own in flight for half of
+/// `ack_timeout_ms`), and for an ack timeout after, a replica's missing acknowledgement removes
+/// it only after this many ack timeouts, not one: a pause of a disk the nodes share is nobody's
+/// lag, and the replicas finish what the pause held a little after the primary does.
+pub const OWN_STALL_LATE_FACTOR: u64 = 4;
 /// Entries sent and not yet acknowledged on one stream. An in-sync replica holds at most
 /// `INFLIGHT_WRITES_MAX` (every pending write) plus nothing else; a resyncing one also holds
 /// copies and writes that completed without it. A stream that fills up is a laggard.
@@ -539,7 +548,8 @@ pub struct Config {
     pub heartbeat_ms: u64,
     /// An entry without an acknowledgement after this long is sent again.
     pub retransmit_ms: u64,
-    /// A replica that acknowledges nothing for this long is removed from the in-sync set.
+    /// A replica that acknowledges nothing for this long is removed from the in-sync set
+    /// ([`OWN_STALL_LATE_FACTOR`] times as long while the primary's own writes are stalled).
     pub ack_timeout_ms: u64,
     /// A replica without a live stream asks the primary to take it back this often.
     pub hello_interval_ms: u64,

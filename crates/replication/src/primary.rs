@@ -37,7 +37,8 @@ use crate::volume::{Action, HostError, HostOp, HostReply, Purpose, Shared, Stora
 use crate::{
     BlockData, HostOpId, LeaseId, NodeId, ResyncProgress, StorageOpId, StreamId, BLOCKS_PER_OP_MAX,
     COPY_WINDOW_MAX, DAMAGED_PER_ROUND_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX, INFLIGHT_READS_MAX,
-    INFLIGHT_WRITES_MAX, PEER_REPAIRS_MAX, RETRANSMITS_PER_TICK_MAX, STREAM_WINDOW_MAX,
+    INFLIGHT_WRITES_MAX, OWN_STALL_LATE_FACTOR, PEER_REPAIRS_MAX, RETRANSMITS_PER_TICK_MAX,
+    STREAM_WINDOW_MAX,
 };
 
 /// The op number of a term's reconciliation: every block it pushes is tagged with it, and it
@@ -68,6 +69,8 @@ struct PendingWrite {
     lbas: Range<u64>,
     blocks: Vec<BlockData>,
     local: Local,
+    /// When the local write was issued (`Local::InFlight` and after).
+    issued_ms: u64,
     /// The stream entry each peer got it as.
     sent: Vec<(NodeId, StreamId, u64)>,
 }
@@ -294,6 +297,9 @@ pub(crate) struct Term {
     /// The pending writes durable here (`Local::Durable`), so that completing looks only at
     /// those: writes still in flight locally cannot complete, however many peers acked them.
     durable: BTreeSet<u64>,
+    /// When a local write that had been in flight for half the ack timeout or more last
+    /// finished: this node's own storage was stalled until then.
+    own_stall_ended_ms: Option<u64>,
     reads_in_flight: usize,
     /// Host reads being served from a replica's copy, by request number (counted in
     /// `reads_in_flight` until they complete).
@@ -349,6 +355,7 @@ impl Term {
             pending: BTreeMap::new(),
             deferred: BTreeSet::new(),
             durable: BTreeSet::new(),
+            own_stall_ended_ms: None,
             reads_in_flight: 0,
             repairs: BTreeMap::new(),
             next_repair: 1,
@@ -626,7 +633,8 @@ impl Term {
         // Its regions join the write intent now, so that one persist serves every write that
         // arrives meanwhile.
         shared.intent.want(lbas.clone(), now_ms);
-        let write = PendingWrite { host, deallocate, lbas, blocks, local: Local::Deferred, sent };
+        let local = Local::Deferred;
+        let write = PendingWrite { host, deallocate, lbas, blocks, local, issued_ms: 0, sent };
         self.pending.insert(op, write);
         self.deferred.insert(op);
         self.issue_deferred(shared, now_ms, out);
@@ -655,6 +663,7 @@ impl Term {
                 return true;
             }
             write.local = Local::InFlight;
+            write.issued_ms = now_ms;
             let purpose = Purpose::LocalWrite { epoch, op };
             shared.storage_write(write.lbas.start, write.blocks.clone(), purpose, out);
             false
@@ -672,6 +681,9 @@ impl Term {
             assert_eq!(write.local, Local::InFlight);
             write.local = Local::Durable;
             self.durable.insert(op);
+            if write.issued_ms + shared.config.ack_timeout_ms / 2 <= now_ms {
+                self.own_stall_ended_ms = Some(now_ms);
+            }
         }
         self.try_complete(shared, now_ms, out);
     }
@@ -1626,6 +1638,9 @@ impl Term {
         let (timeout, retransmit, heartbeat) =
             (config.ack_timeout_ms, config.retransmit_ms, config.heartbeat_ms);
         let mut laggards = Vec::new();
+        // Whether this node's own storage is stalled too (worked out once, when needed).
+        let (pending, own_stall_ended_ms) = (&self.pending, self.own_stall_ended_ms);
+        let mut own_stalled = None;
         for (&node, peer) in self.peers.iter_mut() {
             if let PeerState::Probing { since_ms, last_sent_ms } = &mut peer.state {
                 if *since_ms + timeout <= now_ms {
@@ -1637,12 +1652,19 @@ impl Term {
                 continue;
             }
             let Some(stream) = peer.stream.as_mut() else { continue };
-            let oldest_late = stream
-                .unacked
-                .front()
-                .is_some_and(|oldest| oldest.first_sent_ms + timeout <= now_ms);
+            let oldest_sent_ms = stream.unacked.front().map(|oldest| oldest.first_sent_ms);
+            let late = |timeout: u64| oldest_sent_ms.is_some_and(|sent| sent + timeout <= now_ms);
+            // A pause that holds this node's own writes too (a disk the nodes share) is not the
+            // peer's lag: while it lasts, and for a timeout after, the peer is late only after
+            // OWN_STALL_LATE_FACTOR timeouts, so a peer whose storage hangs alone still goes.
+            let lagging = late(timeout)
+                && (late(timeout * OWN_STALL_LATE_FACTOR)
+                    || !*own_stalled.get_or_insert_with(|| {
+                        own_stall_ended_ms.is_some_and(|ended| ended + timeout > now_ms)
+                            || own_writes_stalled(pending, timeout, now_ms)
+                    }));
             let silent = peer.last_heard_ms + timeout <= now_ms;
-            if oldest_late || silent {
+            if lagging || silent {
                 laggards.push(node);
                 continue;
             }
@@ -1716,6 +1738,14 @@ impl Term {
             self.ask_next_peer(shared, now_ms, request, out);
         }
     }
+}
+
+/// Whether a local write of this node has been in flight for half of `timeout` or more: its
+/// own storage has stopped too, so the peers' missing acknowledgements say little of them.
+fn own_writes_stalled(pending: &BTreeMap<u64, PendingWrite>, timeout: u64, now_ms: u64) -> bool {
+    pending
+        .values()
+        .any(|write| write.local == Local::InFlight && write.issued_ms + timeout / 2 <= now_ms)
 }
 
 /// Checks a host command of `count` blocks at `lba`, at most `max` blocks.

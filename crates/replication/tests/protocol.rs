@@ -18,7 +18,7 @@ use replication::{
     Action, BlockData, Config, Entry, EntryKind, Event, HostError, HostOp, HostOpId, HostReply,
     LeaseId, LeaseKeeper, Manager, MemStore, Message, NodeId, ResyncProgress, StorageOpId,
     StorageResult, StoreReply, StoreRequest, StreamId, VolumeNode, VolumeState, WriteIntent,
-    BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX,
+    BLOCKS_PER_OP_MAX, DEALLOCATE_BLOCKS_PER_OP_MAX, OWN_STALL_LATE_FACTOR,
 };
 
 const BLOCK_BYTES: usize = 16;
@@ -464,6 +464,70 @@ fn a_write_completes_only_after_the_laggard_is_removed() {
     assert!(done_ms > healed_ms && healed_ms > cut_ms, "not before the CAS that removed node 2");
     assert_eq!(cluster.nodes[1].disk[3], Some(block(7)), "the in-sync replica holds it");
     assert_eq!(cluster.nodes[2].disk[3], None);
+}
+
+/// The index in `held_writes` of `node`'s first write held in flight.
+fn held_write_of(cluster: &Cluster, node: usize) -> usize {
+    cluster.held_writes.iter().position(|(held, _)| *held == node).expect("a write is held")
+}
+
+/// The disk under the primary and node 2 pauses (one disk both share), just after the
+/// primary's copy of a first write landed and before node 2's did; a second write arrives
+/// during the pause. Node 2 keeps answering heartbeats. Returns the cluster, when the first
+/// write was sent, and the two writes.
+fn shared_pause_after_a_write() -> (Cluster, u64, HostOpId, HostOpId) {
+    let mut cluster = Cluster::started(config());
+    cluster.storage_held.extend([0, 2]);
+    let sent_ms = cluster.now_ms;
+    let first = cluster.write(0, 3, 7);
+    cluster.finish_write(held_write_of(&cluster, 0));
+    let second = cluster.write(0, 9, 8);
+    (cluster, sent_ms, first, second)
+}
+
+#[test]
+fn a_replica_is_not_late_while_the_primary_s_own_storage_is_stalled_too() {
+    let timeout = config().ack_timeout_ms;
+    let (mut cluster, sent_ms, first, second) = shared_pause_after_a_write();
+    cluster.run(2 * timeout);
+    assert!(cluster.completion(first).is_none(), "node 2 has not acknowledged it");
+    assert!(cluster.state().in_sync.contains(&NodeId(2)), "a pause the primary shares is no lag");
+    // The primary's storage moves again; node 2's not yet. It gets one more timeout.
+    let ended_ms = cluster.now_ms;
+    cluster.finish_write(held_write_of(&cluster, 0));
+    cluster.run(timeout - 10);
+    assert!(cluster.completion(first).is_none() && cluster.completion(second).is_none());
+    assert!(cluster.state().in_sync.contains(&NodeId(2)));
+    cluster.run(50);
+    let (done_ms, _, epoch, result) = cluster.completion(first).expect("completed").clone();
+    assert_eq!((epoch, result), (1, Ok(HostReply::Written)));
+    assert!((ended_ms + timeout..=ended_ms + timeout + 40).contains(&done_ms), "{done_ms}");
+    assert!(done_ms < sent_ms + timeout * OWN_STALL_LATE_FACTOR);
+    assert_eq!(cluster.result(second), Ok(HostReply::Written));
+    assert_eq!(cluster.state().in_sync, [NodeId(0), NodeId(1)].into_iter().collect());
+
+    // A pause that lasts: node 2 goes after OWN_STALL_LATE_FACTOR timeouts all the same.
+    let (mut cluster, sent_ms, first, second) = shared_pause_after_a_write();
+    let cap_ms = sent_ms + timeout * OWN_STALL_LATE_FACTOR;
+    cluster.run(cap_ms + 40 - cluster.now_ms);
+    let (done_ms, _, _, result) = cluster.completion(first).expect("completed").clone();
+    assert_eq!(result, Ok(HostReply::Written));
+    assert!((cap_ms..=cap_ms + 40).contains(&done_ms), "{done_ms} against {cap_ms}");
+    assert_eq!(cluster.state().in_sync, [NodeId(0), NodeId(1)].into_iter().collect());
+    assert!(cluster.completion(second).is_none(), "the primary's own copy is still held");
+    cluster.finish_write(held_write_of(&cluster, 0));
+    assert_eq!(cluster.result(second), Ok(HostReply::Written));
+
+    // With the primary's own writes quick, a replica that stops is removed after one timeout.
+    let mut cluster = Cluster::started(config());
+    cluster.storage_held.insert(2);
+    let sent_ms = cluster.now_ms;
+    let write = cluster.write(0, 3, 7);
+    cluster.run(timeout + 40);
+    let (done_ms, _, _, result) = cluster.completion(write).expect("completed").clone();
+    assert_eq!(result, Ok(HostReply::Written));
+    assert_eq!(cluster.state().in_sync, [NodeId(0), NodeId(1)].into_iter().collect());
+    assert!((sent_ms + timeout..=sent_ms + timeout + 40).contains(&done_ms), "{done_ms}");
 }
 
 #[test]

@@ -561,11 +561,20 @@ pub struct ClusterOptions {
     /// More `ferrite up` arguments for every node, after the harness's own (say
     /// `--resync-mb-per-s 4`).
     pub up_args: Vec<String>,
+    /// Where the nodes' data directories go (say a file system the test pauses); a temporary
+    /// directory of the cluster's own when `None`.
+    pub data_root: Option<std::path::PathBuf>,
 }
 
 impl ClusterOptions {
     pub fn nodes(nodes: usize) -> ClusterOptions {
-        ClusterOptions { nodes, rebuild_grace_s: None, namespaces: false, up_args: Vec::new() }
+        ClusterOptions {
+            nodes,
+            rebuild_grace_s: None,
+            namespaces: false,
+            up_args: Vec::new(),
+            data_root: None,
+        }
     }
 }
 
@@ -597,7 +606,8 @@ impl Cluster {
                 }
                 None => ("127.0.0.1".to_owned(), None),
             };
-            let data_dir = cluster._dir.path().join(&name);
+            let root = options.data_root.as_deref().unwrap_or(cluster._dir.path());
+            let data_dir = root.join(&name);
             let nvme_port = free_port();
             let nbd_port = free_port();
             let mut args: Vec<String> =
