@@ -51,7 +51,10 @@ with --erasure-coding none unless FERRITE_ERASURE_CODING says otherwise (Ferrite
 
 One run is noisy on a shared machine. To repeat it and report medians, run it again with
 COMPARE_WRITE_DOCS=0 and a COMPARE_OUT_DIR each, then
-`scripts/compare-medians.py DIR1 DIR2 DIR3` prints the median of each run's own ratios.
+`scripts/compare-medians.py DIR1 DIR2 DIR3` prints the median of each run's own ratios. Each
+run also leaves DIR/run.tar.xz (its results and the fio and pgbench outputs they name, about
+20 KB), which compare-medians.py reads as well; a run that writes the docs keeps a copy in
+docs/compare-runs/, so medians can take in the runs of earlier sessions.
 
 fio is the same on both sides except the engine: iodepth 32 x 4 jobs, direct=1, random
 offsets (norandommap, randrepeat=0), refill_buffers (fresh random, incompressible data on every
@@ -868,8 +871,15 @@ fi
 report_args=(--results "$results" --repo "$repo" --markdown "$out/report.md" --svg "$out/compare-ceph.svg")
 [ "$write_docs" = 1 ] && report_args+=(--benchmarks-md docs/BENCHMARKS.md --docs-svg docs/compare-ceph.svg)
 python3 scripts/compare-report.py "${report_args[@]}"
+# What scripts/compare-medians.py needs of this run, in one small file that outlives $out: the
+# results and the fio and pgbench outputs they name.
+(cd "$out" && tar -cJf run.tar.xz results.jsonl fio $(ls logs/*-pgbench.log 2>/dev/null))
+if [ "$write_docs" = 1 ]; then
+    mkdir -p docs/compare-runs
+    cp "$out/run.tar.xz" "docs/compare-runs/$(date -u -d "@$started_s" +%Y%m%dT%H%M%SZ).tar.xz"
+fi
 echo
 cat "$out/report.md"
-log "done in $(($(date +%s) - started_s)) s; raw results in $out"
-[ "$write_docs" = 1 ] && log "wrote docs/BENCHMARKS.md (compare-ceph section) and docs/compare-ceph.svg"
+log "done in $(($(date +%s) - started_s)) s; raw results in $out (run.tar.xz for compare-medians.py)"
+[ "$write_docs" = 1 ] && log "wrote docs/BENCHMARKS.md (compare-ceph section), docs/compare-ceph.svg and docs/compare-runs/"
 exit 0

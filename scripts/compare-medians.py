@@ -13,11 +13,17 @@ lost a replica from the in-sync set during a workload is left out of that worklo
 (compare-report.py's `replication_lost`: not like for like).
 
     scripts/compare-medians.py OUT_DIR_1 OUT_DIR_2 OUT_DIR_3 [...]
+
+Each argument is a run's COMPARE_OUT_DIR or the archive compare-ceph.sh leaves in it,
+run.tar.xz (results.jsonl with the fio and pgbench outputs it names), such as the runs kept in
+docs/compare-runs/: medians over runs of earlier sessions, whose directories are gone.
 """
 
 import importlib.util
 import statistics
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 def load_report_module():
@@ -38,12 +44,24 @@ def main(argv):
         return 0 if len(argv) >= 2 else 2
     report = load_report_module()
     runs = []
-    for directory in argv[1:]:
-        results = Path(directory) / "results.jsonl"
-        if not results.is_file():
-            sys.exit(f"compare-medians: {results} does not exist (give each run's COMPARE_OUT_DIR)")
-        meta, _fills, fios, pgbenches, _not_run, _disk_bound = report.load_results(results)
-        runs.append((meta, fios, pgbenches))
+    with tempfile.TemporaryDirectory(prefix="compare-medians-") as unpacked:
+        for index, argument in enumerate(argv[1:]):
+            directory = Path(argument)
+            if directory.is_file():
+                directory = Path(unpacked) / str(index)
+                try:
+                    with tarfile.open(argument) as archive:
+                        # Regular files under the directory only, where Python can say so.
+                        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+                        archive.extractall(directory, **safe)
+                except (OSError, tarfile.TarError) as error:
+                    sys.exit(f"compare-medians: cannot unpack {argument}: {error}")
+            results = directory / "results.jsonl"
+            if not results.is_file():
+                sys.exit(f"compare-medians: {results} does not exist (give each run's "
+                         "COMPARE_OUT_DIR or its run.tar.xz)")
+            meta, _fills, fios, pgbenches, _not_run, _disk_bound = report.load_results(results)
+            runs.append((meta, fios, pgbenches))
     dates = ", ".join(meta.get("date_utc", "?") for meta, _, _ in runs)
     print(f"Medians of {len(runs)} runs ({dates}); each ratio is taken within one run.\n")
     print("| copies | workload | Ferrite IOPS | Ceph IOPS | IOPS Ferrite/Ceph (range) | "

@@ -69,11 +69,25 @@ IO_BYTES = {
 SYSTEMS = ("ferrite", "ceph")
 
 
+def locate(recorded, base):
+    """A file a record names by the absolute path it had during the run: there, or else (a run
+    archived and unpacked elsewhere, scripts/compare-medians.py) under the results' directory
+    in fio/ or logs/ by its name."""
+    path = Path(recorded)
+    if path.is_file():
+        return path
+    for candidate in (base / "fio" / path.name, base / "logs" / path.name, base / path.name):
+        if candidate.is_file():
+            return candidate
+    return path
+
+
 def load_results(path):
     """The run's records: meta, fills, fios and pgbenches of the two systems keyed by (side,
     replicas[, workload]), rows not run, and the disk bound's fill and probes."""
     meta, fills, fios, pgbenches, not_run = {}, {}, {}, {}, {}
     bound = {"fills": {}, "fios": {}, "probes": {}}
+    base = Path(path).parent
     for line_number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -83,20 +97,21 @@ def load_results(path):
             sys.exit(f"compare-report: {path} line {line_number} is not JSON ({error})")
         kind = record.get("kind")
         key = (record.get("side"), record.get("replicas"))
+        fio_json = locate(record["fio_json"], base) if "fio_json" in record else None
         if kind == "meta":
             meta = record
         elif kind == "probe":
-            bound["probes"][record["probe"]] = record | parse_fio(record["fio_json"])
+            bound["probes"][record["probe"]] = record | parse_fio(fio_json)
         elif kind == "fill" and key[0] not in SYSTEMS:
-            bound["fills"][key[0]] = record | parse_fill(record["fio_json"])
+            bound["fills"][key[0]] = record | parse_fill(fio_json)
         elif kind == "fio" and key[0] not in SYSTEMS:
-            bound["fios"][(key[0], record["workload"])] = record | parse_fio(record["fio_json"])
+            bound["fios"][(key[0], record["workload"])] = record | parse_fio(fio_json)
         elif kind == "fill":
-            fills[key] = record | parse_fill(record["fio_json"])
+            fills[key] = record | parse_fill(fio_json)
         elif kind == "fio":
-            fios[key + (record["workload"],)] = record | parse_fio(record["fio_json"])
+            fios[key + (record["workload"],)] = record | parse_fio(fio_json)
         elif kind == "pgbench":
-            pgbenches[key] = record | parse_pgbench(record["log"])
+            pgbenches[key] = record | parse_pgbench(locate(record["log"], base))
         elif kind == "not_run":
             not_run[key] = record["reason"]
     return meta, fills, fios, pgbenches, not_run, bound

@@ -4,7 +4,8 @@
 //! made-up results whose answers are worked out by hand: a goal the server's CPU fits, one it
 //! exceeds, and one that fio alone cannot reach on the machine. Also checked: a replicated
 //! workload that lost a replica is not judged, and each goal is set beside what the raw disk
-//! did with the same fio job.
+//! did with the same fio job; and `scripts/compare-medians.py` takes in runs kept only as the
+//! archive compare-ceph.sh leaves (docs/compare-runs/) exactly as it takes their directories.
 //!
 //! Needs `python3` (`scripts/deps.sh` installs it); fails without it: nothing is skipped.
 
@@ -405,4 +406,66 @@ fn the_replicated_writes_stages_come_from_the_metrics_before_and_after_a_workloa
         "| 4k_randwrite | 1,000 | 3,000 (5.0%) | 1,000 (0.0%) | n2 5,000 (0.0%); n3 4,000 (0.0%) \
          | n2 1,000 (0.0%); n3 - |"
     );
+}
+
+fn medians(runs: &[&Path]) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/compare-medians.py");
+    let output = client("python3", "python3").arg(script).args(runs).output().expect("run medians");
+    assert!(
+        output.status.success(),
+        "compare-medians.py failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).expect("the medians are text")
+}
+
+/// A run directory as compare-ceph.sh leaves it (results.jsonl, fio/): one-copy 4K writes,
+/// Ferrite at `iops` against Ceph's 1,000.
+fn run_dir(parent: &Path, name: &str, iops: f64) -> PathBuf {
+    let run = parent.join(name);
+    let fio = run.join("fio");
+    std::fs::create_dir_all(&fio).expect("create the run's fio directory");
+    let records = [
+        META.to_owned(),
+        fio_record(&fio, "ferrite", "4k_randwrite", iops, 10.0, 10.0),
+        fio_record(&fio, "ceph", "4k_randwrite", 1_000.0, 10.0, 10.0),
+    ];
+    std::fs::write(run.join("results.jsonl"), records.join("\n") + "\n").expect("write results");
+    run
+}
+
+/// compare-ceph.sh's run.tar.xz, made the same way.
+fn archive(run: &Path) -> PathBuf {
+    let archive = run.with_extension("tar.xz");
+    let mut tar = client("tar", "tar");
+    tar.arg("-C").arg(run).arg("-cJf").arg(&archive).args(["results.jsonl", "fio"]);
+    common::run_ok(tar);
+    archive
+}
+
+#[test]
+fn medians_take_in_runs_kept_as_archives_after_their_directories_are_gone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let first = run_dir(dir.path(), "first", 30_000.0);
+    let second = run_dir(dir.path(), "second", 20_000.0);
+    let third = run_dir(dir.path(), "third", 24_000.0);
+    let from_dirs = medians(&[&first, &second, &third]);
+    let row = line_starting(&from_dirs, "| 1 | 4k_randwrite |");
+    assert!(row.contains("| 24.00x (20.00-30.00x) |"), "{row}");
+    // The first two are kept as archives only; their fio outputs are no longer where the
+    // results say they were.
+    let kept = [archive(&first), archive(&second)];
+    for run in [&first, &second] {
+        std::fs::remove_dir_all(run).expect("remove the run directory");
+    }
+    let from_archives = medians(&[&kept[0], &kept[1], &third]);
+    assert_eq!(from_archives, from_dirs);
+    // Something that is not an archive is refused by name.
+    let bogus = dir.path().join("bogus.tar.xz");
+    std::fs::write(&bogus, "not an archive").expect("write");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/compare-medians.py");
+    let output = client("python3", "python3").arg(script).arg(&bogus).output().expect("run");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("cannot unpack") && stderr.contains("bogus.tar.xz"), "{stderr}");
 }
