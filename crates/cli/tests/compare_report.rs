@@ -408,9 +408,14 @@ fn the_replicated_writes_stages_come_from_the_metrics_before_and_after_a_workloa
     );
 }
 
-fn medians(runs: &[&Path]) -> String {
+/// scripts/compare-medians.py run over `runs`.
+fn medians_output(runs: &[&Path]) -> std::process::Output {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/compare-medians.py");
-    let output = client("python3", "python3").arg(script).args(runs).output().expect("run medians");
+    client("python3", "python3").arg(script).args(runs).output().expect("run compare-medians.py")
+}
+
+fn medians(runs: &[&Path]) -> String {
+    let output = medians_output(runs);
     assert!(
         output.status.success(),
         "compare-medians.py failed: {}",
@@ -463,8 +468,7 @@ fn medians_take_in_runs_kept_as_archives_after_their_directories_are_gone() {
     // Something that is not an archive is refused by name.
     let bogus = dir.path().join("bogus.tar.xz");
     std::fs::write(&bogus, "not an archive").expect("write");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/compare-medians.py");
-    let output = client("python3", "python3").arg(script).arg(&bogus).output().expect("run");
+    let output = medians_output(&[&bogus]);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("cannot unpack") && stderr.contains("bogus.tar.xz"), "{stderr}");

@@ -733,7 +733,8 @@ fn wait_for_etcd<T>(
                     tracing::warn!(
                         %error,
                         wait_s = wait.as_secs(),
-                        "etcd does not answer yet; trying again every second until it does or                          the wait ends (--etcd-wait-s)"
+                        "etcd does not answer yet; trying again every second until it does or the wait \
+                         ends (--etcd-wait-s)"
                     );
                 }
             }
