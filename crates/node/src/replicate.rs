@@ -729,6 +729,7 @@ pub(crate) fn spawn(
         .name("ferrite-repl-store".to_owned())
         .spawn(move || store_thread(cluster, job_receiver, store_link))?;
     let service = Service {
+        admitting: false,
         me: setup.me,
         incarnation: setup.incarnation,
         clock: link.origin,
@@ -892,6 +893,9 @@ impl AckClock {
 }
 
 struct Service {
+    /// Set while `admit` runs, so the `run_actions` of each command it admits does not call
+    /// it again (its own loop goes on until no slot is left).
+    admitting: bool,
     me: NodeId,
     incarnation: u64,
     clock: Instant,
@@ -1195,13 +1199,28 @@ impl Service {
 
     /// Gives waiting host commands to the state machine while it has slots.
     fn admit(&mut self, volume: u64) {
+        if self.admitting {
+            return;
+        }
+        self.admitting = true;
+        self.admit_waiting(volume);
+        self.admitting = false;
+    }
+
+    fn admit_waiting(&mut self, volume: u64) {
         let now = self.now_ms();
         loop {
             let Some(replica) = self.volumes.get_mut(&volume) else { return };
             let Some(front) = replica.waiting.front() else { return };
             let class = Class::of(&front.op);
             let full = match class {
-                Class::Write => replica.writes >= replication::INFLIGHT_WRITES_MAX,
+                // A replica being resynced that acknowledges more slowly than the hosts write
+                // holds writes back (`VolumeNode::admits_write`) instead of dropping out of the
+                // resync; its acknowledgements admit them again (`run_actions`).
+                Class::Write => {
+                    replica.writes >= replication::INFLIGHT_WRITES_MAX
+                        || !replica.node.admits_write()
+                }
                 Class::Read => replica.reads >= replication::INFLIGHT_READS_MAX,
                 Class::Other => false,
             };
@@ -1358,7 +1377,8 @@ impl Service {
             }
         }
         self.set_ana(volume);
-        if freed {
+        let waiting = self.volumes.get(&volume).is_some_and(|replica| !replica.waiting.is_empty());
+        if freed || waiting {
             self.admit(volume);
         }
     }

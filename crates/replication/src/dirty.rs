@@ -59,6 +59,21 @@ impl DirtySet {
         self.cursor = Some(0);
     }
 
+    /// Takes out the blocks of `range` listed one by one (those before the cursor of a full
+    /// set; the cursor's blocks stay dirty) and returns how many: a host write that the replica
+    /// receives live brings them up to date. Costs one lookup per block of `range`.
+    pub fn remove_range(&mut self, range: Range<u64>) -> u64 {
+        if self.lbas.is_empty() {
+            return 0;
+        }
+        let end = self.cursor.map_or(range.end, |cursor| range.end.min(cursor));
+        let mut removed = 0;
+        for lba in range.start..end {
+            removed += u64::from(self.lbas.remove(&lba));
+        }
+        removed
+    }
+
     /// Adds `range`. Costs at most `limit` insertions whatever its length (a divergence range
     /// may span much of the volume): past the limit the set becomes full.
     pub fn insert_range(&mut self, range: Range<u64>) {
@@ -112,6 +127,23 @@ mod tests {
             out.push(lba);
         }
         out
+    }
+
+    #[test]
+    fn removal_takes_listed_blocks_only() {
+        let mut set = DirtySet::empty(8, 100);
+        set.insert_range(10..14);
+        assert_eq!(set.remove_range(11..13), 2);
+        assert_eq!(set.remove_range(11..13), 0, "gone already");
+        assert_eq!(drain(&mut set), vec![10, 13]);
+        // A full set's cursor keeps its blocks; those listed before it go.
+        let mut full = DirtySet::full(8, 20);
+        assert_eq!(full.take(|_| false), Take::Lba(0));
+        assert_eq!(full.take(|_| false), Take::Lba(1));
+        full.insert_range(0..2);
+        assert_eq!(full.remove_range(0..5), 2);
+        assert_eq!(full.len(), 18);
+        assert_eq!(drain(&mut full), (2..20).collect::<Vec<_>>());
     }
 
     #[test]

@@ -136,14 +136,28 @@
 //! returns of members out of sync since the term started that were incremental and full.
 //!
 //! When the member asks to come back (`Hello`), the primary opens a new stream, sends it live
-//! writes from then on, and copies the dirty blocks (at most `copy_blocks_per_tick` per tick).
+//! writes from then on, and copies the dirty blocks (at most `copy_blocks_per_tick` per tick,
+//! at most `COPY_WINDOW_MAX` read or unacknowledged at once, whatever else the stream holds:
+//! under a steady host load a member acknowledges live writes some way behind, and copies
+//! that waited for an empty window would never progress).
 //! A copy reads a block only when no local write to it is in flight or waiting, and is dropped
 //! if a host write to the block is issued before the read returns (the member gets that write
-//! live, after in its stream); a copy reflecting a pending write is tagged with it, so it
+//! live, after in its stream); a host write sent live to the member also takes its blocks out
+//! of the dirty set, since it brings them up to date (were the member to leave before
+//! acknowledging it, its unacknowledged entries are owed again, as above), so blocks that hosts
+//! keep writing are not copied as well, which would have the member's in-order stream wait
+//! behind its own writes to them; a copy reflecting a pending write is tagged with it, so it
 //! counts as uncommitted. On the member, a copy waits for its own write still in flight to the
 //! block (an old primary's last writes), so the copy lands last. When nothing is left to copy,
 //! every copy and every completed write has been acknowledged and every pending write went to it live, the peer is `Adding`: writes now wait
-//! for it too, and the primary CASes it into `in_sync`. A CAS whose reply was lost is settled
+//! for it too, and the primary CASes it into `in_sync`. A member that acknowledges more slowly
+//! than the hosts write (on a busy disk) would fill its stream with live writes and leave the
+//! resync, or, once copied, never reach that moment while the load lasts; so the wiring gives
+//! the state machine host writes only while [`VolumeNode::admits_write`] says so: not while a
+//! member being resynced holds `STREAM_WINDOW_MAX - COPY_WINDOW_MAX` live writes
+//! unacknowledged, nor, once its copies are acknowledged, until it has acknowledged every
+//! completed write. Hosts then write at its pace, as they do for an in-sync member; one that
+//! stops acknowledging is still removed after `ack_timeout_ms`, and the writes flow again. A CAS whose reply was lost is settled
 //! only by a later CAS reply, never by a read, since the lost one could still be applied.
 //! [`VolumeNode::resync_progress`] reports each copy as it goes.
 //!
@@ -505,7 +519,8 @@ pub const COPY_WINDOW_MAX: usize = 32;
 pub const OWN_STALL_LATE_FACTOR: u64 = 4;
 /// Entries sent and not yet acknowledged on one stream. An in-sync replica holds at most
 /// `INFLIGHT_WRITES_MAX` (every pending write) plus nothing else; a resyncing one also holds
-/// copies and writes that completed without it. A stream that fills up is a laggard.
+/// copies (at most `COPY_WINDOW_MAX`, never into the last `COPY_WINDOW_MAX` entries) and
+/// writes that completed without it. A stream that fills up is a laggard.
 pub const STREAM_WINDOW_MAX: usize = INFLIGHT_WRITES_MAX + 2 * COPY_WINDOW_MAX;
 /// Entries re-sent per tick on one stream.
 pub const RETRANSMITS_PER_TICK_MAX: usize = 16;

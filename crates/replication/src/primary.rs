@@ -90,6 +90,8 @@ struct OutStream {
     next_seq: u64,
     acked_seq: u64,
     unacked: VecDeque<Unacked>,
+    /// How many of `unacked` are copies (`EntryKind::Copy`).
+    copies_unacked: usize,
 }
 
 impl OutStream {
@@ -392,6 +394,35 @@ impl Term {
         progress
     }
 
+    /// Whether a host write may start now as far as the replicas being resynced go: each one's
+    /// stream holds fewer live writes than its window leaves them (`STREAM_WINDOW_MAX` less
+    /// `COPY_WINDOW_MAX` for its copies). A write started beyond that would end the resync of a
+    /// replica that acknowledges more slowly than hosts write; held back, the hosts write at
+    /// its pace until it is back in sync, as they do for an in-sync replica.
+    ///
+    /// Once its copies are all acknowledged, hosts also wait until it has acknowledged every
+    /// completed write, the moment it joins (`advance_peer`): writes that complete on the
+    /// in-sync replicas faster than it acknowledges them would otherwise put that moment off
+    /// for as long as the load lasts. The wait is about one of its acknowledgements.
+    pub fn admits_write(&self) -> bool {
+        self.peers.values().all(|peer| {
+            let (PeerState::CatchingUp { job, .. }, Some(stream)) = (&peer.state, &peer.stream)
+            else {
+                return true;
+            };
+            if stream.unacked.len() - stream.copies_unacked >= STREAM_WINDOW_MAX - COPY_WINDOW_MAX {
+                return false;
+            }
+            if !(job.dirty.is_empty() && job.reads.is_empty()) {
+                return true;
+            }
+            stream.unacked.iter().all(|unacked| match unacked.entry.kind {
+                EntryKind::Write { op } => self.pending.contains_key(&op),
+                EntryKind::Copy { .. } => false,
+            })
+        })
+    }
+
     pub fn serving(&self, shared: &Shared, now_ms: u64) -> bool {
         self.phase == Phase::Serving
             && !shared.latched
@@ -599,6 +630,11 @@ impl Term {
                         job.cancelled.insert(read);
                     }
                 }
+                // Nor do they need a copy any more: the live write brings them up to date (if
+                // the peer leaves the resync before acknowledging it, its blocks are owed
+                // again). Copying a block that hosts keep writing would also make the peer's
+                // in-order stream wait behind its own live writes to that block.
+                job.blocks_copied += job.dirty.remove_range(lbas.clone());
             }
             let full = peer.stream.as_ref().is_some_and(|s| s.unacked.len() >= STREAM_WINDOW_MAX);
             if full && matches!(peer.state, PeerState::CatchingUp { .. }) {
@@ -1116,7 +1152,11 @@ impl Term {
         if durable_seq > stream.acked_seq {
             stream.acked_seq = durable_seq;
             while stream.unacked.front().is_some_and(|unacked| unacked.seq <= durable_seq) {
-                stream.unacked.pop_front();
+                if let Some(Unacked { entry: Entry { kind: EntryKind::Copy { .. }, .. }, .. }) =
+                    stream.unacked.pop_front()
+                {
+                    stream.copies_unacked -= 1;
+                }
             }
         }
         self.advance_peer(shared, from);
@@ -1505,6 +1545,7 @@ impl Term {
             for (&node, peer) in self.peers.iter_mut() {
                 let Some(stream) = &peer.stream else { continue };
                 let (stream_id, in_window) = (stream.id, stream.unacked.len());
+                let copies_in_window = stream.copies_unacked;
                 let Some(job) = peer.job_mut() else { continue };
                 // A resync waits for a damaged block to be repaired here (by a repair of the
                 // serving term, or a host write); a reconciliation for the copy it takes from a
@@ -1519,11 +1560,15 @@ impl Term {
                             shared.damaged.contains(&lba)
                         }
                 };
+                // Copies read or sent and not yet acknowledged stay under COPY_WINDOW_MAX
+                // whatever else the stream holds: live writes the peer has not acknowledged
+                // yet (under a steady host load, tens of them at any moment) leave the copies
+                // their own share of the window (`admits_write` keeps the live ones out of
+                // it), or a resync under load would never progress.
                 let mut started = 0;
                 while budget > 0
-                    && job.reads.len() + started < COPY_WINDOW_MAX
-                    && in_window + job.reads.len() + started
-                        < STREAM_WINDOW_MAX - INFLIGHT_WRITES_MAX
+                    && copies_in_window + job.reads.len() + started < COPY_WINDOW_MAX
+                    && in_window + job.reads.len() + started < STREAM_WINDOW_MAX
                 {
                     match job.dirty.take(blocked) {
                         Take::Lba(lba) => {
@@ -1789,7 +1834,14 @@ fn add_divergence(dirty: &mut DirtySet, report: &DivergenceReport) {
 fn new_stream(next_stream: &mut u64, incarnation: u64) -> OutStream {
     let id = StreamId(*next_stream);
     *next_stream += 1;
-    OutStream { id, incarnation, next_seq: 1, acked_seq: 0, unacked: VecDeque::new() }
+    OutStream {
+        id,
+        incarnation,
+        next_seq: 1,
+        acked_seq: 0,
+        unacked: VecDeque::new(),
+        copies_unacked: 0,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1815,6 +1867,9 @@ fn send_entry(
         entry: entry.clone(),
     };
     shared.send(to, message, out);
+    if matches!(entry.kind, EntryKind::Copy { .. }) {
+        stream.copies_unacked += 1;
+    }
     stream.unacked.push_back(Unacked { seq, entry, first_sent_ms: now_ms, last_sent_ms: now_ms });
     seq
 }

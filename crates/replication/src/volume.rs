@@ -604,6 +604,18 @@ impl VolumeNode {
         self.shared.stepping_down
     }
 
+    /// Whether a host write given now would start at once rather than end the resync of a
+    /// replica that acknowledges more slowly than hosts write (see the crate docs, "Resync"):
+    /// the wiring holds host writes back while this is false, and offers them again as the
+    /// replica's acknowledgements come in. Always true on a replica and on a primary with no
+    /// replica being resynced.
+    pub fn admits_write(&self) -> bool {
+        match &self.role {
+            Role::Primary(term) => term.admits_write(),
+            Role::Replica(_) => true,
+        }
+    }
+
     /// The copies this node is making as primary, one per replica being resynced, rebuilt or
     /// reconciled (for `ferrite volume show`); empty on a replica or when nothing is copied.
     pub fn resync_progress(&self) -> Vec<ResyncProgress> {
