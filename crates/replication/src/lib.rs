@@ -290,8 +290,10 @@
 //! that stream as a `Copy` entry covering only completed writes, so the replica applies it in
 //! order with the host writes; the primary sends nothing while a host write to the blocks is
 //! pending or in flight, or if one starts before its read is back (that write's own entry
-//! replaces them), at most `PEER_REPAIRS_MAX` reads at once and only while the stream has few
-//! entries unacknowledged (host writes keep their window). Lost messages cost a round: the
+//! replaces them), at most `PEER_REPAIRS_MAX` reads at once and only while the stream holds
+//! fewer than `COPY_WINDOW_MAX` copies unacknowledged (host writes keep their window, and under
+//! a steady load the live writes always unacknowledged do not hold repairs up). Lost messages
+//! cost a round: the
 //! replica asks again until the block is rewritten. A primary whose own copy turns out damaged
 //! too notes it and repairs it from another replica.
 //!

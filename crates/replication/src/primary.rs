@@ -1006,11 +1006,13 @@ impl Term {
         if repair.cancelled || !matches!(peer.state, PeerState::InSync) {
             return;
         }
-        // A copy entry takes a stream slot that host writes may need: only a few at a time.
+        // Copies on one stream stay under COPY_WINDOW_MAX, whatever else it holds: an in-sync
+        // replica's live writes (at most INFLIGHT_WRITES_MAX) leave them room in the window,
+        // and under a steady load it always has tens of them unacknowledged.
         let Some(stream) = peer
             .stream
             .as_mut()
-            .filter(|stream| stream.id == repair.stream && stream.unacked.len() < COPY_WINDOW_MAX)
+            .filter(|stream| stream.id == repair.stream && stream.copies_unacked < COPY_WINDOW_MAX)
         else {
             return;
         };

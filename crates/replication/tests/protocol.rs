@@ -1519,6 +1519,48 @@ fn a_block_the_scrub_found_damaged_on_a_replica_is_sent_again_by_the_primary() {
     assert_eq!(cluster.nodes[1].disk[3], Some(block(8)));
 }
 
+/// The primary's copy for a replica's damaged block goes out while hosts keep writing, though
+/// the replica's stream then always holds tens of live writes it has not acknowledged yet:
+/// a repair counts against the copies on the stream, not against everything on it. Before,
+/// it was dropped whenever the stream held `COPY_WINDOW_MAX` entries of any kind, so under a
+/// steady load a damaged replica block was never rewritten.
+#[test]
+fn a_replica_s_damaged_block_is_repaired_while_hosts_keep_writing() {
+    const HOST_LBA: u64 = 512;
+    const HOST_BLOCKS: u64 = 128;
+    const WRITES_PER_MS: u64 = 4;
+    const LAG_MS: u64 = 20;
+    let config = Config { volume_blocks: 1024, intent_regions_max: 256, ..config() };
+    let mut cluster = Cluster::started(config);
+    cluster.write(0, 3, 7);
+    cluster.storage_held.extend([1, 2]);
+    let mut issued_ms: VecDeque<u64> = VecDeque::new();
+    let mut step = 0u64;
+    let mut load = |cluster: &mut Cluster, ms: u64| {
+        for _ in 0..ms {
+            let ops = (0..WRITES_PER_MS)
+                .map(|index| {
+                    let lba = HOST_LBA + (step * WRITES_PER_MS + index) % HOST_BLOCKS;
+                    HostOp::Write { lba, blocks: vec![block(9)] }
+                })
+                .collect();
+            cluster.host_batch(0, ops);
+            cluster.run(1);
+            cluster.finish_writes_held(&mut issued_ms, LAG_MS);
+            step += 1;
+        }
+    };
+    load(&mut cluster, 100);
+    cluster.nodes[1].damaged.insert(3);
+    assert!(cluster.nodes[1].volume.note_damaged(3));
+    load(&mut cluster, 1_000);
+    assert_eq!(cluster.state().in_sync.len(), 3, "both replicas kept up");
+    assert!(cluster.nodes[0].volume.stats().blocks_sent_for_repair >= 1, "the copy went out");
+    assert!(cluster.nodes[1].damaged.is_empty(), "the primary's copy replaced it");
+    assert!(!cluster.nodes[1].volume.is_damaged(3));
+    assert_eq!(cluster.nodes[1].disk[3], Some(block(7)));
+}
+
 #[test]
 fn a_block_the_scrub_found_damaged_on_the_primary_is_rewritten_from_a_replica() {
     let mut cluster = Cluster::started(config());
