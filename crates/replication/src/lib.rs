@@ -149,16 +149,17 @@
 //! behind its own writes to them; a copy reflecting a pending write is tagged with it, so it
 //! counts as uncommitted. On the member, a copy waits for its own write still in flight to the
 //! block (an old primary's last writes), so the copy lands last. When nothing is left to copy,
-//! every copy and every completed write has been acknowledged and every pending write went to it live, the peer is `Adding`: writes now wait
-//! for it too, and the primary CASes it into `in_sync`. A member that acknowledges more slowly
-//! than the hosts write (on a busy disk) would fill its stream with live writes and leave the
-//! resync, or, once copied, never reach that moment while the load lasts; so the wiring gives
-//! the state machine host writes only while [`VolumeNode::admits_write`] says so: not while a
-//! member being resynced holds `STREAM_WINDOW_MAX - COPY_WINDOW_MAX` live writes
-//! unacknowledged, nor, once its copies are acknowledged, until it has acknowledged every
-//! completed write. Hosts then write at its pace, as they do for an in-sync member; one that
-//! stops acknowledging is still removed after `ack_timeout_ms`, and the writes flow again. A CAS whose reply was lost is settled
-//! only by a later CAS reply, never by a read, since the lost one could still be applied.
+//! every copy and every completed write has been acknowledged and every pending write went to
+//! it live, the peer is `Adding`: writes now wait for it too, and the primary CASes it into
+//! `in_sync`. A member that acknowledges more slowly than the hosts write (on a busy disk)
+//! would fill its stream with live writes and leave the resync, or, once copied, never reach
+//! that moment while the load lasts; so the wiring gives the state machine host writes only
+//! while [`VolumeNode::admits_write`] says so: not while a member being resynced holds
+//! `STREAM_WINDOW_MAX - COPY_WINDOW_MAX` live writes unacknowledged, nor, once its copies are
+//! acknowledged, until it has acknowledged every completed write. Hosts then write at its pace,
+//! as they do for an in-sync member; one that stops acknowledging is still removed after
+//! `ack_timeout_ms`, and the writes flow again. A CAS whose reply was lost is settled only by
+//! a later CAS reply, never by a read, since the lost one could still be applied.
 //! [`VolumeNode::resync_progress`] reports each copy as it goes.
 //!
 //! # Write intent
@@ -293,9 +294,8 @@
 //! replaces them), at most `PEER_REPAIRS_MAX` reads at once and only while the stream holds
 //! fewer than `COPY_WINDOW_MAX` copies unacknowledged (host writes keep their window, and under
 //! a steady load the live writes always unacknowledged do not hold repairs up). Lost messages
-//! cost a round: the
-//! replica asks again until the block is rewritten. A primary whose own copy turns out damaged
-//! too notes it and repairs it from another replica.
+//! cost a round: the replica asks again until the block is rewritten. A primary whose own copy
+//! turns out damaged too notes it and repairs it from another replica.
 //!
 //! # Planned moves
 //!
@@ -521,8 +521,9 @@ pub const COPY_WINDOW_MAX: usize = 32;
 pub const OWN_STALL_LATE_FACTOR: u64 = 4;
 /// Entries sent and not yet acknowledged on one stream. An in-sync replica holds at most
 /// `INFLIGHT_WRITES_MAX` (every pending write) plus nothing else; a resyncing one also holds
-/// copies (at most `COPY_WINDOW_MAX`, never into the last `COPY_WINDOW_MAX` entries) and
-/// writes that completed without it. A stream that fills up is a laggard.
+/// copies (at most `COPY_WINDOW_MAX`) and writes that completed without it, the live ones
+/// admitted only while fewer than `STREAM_WINDOW_MAX - COPY_WINDOW_MAX`
+/// ([`VolumeNode::admits_write`]). A stream that fills up is a laggard.
 pub const STREAM_WINDOW_MAX: usize = INFLIGHT_WRITES_MAX + 2 * COPY_WINDOW_MAX;
 /// Entries re-sent per tick on one stream.
 pub const RETRANSMITS_PER_TICK_MAX: usize = 16;
