@@ -669,6 +669,19 @@ fn a_resync_copies_everything_when_too_much_changed() {
     assert_eq!(stats.blocks_resynced, volume_blocks);
 }
 
+/// The `index`th of the `per_ms` one-block host writes of millisecond `step` of a steady load
+/// that cycles over `range`, so a block is written again only every `range.len() / per_ms` ms.
+fn steady_write(
+    step: u64,
+    index: u64,
+    per_ms: u64,
+    range: std::ops::Range<u64>,
+    byte: u8,
+) -> HostOp {
+    let lba = range.start + (step * per_ms + index) % (range.end - range.start);
+    HostOp::Write { lba, blocks: vec![block(byte)] }
+}
+
 /// A resync makes progress while hosts keep writing and the returning replica acknowledges
 /// their writes some way behind (as a replica on a busy disk does): its copies have their own
 /// share of the stream's window. Before, copies started only while the stream held fewer than
@@ -703,8 +716,7 @@ fn a_resync_progresses_while_the_replica_acknowledges_live_writes_behind() {
         let byte = 3 + (step % 200) as u8;
         let ops = (0..WRITES_PER_MS)
             .map(|index| {
-                let lba = HOST_LBA + (step * WRITES_PER_MS + index) % HOST_BLOCKS;
-                HostOp::Write { lba, blocks: vec![block(byte)] }
+                steady_write(step, index, WRITES_PER_MS, HOST_LBA..HOST_LBA + HOST_BLOCKS, byte)
             })
             .collect();
         cluster.host_batch(0, ops);
@@ -774,8 +786,9 @@ fn a_slower_returning_replica_comes_back_when_writes_wait_for_admission() {
                     held_back += 1;
                     break;
                 }
-                let lba = HOST_LBA + (step * WRITES_PER_MS + index) % HOST_BLOCKS;
-                cluster.host(0, HostOp::Write { lba, blocks: vec![block(3 + (step % 200) as u8)] });
+                let byte = 3 + (step % 200) as u8;
+                let range = HOST_LBA..HOST_LBA + HOST_BLOCKS;
+                cluster.host(0, steady_write(step, index, WRITES_PER_MS, range, byte));
             }
             cluster.run(1);
             cluster.finish_writes_held(&mut issued_ms, LAG_MS);
@@ -1540,8 +1553,7 @@ fn a_replica_s_damaged_block_is_repaired_while_hosts_keep_writing() {
         for _ in 0..ms {
             let ops = (0..WRITES_PER_MS)
                 .map(|index| {
-                    let lba = HOST_LBA + (step * WRITES_PER_MS + index) % HOST_BLOCKS;
-                    HostOp::Write { lba, blocks: vec![block(9)] }
+                    steady_write(step, index, WRITES_PER_MS, HOST_LBA..HOST_LBA + HOST_BLOCKS, 9)
                 })
                 .collect();
             cluster.host_batch(0, ops);
