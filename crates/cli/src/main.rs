@@ -745,8 +745,11 @@ enum VolumeCommand {
     ///
     /// Hosts connected through that path get an ANA change notice: Linux native multipath sends
     /// I/O to an optimized path, to a non-optimized one only if none is optimized, and never to
-    /// an inaccessible one. Use it to drain a path before maintenance. The state lasts until the
-    /// node restarts (every path is then optimized again).
+    /// an inaccessible one. Use it to drain a path before maintenance. The state is kept in the
+    /// volume's record: a restarted node serves the port in it until it is set optimized again
+    /// (if the node restarts with fewer `--nvme-listen` addresses, a missing port's state waits
+    /// for the port to return, or is cleared by setting it optimized). Refused on a cluster
+    /// node, whose control plane sets the states.
     #[command(after_long_help = "Examples:\n  ferrite volume set-path db --port 2 --state \
                                  inaccessible\n  ferrite volume set-path db --port \
                                  127.0.0.1:4421 --state optimized")]

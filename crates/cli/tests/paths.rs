@@ -137,6 +137,83 @@ fn set_path_moves_a_multipath_host_between_ports_without_an_error() {
     node.stop_cleanly();
 }
 
+fn path_states(api: &str, volume: &str) -> Vec<(u64, String)> {
+    let listed: serde_json::Value =
+        serde_json::from_str(&ferrite_ok(api, &["volume", "paths", volume, "--json"])).unwrap();
+    listed["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|path| {
+            (path["port_id"].as_u64().unwrap(), path["ana_state"].as_str().unwrap().to_owned())
+        })
+        .collect()
+}
+
+/// States set by hand outlive a restart, and a host connecting afterwards is told them; a port
+/// the restarted node does not listen on keeps its state until it is back.
+#[test]
+fn hand_set_states_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let first_port = free_port();
+    let second = format!("127.0.0.1:{}", free_port());
+    let both = ["--drives", "2", "--drive-size", "1G", "--nvme-listen", second.as_str()];
+    let node = Node::start_with_drives(dir.path(), first_port, &both);
+    let api = node.api_url.clone();
+    ferrite_ok(&api, &["volume", "create", "kept", "--size", "64M"]);
+    ferrite_ok(&api, &["volume", "create", "plain", "--size", "64M"]);
+    ferrite_ok(&api, &["volume", "set-path", "kept", "--port", "2", "--state", "inaccessible"]);
+    ferrite_ok(&api, &["volume", "set-path", "kept", "--port", "1", "--state", "non-optimized"]);
+    node.stop_cleanly();
+
+    let node = Node::start_with_drives(dir.path(), first_port, &both);
+    let api = node.api_url.clone();
+    let optimized = |port: u64| (port, "optimized".to_owned());
+    assert_eq!(
+        path_states(&api, "kept"),
+        [(1, "non-optimized".to_owned()), (2, "inaccessible".to_owned())]
+    );
+    assert_eq!(path_states(&api, "plain"), [optimized(1), optimized(2)]);
+    let runtime = common::runtime();
+    runtime.block_on(async {
+        let addresses = [node.nvme_address(), second.clone()];
+        let mut device =
+            MultipathNamespace::connect(&addresses, &volume_nqn("kept"), Default::default(), 8)
+                .await
+                .unwrap();
+        eventually("the host is told the kept states", || {
+            states(&device) == [PathState::NonOptimized, PathState::Inaccessible]
+        })
+        .await;
+        assert_eq!(device.current_path(), Some(0), "the non-optimized path is the only usable one");
+        device.write(0, &pattern(0, BLOCKS, 3)).await.unwrap();
+    });
+    // Port 1 set optimized again: nothing is kept for it.
+    ferrite_ok(&api, &["volume", "set-path", "kept", "--port", "1", "--state", "optimized"]);
+    node.stop_cleanly();
+
+    // Restarted with port 1 only: port 2's state is not applied (a warning says so), and kept.
+    let node =
+        Node::start_with_drives(dir.path(), first_port, &["--drives", "2", "--drive-size", "1G"]);
+    let api = node.api_url.clone();
+    assert_eq!(path_states(&api, "kept"), [optimized(1)]);
+    let stderr = node.stop_cleanly();
+    assert!(
+        stderr.contains("NVMe port this node does not have now") && stderr.contains("kept"),
+        "{stderr}"
+    );
+    let node = Node::start_with_drives(dir.path(), first_port, &both);
+    let api = node.api_url.clone();
+    assert_eq!(path_states(&api, "kept"), [optimized(1), (2, "inaccessible".to_owned())]);
+    // Deleting the volume deletes what it kept.
+    ferrite_ok(&api, &["volume", "delete", "kept"]);
+    ferrite_ok(&api, &["volume", "create", "kept", "--size", "64M"]);
+    node.stop_cleanly();
+    let node = Node::start_with_drives(dir.path(), first_port, &both);
+    assert_eq!(path_states(&node.api_url, "kept"), [optimized(1), optimized(2)]);
+    node.stop_cleanly();
+}
+
 #[test]
 fn the_same_address_twice_is_refused() {
     let dir = tempfile::tempdir().unwrap();

@@ -352,6 +352,7 @@ mod tests {
                 ),
                 origin: None,
                 compression: crate::Compression::Zstd,
+                path_states: Default::default(),
             };
             store.create_volume(&record).unwrap();
             let snapshot = SnapshotRecord {

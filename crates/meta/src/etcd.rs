@@ -700,6 +700,7 @@ mod tests {
             host_access: HostAccess::Open,
             origin: None,
             compression: crate::Compression::Zstd,
+            path_states: Default::default(),
         };
         store.create_volume(&record).unwrap();
         assert_eq!(other.volumes().unwrap(), vec![]);

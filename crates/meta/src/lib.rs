@@ -28,7 +28,7 @@ pub use etcd::{
     EtcdStore, CAS_ATTEMPTS_MAX, ENDPOINTS_MAX, ETCD_TIMEOUT_DEFAULT, PREFIX_LENGTH_MAX,
 };
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use types::{Nqn, VolumeName};
 
@@ -65,6 +65,37 @@ pub struct VolumeRecord {
     /// How the volume's new writes are stored. Blocks already written keep the form they were
     /// written in, so changing it needs no rewrite.
     pub compression: Compression,
+    /// The ANA states set by hand on the node's NVMe/TCP ports (`ferrite volume set-path`), by
+    /// port ID; a port not listed is optimized. At most [`PATH_STATES_MAX`] entries, no port 0.
+    pub path_states: BTreeMap<u16, PathState>,
+}
+
+/// How many ports a volume record keeps a hand-set ANA state for.
+pub const PATH_STATES_MAX: usize = 64;
+
+/// An ANA state set by hand on one port, as the record keeps it: the states an operator may set
+/// other than optimized (which is what a port not listed has).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PathState {
+    NonOptimized,
+    Inaccessible,
+}
+
+impl PathState {
+    /// The stored form.
+    pub const fn name(self) -> &'static str {
+        match self {
+            PathState::NonOptimized => "non-optimized",
+            PathState::Inaccessible => "inaccessible",
+        }
+    }
+
+    /// The state stored as `name`, if any.
+    pub fn from_name(name: &str) -> Option<PathState> {
+        [PathState::NonOptimized, PathState::Inaccessible]
+            .into_iter()
+            .find(|state| state.name() == name)
+    }
 }
 
 /// How a volume's new writes are stored: the control plane's copy of

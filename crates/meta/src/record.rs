@@ -13,6 +13,13 @@
 //!   "allow_any_host":true,"allowed_hosts":[],
 //!   "origin":{"volume":"db-0","snapshot":"nightly","snapshot_id":5},"compression":"lz4"}`
 //!
+//! A version 4 record may also hold `"paths":[[2,"inaccessible"],[3,"non-optimized"]]`: the
+//! ANA states set by hand on the node's NVMe/TCP ports (`ferrite volume set-path`), by port ID,
+//! sorted, each port once (not 0), at most [`PATH_STATES_MAX`]; a port not listed is optimized,
+//! and the field is left out when none is set. It came without a version bump on purpose: a
+//! build that does not know it reads every port optimized, which is how every build before it
+//! served them (an ANA state steers hosts between paths; it grants no access).
+//!
 //! Compression came with a version bump so that a build that knows only version 3 refuses the
 //! record rather than serving the volume while silently ignoring its setting. Records of
 //! versions 1 to 3 decode as [`Compression::Off`]: their volumes were written before the engine
@@ -78,8 +85,8 @@
 
 use crate::cluster::MemberRecord;
 use crate::{
-    Chunk, Compression, HostAccess, MetaError, NodeRecord, SnapshotRecord, VolumeOrigin,
-    VolumeRecord, ALLOWED_HOSTS_MAX,
+    Chunk, Compression, HostAccess, MetaError, NodeRecord, PathState, SnapshotRecord, VolumeOrigin,
+    VolumeRecord, ALLOWED_HOSTS_MAX, PATH_STATES_MAX,
 };
 use replication::store::GRANTS_REMEMBERED_MAX;
 use replication::{LeaseId, NodeId, VolumeState};
@@ -161,6 +168,10 @@ struct VolumeV4 {
     origin: Option<OriginV3>,
     /// [`Compression::name`].
     compression: String,
+    /// `[[port ID, PathState::name], ...]`, sorted by port; left out when empty (every port
+    /// optimized), so records without hand-set states are the bytes they always were.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    paths: Vec<(u16, String)>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -222,6 +233,11 @@ pub fn encode_volume(record: &VolumeRecord) -> Vec<u8> {
             snapshot_id: origin.snapshot_id,
         }),
         compression: record.compression.name().to_owned(),
+        paths: record
+            .path_states
+            .iter()
+            .map(|(port, state)| (*port, state.name().to_owned()))
+            .collect(),
     };
     // Serialising plain integers, strings and vectors into memory cannot fail.
     serde_json::to_vec(&stored).expect("a volume record always serialises")
@@ -243,6 +259,7 @@ pub fn decode_volume(key: &str, bytes: &[u8]) -> Result<VolumeRecord, MetaError>
                 host_access: HostAccess::Open,
                 origin: None,
                 compression: Compression::Off,
+                path_states: BTreeMap::new(),
             }
         }
         2 => {
@@ -258,6 +275,7 @@ pub fn decode_volume(key: &str, bytes: &[u8]) -> Result<VolumeRecord, MetaError>
                 host_access: decode_host_access(key, stored.allow_any_host, &stored.allowed_hosts)?,
                 origin: None,
                 compression: Compression::Off,
+                path_states: BTreeMap::new(),
             }
         }
         3 => {
@@ -273,6 +291,7 @@ pub fn decode_volume(key: &str, bytes: &[u8]) -> Result<VolumeRecord, MetaError>
                 host_access: decode_host_access(key, stored.allow_any_host, &stored.allowed_hosts)?,
                 origin: stored.origin.map(|origin| decode_origin(key, origin)).transpose()?,
                 compression: Compression::Off,
+                path_states: BTreeMap::new(),
             }
         }
         _ => {
@@ -291,10 +310,29 @@ pub fn decode_volume(key: &str, bytes: &[u8]) -> Result<VolumeRecord, MetaError>
                 host_access: decode_host_access(key, stored.allow_any_host, &stored.allowed_hosts)?,
                 origin: stored.origin.map(|origin| decode_origin(key, origin)).transpose()?,
                 compression,
+                path_states: decode_path_states(key, stored.paths)?,
             }
         }
     };
     Ok(record)
+}
+
+fn decode_path_states(
+    key: &str,
+    stored: Vec<(u16, String)>,
+) -> Result<BTreeMap<u16, PathState>, MetaError> {
+    if stored.len() > PATH_STATES_MAX {
+        return Err(corrupt(key, format!("it lists {} path states", stored.len())));
+    }
+    let mut states = BTreeMap::new();
+    for (port, name) in stored {
+        let state = PathState::from_name(&name)
+            .ok_or_else(|| corrupt(key, format!("it names an unknown path state {name:?}")))?;
+        if port == 0 || states.insert(port, state).is_some() {
+            return Err(corrupt(key, format!("it lists port {port} wrongly (0, or twice)")));
+        }
+    }
+    Ok(states)
 }
 
 fn decode_origin(key: &str, stored: OriginV3) -> Result<VolumeOrigin, MetaError> {
@@ -620,6 +658,7 @@ mod tests {
             host_access: HostAccess::Open,
             origin: None,
             compression: Compression::Lz4,
+            path_states: Default::default(),
         }
     }
 
@@ -726,6 +765,25 @@ mod tests {
         value["compression"] = "zstd".into();
         let decoded = decode_volume("db-1", &serde_json::to_vec(&value).unwrap()).unwrap();
         assert_eq!(decoded.compression, Compression::Off);
+    }
+
+    /// Hand-set path states round-trip; a record without any is the bytes version 4 records
+    /// always were (no `paths` field), so a build that knows no path states reads it alike.
+    #[test]
+    fn path_states_round_trip_and_layout() {
+        let path_states = [(2, PathState::Inaccessible), (1, PathState::NonOptimized)].into();
+        let record = VolumeRecord { path_states, ..volume() };
+        let bytes = encode_volume(&record);
+        assert_eq!(decode_volume("db-1", &bytes).unwrap(), record);
+        let value: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(value["paths"], serde_json::json!([[1, "non-optimized"], [2, "inaccessible"]]));
+        let plain: serde_json::Value = serde_json::from_slice(&encode_volume(&volume())).unwrap();
+        assert!(!plain.as_object().unwrap().contains_key("paths"), "{plain}");
+        for state in [PathState::NonOptimized, PathState::Inaccessible] {
+            assert_eq!(PathState::from_name(state.name()), Some(state));
+        }
+        assert_eq!(PathState::from_name("optimized"), None, "optimized is not stored");
+        assert_eq!(PathState::from_name("change"), None);
     }
 
     #[test]
@@ -903,6 +961,25 @@ mod tests {
             serde_json::json!("db-0@s"),
         ] {
             value["origin"] = origin;
+            check("db-1", &serde_json::to_vec(&value).unwrap());
+        }
+
+        // Path states name a port other than 0 once each, with a state that may be set by hand.
+        let mut value: serde_json::Value =
+            serde_json::from_slice(&encode_volume(&volume())).unwrap();
+        let too_many: Vec<(usize, &str)> =
+            (1..=PATH_STATES_MAX + 1).map(|port| (port, "inaccessible")).collect();
+        for paths in [
+            serde_json::json!([[0, "inaccessible"]]),
+            serde_json::json!([[1, "inaccessible"], [1, "non-optimized"]]),
+            serde_json::json!([[1, "optimized"]]),
+            serde_json::json!([[1, "change"]]),
+            serde_json::json!([[70000, "inaccessible"]]),
+            serde_json::json!([["1", "inaccessible"]]),
+            serde_json::json!({"1": "inaccessible"}),
+            serde_json::json!(too_many),
+        ] {
+            value["paths"] = paths;
             check("db-1", &serde_json::to_vec(&value).unwrap());
         }
     }

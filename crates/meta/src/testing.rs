@@ -10,8 +10,8 @@ mod etcd_server;
 pub use etcd_server::EtcdServer;
 
 use crate::{
-    Compression, HostAccess, MetaError, MetaStore, NodeRecord, SnapshotRecord, VolumeOrigin,
-    VolumeRecord,
+    Compression, HostAccess, MetaError, MetaStore, NodeRecord, PathState, SnapshotRecord,
+    VolumeOrigin, VolumeRecord,
 };
 use std::collections::BTreeSet;
 use std::sync::Barrier;
@@ -48,6 +48,12 @@ fn record(store: &dyn MetaStore, volume: &str, size_bytes: u64) -> VolumeRecord 
         origin: None,
         // Every setting, so that each store round-trips each one.
         compression: Compression::ALL[id as usize % Compression::ALL.len()],
+        // Every other record with hand-set path states, so each store round-trips them too.
+        path_states: if id % 2 == 0 {
+            [(1, PathState::Inaccessible), (3, PathState::NonOptimized)].into()
+        } else {
+            Default::default()
+        },
     }
 }
 

@@ -46,8 +46,8 @@
 use crate::data_plane::{Capacity, DataPlane, DataPlaneError, VolumePath, VolumeSpace};
 use crate::metrics::Registry;
 use meta::{
-    Compression, HostAccess, MetaError, MetaStore, SnapshotRecord, VolumeOrigin, VolumeRecord,
-    ALLOWED_HOSTS_MAX,
+    Compression, HostAccess, MetaError, MetaStore, PathState, SnapshotRecord, VolumeOrigin,
+    VolumeRecord, ALLOWED_HOSTS_MAX, PATH_STATES_MAX,
 };
 use nvmf::target::AnaState;
 use std::collections::{BTreeMap, HashSet};
@@ -278,6 +278,7 @@ impl VolumeService {
             host_access: HostAccess::Open,
             origin: None,
             compression,
+            path_states: Default::default(),
         };
         if let Some(cluster) = &self.cluster {
             let placed = cluster.create_volume(&record, replicas.unwrap_or(1))?;
@@ -482,6 +483,8 @@ impl VolumeService {
                 snapshot_id: source.id,
             }),
             compression,
+            // A clone is a volume of its own: every path starts optimized.
+            path_states: Default::default(),
         };
         if let Err(error) = self.meta.create_volume(&record) {
             self.data_plane.cancel(&record);
@@ -717,8 +720,9 @@ impl VolumeService {
     }
 
     /// Sets the volume's ANA state through port `port_id` (hosts connected there get an ANA
-    /// change notice and move their I/O as their multipath policy says). Not persisted: a
-    /// restarted node serves every path optimized.
+    /// change notice and move their I/O as their multipath policy says), and keeps it in the
+    /// volume's record, so a restarted node serves the port in the same state (the data path
+    /// applies the record's states when it publishes the volume).
     pub fn set_path_state(
         &self,
         name: &str,
@@ -732,12 +736,53 @@ impl VolumeService {
                     .to_owned(),
             ));
         }
-        let record = self.volume(name)?;
+        let name = parse_name(name)?;
         let _serialised = self.lock_mutations();
-        self.data_plane
-            .set_path_state(&record, port_id, state)
-            .map_err(|error| ControlError::from_data_plane(&record.name, error))?;
-        Ok(self.data_plane.paths(&record))
+        let current = match self.meta.volume(&name).map_err(ControlError::from_meta)? {
+            Some(record) => record,
+            None => return Err(ControlError::VolumeNotFound(name)),
+        };
+        let mut path_states = current.path_states.clone();
+        let kept = path_state_of(state)
+            .map_err(|error| ControlError::from_data_plane(&current.name, error))?;
+        match kept {
+            Some(kept) => {
+                if !path_states.contains_key(&port_id) && path_states.len() >= PATH_STATES_MAX {
+                    return Err(ControlError::from_data_plane(
+                        &current.name,
+                        DataPlaneError::invalid(format!(
+                            "at most {PATH_STATES_MAX} ports keep a state other than optimized"
+                        )),
+                    ));
+                }
+                path_states.insert(port_id, kept);
+            }
+            None => {
+                path_states.remove(&port_id);
+            }
+        }
+        // The data path checks the port and applies the state; only then is it kept. A state
+        // kept for a port this node no longer listens on (started with fewer addresses) is
+        // cleared by setting it optimized, which asks nothing of the data path.
+        let paths = self.data_plane.paths(&current);
+        let before = paths.iter().find(|path| path.port_id == port_id).map(|path| path.state);
+        let absent_cleared = before.is_none() && kept.is_none();
+        if !(absent_cleared && current.path_states.contains_key(&port_id)) {
+            self.data_plane
+                .set_path_state(&current, port_id, state)
+                .map_err(|error| ControlError::from_data_plane(&current.name, error))?;
+        }
+        if path_states != current.path_states {
+            let changed = VolumeRecord { path_states, ..current.clone() };
+            if let Err(error) = self.meta.update_volume(&changed) {
+                // Not kept: put the port back as it was, so what hosts see matches the record.
+                if let Some(before) = before {
+                    let _ = self.data_plane.set_path_state(&current, port_id, before);
+                }
+                return Err(ControlError::from_meta(error));
+            }
+        }
+        Ok(self.data_plane.paths(&current))
     }
 
     pub fn allow_host(&self, name: &str, hostnqn: &str) -> Result<VolumeRecord, ControlError> {
@@ -849,6 +894,20 @@ impl VolumeService {
     }
 }
 
+/// The record's form of an ANA state set by hand: `Ok(None)` for optimized, which is what a
+/// port without a kept state has. The states only the cluster sets are refused.
+fn path_state_of(state: AnaState) -> Result<Option<PathState>, DataPlaneError> {
+    match state {
+        AnaState::Optimized => Ok(None),
+        AnaState::NonOptimized => Ok(Some(PathState::NonOptimized)),
+        AnaState::Inaccessible => Ok(Some(PathState::Inaccessible)),
+        AnaState::PersistentLoss | AnaState::Change => Err(DataPlaneError::invalid(format!(
+            "the ANA state {state:?} is set by the cluster only; set optimized, non-optimized \
+             or inaccessible"
+        ))),
+    }
+}
+
 fn parse_name(name: &str) -> Result<VolumeName, ControlError> {
     VolumeName::new(name).map_err(ControlError::InvalidName)
 }
@@ -907,6 +966,8 @@ mod tests {
         refuse_layers: bool,
         /// Every `set_compression`, in order.
         compression_changes: Vec<(u64, Compression)>,
+        /// The ANA states of the fixture's two ports other than optimized, by (volume, port).
+        path_states: BTreeMap<(u64, u16), AnaState>,
     }
 
     impl FixtureDataPlane {
@@ -1046,6 +1107,38 @@ mod tests {
 
         fn nvme_addr(&self) -> Option<SocketAddr> {
             None
+        }
+
+        fn paths(&self, volume: &VolumeRecord) -> Vec<VolumePath> {
+            let state = self.state.lock().unwrap();
+            (1..=2)
+                .map(|port_id| VolumePath {
+                    port_id,
+                    address: SocketAddr::from(([127, 0, 0, 1], 4420 + port_id)),
+                    state: state
+                        .path_states
+                        .get(&(volume.id, port_id))
+                        .copied()
+                        .unwrap_or(AnaState::Optimized),
+                })
+                .collect()
+        }
+
+        fn set_path_state(
+            &self,
+            volume: &VolumeRecord,
+            port_id: u16,
+            state: AnaState,
+        ) -> Result<(), DataPlaneError> {
+            if !(1..=2).contains(&port_id) {
+                return Err(DataPlaneError::invalid(format!("no NVMe/TCP port {port_id}")));
+            }
+            let mut fixture = self.state.lock().unwrap();
+            match state {
+                AnaState::Optimized => fixture.path_states.remove(&(volume.id, port_id)),
+                other => fixture.path_states.insert((volume.id, port_id), other),
+            };
+            Ok(())
         }
 
         fn shutdown(&self) {}
@@ -1410,6 +1503,65 @@ mod tests {
         );
         // A resize keeps the setting.
         assert_eq!(service.resize("db", 2 << 20).unwrap().compression, Compression::Zstd);
+    }
+
+    #[test]
+    fn path_states_are_kept_in_the_record() {
+        let setup = setup(8);
+        let service = &setup.service;
+        let db = service.create("db", 1 << 20, None).unwrap();
+        assert!(db.path_states.is_empty(), "a new volume is optimized on every port");
+        let kept = |service: &VolumeService| service.volume("db").unwrap().path_states;
+        let served = |port: u16| {
+            let fixture = setup.data_plane.state.lock().unwrap();
+            fixture.path_states.get(&(db.id, port)).copied().unwrap_or(AnaState::Optimized)
+        };
+
+        let paths = service.set_path_state("db", 2, AnaState::Inaccessible).unwrap();
+        assert_eq!(paths[1].state, AnaState::Inaccessible);
+        assert_eq!(kept(service), [(2, PathState::Inaccessible)].into());
+        service.set_path_state("db", 1, AnaState::NonOptimized).unwrap();
+        service.set_path_state("db", 2, AnaState::Optimized).unwrap();
+        assert_eq!(kept(service), [(1, PathState::NonOptimized)].into(), "optimized is not kept");
+        assert_eq!((served(1), served(2)), (AnaState::NonOptimized, AnaState::Optimized));
+
+        // Refused: a port the node lacks, a state only the cluster sets, an unknown volume.
+        let error = service.set_path_state("db", 3, AnaState::Inaccessible).unwrap_err();
+        assert!(error.to_string().contains("no NVMe/TCP port 3"), "{error}");
+        let error = service.set_path_state("db", 2, AnaState::Change).unwrap_err();
+        assert!(error.to_string().contains("set by the cluster only"), "{error}");
+        assert!(matches!(
+            service.set_path_state("nope", 1, AnaState::Inaccessible),
+            Err(ControlError::VolumeNotFound(_))
+        ));
+        assert_eq!(kept(service), [(1, PathState::NonOptimized)].into());
+        assert_eq!(served(2), AnaState::Optimized);
+
+        // A state that cannot be kept is not served either: the port goes back as it was.
+        setup.meta.failing.store(true, Ordering::Relaxed);
+        assert!(matches!(
+            service.set_path_state("db", 2, AnaState::Inaccessible),
+            Err(ControlError::Meta(_))
+        ));
+        setup.meta.failing.store(false, Ordering::Relaxed);
+        assert_eq!(served(2), AnaState::Optimized);
+        assert_eq!(kept(service), [(1, PathState::NonOptimized)].into());
+
+        // A state kept for a port the node no longer has is cleared by setting it optimized.
+        let mut record = service.volume("db").unwrap();
+        record.path_states.insert(5, PathState::Inaccessible);
+        setup.meta.update_volume(&record).unwrap();
+        let error = service.set_path_state("db", 5, AnaState::NonOptimized).unwrap_err();
+        assert!(error.to_string().contains("no NVMe/TCP port 5"), "{error}");
+        service.set_path_state("db", 5, AnaState::Optimized).unwrap();
+        assert_eq!(kept(service), [(1, PathState::NonOptimized)].into());
+        assert!(service.set_path_state("db", 5, AnaState::Optimized).is_err(), "nothing kept");
+
+        // Other changes keep the states.
+        service.set_compression("db", "zstd").unwrap();
+        service.resize("db", 2 << 20).unwrap();
+        service.deny_any_host("db").unwrap();
+        assert_eq!(kept(service), [(1, PathState::NonOptimized)].into());
     }
 
     #[test]

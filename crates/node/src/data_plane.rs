@@ -465,8 +465,8 @@ pub trait DataPlane: Send + Sync {
     }
 
     /// Sets the volume's ANA state through port `port_id`; connected hosts get an ANA change
-    /// notice. The state lasts until the node stops (a restarted node serves every path
-    /// optimized).
+    /// notice. The control plane keeps it in the volume's record
+    /// (`VolumeRecord::path_states`), which the data path applies when it starts.
     fn set_path_state(
         &self,
         volume: &VolumeRecord,

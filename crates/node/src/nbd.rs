@@ -780,6 +780,7 @@ mod tests {
             host_access,
             origin: None,
             compression: meta::Compression::default(),
+            path_states: Default::default(),
         }
     }
 

@@ -464,6 +464,11 @@ impl DataPathBuilder for NvmeDataPathBuilder {
                 target.set_ana_state(&handle.name.subsystem_nqn(), port_id, AnaState::Inaccessible);
             }
         }
+        if replication.is_none() {
+            for record in &context.volumes {
+                restore_path_states(&target, &nvme_addrs, record);
+            }
+        }
         let mut nbd_listener = context.nbd_listen.map(crate::nbd::bind).transpose()?;
         let nbd_addr = match &nbd_listener {
             Some(listener) => Some(listener.local_addr().map_err(DataPlaneError::failed)?),
@@ -585,6 +590,32 @@ fn engine_compression(compression: meta::Compression) -> Compression {
         meta::Compression::Off => Compression::Off,
         meta::Compression::Lz4 => Compression::Lz4,
         meta::Compression::Zstd => Compression::Zstd,
+    }
+}
+
+/// Serves the volume's ports in the ANA states its record keeps (set by hand with `ferrite
+/// volume set-path` before a restart). A kept port this node no longer has (started with fewer
+/// `--nvme-listen` addresses) is left out, with a warning; the record keeps it, so the state
+/// comes back with the port.
+fn restore_path_states(target: &Target, nvme_addrs: &[SocketAddr], record: &VolumeRecord) {
+    for (&port_id, &state) in &record.path_states {
+        let Some(address) = nvme_addrs.get(usize::from(port_id).wrapping_sub(1)) else {
+            tracing::warn!(
+                volume = %record.name,
+                port = port_id,
+                ports = nvme_addrs.len(),
+                state = state.name(),
+                "the volume keeps an ANA state for an NVMe port this node does not have now; \
+                 not applied"
+            );
+            continue;
+        };
+        let state = match state {
+            meta::PathState::NonOptimized => AnaState::NonOptimized,
+            meta::PathState::Inaccessible => AnaState::Inaccessible,
+        };
+        target.set_ana_state(&record.name.subsystem_nqn(), port_id, state);
+        tracing::info!(volume = %record.name, port = port_id, %address, ?state, "ANA state restored");
     }
 }
 
