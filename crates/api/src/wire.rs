@@ -271,6 +271,10 @@ pub struct LocalReplica {
     /// damaged here.
     #[serde(default)]
     pub reconcile_unrecovered: u64,
+    /// Writes this node refused as a replica because their blocks lay beyond its copy of the
+    /// volume (its size differs from the primary's) or their length was invalid.
+    #[serde(default)]
+    pub entries_refused: u64,
 }
 
 /// `GET /v1/cluster`: the cluster's nodes as the answering node sees them.

@@ -457,6 +457,13 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
                     local.reconcile_unrecovered,
                 );
             }
+            if local.entries_refused > 0 {
+                println!(
+                    "{:<13}{} writes from the primary refused: their blocks lie beyond this \
+                     node's copy of the volume (its size here differs from the primary's)",
+                    "REFUSED:", local.entries_refused,
+                );
+            }
         }
     }
     Ok(())

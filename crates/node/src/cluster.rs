@@ -536,6 +536,7 @@ impl Cluster {
             blocks_sent_for_repair: local.stats.blocks_sent_for_repair,
             reconcile_blocks_repaired: local.stats.reconcile_repaired,
             reconcile_unrecovered: local.stats.reconcile_unrecovered,
+            entries_refused: local.stats.entries_refused,
         });
         Some(api::ReplicationInfo {
             epoch: state.epoch,

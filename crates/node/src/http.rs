@@ -880,6 +880,7 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
                     damaged_rewritten: sum(|stats| stats.damaged_rewritten),
                     reconcile_blocks_repaired: sum(|stats| stats.reconcile_repaired),
                     reconcile_unrecovered: sum(|stats| stats.reconcile_unrecovered),
+                    entries_refused: sum(|stats| stats.entries_refused),
                     frames_sent: status.frames_sent.load(Ordering::Relaxed),
                     frames_received: status.frames_received.load(Ordering::Relaxed),
                     frames_dropped: status.frames_dropped.load(Ordering::Relaxed),

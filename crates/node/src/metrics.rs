@@ -51,6 +51,9 @@
 //!   reconciliation after a failover found damaged on this node as the new primary and took
 //!   from another member, and reconciliations that found no member with a good copy (the node
 //!   then stopped serving the volume, as on an I/O error);
+//!   `ferrite_replication_entries_refused_total` (counter, cluster nodes): writes refused as a
+//!   replica because their blocks lay beyond this node's copy of the volume (a size that
+//!   differs from the primary's) or their length was invalid;
 //!   `ferrite_volume_replication_epoch{volume_id}` and `ferrite_volume_serving{volume_id}`
 //!   (gauges): each replicated volume's epoch as this node
 //!   knows it, and 1 while this node serves it
@@ -330,6 +333,8 @@ pub struct ReplicationGauges {
     /// reconciliations that found no member with a good copy (the node then stopped).
     pub reconcile_blocks_repaired: u64,
     pub reconcile_unrecovered: u64,
+    /// Stream entries refused as a replica: blocks beyond this node's copy of the volume.
+    pub entries_refused: u64,
     /// The cluster's members' names by node id, for the `replica` label (empty when the
     /// control store could not be asked: the label is then `n<id>`).
     pub member_names: BTreeMap<u32, String>,
@@ -682,6 +687,13 @@ impl Registry {
                     "Reconciliations that stopped this node because no member had a good copy \
                      of a block damaged here.",
                     replication.reconcile_unrecovered,
+                ),
+                (
+                    "ferrite_replication_entries_refused_total",
+                    "Writes refused as a replica because their blocks lay beyond this node's \
+                     copy of the volume (its size differs from the primary's) or their length \
+                     was invalid.",
+                    replication.entries_refused,
                 ),
             ] {
                 family(&mut out, name, "counter", help);
@@ -1066,6 +1078,7 @@ mod tests {
                 damaged_rewritten: 2,
                 reconcile_blocks_repaired: 6,
                 reconcile_unrecovered: 7,
+                entries_refused: 9,
                 member_names: BTreeMap::new(),
             }),
             volume_space: [(
@@ -1141,6 +1154,7 @@ mod tests {
         assert_eq!(value(&text, "ferrite_replication_reads_unrecovered_total"), 1);
         assert_eq!(value(&text, "ferrite_replication_reconcile_blocks_repaired_total"), 6);
         assert_eq!(value(&text, "ferrite_replication_reconcile_unrecovered_total"), 7);
+        assert_eq!(value(&text, "ferrite_replication_entries_refused_total"), 9);
         assert_eq!(value(&text, "ferrite_replication_damaged_blocks_found_total"), 4);
         assert_eq!(value(&text, "ferrite_replication_damaged_blocks_rewritten_total"), 2);
         assert!(text.contains("ferrite_volume_serving{volume_id=\"1\"} 1\n"), "{text}");

@@ -1615,6 +1615,7 @@ struct Membership {
     removed: u64,
     resyncs_started: u64,
     resyncs_completed: u64,
+    entries_refused: u64,
 }
 
 impl Membership {
@@ -1623,10 +1624,24 @@ impl Membership {
             removed: stats.replicas_removed,
             resyncs_started: stats.resyncs_started,
             resyncs_completed: stats.resyncs_completed,
+            entries_refused: stats.entries_refused,
         }
     }
 
     fn log_changes(self, volume: &VolumeName, before: Self) {
+        // The first refusal, then each time the count doubles: a primary sends a refused entry
+        // again and again until it removes this replica.
+        let refused = |count: u64| count.checked_ilog2();
+        if refused(self.entries_refused) > refused(before.entries_refused) {
+            tracing::warn!(
+                %volume,
+                refused = self.entries_refused,
+                "refused writes from the volume's primary whose blocks lie beyond this replica's \
+                 copy of the volume (or whose length is invalid): the volume's size here differs \
+                 from the primary's; the primary will remove this replica from the in-sync set \
+                 (`ferrite volume show` counts the refusals)"
+            );
+        }
         if self.removed > before.removed {
             tracing::warn!(
                 %volume,

@@ -157,6 +157,7 @@ impl Replica {
             && entry.length_valid()
             && entry.lba.checked_add(count).is_some_and(|end| end <= shared.config.volume_blocks);
         if !valid {
+            shared.stats.entries_refused += 1;
             return;
         }
         if seq < stream.next_seq {

@@ -239,6 +239,10 @@ pub struct Stats {
     /// Reconciliations that stopped the node because no probed member had a good copy of a
     /// block damaged here.
     pub reconcile_unrecovered: u64,
+    /// Stream entries this node refused as a replica: blocks beyond its volume (its size
+    /// differs from the primary's) or an invalid length. Never acknowledged, so the primary
+    /// finds the replica late and removes it from the in-sync set.
+    pub entries_refused: u64,
 }
 
 /// Why a local storage request was made; its completion goes back to whoever made it.
@@ -1202,6 +1206,31 @@ mod tests {
             })
             .collect();
         assert_eq!(written, vec![13, 14], "both, in order, once the region is durable");
+    }
+
+    /// An entry whose blocks lie beyond this replica's copy of the volume (the primary's size
+    /// differs) is refused and counted, never written nor acknowledged; the stream behind it
+    /// goes on.
+    #[test]
+    fn an_entry_beyond_the_volume_is_refused_and_counted() {
+        let config = Config { volume_blocks: 64, ..Config::default() };
+        let mut node = VolumeNode::new(config, NodeId(1), 2, 1, None);
+        let mut out = Vec::new();
+        node.handle(0, append(1, 1, 1, 1, 64), &mut out);
+        assert!(
+            !out.iter().any(|action| matches!(action, Action::StorageWrite { .. })),
+            "nothing written: {out:?}"
+        );
+        assert_eq!(node.stats().entries_refused, 1);
+        node.handle(0, append(1, 1, 1, 1, 100), &mut out);
+        assert_eq!(node.stats().entries_refused, 2, "each time it comes");
+        out.clear();
+        node.handle(0, append(1, 1, 1, 1, 63), &mut out);
+        assert!(
+            matches!(out.as_slice(), [Action::StorageWrite { lba: 63, .. }]),
+            "the last block is in range: {out:?}"
+        );
+        assert_eq!(node.stats().entries_refused, 2);
     }
 
     /// The writes in flight, kept as disjoint ranges, answer overlap queries exactly like a
