@@ -1209,8 +1209,8 @@ mod tests {
     }
 
     /// An entry whose blocks lie beyond this replica's copy of the volume (the primary's size
-    /// differs) is refused and counted, never written nor acknowledged; the stream behind it
-    /// goes on.
+    /// differs) is refused and counted, never written nor acknowledged (the stream waits at it,
+    /// and the primary finds the replica late); a valid entry in its place is written.
     #[test]
     fn an_entry_beyond_the_volume_is_refused_and_counted() {
         let config = Config { volume_blocks: 64, ..Config::default() };
