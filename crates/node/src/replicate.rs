@@ -1609,7 +1609,8 @@ struct QueuedWrite {
 /// The in-sync set as a primary changes it, counted in its `replication::Stats`: replicas it
 /// removed (they stopped acknowledging within `ack_timeout_ms`, half the lease), resyncs it
 /// started and resynced replicas it added back. Each change is logged, since writes complete
-/// on fewer copies in between.
+/// on fewer copies in between. Also, as a replica, the entries it refused (which lead its
+/// primary to remove it), logged at the first and each time their count doubles.
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct Membership {
     removed: u64,
