@@ -363,6 +363,15 @@ fn isolate_the_primary_and_bring_it_back(isolation: Isolation) {
         state.in_sync.len() == 3 && state.primary.as_ref() == Some(&second_primary)
     });
     assert_eq!(resynced.epoch, second.epoch, "no failover meanwhile: {resynced:?}");
+    // Its log says why it stopped serving and when it could again.
+    let said = cluster.node(old_index).stderr_all();
+    for line in ["this node's lease lapsed", "this node holds a valid lease again"] {
+        assert!(said.contains(line), "{old} did not log \"{line}\" after {what}");
+    }
+    if matches!(isolation, Isolation::Cut) {
+        let line = "cannot renew this node's lease";
+        assert!(said.contains(line), "{old} did not log \"{line}\" after {what}");
+    }
     step(&workload, "after the old primary's return");
 
     leave_only(&mut cluster, &workload, old_index, second.epoch);

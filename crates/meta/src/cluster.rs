@@ -314,23 +314,37 @@ impl ClusterStore {
     /// [`MetaError::ReplicationStateMissing`] when a request needs the volume's state and the
     /// store has none.
     pub fn handle(&self, volume_id: u64, request: &StoreRequest) -> Result<StoreReply, MetaError> {
+        self.handle_within(volume_id, request, self.timeout)
+    }
+
+    /// [`Self::handle`], bounded by `timeout` (at most the store's own) instead of the store's
+    /// timeout: for a caller that gives up on an answer sooner, such as a lease keeper that
+    /// sends a fresh renewal after its own timeout, so a call stuck on a lost connection does
+    /// not hold up the next one.
+    pub fn handle_within(
+        &self,
+        volume_id: u64,
+        request: &StoreRequest,
+        timeout: Duration,
+    ) -> Result<StoreReply, MetaError> {
+        let timeout = timeout.min(self.timeout);
         match request.clone() {
-            StoreRequest::Get => self.call(move |mut clients| async move {
+            StoreRequest::Get => self.call_within(timeout, move |mut clients| async move {
                 let key = clients.keys.replication(volume_id);
                 let Some(entry) = get_one(&mut clients.kv, &key).await? else {
                     return Err(MetaError::ReplicationStateMissing { volume_id }.into());
                 };
                 Ok(StoreReply::Volume(decode_volume_entry(&clients.keys, &entry)?))
             }),
-            StoreRequest::Snapshot => {
-                self.call(move |clients| async move { snapshot(clients, volume_id).await })
-            }
+            StoreRequest::Snapshot => self.call_within(timeout, move |clients| async move {
+                snapshot(clients, volume_id).await
+            }),
             StoreRequest::Cas { expected_version, new, require_live, require_not_live } => {
                 let cas = Cas { volume_id, expected_version, new, require_live, require_not_live };
-                self.call(move |clients| async move { cas.run(clients).await })
+                self.call_within(timeout, move |clients| async move { cas.run(clients).await })
             }
             StoreRequest::KeepAlive { node, lease, nonce } => {
-                self.call(move |mut clients| async move {
+                self.call_within(timeout, move |mut clients| async move {
                     if let Some(lease) = lease {
                         if renew(&mut clients, node, lease).await? {
                             return Ok(StoreReply::Lease { lease });
@@ -574,6 +588,16 @@ impl ClusterStore {
         Fut: Future<Output = CallResult<T>> + Send + 'static,
         T: Send + 'static,
     {
+        self.call_within(self.timeout, operation)
+    }
+
+    /// [`Self::call`], bounded by `timeout` instead of the store's timeout.
+    fn call_within<T, F, Fut>(&self, timeout: Duration, operation: F) -> Result<T, MetaError>
+    where
+        F: FnOnce(Clients) -> Fut,
+        Fut: Future<Output = CallResult<T>> + Send + 'static,
+        T: Send + 'static,
+    {
         let runtime = self.runtime.as_ref().expect("the runtime lives as long as the store");
         let clients = Clients {
             kv: self.kv.clone(),
@@ -581,7 +605,7 @@ impl ClusterStore {
             keys: self.keys.clone(),
             lease_ttl_s: self.lease_ttl_s,
         };
-        run(runtime, self.timeout, &self.endpoints, operation(clients))
+        run(runtime, timeout, &self.endpoints, operation(clients))
     }
 }
 
@@ -1357,6 +1381,29 @@ mod tests {
         assert!(matches!(store.members(), Err(MetaError::RecordCorrupt { .. })));
         put("leases/12", "+3");
         assert!(matches!(store.live_leases(), Err(MetaError::RecordCorrupt { .. })));
+    }
+
+    /// A call given a shorter bound than the store's gives up at that bound while etcd hangs,
+    /// and the store serves again once etcd answers.
+    #[test]
+    fn a_call_bounded_below_the_store_timeout_gives_up_at_its_bound() {
+        let server = EtcdServer::start();
+        let store = connect(&server, "/ferrite/bounded");
+        let renewal = keep_alive(A, None, 1);
+        let Ok(StoreReply::Lease { lease }) = store.handle(VOLUME_ID, &renewal) else {
+            panic!("a lease granted");
+        };
+        server.pause();
+        let started = Instant::now();
+        let error = store
+            .handle_within(VOLUME_ID, &keep_alive(A, Some(lease), 2), Duration::from_millis(200))
+            .unwrap_err();
+        let waited = started.elapsed();
+        server.resume();
+        assert!(matches!(error, MetaError::Unreachable { .. }), "{error}");
+        assert!(waited < TEST_TIMEOUT, "gave up after {waited:?}, not at its own bound");
+        let reply = store.handle(VOLUME_ID, &keep_alive(A, Some(lease), 3)).unwrap();
+        assert!(matches!(reply, StoreReply::Lease { .. }), "{reply:?}");
     }
 
     #[test]

@@ -71,6 +71,9 @@ const WAITING_HOST_COMMANDS_MAX: usize = 1024;
 /// Control store jobs queued for the store thread; beyond, a job is dropped (its state machine
 /// retries after its timeout).
 const STORE_JOBS_MAX: usize = 256;
+/// Lease renewals queued for the lease thread: the keeper has one in flight at a time and
+/// sends another only once that one timed out, so two are the most that can wait.
+const LEASE_JOBS_MAX: usize = 2;
 /// Bytes of frames queued for one peer at most; beyond, frames are dropped (the protocol
 /// sends them again). Holds a full stream window of 256 KiB entries.
 const LINK_QUEUED_BYTES_MAX: usize = 8 << 20;
@@ -727,7 +730,18 @@ pub(crate) fn spawn(
     let store_link = link.clone();
     std::thread::Builder::new()
         .name("ferrite-repl-store".to_owned())
-        .spawn(move || store_thread(cluster, job_receiver, store_link))?;
+        .spawn(move || store_thread(cluster, job_receiver, store_link, StoreThread::Volumes))?;
+    // The lease's renewals on a thread of their own, so a slow volume or manager call (a
+    // transaction waiting for etcd's disk, up to the store's timeout each) never holds a renewal
+    // up until the lease lapses.
+    let (lease_jobs, lease_receiver) = std::sync::mpsc::sync_channel(LEASE_JOBS_MAX);
+    let cluster = Arc::clone(&setup.store);
+    let lease_link = link.clone();
+    let lease_thread =
+        StoreThread::Lease { timeout: Duration::from_millis(setup.config.store_timeout_ms) };
+    std::thread::Builder::new()
+        .name("ferrite-repl-lease".to_owned())
+        .spawn(move || store_thread(cluster, lease_receiver, lease_link, lease_thread))?;
     let service = Service {
         admitting: false,
         me: setup.me,
@@ -745,6 +759,8 @@ pub(crate) fn spawn(
         manager: None,
         last_campaign_ms: None,
         jobs,
+        lease_jobs,
+        lease_lapsed_ms: None,
         links: HashMap::new(),
         peers: setup.peers,
         link,
@@ -767,17 +783,58 @@ pub(crate) fn spawn(
     Ok(tokio::task::spawn_local(service.run(inbox, stop)))
 }
 
+/// What a store thread runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StoreThread {
+    /// The volumes' and the manager's calls and the campaigns; a failed one is retried by its
+    /// state machine, and logged at debug.
+    Volumes,
+    /// The node's lease renewals, each bounded by `timeout` (the keeper's store timeout, after
+    /// which it sends a fresh one, so a call stuck on a lost connection holds up no later one);
+    /// the first failure after a success is a warning (a lease that is not renewed lapses, and
+    /// this node's volumes stop being served here).
+    Lease { timeout: Duration },
+}
+
 /// Runs the control store calls, one at a time, off the data path.
 fn store_thread(
     cluster: Arc<ClusterStore>,
     jobs: std::sync::mpsc::Receiver<StoreJob>,
     link: ServiceLink,
+    role: StoreThread,
 ) {
+    // Renewals failed in a row (the lease thread's only).
+    let mut failures = 0u64;
     while let Ok(job) = jobs.recv() {
         let input = match job {
             StoreJob::Request { origin, volume, id, request } => {
-                match cluster.handle(volume, &request) {
-                    Ok(reply) => Input::Store { origin, id, reply },
+                let answer = match role {
+                    StoreThread::Volumes => cluster.handle(volume, &request),
+                    StoreThread::Lease { timeout } => {
+                        cluster.handle_within(volume, &request, timeout)
+                    }
+                };
+                match answer {
+                    Ok(reply) => {
+                        if failures > 0 {
+                            tracing::info!(failures, "renewed this node's lease again");
+                        }
+                        failures = 0;
+                        Input::Store { origin, id, reply }
+                    }
+                    Err(error) if matches!(role, StoreThread::Lease { .. }) => {
+                        failures += 1;
+                        if failures == 1 {
+                            tracing::warn!(
+                                %error,
+                                "cannot renew this node's lease in the control store; retrying \
+                                 (further failures at debug level until one succeeds)"
+                            );
+                        } else {
+                            tracing::debug!(failures, %error, "lease renewal failed");
+                        }
+                        continue;
+                    }
                     Err(error) => {
                         tracing::debug!(volume, %error, "control store call failed");
                         continue;
@@ -917,6 +974,11 @@ struct Service {
     /// Answered once no volume is stepping down any more (a clean stop).
     stepping_down: Option<std::sync::mpsc::SyncSender<()>>,
     jobs: std::sync::mpsc::SyncSender<StoreJob>,
+    /// The lease's renewals, run by a thread of their own.
+    lease_jobs: std::sync::mpsc::SyncSender<StoreJob>,
+    /// When this node's lease lapsed (its clock), while it holds none valid; logged once per
+    /// lapse, and how long the lapse lasted once a renewal answers.
+    lease_lapsed_ms: Option<u64>,
     links: HashMap<NodeId, Rc<PeerLink>>,
     peers: Arc<RwLock<HashMap<NodeId, SocketAddr>>>,
     link: ServiceLink,
@@ -1007,6 +1069,12 @@ impl Service {
                 Origin::Keeper => {
                     if let Some(status) = self.keeper.on_reply(id, &reply) {
                         self.lease = Some(status);
+                        if let Some(lapsed_ms) = self.lease_lapsed_ms.take() {
+                            tracing::info!(
+                                lapsed_for_ms = now.saturating_sub(lapsed_ms),
+                                "this node holds a valid lease again"
+                            );
+                        }
                         let volumes: Vec<u64> = self.volumes.keys().copied().collect();
                         for volume in volumes {
                             self.event(volume, Event::Lease(status));
@@ -1244,13 +1312,15 @@ impl Service {
     fn tick(&mut self) {
         let now = self.now_ms();
         if let Some(call) = self.keeper.tick(now) {
-            self.job(StoreJob::Request {
+            // A dropped renewal is sent again once the keeper's store timeout passes.
+            let _ = self.lease_jobs.try_send(StoreJob::Request {
                 origin: Origin::Keeper,
                 volume: 0,
                 id: call.id,
                 request: call.request,
             });
         }
+        self.note_lease_lapse(now);
         if self.damage_scan_ms.is_none_or(|last| last + DAMAGE_SCAN_INTERVAL_MS <= now) {
             self.damage_scan_ms = Some(now);
             self.note_scrub_damage();
@@ -1320,6 +1390,26 @@ impl Service {
         if self.damage_seen.len() > DAMAGE_SEEN_MAX {
             self.damage_seen.clear();
         }
+    }
+
+    /// Warns once when this node's lease lapses: it then serves none of its volumes as
+    /// primary, and the cluster manager fails them over once the store's lease expires too.
+    fn note_lease_lapse(&mut self, now: u64) {
+        let Some(lease) = self.lease else { return };
+        if lease.valid(now) || self.lease_lapsed_ms.is_some() {
+            return;
+        }
+        self.lease_lapsed_ms = Some(now);
+        let primary_of = self.volumes.values().filter(|replica| replica.node.is_primary()).count();
+        tracing::warn!(
+            last_renewal_sent_ms_ago =
+                now.saturating_sub(lease.valid_until_ms.saturating_sub(self.config.lease_ms)),
+            lease_ms = self.config.lease_ms,
+            primary_of,
+            "this node's lease lapsed: the control store answered no renewal sent within the \
+             lease; the volumes it is primary of are not served here until a renewal is \
+             answered, and the cluster manager fails them over to another node meanwhile"
+        );
     }
 
     fn job(&mut self, job: StoreJob) {

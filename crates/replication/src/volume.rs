@@ -555,6 +555,11 @@ impl VolumeNode {
         Some(lease.valid_until_ms)
     }
 
+    /// Whether this node holds the primary role (in any phase of its term, serving or not).
+    pub fn is_primary(&self) -> bool {
+        matches!(self.role, Role::Primary(_))
+    }
+
     /// Whether storage failed in this process.
     pub fn latched(&self) -> bool {
         self.shared.latched

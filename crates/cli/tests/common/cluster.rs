@@ -6,7 +6,7 @@
 //! Everything is released on every path: dropping a [`Cluster`] kills its nodes (each by the PID
 //! this harness started, never by name), then etcd, then deletes the network namespaces and
 //! links, then the directories. When the test is failing (panicking), the drop first prints the
-//! tail of every node's log, so the failure comes with what the nodes said.
+//! tail of etcd's log and of every node's, so the failure comes with what they said.
 //!
 //! [`Network`] puts each node in its own network namespace, joined to a bridge in the root
 //! namespace by a veth pair; etcd and the test process stay in the root namespace and reach the
@@ -93,7 +93,7 @@ impl Etcd {
     /// When etcd is missing or does not come up: nothing is skipped.
     pub fn start(client_ip: &str) -> Etcd {
         for attempt in 1..=ETCD_START_ATTEMPTS_MAX {
-            let dir = tempfile::tempdir().expect("a temporary directory for etcd");
+            let dir = etcd_data_dir();
             let client_port = free_port();
             let peer_url = format!("http://127.0.0.1:{}", free_port());
             let client_url = format!("http://{client_ip}:{client_port}");
@@ -166,6 +166,19 @@ impl Drop for Etcd {
             let _ = child.wait();
         }
     }
+}
+
+/// A temporary directory for etcd's data, in RAM (/dev/shm) where the machine has it: etcd
+/// syncs its log at every write, and a pause of the shared disk the tests run on (a second or
+/// more at times) would lapse every node's 2 s lease at once and fail volumes over in tests that
+/// expect none. What the tests check is Ferrite, not the disk under etcd. The default temporary
+/// directory where /dev/shm is missing or not writable.
+fn etcd_data_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("ferrite-etcd-")
+        .tempdir_in("/dev/shm")
+        .or_else(|_| tempfile::tempdir())
+        .expect("a temporary directory for etcd")
 }
 
 /// `IP:PORT` of an etcd client URL.
@@ -863,6 +876,10 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         if std::thread::panicking() {
+            eprintln!(
+                "----- the last {ETCD_LOG_TAIL_LINES} log lines of etcd -----\n{}",
+                self.etcd.log_tail()
+            );
             for node in &self.nodes {
                 eprintln!(
                     "----- the last {LOG_TAIL_LINES} log lines of {} ({}) -----\n{}",

@@ -2,7 +2,7 @@
 //!
 //! Each [`EtcdServer`] is one `etcd` process (Debian's `etcd-server` package, installed by
 //! `scripts/deps.sh`) listening on free ports of 127.0.0.1, with its data in a temporary
-//! directory. It is killed, by the process id this helper started, when the value is dropped.
+//! directory in RAM (/dev/shm, where there is one: [`data_dir`]). It is killed, by the process id this helper started, when the value is dropped.
 //! A missing `etcd` binary fails the test with what to do, never skips it.
 
 use std::fs::File;
@@ -24,6 +24,22 @@ const HEALTH_REQUEST_TIMEOUT: Duration = Duration::from_millis(500);
 const HEALTH_ANSWER_BYTES_MAX: u64 = 4096;
 const LOG_TAIL_BYTES_MAX: usize = 4096;
 
+/// A temporary directory for a test etcd's data, in RAM (/dev/shm) where the machine has it.
+///
+/// etcd syncs its log to disk at every write, and the tests run on a shared disk that pauses for
+/// a second or more at times (docs/BENCHMARKS.md, "the disk's longest stall"): with the tests'
+/// short leases, such a pause on etcd's disk lapses every node's lease at once and fails the
+/// cluster over in the middle of a test that expects no failover. In RAM, etcd answers at its
+/// own pace; what is tested is Ferrite, not the disk under etcd. Falls back to the default
+/// temporary directory where /dev/shm is missing or not writable.
+fn data_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("ferrite-etcd-")
+        .tempdir_in("/dev/shm")
+        .or_else(|_| tempfile::tempdir())
+        .expect("create a temporary directory for etcd")
+}
+
 /// A running etcd of one member, for tests. Killed on drop.
 pub struct EtcdServer {
     /// `None` once stopped.
@@ -39,7 +55,7 @@ impl EtcdServer {
     /// cannot; a test cannot go on without it.
     pub fn start() -> Self {
         for attempt in 1..=START_ATTEMPTS_MAX {
-            let dir = tempfile::tempdir().expect("create a temporary directory for etcd");
+            let dir = data_dir();
             let (client_port, peer_port) = free_ports();
             let client_url = format!("http://127.0.0.1:{client_port}");
             let peer_url = format!("http://127.0.0.1:{peer_port}");
@@ -99,9 +115,31 @@ impl EtcdServer {
         vec![self.client_url.clone()]
     }
 
+    /// Stops etcd with SIGSTOP, by the process id this helper started: it keeps its
+    /// connections and answers nothing (a test of an etcd that hangs) until [`Self::resume`].
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Continues an etcd stopped by [`Self::pause`].
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("a running etcd");
+        let status = Command::new("kill")
+            .arg(signal)
+            .arg(child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal} {} failed: {status}", child.id());
+    }
+
     /// Kills etcd now (a test of an etcd that went away). Idempotent.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
+            // A paused etcd dies of SIGKILL as well.
             // Kills the process this helper started, by its id; it may have exited already.
             let _ = child.kill();
             let _ = child.wait();
