@@ -7,7 +7,7 @@
 
 mod etcd_server;
 
-pub use etcd_server::EtcdServer;
+pub use etcd_server::{etcd_data_dir, EtcdServer};
 
 use crate::{
     Compression, HostAccess, MetaError, MetaStore, NodeRecord, PathState, SnapshotRecord,

@@ -93,7 +93,9 @@ impl Etcd {
     /// When etcd is missing or does not come up: nothing is skipped.
     pub fn start(client_ip: &str) -> Etcd {
         for attempt in 1..=ETCD_START_ATTEMPTS_MAX {
-            let dir = etcd_data_dir();
+            // In RAM where the machine has it: a pause of the shared test disk would otherwise
+            // lapse every node's 2 s lease at once (`meta::testing::etcd_data_dir`).
+            let dir = meta::testing::etcd_data_dir();
             let client_port = free_port();
             let peer_url = format!("http://127.0.0.1:{}", free_port());
             let client_url = format!("http://{client_ip}:{client_port}");
@@ -166,19 +168,6 @@ impl Drop for Etcd {
             let _ = child.wait();
         }
     }
-}
-
-/// A temporary directory for etcd's data, in RAM (/dev/shm) where the machine has it: etcd
-/// syncs its log at every write, and a pause of the shared disk the tests run on (a second or
-/// more at times) would lapse every node's 2 s lease at once and fail volumes over in tests that
-/// expect none. What the tests check is Ferrite, not the disk under etcd. The default temporary
-/// directory where /dev/shm is missing or not writable.
-fn etcd_data_dir() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("ferrite-etcd-")
-        .tempdir_in("/dev/shm")
-        .or_else(|_| tempfile::tempdir())
-        .expect("a temporary directory for etcd")
 }
 
 /// `IP:PORT` of an etcd client URL.

@@ -2,8 +2,9 @@
 //!
 //! Each [`EtcdServer`] is one `etcd` process (Debian's `etcd-server` package, installed by
 //! `scripts/deps.sh`) listening on free ports of 127.0.0.1, with its data in a temporary
-//! directory in RAM (/dev/shm, where there is one: [`data_dir`]). It is killed, by the process id this helper started, when the value is dropped.
-//! A missing `etcd` binary fails the test with what to do, never skips it.
+//! directory in RAM (/dev/shm, where there is one: [`etcd_data_dir`]). It is killed, by the
+//! process id this helper started, when the value is dropped. A missing `etcd` binary fails the
+//! test with what to do, never skips it.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -24,7 +25,8 @@ const HEALTH_REQUEST_TIMEOUT: Duration = Duration::from_millis(500);
 const HEALTH_ANSWER_BYTES_MAX: u64 = 4096;
 const LOG_TAIL_BYTES_MAX: usize = 4096;
 
-/// A temporary directory for a test etcd's data, in RAM (/dev/shm) where the machine has it.
+/// A temporary directory for a test etcd's data, in RAM (/dev/shm) where the machine has it
+/// (the cli crate's cluster tests start their etcd in one too).
 ///
 /// etcd syncs its log to disk at every write, and the tests run on a shared disk that pauses for
 /// a second or more at times (docs/BENCHMARKS.md, "the disk's longest stall"): with the tests'
@@ -32,7 +34,7 @@ const LOG_TAIL_BYTES_MAX: usize = 4096;
 /// cluster over in the middle of a test that expects no failover. In RAM, etcd answers at its
 /// own pace; what is tested is Ferrite, not the disk under etcd. Falls back to the default
 /// temporary directory where /dev/shm is missing or not writable.
-fn data_dir() -> tempfile::TempDir {
+pub fn etcd_data_dir() -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix("ferrite-etcd-")
         .tempdir_in("/dev/shm")
@@ -55,7 +57,7 @@ impl EtcdServer {
     /// cannot; a test cannot go on without it.
     pub fn start() -> Self {
         for attempt in 1..=START_ATTEMPTS_MAX {
-            let dir = data_dir();
+            let dir = etcd_data_dir();
             let (client_port, peer_port) = free_ports();
             let client_url = format!("http://127.0.0.1:{client_port}");
             let peer_url = format!("http://127.0.0.1:{peer_port}");
