@@ -372,6 +372,12 @@ fn isolate_the_primary_and_bring_it_back(isolation: Isolation) {
         let line = "cannot renew this node's lease";
         assert!(said.contains(line), "{old} did not log \"{line}\" after {what}");
     }
+    // And its metrics count the lapse (and, cut off, the renewals that failed).
+    let metrics = cluster.node(old_index).client().metrics().expect("the old primary's metrics");
+    assert!(common::metric(&metrics, "ferrite_lease_lapses_total") >= 1, "{metrics}");
+    if matches!(isolation, Isolation::Cut) {
+        assert!(common::metric(&metrics, "ferrite_lease_renewals_failed_total") >= 1, "{metrics}");
+    }
     step(&workload, "after the old primary's return");
 
     leave_only(&mut cluster, &workload, old_index, second.epoch);

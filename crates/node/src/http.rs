@@ -881,6 +881,8 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
                     reconcile_blocks_repaired: sum(|stats| stats.reconcile_repaired),
                     reconcile_unrecovered: sum(|stats| stats.reconcile_unrecovered),
                     entries_refused: sum(|stats| stats.entries_refused),
+                    lease_lapses: status.lease_lapses.load(Ordering::Relaxed),
+                    lease_renewals_failed: status.lease_renewals_failed.load(Ordering::Relaxed),
                     frames_sent: status.frames_sent.load(Ordering::Relaxed),
                     frames_received: status.frames_received.load(Ordering::Relaxed),
                     frames_dropped: status.frames_dropped.load(Ordering::Relaxed),

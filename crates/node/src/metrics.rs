@@ -54,6 +54,9 @@
 //!   `ferrite_replication_entries_refused_total` (counter, cluster nodes): writes refused as a
 //!   replica because their blocks lay beyond this node's copy of the volume (a size that
 //!   differs from the primary's) or their length was invalid;
+//!   `ferrite_lease_lapses_total`, `ferrite_lease_renewals_failed_total` (counters, cluster
+//!   nodes): times this node's lease lapsed (it then served no volume as primary until a
+//!   renewal was answered; the log has a warning for each) and renewals that failed;
 //!   `ferrite_volume_replication_epoch{volume_id}` and `ferrite_volume_serving{volume_id}`
 //!   (gauges): each replicated volume's epoch as this node
 //!   knows it, and 1 while this node serves it
@@ -335,6 +338,9 @@ pub struct ReplicationGauges {
     pub reconcile_unrecovered: u64,
     /// Stream entries refused as a replica: blocks beyond this node's copy of the volume.
     pub entries_refused: u64,
+    /// Times this node's lease lapsed, and lease renewals that failed, since the process started.
+    pub lease_lapses: u64,
+    pub lease_renewals_failed: u64,
     /// The cluster's members' names by node id, for the `replica` label (empty when the
     /// control store could not be asked: the label is then `n<id>`).
     pub member_names: BTreeMap<u32, String>,
@@ -694,6 +700,19 @@ impl Registry {
                      copy of the volume (its size differs from the primary's) or their length \
                      was invalid.",
                     replication.entries_refused,
+                ),
+                (
+                    "ferrite_lease_lapses_total",
+                    "Times this node's lease in the control store lapsed (no renewal answered \
+                     within the lease): it then served none of its volumes as primary until a \
+                     renewal was answered.",
+                    replication.lease_lapses,
+                ),
+                (
+                    "ferrite_lease_renewals_failed_total",
+                    "Renewals of this node's lease that failed: the control store erred or did \
+                     not answer within the renewal's timeout.",
+                    replication.lease_renewals_failed,
                 ),
             ] {
                 family(&mut out, name, "counter", help);
@@ -1079,6 +1098,8 @@ mod tests {
                 reconcile_blocks_repaired: 6,
                 reconcile_unrecovered: 7,
                 entries_refused: 9,
+                lease_lapses: 2,
+                lease_renewals_failed: 5,
                 member_names: BTreeMap::new(),
             }),
             volume_space: [(
@@ -1155,6 +1176,8 @@ mod tests {
         assert_eq!(value(&text, "ferrite_replication_reconcile_blocks_repaired_total"), 6);
         assert_eq!(value(&text, "ferrite_replication_reconcile_unrecovered_total"), 7);
         assert_eq!(value(&text, "ferrite_replication_entries_refused_total"), 9);
+        assert_eq!(value(&text, "ferrite_lease_lapses_total"), 2);
+        assert_eq!(value(&text, "ferrite_lease_renewals_failed_total"), 5);
         assert_eq!(value(&text, "ferrite_replication_damaged_blocks_found_total"), 4);
         assert_eq!(value(&text, "ferrite_replication_damaged_blocks_rewritten_total"), 2);
         assert!(text.contains("ferrite_volume_serving{volume_id=\"1\"} 1\n"), "{text}");

@@ -139,6 +139,10 @@ pub struct ReplicationStatus {
     pub frames_dropped: AtomicU64,
     pub frames_sent: AtomicU64,
     pub frames_received: AtomicU64,
+    /// Times this node's lease lapsed (no renewal answered within it) since the process started.
+    pub lease_lapses: Arc<AtomicU64>,
+    /// Lease renewals that failed (the control store erred or did not answer in time).
+    pub lease_renewals_failed: Arc<AtomicU64>,
 }
 
 impl ReplicationStatus {
@@ -737,8 +741,10 @@ pub(crate) fn spawn(
     let (lease_jobs, lease_receiver) = std::sync::mpsc::sync_channel(LEASE_JOBS_MAX);
     let cluster = Arc::clone(&setup.store);
     let lease_link = link.clone();
-    let lease_thread =
-        StoreThread::Lease { timeout: Duration::from_millis(setup.config.store_timeout_ms) };
+    let lease_thread = StoreThread::Lease {
+        timeout: Duration::from_millis(setup.config.store_timeout_ms),
+        failed: Arc::clone(&setup.status.lease_renewals_failed),
+    };
     std::thread::Builder::new()
         .name("ferrite-repl-lease".to_owned())
         .spawn(move || store_thread(cluster, lease_receiver, lease_link, lease_thread))?;
@@ -784,7 +790,7 @@ pub(crate) fn spawn(
 }
 
 /// What a store thread runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 enum StoreThread {
     /// The volumes' and the manager's calls and the campaigns; a failed one is retried by its
     /// state machine, and logged at debug.
@@ -792,8 +798,8 @@ enum StoreThread {
     /// The node's lease renewals, each bounded by `timeout` (the keeper's store timeout, after
     /// which it sends a fresh one, so a call stuck on a lost connection holds up no later one);
     /// the first failure after a success is a warning (a lease that is not renewed lapses, and
-    /// this node's volumes stop being served here).
-    Lease { timeout: Duration },
+    /// this node's volumes stop being served here). Failures are counted in `failed`.
+    Lease { timeout: Duration, failed: Arc<AtomicU64> },
 }
 
 /// Runs the control store calls, one at a time, off the data path.
@@ -808,10 +814,10 @@ fn store_thread(
     while let Ok(job) = jobs.recv() {
         let input = match job {
             StoreJob::Request { origin, volume, id, request } => {
-                let answer = match role {
+                let answer = match &role {
                     StoreThread::Volumes => cluster.handle(volume, &request),
-                    StoreThread::Lease { timeout } => {
-                        cluster.handle_within(volume, &request, timeout)
+                    StoreThread::Lease { timeout, .. } => {
+                        cluster.handle_within(volume, &request, *timeout)
                     }
                 };
                 match answer {
@@ -824,6 +830,9 @@ fn store_thread(
                     }
                     Err(error) if matches!(role, StoreThread::Lease { .. }) => {
                         failures += 1;
+                        if let StoreThread::Lease { failed, .. } = &role {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                        }
                         if failures == 1 {
                             tracing::warn!(
                                 %error,
@@ -1400,6 +1409,7 @@ impl Service {
             return;
         }
         self.lease_lapsed_ms = Some(now);
+        self.status.lease_lapses.fetch_add(1, Ordering::Relaxed);
         let primary_of = self.volumes.values().filter(|replica| replica.node.is_primary()).count();
         tracing::warn!(
             last_renewal_sent_ms_ago =
