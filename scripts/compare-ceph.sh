@@ -79,7 +79,8 @@ a missed p99.9 goal when it was long enough to set it.
 Where a replicated write's time goes: while Ferrite's cluster runs, every node's /metrics is
 scraped before and after each workload, and scripts/write-stages.py turns the differences into
 the means (and shares over 10 ms) of the primary's host writes, its own log writes, its wait for
-each replica's acknowledgement and each replica's log writes; the report sets them out per
+each replica's acknowledgement, each replica's log writes and each node's write-intent persists
+(how many, and how long); the report sets them out per
 workload under the replicated rows (the scrapes stay in logs/metrics-*.txt).
 
 Environment (all optional):

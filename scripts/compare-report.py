@@ -535,16 +535,20 @@ def write_stages_table(replicas, workloads, fios, lines):
         "acknowledgement from the frame queued (`ferrite_replication_ack_seconds`: the network, the "
         "replica's log write and both nodes' queues), and each replica's log writes. A host write is "
         "answered once its own log write and every in-sync replica's acknowledgement are in; what its "
-        "latency holds beyond the larger of those is queueing in the primary.",
+        "latency holds beyond the larger of those is queueing in the primary. The last column is each "
+        "node's persists of the volume's write intent (`ferrite_replication_intent_persist_seconds`: "
+        "how many, and their mean): a write to a region not yet in the intent waits for one, on the "
+        "primary before it starts, on a replica before the entry and every later one are applied.",
         "",
         "| workload | host writes | host write, receipt to reply | primary's log write "
-        "| each replica's acknowledgement | each replica's log write |",
-        "|---|---:|---:|---:|---|---|",
+        "| each replica's acknowledgement | each replica's log write | write-intent persists |",
+        "|---|---:|---:|---:|---|---|---|",
     ]
     for workload, stages in rows:
         primary = stages.get("primary")
         storage = stages.get("storage_write") or {}
         acks = stages.get("ack") or {}
+        intents = stages.get("intent_persist") or {}
         replicas_seen = sorted(set(acks) | {name for name in storage if name != primary})
         lines.append("| " + " | ".join([
             workload,
@@ -553,6 +557,8 @@ def write_stages_table(replicas, workloads, fios, lines):
             stage_text(storage.get(primary)),
             "; ".join(f"{name} {stage_text(acks.get(name))}" for name in replicas_seen) or "-",
             "; ".join(f"{name} {stage_text(storage.get(name))}" for name in replicas_seen) or "-",
+            "; ".join(f"{name} {number(stage['count'])} x {stage_text(stage)}"
+                      for name, stage in sorted(intents.items())) or "-",
         ]) + " |")
     return True
 

@@ -12,9 +12,12 @@ Each NAME is a node; BEFORE and AFTER are its /metrics text. Prints one JSON obj
                                                                    # receipt to reply
      "storage_write": {NAME: {"count": N, "mean_us": M, "over_10ms": F}, ...},
                                                                    # each node's local log writes
-     "ack": {REPLICA: {"count": N, "mean_us": M, "over_10ms": F}, ...}}
+     "ack": {REPLICA: {"count": N, "mean_us": M, "over_10ms": F}, ...},
                                                                    # the primary's wait for each
                                                                    # replica's acknowledgement
+     "intent_persist": {NAME: {"count": N, "mean_us": M, "over_10ms": F}, ...}}
+                                                                   # each node's persists of the
+                                                                   # write intent (those it made)
 
 `over_10ms` is the share of samples above 10 ms (a bucket bound). A histogram missing from a
 scrape (a node that had not written yet) counts as empty; one whose count went down (a node
@@ -136,7 +139,14 @@ def main():
         stage = delta(acks_before.get(replica), histogram)
         if stage is not None:
             acks[replica] = stage
-    json.dump({"primary": args.primary, "host_write": host, "storage_write": storage, "ack": acks}, sys.stdout)
+    intents = {}
+    for name, (node_before, node_after) in sorted(scrapes.items()):
+        stage = delta(find(node_before, "ferrite_replication_intent_persist_seconds", volume=volume),
+                      find(node_after, "ferrite_replication_intent_persist_seconds", volume=volume))
+        if stage is not None and stage["count"] > 0:
+            intents[name] = stage
+    json.dump({"primary": args.primary, "host_write": host, "storage_write": storage, "ack": acks,
+               "intent_persist": intents}, sys.stdout)
     print()
     return 0
 

@@ -378,6 +378,15 @@ fn isolate_the_primary_and_bring_it_back(isolation: Isolation) {
     if matches!(isolation, Isolation::Cut) {
         assert!(common::metric(&metrics, "ferrite_lease_renewals_failed_total") >= 1, "{metrics}");
     }
+    // As the primary it persisted the write intent for the regions the workload wrote.
+    let persists =
+        format!("ferrite_replication_intent_persist_seconds_count{{volume=\"{VOLUME}\",");
+    let persisted = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(persists.as_str()))
+        .and_then(|rest| rest.rsplit(' ').next())
+        .and_then(|count| count.parse::<u64>().ok());
+    assert!(persisted.is_some_and(|count| count >= 1), "{persisted:?} {metrics}");
     step(&workload, "after the old primary's return");
 
     leave_only(&mut cluster, &workload, old_index, second.epoch);

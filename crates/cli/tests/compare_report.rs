@@ -363,6 +363,22 @@ fn the_replicated_writes_stages_come_from_the_metrics_before_and_after_a_workloa
         write("b0", metrics_text((0, 0.0, 0), (900, 1.0, 900), &[])),
         write("b1", metrics_text((0, 0.0, 0), (10, 0.1, 10), &[])),
     ];
+    // The primary persisted its write intent 4 times more, 0.2 s in all, one over 10 ms; the
+    // replicas' metrics have no persists (n2's none at all, the series absent).
+    let intent = |count: u64, sum: f64, within: u64| {
+        format!(
+            "ferrite_replication_intent_persist_seconds_bucket{{volume=\"vol\",volume_id=\"3\",\
+             le=\"0.01\"}} {within}\nferrite_replication_intent_persist_seconds_bucket{{volume=\"vol\",\
+             volume_id=\"3\",le=\"+Inf\"}} {count}\nferrite_replication_intent_persist_seconds_sum{{\
+             volume=\"vol\",volume_id=\"3\"}} {sum}\nferrite_replication_intent_persist_seconds_count{{\
+             volume=\"vol\",volume_id=\"3\"}} {count}\n"
+        )
+    };
+    for (path, extra) in primary.iter().zip([intent(2, 0.01, 2), intent(6, 0.21, 5)]) {
+        let mut text = std::fs::read_to_string(path).expect("read metrics");
+        text += &extra;
+        std::fs::write(path, text).expect("write metrics");
+    }
     let output = client("python3", "python3")
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/write-stages.py"))
         .args(["--volume", "vol", "--primary", "n1"])
@@ -383,6 +399,10 @@ fn the_replicated_writes_stages_come_from_the_metrics_before_and_after_a_workloa
     assert_eq!(parsed["ack"]["n2"]["mean_us"], 5_000.0);
     assert_eq!(parsed["ack"]["n2"]["over_10ms"], 0.0);
     assert_eq!(parsed["ack"]["n3"]["count"], 500);
+    assert_eq!(parsed["intent_persist"]["n1"]["count"], 4);
+    assert_eq!(parsed["intent_persist"]["n1"]["mean_us"], 50_000.0);
+    assert_eq!(parsed["intent_persist"]["n1"]["over_10ms"], 0.25);
+    assert!(parsed["intent_persist"].get("n2").is_none(), "{stages}");
 
     // The report sets them out per workload for the replicated rows.
     let extra = format!(r#", "write_stages": {}"#, stages.trim());
@@ -404,7 +424,7 @@ fn the_replicated_writes_stages_come_from_the_metrics_before_and_after_a_workloa
     assert_eq!(
         line_starting(&report, "| 4k_randwrite | 1,000 |"),
         "| 4k_randwrite | 1,000 | 3,000 (5.0%) | 1,000 (0.0%) | n2 5,000 (0.0%); n3 4,000 (0.0%) \
-         | n2 1,000 (0.0%); n3 - |"
+         | n2 1,000 (0.0%); n3 - | n1 4 x 50,000 (25.0%) |"
     );
 }
 

@@ -78,6 +78,9 @@
 //! - `ferrite_replication_storage_write_seconds{volume,volume_id}` (histogram, cluster nodes,
 //!   once the volume has had one): each replicated write's local log write, from its start to
 //!   durable; on the primary its own copy of a host write, on a replica an entry it appends
+//! - `ferrite_replication_intent_persist_seconds{volume,volume_id}` (histogram, cluster nodes,
+//!   once the volume has had one): each persist of the volume's write intent (its file
+//!   written, synced and renamed), which writes to regions not yet in the intent wait for
 //! - `ferrite_replication_ack_seconds{volume,volume_id,replica}` (histogram, cluster nodes, on
 //!   the primary): from an entry's frame queued for replica `replica` (the member's name, or
 //!   `n<id>` when the control store does not answer) to the
@@ -191,6 +194,8 @@ pub struct VolumeMetrics {
     errors: AtomicU64,
     /// Replicated volumes: each replicated write's local log write (either role).
     replicated_write_latency: Histogram,
+    /// Replicated volumes: each persist of the write intent (file written, synced, renamed).
+    intent_persist_latency: Histogram,
     /// The primary's wait for each replica's acknowledgements, by replica node id, oldest
     /// first; at most [`REPLICA_ACK_SERIES_MAX`]. Locked once per replica and scrape, never
     /// per write: the replication service keeps the `Arc`s it was given.
@@ -256,6 +261,12 @@ impl VolumeMetrics {
 
     pub fn replicated_write_latency(&self) -> &Histogram {
         &self.replicated_write_latency
+    }
+
+    /// A persist of the volume's write intent took `latency_us`, from its start to the file
+    /// synced and renamed (the writes and stream entries waiting for it wait that long).
+    pub fn record_intent_persist(&self, latency_us: u64) {
+        self.intent_persist_latency.record(latency_us);
     }
 
     /// The histogram of replica `node`'s acknowledgement latency, made on first use.
@@ -826,6 +837,31 @@ impl Registry {
             }
         }
 
+        const INTENT_PERSIST: &str = "ferrite_replication_intent_persist_seconds";
+        let persisting: Vec<_> = volumes
+            .iter()
+            .filter(|(_, _, metrics)| metrics.intent_persist_latency.count() > 0)
+            .collect();
+        if !persisting.is_empty() {
+            family(
+                &mut out,
+                INTENT_PERSIST,
+                "histogram",
+                "A persist of the volume's write intent (a file written, synced and renamed), \
+                 which the writes to regions not yet in it wait for: the primary's host writes, \
+                 a replica's stream entries.",
+            );
+            for (id, name, metrics) in persisting {
+                let labels = volume_labels(*id, name.as_ref());
+                render_histogram(
+                    &mut out,
+                    INTENT_PERSIST,
+                    &labels,
+                    &metrics.intent_persist_latency,
+                );
+            }
+        }
+
         const ACK: &str = "ferrite_replication_ack_seconds";
         let acks: Vec<_> = volumes
             .iter()
@@ -1027,6 +1063,8 @@ mod tests {
 
         metrics.record_replicated_write(700);
         metrics.record_replicated_write(3_000);
+        assert!(!registry.render(&NodeGauges::default()).contains("intent_persist"));
+        metrics.record_intent_persist(40_000);
         let first = metrics.replica_ack_latency(2);
         first.record(1_200);
         assert!(Arc::ptr_eq(&first, &metrics.replica_ack_latency(2)), "one series per replica");
@@ -1039,6 +1077,10 @@ mod tests {
         assert_eq!(value(&text, &format!("{storage}_bucket{{{labels},le=\"0.0025\"}}")), 1);
         assert_eq!(value(&text, &format!("{storage}_bucket{{{labels},le=\"+Inf\"}}")), 2);
         assert!(text.contains(&format!("{storage}_sum{{{labels}}} 0.0037\n")), "{text}");
+        let intent = "ferrite_replication_intent_persist_seconds";
+        assert_eq!(value(&text, &format!("{intent}_count{{{labels}}}")), 1);
+        assert!(text.contains(&format!("{intent}_sum{{{labels}}} 0.04\n")), "{text}");
+        assert!(!text.contains(&format!("{intent}_count{{volume=\"idle\"")), "{text}");
         let ack = "ferrite_replication_ack_seconds";
         assert_eq!(value(&text, &format!("{ack}_count{{{labels},replica=\"n2\"}}")), 1);
         assert_eq!(

@@ -1622,19 +1622,25 @@ impl Service {
     }
 
     fn persist_intent(&mut self, volume: u64, version: u64, intent: &replication::WriteIntent) {
-        let Some(generation) = self.volumes.get(&volume).map(|replica| replica.generation) else {
+        let Some((generation, metrics)) = self
+            .volumes
+            .get(&volume)
+            .map(|replica| (replica.generation, Arc::clone(&replica.handle.metrics)))
+        else {
             return;
         };
         let dir = self.state_dir.clone();
         let inbox = self.link.inbox.clone();
         let bytes = intent.to_bytes();
         tokio::task::spawn_local(async move {
+            let started = Instant::now();
             let written = tokio::task::spawn_blocking(move || {
                 replace_file(&dir, &intent_path(&dir, volume), &bytes)
             })
             .await;
             match written {
                 Ok(Ok(())) => {
+                    metrics.record_intent_persist(crate::metrics::micros(started.elapsed()));
                     let _ =
                         inbox.send(Input::IntentPersisted { volume, generation, version }).await;
                 }
