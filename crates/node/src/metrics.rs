@@ -813,54 +813,23 @@ impl Registry {
             }
         }
 
-        const STORAGE_WRITE: &str = "ferrite_replication_storage_write_seconds";
-        let replicated: Vec<_> = volumes
-            .iter()
-            .filter(|(_, _, metrics)| metrics.replicated_write_latency.count() > 0)
-            .collect();
-        if !replicated.is_empty() {
-            family(
-                &mut out,
-                STORAGE_WRITE,
-                "histogram",
-                "A replicated write's local log write (the primary's copy or a replica's \
-                 entry), from its start to durable.",
-            );
-            for (id, name, metrics) in replicated {
-                let labels = volume_labels(*id, name.as_ref());
-                render_histogram(
-                    &mut out,
-                    STORAGE_WRITE,
-                    &labels,
-                    &metrics.replicated_write_latency,
-                );
-            }
-        }
-
-        const INTENT_PERSIST: &str = "ferrite_replication_intent_persist_seconds";
-        let persisting: Vec<_> = volumes
-            .iter()
-            .filter(|(_, _, metrics)| metrics.intent_persist_latency.count() > 0)
-            .collect();
-        if !persisting.is_empty() {
-            family(
-                &mut out,
-                INTENT_PERSIST,
-                "histogram",
-                "A persist of the volume's write intent (a file written, synced and renamed), \
-                 which the writes to regions not yet in it wait for: the primary's host writes, \
-                 a replica's stream entries.",
-            );
-            for (id, name, metrics) in persisting {
-                let labels = volume_labels(*id, name.as_ref());
-                render_histogram(
-                    &mut out,
-                    INTENT_PERSIST,
-                    &labels,
-                    &metrics.intent_persist_latency,
-                );
-            }
-        }
+        render_recorded(
+            &mut out,
+            &volumes,
+            "ferrite_replication_storage_write_seconds",
+            "A replicated write's local log write (the primary's copy or a replica's entry), \
+             from its start to durable.",
+            |metrics| &metrics.replicated_write_latency,
+        );
+        render_recorded(
+            &mut out,
+            &volumes,
+            "ferrite_replication_intent_persist_seconds",
+            "A persist of the volume's write intent (a file written, synced and renamed), which \
+             the writes to regions not yet in it wait for: the primary's host writes, a \
+             replica's stream entries.",
+            |metrics| &metrics.intent_persist_latency,
+        );
 
         const ACK: &str = "ferrite_replication_ack_seconds";
         let acks: Vec<_> = volumes
@@ -902,6 +871,26 @@ impl Registry {
 }
 
 /// The `_bucket`, `_sum` and `_count` series of one histogram with `labels` (without `le`).
+/// The histogram family `name`, one series per volume that recorded a sample in it (`pick`);
+/// nothing at all while none has, so a node without replicated volumes shows no such family.
+fn render_recorded(
+    out: &mut String,
+    volumes: &[(u64, Option<VolumeName>, Arc<VolumeMetrics>)],
+    name: &str,
+    help: &str,
+    pick: impl Fn(&VolumeMetrics) -> &Histogram,
+) {
+    let recorded: Vec<_> =
+        volumes.iter().filter(|(_, _, metrics)| pick(metrics).count() > 0).collect();
+    if recorded.is_empty() {
+        return;
+    }
+    family(out, name, "histogram", help);
+    for (id, name_label, metrics) in recorded {
+        render_histogram(out, name, &volume_labels(*id, name_label.as_ref()), pick(metrics));
+    }
+}
+
 fn render_histogram(out: &mut String, name: &str, labels: &str, histogram: &Histogram) {
     let (cumulative, sum_us) = histogram.snapshot();
     let bounds = LATENCY_BUCKET_BOUNDS_US.iter().map(|&us| Some(us)).chain([None]);

@@ -828,24 +828,26 @@ fn store_thread(
                         failures = 0;
                         Input::Store { origin, id, reply }
                     }
-                    Err(error) if matches!(role, StoreThread::Lease { .. }) => {
-                        failures += 1;
-                        if let StoreThread::Lease { failed, .. } = &role {
-                            failed.fetch_add(1, Ordering::Relaxed);
-                        }
-                        if failures == 1 {
-                            tracing::warn!(
-                                %error,
-                                "cannot renew this node's lease in the control store; retrying \
-                                 (further failures at debug level until one succeeds)"
-                            );
-                        } else {
-                            tracing::debug!(failures, %error, "lease renewal failed");
-                        }
-                        continue;
-                    }
                     Err(error) => {
-                        tracing::debug!(volume, %error, "control store call failed");
+                        match &role {
+                            StoreThread::Lease { failed, .. } => {
+                                failures += 1;
+                                failed.fetch_add(1, Ordering::Relaxed);
+                                if failures == 1 {
+                                    tracing::warn!(
+                                        %error,
+                                        "cannot renew this node's lease in the control store; \
+                                         retrying (further failures at debug level until one \
+                                         succeeds)"
+                                    );
+                                } else {
+                                    tracing::debug!(failures, %error, "lease renewal failed");
+                                }
+                            }
+                            StoreThread::Volumes => {
+                                tracing::debug!(volume, %error, "control store call failed");
+                            }
+                        }
                         continue;
                     }
                 }
