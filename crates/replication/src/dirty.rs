@@ -53,6 +53,13 @@ impl DirtySet {
         self.volume_blocks
     }
 
+    /// The volume grew to `volume_blocks`. A full copy under way goes on to the new end; the
+    /// new blocks are dirty only then (elsewhere nothing wrote them yet).
+    pub fn grow(&mut self, volume_blocks: u64) {
+        assert!(volume_blocks >= self.volume_blocks, "volumes only grow");
+        self.volume_blocks = volume_blocks;
+    }
+
     /// Makes every block dirty (a full copy).
     pub fn fill(&mut self) {
         self.lbas.clear();

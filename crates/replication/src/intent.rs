@@ -138,6 +138,24 @@ impl IntentSet {
         start..start.saturating_add(self.region_blocks).min(self.volume_blocks)
     }
 
+    /// The volume grew to `volume_blocks`. A persisted intent lists the old last region only
+    /// as far as the old end, so when that region was short it no longer counts as held: a
+    /// write there waits for a persist that lists it whole.
+    pub fn grow(&mut self, volume_blocks: u64) {
+        assert!(volume_blocks >= self.volume_blocks, "volumes only grow");
+        if self.volume_blocks % self.region_blocks != 0 {
+            let short = self.volume_blocks / self.region_blocks;
+            let snapshots =
+                std::iter::once(&mut self.durable).chain(self.in_flight.as_mut().map(|(_, s)| s));
+            for snapshot in snapshots {
+                if let Some(regions) = &mut snapshot.regions {
+                    regions.remove(&short);
+                }
+            }
+        }
+        self.volume_blocks = volume_blocks;
+    }
+
     /// What will be durable once the persist in flight completes.
     fn latest(&self) -> &Snapshot {
         self.in_flight.as_ref().map_or(&self.durable, |(_, snapshot)| snapshot)
@@ -494,6 +512,35 @@ mod tests {
         set
     }
 
+    #[test]
+    fn a_short_last_region_is_held_again_only_after_a_persist_lists_it_whole() {
+        // 62 blocks in regions of 4: the last region, 60..62, is short.
+        let config = Config { volume_blocks: 62, ..config() };
+        let mut set = IntentSet::new(&config, None);
+        let mut out = Vec::new();
+        set.shrink(0, std::iter::empty(), false, &mut Stats::default(), &mut out);
+        assert_eq!(persists(&mut out), vec![(1, Some(vec![]))]);
+        assert!(set.on_persisted(1));
+        assert!(!intend(&mut set, 60..62, 1, &mut out));
+        assert_eq!(persists(&mut out), vec![(2, Some(vec![60..62]))]);
+        assert!(set.on_persisted(2));
+        assert!(set.covered(60..62));
+
+        set.grow(64);
+        // The durable file lists 60..62 only: neither the old nor the new blocks of the
+        // region count as held until a persist lists 60..64.
+        assert!(!set.covered(62..64));
+        assert!(!set.covered(60..61));
+        assert!(!intend(&mut set, 62..64, 2, &mut out));
+        assert_eq!(persists(&mut out), vec![(3, Some(vec![60..64]))]);
+        assert!(set.on_persisted(3));
+        assert!(set.covered(60..64));
+
+        // Growing from a whole region keeps what is held.
+        set.grow(128);
+        assert!(set.covered(60..64));
+        assert!(!set.covered(64..65));
+    }
     #[test]
     fn a_write_waits_until_its_region_is_durable_and_then_goes_straight_through() {
         let mut set = started();

@@ -327,6 +327,28 @@
 //! lost, duplicated or late resignation either applies to the view it was made for or fails and
 //! is made again from the store's answer; setting `NONE` twice changes nothing.
 //!
+//! # Growing the volume
+//!
+//! Volumes only grow. The wiring learns a new size from the volume's record (the control plane
+//! writes it first, so a node that starts later starts with it), grows its storage, then
+//! calls [`VolumeNode::grow`]: from then on the node takes host commands, stream entries and
+//! reads up to the new end. Nodes learn it each at their own time, and nothing orders them:
+//!
+//! - A primary grown before a replica sends entries the replica refuses as outside its volume;
+//!   it acknowledges nothing from that entry on, the primary sends it again every
+//!   `retransmit_ms`, and it lands once the replica has grown (after `ack_timeout_ms`, the
+//!   replica leaves the in-sync set like any laggard, and a later resync copies it the blocks
+//!   beyond its old end with the rest). So a write beyond the old end completes only when
+//!   every in-sync replica holds the new size, and a replica promoted later serves it.
+//! - A primary smaller than a member may meet that member's divergence beyond its own end
+//!   (uncommitted writes of an earlier, grown primary). Its copy could not reach those blocks,
+//!   and once it grew the member would hold a write that never completed where the primary
+//!   reads none, so a `ProbeReply` or `Hello` from a larger member (both carry the sender's
+//!   size) waits until the primary has grown: probes are sent again and hellos repeat.
+//! - The write intent persists the old last region only up to the old end; if that region was
+//!   short it no longer counts as held, so a write there waits for a persist that lists it
+//!   whole. A copy under way (resync, reconciliation) reaches the new end.
+//!
 //! # What the wiring must provide
 //!
 //! - Storage: a write completes only when durable; the machine never has two writes to one block

@@ -109,13 +109,23 @@ pub enum Message {
     Ack { epoch: u64, stream: StreamId, durable_seq: u64 },
     /// New primary to in-sync replica: adopt `epoch` and report your divergence.
     Probe { epoch: u64 },
-    /// Reply to `Probe`, sent once `epoch` is durable on the replica.
-    ProbeReply { epoch: u64, incarnation: u64, divergence: DivergenceReport },
+    /// Reply to `Probe`, sent once `epoch` is durable on the replica. `volume_blocks` is the
+    /// volume's size on the replica: a primary smaller than that (it has not learned of a grow
+    /// yet) acts on the reply only once it has grown too, since the divergence may lie beyond
+    /// its end.
+    ProbeReply { epoch: u64, incarnation: u64, volume_blocks: u64, divergence: DivergenceReport },
     /// Replica to primary: I have no live stream from you; take me back. `last_term_epoch` is
     /// the newest epoch in which this process started a term as primary (0: none), and
     /// `divergence` its divergence list now: with them the primary can copy only what differs
     /// to a member that was in sync until the promotion (crate docs, "Resync").
-    Hello { epoch: u64, incarnation: u64, last_term_epoch: u64, divergence: DivergenceReport },
+    /// `volume_blocks` is the volume's size on the sender, as in `ProbeReply`.
+    Hello {
+        epoch: u64,
+        incarnation: u64,
+        last_term_epoch: u64,
+        volume_blocks: u64,
+        divergence: DivergenceReport,
+    },
     /// Either way: I have seen `epoch`, newer than yours. The receiver adopts it; a primary
     /// that receives it is deposed.
     Stale { epoch: u64 },

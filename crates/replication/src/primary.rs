@@ -383,6 +383,24 @@ impl Term {
         self.pending.values().map(|write| write.lbas.clone())
     }
 
+    /// The volume grew to `volume_blocks` (`VolumeNode::grow`): the peers' dirty sets reach
+    /// the new end, so a full copy under way copies the new blocks too.
+    pub fn grow(&mut self, volume_blocks: u64) {
+        assert!(volume_blocks >= self.volume_blocks, "volumes only grow");
+        self.volume_blocks = volume_blocks;
+        for peer in self.peers.values_mut() {
+            match &mut peer.state {
+                PeerState::Pushing(job) | PeerState::CatchingUp { job, .. } => {
+                    job.dirty.grow(volume_blocks);
+                }
+                PeerState::Removing(dirty) | PeerState::OutOfSync(dirty) => {
+                    dirty.grow(volume_blocks);
+                }
+                PeerState::Probing { .. } | PeerState::InSync | PeerState::Adding => {}
+            }
+        }
+    }
+
     /// The copy jobs of this term, one per peer being resynced, rebuilt or reconciled.
     pub fn resync_progress(&self) -> Vec<ResyncProgress> {
         let mut progress = Vec::new();
@@ -1103,6 +1121,13 @@ impl Term {
             Message::Ack { stream, durable_seq, .. } => {
                 self.on_ack(shared, now_ms, from, stream, durable_seq, out)
             }
+            // A peer larger than this node learned of a grow first: its divergence may lie
+            // beyond this node's end, where a copy could not reach it. The reply and the
+            // `Hello` come again (probes are sent again, hellos repeat) and count once this
+            // node has grown too; a probed peer that is still larger after `ack_timeout_ms`
+            // leaves the in-sync set like any silent one.
+            Message::ProbeReply { volume_blocks, .. } | Message::Hello { volume_blocks, .. }
+                if volume_blocks > self.volume_blocks => {}
             Message::ProbeReply { incarnation, divergence, .. } => {
                 self.on_probe_reply(shared, now_ms, from, incarnation, divergence)
             }

@@ -347,6 +347,7 @@ impl Replica {
         let message = Message::ProbeReply {
             epoch,
             incarnation: shared.incarnation,
+            volume_blocks: shared.config.volume_blocks,
             divergence: shared.divergence.report(),
         };
         self.probed_by = Some((to, epoch));
@@ -386,6 +387,7 @@ impl Replica {
                 epoch: shared.epoch,
                 incarnation: shared.incarnation,
                 last_term_epoch: shared.term_started,
+                volume_blocks: shared.config.volume_blocks,
                 divergence: shared.divergence.report(),
             };
             shared.send(primary, message, out);

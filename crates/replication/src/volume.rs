@@ -656,6 +656,29 @@ impl VolumeNode {
         self.shared.damaged.contains(&lba)
     }
 
+    /// The volume grew to `volume_blocks` blocks (never fewer than it has: volumes only grow);
+    /// its storage already holds them. From now on this node takes host commands, stream
+    /// entries and reads up to the new end.
+    ///
+    /// Each node grows on its own, when it learns the new size from the volume's record, so
+    /// a primary may grow before a replica: a replica refuses an entry beyond its size as it
+    /// refuses any entry outside the volume, acknowledges nothing from it on, and the
+    /// primary sends it again until the replica has grown too (or, after `ack_timeout_ms`,
+    /// removes it from the in-sync set). A write beyond the old size therefore completes only
+    /// once every in-sync replica holds the new size, so a promoted replica never lacks it.
+    pub fn grow(&mut self, volume_blocks: u64) {
+        let shared = &mut self.shared;
+        assert!(volume_blocks >= shared.config.volume_blocks, "volumes only grow");
+        if volume_blocks == shared.config.volume_blocks {
+            return;
+        }
+        shared.config.volume_blocks = volume_blocks;
+        shared.intent.grow(volume_blocks);
+        if let Role::Primary(term) = &mut self.role {
+            term.grow(volume_blocks);
+        }
+    }
+
     /// What this process has done so far (for metrics and tests).
     pub fn stats(&self) -> &Stats {
         &self.shared.stats
@@ -1153,7 +1176,12 @@ mod tests {
         assert_eq!(out, vec![Action::PersistEpoch { epoch: 6 }]);
         out.clear();
         node.handle(0, Event::EpochPersisted { epoch: 6 }, &mut out);
-        let reply = Message::ProbeReply { epoch: 6, incarnation: 2, divergence: expected.clone() };
+        let reply = Message::ProbeReply {
+            epoch: 6,
+            incarnation: 2,
+            volume_blocks: 64,
+            divergence: expected.clone(),
+        };
         assert_eq!(out, vec![Action::Send { to: NodeId(0), message: reply }]);
         // Node 0 serves epoch 6; node 1 is out of sync and asks to be taken back.
         out.clear();
@@ -1174,8 +1202,13 @@ mod tests {
         node.handle(2, Event::Store { id, reply }, &mut out);
         out.clear();
         node.handle(3, Event::Tick, &mut out);
-        let hello =
-            Message::Hello { epoch: 6, incarnation: 2, last_term_epoch: 4, divergence: expected };
+        let hello = Message::Hello {
+            epoch: 6,
+            incarnation: 2,
+            last_term_epoch: 4,
+            volume_blocks: 64,
+            divergence: expected,
+        };
         assert!(out.contains(&Action::Send { to: NodeId(0), message: hello }), "{out:?}");
     }
 

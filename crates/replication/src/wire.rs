@@ -5,7 +5,7 @@
 //! module knows the layout. The full specification, with byte diagrams, is
 //! docs/replication-wire.md.
 //!
-//! A frame (version 6) is a 32-byte header and a payload:
+//! A frame (version 7) is a 32-byte header and a payload:
 //!
 //! ```text
 //! 0       4    5    6       8               12       16       24         28             32
@@ -47,9 +47,10 @@ pub const MAGIC: [u8; 4] = *b"FRRP";
 /// The version this code writes and the only one it reads. Version 1 (a 20-byte header without
 /// volume and sender) was never deployed; version 2 (a `Hello` of epoch and incarnation only)
 /// and version 3 (a divergence of single LBAs) are refused like any other, as are version 4
-/// (without `Read` and `ReadReply`) and version 5 (blocks without checksums of their own, the
-/// frame checksum over their bytes).
-pub const VERSION: u8 = 6;
+/// (without `Read` and `ReadReply`), version 5 (blocks without checksums of their own, the
+/// frame checksum over their bytes) and version 6 (a `ProbeReply` and a `Hello` without the
+/// sender's volume size).
+pub const VERSION: u8 = 7;
 /// Bytes of the fixed header before the payload.
 pub const HEADER_BYTES: usize = 32;
 /// The largest block an entry carries: the node's block size. The simulation uses smaller ones;
@@ -96,10 +97,10 @@ const RANGE_BYTES: usize = 2 * U64_BYTES;
 /// A known divergence: its tag, its range count, then at most `DIVERGENCE_RANGES_MAX` ranges.
 const DIVERGENCE_BYTES_MAX: usize = 1 + 4 + DIVERGENCE_RANGES_MAX * RANGE_BYTES;
 /// Epoch, incarnation, divergence tag.
-const PROBE_REPLY_FIXED_BYTES: usize = 2 * U64_BYTES + 1;
+const PROBE_REPLY_FIXED_BYTES: usize = 3 * U64_BYTES + 1;
 const PROBE_REPLY_PAYLOAD_BYTES_MAX: usize = PROBE_REPLY_FIXED_BYTES - 1 + DIVERGENCE_BYTES_MAX;
 /// Epoch, incarnation, last term epoch, divergence tag.
-const HELLO_FIXED_BYTES: usize = 3 * U64_BYTES + 1;
+const HELLO_FIXED_BYTES: usize = 4 * U64_BYTES + 1;
 const HELLO_PAYLOAD_BYTES_MAX: usize = HELLO_FIXED_BYTES - 1 + DIVERGENCE_BYTES_MAX;
 /// Epoch, incarnation, request, LBA, block count.
 const READ_PAYLOAD_BYTES: usize = 4 * U64_BYTES + 4;
@@ -487,13 +488,14 @@ fn encode_payload(message: &Message, out: &mut Vec<u8>) {
             }
         }
         Message::Probe { epoch } | Message::Stale { epoch } => put(*epoch),
-        Message::ProbeReply { epoch, incarnation, divergence } => {
-            put(*epoch);
-            put(*incarnation);
+        Message::ProbeReply { epoch, incarnation, volume_blocks, divergence } => {
+            for value in [*epoch, *incarnation, *volume_blocks] {
+                put(value);
+            }
             encode_divergence(divergence, out);
         }
-        Message::Hello { epoch, incarnation, last_term_epoch, divergence } => {
-            for value in [*epoch, *incarnation, *last_term_epoch] {
+        Message::Hello { epoch, incarnation, last_term_epoch, volume_blocks, divergence } => {
+            for value in [*epoch, *incarnation, *last_term_epoch, *volume_blocks] {
                 put(value);
             }
             encode_divergence(divergence, out);
@@ -930,12 +932,14 @@ fn parse_payload(
         MessageType::ProbeReply => Message::ProbeReply {
             epoch: fields.u64()?,
             incarnation: fields.u64()?,
+            volume_blocks: fields.u64()?,
             divergence: fields.divergence()?,
         },
         MessageType::Hello => Message::Hello {
             epoch: fields.u64()?,
             incarnation: fields.u64()?,
             last_term_epoch: fields.u64()?,
+            volume_blocks: fields.u64()?,
             divergence: fields.divergence()?,
         },
         MessageType::Stale => Message::Stale { epoch: fields.u64()? },
@@ -1125,27 +1129,36 @@ mod tests {
             },
             Message::Ack { epoch: 1, stream: StreamId(u64::MAX), durable_seq: 44 },
             Message::Probe { epoch: 5 },
-            Message::ProbeReply { epoch: 5, incarnation: 6, divergence: DivergenceReport::Unknown },
             Message::ProbeReply {
                 epoch: 5,
                 incarnation: 6,
+                volume_blocks: 1 << 28,
+                divergence: DivergenceReport::Unknown,
+            },
+            Message::ProbeReply {
+                epoch: 5,
+                incarnation: 6,
+                volume_blocks: u64::MAX,
                 divergence: DivergenceReport::Known(vec![]),
             },
             Message::ProbeReply {
                 epoch: 5,
                 incarnation: 6,
+                volume_blocks: u64::MAX,
                 divergence: DivergenceReport::Known(vec![0..1, 3..300, u64::MAX - 1..u64::MAX]),
             },
             Message::Hello {
                 epoch: 0,
                 incarnation: 0,
                 last_term_epoch: 0,
+                volume_blocks: 1,
                 divergence: DivergenceReport::Unknown,
             },
             Message::Hello {
                 epoch: 9,
                 incarnation: 10,
                 last_term_epoch: 8,
+                volume_blocks: 5,
                 divergence: DivergenceReport::Known(vec![1..2, 4..5]),
             },
             Message::Stale { epoch: 8 },
@@ -1217,11 +1230,17 @@ mod tests {
             1 => Message::Heartbeat { epoch, stream, incarnation, commit_op: rng.random() },
             2 => Message::Ack { epoch, stream, durable_seq: rng.random() },
             3 => Message::Probe { epoch },
-            4 => Message::ProbeReply { epoch, incarnation, divergence: random_divergence(rng) },
+            4 => Message::ProbeReply {
+                epoch,
+                incarnation,
+                volume_blocks: rng.random(),
+                divergence: random_divergence(rng),
+            },
             5 => Message::Hello {
                 epoch,
                 incarnation,
                 last_term_epoch: rng.random_range(0..4u64),
+                volume_blocks: rng.random(),
                 divergence: random_divergence(rng),
             },
             6 => Message::Stale { epoch },
@@ -1329,7 +1348,7 @@ mod tests {
         // The offsets of docs/replication-wire.md.
         assert_eq!(HEADER_BYTES, 32);
         assert_eq!(&bytes[0..4], b"FRRP");
-        assert_eq!(bytes[4], 6, "version");
+        assert_eq!(bytes[4], 7, "version");
         assert_eq!(bytes[5], MessageType::Ack as u8);
         assert_eq!(&bytes[6..8], &[0, 0], "flags");
         assert_eq!(&bytes[8..12], &24u32.to_le_bytes(), "payload_bytes");
@@ -1365,7 +1384,7 @@ mod tests {
         let mut reader = FrameReader::new();
         reader.push(&v1);
         assert_eq!(reader.next_message(), Err(refused.clone()));
-        assert!(refused.to_string().contains("reads only version 6"), "{refused}");
+        assert!(refused.to_string().contains("reads only version 7"), "{refused}");
     }
 
     #[test]
@@ -1377,8 +1396,8 @@ mod tests {
         // The numbers of docs/replication-wire.md.
         assert_eq!(MESSAGE_BYTES_MAX, 262_813);
         assert_eq!(MessageType::Append.payload_bytes(), 62..=262_781);
-        assert_eq!(MessageType::ProbeReply.payload_bytes(), 17..=262_165);
-        assert_eq!(MessageType::Hello.payload_bytes(), 25..=262_173);
+        assert_eq!(MessageType::ProbeReply.payload_bytes(), 25..=262_173);
+        assert_eq!(MessageType::Hello.payload_bytes(), 33..=262_181);
         assert_eq!(MessageType::Read.payload_bytes(), 36..=36);
         assert_eq!(MessageType::Damaged.payload_bytes(), 28..=28);
         assert_eq!(MessageType::ReadReply.payload_bytes(), 17..=262_741);
@@ -1396,6 +1415,7 @@ mod tests {
         let known = Message::ProbeReply {
             epoch: 1,
             incarnation: 2,
+            volume_blocks: 7,
             divergence: DivergenceReport::Known(ranges.clone()),
         };
         check_round_trip(&envelope(known));
@@ -1403,10 +1423,11 @@ mod tests {
             epoch: 1,
             incarnation: 2,
             last_term_epoch: 3,
+            volume_blocks: 7,
             divergence,
         };
         let longest_hello = hello(DivergenceReport::Known(ranges.clone()));
-        assert_eq!(frame(&longest_hello).len(), HEADER_BYTES + 262_173);
+        assert_eq!(frame(&longest_hello).len(), HEADER_BYTES + 262_181);
         check_round_trip(&envelope(longest_hello));
         // A list that is not canonical (here the same range twice) goes as Unknown too.
         let mut twice = ranges.clone();
@@ -1421,12 +1442,18 @@ mod tests {
         let overflow = Message::ProbeReply {
             epoch: 1,
             incarnation: 2,
+            volume_blocks: 7,
             divergence: DivergenceReport::Known(too_many),
         };
         let (decoded, _) = decode(&frame(&overflow)).unwrap();
         assert_eq!(
             decoded.message,
-            Message::ProbeReply { epoch: 1, incarnation: 2, divergence: DivergenceReport::Unknown }
+            Message::ProbeReply {
+                epoch: 1,
+                incarnation: 2,
+                volume_blocks: 7,
+                divergence: DivergenceReport::Unknown
+            }
         );
     }
 
@@ -1616,19 +1643,20 @@ mod tests {
         let checksum = frame_checksum(&bytes[..offset::CHECKSUM], &bytes[HEADER_BYTES..last - 11]);
         assert_eq!(&bytes[offset::CHECKSUM..offset::HEADER_CHECK], &checksum.to_le_bytes());
 
-        // The divergence of a ProbeReply (after 16 bytes) and of a Hello (after 24).
+        // The divergence of a ProbeReply (after 24 bytes) and of a Hello (after 32).
         let hello = |divergence| Message::Hello {
             epoch: 1,
             incarnation: 2,
             last_term_epoch: 3,
+            volume_blocks: 7,
             divergence,
         };
         let carriers =
-            [(MessageType::ProbeReply, HEADER_BYTES + 16), (MessageType::Hello, HEADER_BYTES + 24)];
+            [(MessageType::ProbeReply, HEADER_BYTES + 24), (MessageType::Hello, HEADER_BYTES + 32)];
         for (message_type, tag_at) in carriers {
             let message = |divergence| match message_type {
                 MessageType::Hello => hello(divergence),
-                _ => Message::ProbeReply { epoch: 1, incarnation: 2, divergence },
+                _ => Message::ProbeReply { epoch: 1, incarnation: 2, volume_blocks: 7, divergence },
             };
             check_refused(
                 message(DivergenceReport::Unknown),
@@ -1679,8 +1707,8 @@ mod tests {
             |bytes| bytes.truncate(bytes.len() - 9),
             WireError::LengthInvalid {
                 message_type: MessageType::Hello,
-                payload_bytes: 16,
-                range: 25..=262_173,
+                payload_bytes: 24,
+                range: 33..=262_181,
             },
         );
         check_refused(
@@ -1702,7 +1730,7 @@ mod tests {
             |bytes| bytes[offset::FLAGS] = 1,
             WireError::FlagsReserved { flags: 1 },
         );
-        for version in [0, 1, 2, 3, 4, 5, 7, u8::MAX] {
+        for version in [0, 1, 2, 3, 4, 5, 6, 8, u8::MAX] {
             check_refused(
                 Message::Probe { epoch: 1 },
                 |bytes| bytes[offset::VERSION] = version,

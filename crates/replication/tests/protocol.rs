@@ -10,7 +10,9 @@
 //! write intent (after a restart), and one that restarted without its intent is copied in full;
 //! a primary whose copy of a block is damaged serves the read from an in-sync replica and
 //! rewrites its own copy, unless a host write to the block came first, and fails only that read
-//! when no replica has a good copy.
+//! when no replica has a good copy; a volume grown on the primary before its replicas takes
+//! writes beyond the old end once every in-sync replica has grown (or was removed), and the
+//! replica promoted next serves them.
 
 use std::collections::{BTreeSet, VecDeque};
 
@@ -171,9 +173,17 @@ impl Cluster {
         sim.incarnation += 1;
         let intent = sim.persisted_intent.clone();
         sim.started_with = intent.clone();
-        sim.volume =
-            VolumeNode::new(self.config.clone(), id, sim.incarnation, sim.persisted_epoch, intent);
+        let config = Config { volume_blocks: sim.disk.len() as u64, ..self.config.clone() };
+        sim.volume = VolumeNode::new(config, id, sim.incarnation, sim.persisted_epoch, intent);
         sim.lease = LeaseKeeper::new(id, sim.incarnation, &self.config);
+    }
+
+    /// The volume grows to `volume_blocks` on `node` alone: its disk, then its state machine,
+    /// as a node does when it learns the new size. A restart starts with the grown size.
+    fn grow(&mut self, node: usize, volume_blocks: u64) {
+        let sim = &mut self.nodes[node];
+        sim.disk.resize(volume_blocks as usize, None);
+        sim.volume.grow(volume_blocks);
     }
 
     /// Cuts `node` off from the other nodes and from the store.
@@ -1731,4 +1741,125 @@ fn a_reconciliation_with_no_good_copy_of_a_damaged_block_stops_the_node() {
     assert_eq!((stats.reconcile_damaged, stats.reconcile_unrecovered), (1, 1), "{stats:?}");
     assert!(cluster.nodes[1].volume.latched());
     assert_eq!(cluster.nodes[1].volume.serving_epoch(cluster.now_ms), None);
+}
+
+/// Grows every node but those in `late` to 64 blocks, then writes block 40 on node 0.
+fn grow_and_write_beyond_the_old_end(cluster: &mut Cluster, late: &[usize]) -> HostOpId {
+    let before = cluster.write(0, 5, 1);
+    assert_eq!(cluster.result(before), Ok(HostReply::Written));
+    let refused = cluster.host(0, write_op(40, &[2]));
+    assert!(matches!(cluster.result(refused), Err(HostError::OutOfRange { .. })));
+    for node in (0..cluster.nodes.len()).filter(|node| !late.contains(node)) {
+        cluster.grow(node, 64);
+    }
+    cluster.host(0, write_op(40, &[3]))
+}
+
+/// The primary grows first: its replicas refuse the entry beyond their size, so the write
+/// waits; once they grow, the entry sent again lands and the write completes with every
+/// replica in sync. After a failover the new primary serves it.
+#[test]
+fn a_write_beyond_the_old_end_waits_until_the_replicas_have_grown_too() {
+    let mut cluster = Cluster::started(config());
+    let write = grow_and_write_beyond_the_old_end(&mut cluster, &[1, 2]);
+    cluster.run(60);
+    assert!(cluster.completion(write).is_none(), "no replica holds block 40 yet");
+    for node in [1, 2] {
+        assert!(cluster.nodes[node].volume.stats().entries_refused > 0);
+        assert_eq!(cluster.nodes[node].disk[5], Some(block(1)));
+        cluster.grow(node, 64);
+    }
+    cluster.run(100);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    assert_eq!(cluster.state().in_sync.len(), 3, "every replica stayed in sync");
+    for node in [1, 2] {
+        assert_eq!(cluster.nodes[node].disk, cluster.nodes[0].disk, "node {node}");
+    }
+    let read = cluster.host(0, read_op(39, 3));
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![None, Some(block(3)), None])));
+
+    cluster.isolate(0);
+    fail_over_to_node_1(&mut cluster);
+    let read = cluster.host(1, read_op(40, 1));
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![Some(block(3))])));
+    let write = cluster.host(1, write_op(63, &[4]));
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+}
+
+/// A replica that never grows holds the write only until it is removed from the in-sync set;
+/// grown later, it is resynced with the blocks beyond the old end like any other.
+#[test]
+fn a_replica_that_does_not_grow_is_removed_then_resynced_once_it_has() {
+    let mut cluster = Cluster::started(config());
+    let write = grow_and_write_beyond_the_old_end(&mut cluster, &[2]);
+    cluster.run(400);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    assert_eq!(cluster.state().in_sync, [NodeId(0), NodeId(1)].into_iter().collect());
+    cluster.grow(2, 64);
+    cluster.run(500);
+    assert_eq!(cluster.state().in_sync.len(), 3, "node 2 is back in sync");
+    assert_eq!(cluster.nodes[2].disk, cluster.nodes[0].disk);
+    assert_eq!(cluster.nodes[2].disk[40], Some(block(3)));
+}
+
+/// A replica out of sync with the whole volume to copy when the volume grows gets the new
+/// blocks copied too.
+#[test]
+fn a_full_copy_under_way_when_the_volume_grows_reaches_the_new_end() {
+    let config = Config { dirty_lbas_max: 3, ..config() };
+    let mut cluster = Cluster::started(config);
+    cluster.cut_link(0, 2);
+    for lba in [0, 3, 5, 6, 20] {
+        cluster.write(0, lba, 2);
+        cluster.run(10);
+    }
+    cluster.run(300);
+    assert_eq!(cluster.state().in_sync.len(), 2);
+    for node in 0..3 {
+        cluster.grow(node, 64);
+    }
+    let write = cluster.host(0, write_op(50, &[6]));
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    cluster.heal();
+    cluster.run(800);
+    assert_eq!(cluster.state().in_sync.len(), 3, "node 2 is back in sync");
+    let stats = cluster.nodes[0].volume.stats();
+    assert_eq!((stats.resyncs_full, stats.blocks_resynced), (1, 64));
+    assert_eq!(cluster.nodes[2].disk, cluster.nodes[0].disk);
+}
+
+/// A replica grown before the new primary holds an uncommitted write beyond the primary's end:
+/// the primary takes its divergence only once it has grown too, so the copy that settles the
+/// member reaches that block (a copy of the old size would leave it behind, and a later
+/// failover to the member would read a write that never completed after reads saw none).
+#[test]
+fn a_primary_smaller_than_a_member_copies_its_divergence_only_once_grown() {
+    let mut cluster = Cluster::started(config());
+    cluster.grow(0, 64);
+    cluster.grow(1, 64);
+    // Block 40 reaches node 1 only (node 2 refuses it), and node 0 is cut off before the
+    // write completes; node 1 cannot reach the store, so node 2 is promoted.
+    let pending = cluster.host(0, write_op(40, &[3]));
+    assert_eq!(cluster.nodes[1].disk[40], Some(block(3)));
+    cluster.isolate(0);
+    cluster.store_cut.insert(1);
+    let deadline_ms = cluster.now_ms + 4 * cluster.config.lease_ms;
+    while cluster.serving(2) != Some(2) {
+        assert!(cluster.now_ms < deadline_ms, "no failover to node 2: {:?}", cluster.state());
+        cluster.run(5);
+    }
+    cluster.store_cut.remove(&1);
+    cluster.run(300);
+    assert!(cluster.completion(pending).is_none_or(|(_, _, _, result)| result.is_err()));
+    let read = cluster.host(2, read_op(0, 1));
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![None])));
+    cluster.grow(2, 64);
+    cluster.run(600);
+    let state = cluster.state();
+    assert_eq!(state.primary, Some(NodeId(2)));
+    assert!(state.in_sync.contains(&NodeId(1)), "node 1 is in sync: {state:?}");
+    let read = cluster.host(2, read_op(40, 1));
+    assert_eq!(cluster.result(read), Ok(HostReply::Read(vec![None])));
+    assert_eq!(cluster.nodes[1].disk[40], None, "the write that never completed is undone");
+    assert_eq!(cluster.nodes[1].disk, cluster.nodes[2].disk);
 }

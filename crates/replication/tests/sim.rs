@@ -1,5 +1,6 @@
 //! Deterministic, seeded simulation of the replication protocol with network, node, disk and
-//! control-plane faults; every run is checked (see `sim/checker.rs`).
+//! control-plane faults, and the volume growing under them; every run is checked (see
+//! `sim/checker.rs`).
 //!
 //! Each run reports how many resyncs copied the whole volume and how many only what changed
 //! (and, of members out of sync since a term started, how many came back incrementally); over

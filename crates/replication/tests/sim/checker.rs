@@ -150,8 +150,11 @@ impl Checker {
         primary: usize,
         primary_disk: &[BlockData],
     ) {
-        let differing: Vec<usize> = (0..member_disk.len())
-            .filter(|&lba| member_disk[lba] != primary_disk[lba])
+        // Each may have grown with the volume before the other: a block beyond one's end is
+        // unmapped there.
+        let block = |disk: &[BlockData], lba: usize| disk.get(lba).cloned().flatten();
+        let differing: Vec<usize> = (0..member_disk.len().max(primary_disk.len()))
+            .filter(|&lba| block(member_disk, lba) != block(primary_disk, lba))
             .filter(|&lba| {
                 self.writes.get(&(lba as u64)).is_none_or(|records| {
                     records.iter().all(|record| record.completed_ms.is_some())

@@ -130,6 +130,10 @@ enum SimEvent {
     },
     ManagerRestart(usize),
     Heal(u64),
+    /// The volume's record grows to this many blocks (the control plane's resize).
+    Grow(u64),
+    /// A node learns of the grow and grows its storage and state machine.
+    NodeGrow(usize),
 }
 
 #[derive(Debug)]
@@ -202,6 +206,9 @@ pub struct Settings {
     pub abandon_probability: f64,
     /// Managers running at once.
     pub managers: usize,
+    /// The volume grows during the faulty phase: when, and to how many blocks (the record's
+    /// new size; each node learns it after a delay of its own, some after `ack_timeout_ms`).
+    pub grows: Vec<(u64, u64)>,
     pub config: Config,
 }
 
@@ -246,7 +253,7 @@ impl Settings {
         let abandon_probability =
             if rng.random_bool(0.7) { rng.random_range(0.2..0.9) } else { 0.0 };
         let managers = if rng.random_bool(0.2) { 2 } else { 1 };
-        Settings {
+        let mut settings = Settings {
             nodes,
             managers,
             abandon_probability,
@@ -259,8 +266,27 @@ impl Settings {
             drop_probability: rng.random_range(0.0..0.05),
             duplicate_probability: rng.random_range(0.0..0.03),
             spike_probability: rng.random_range(0.0..0.05),
+            grows: Vec::new(),
             config,
+        };
+        // Drawn last, so a seed's other settings are what they were before the volume grew.
+        if rng.random_bool(0.4) {
+            let mut blocks = volume_blocks;
+            let mut grows = Vec::new();
+            for _ in 0..rng.random_range(1..=2) {
+                // Often not a multiple of the intent's regions: a short last region.
+                blocks += rng.random_range(1..=volume_blocks);
+                grows.push((rng.random_range(300..settings.fault_ms), blocks));
+            }
+            // Sizes only grow with time.
+            let mut times: Vec<u64> = grows.iter().map(|&(at_ms, _)| at_ms).collect();
+            times.sort_unstable();
+            for (grow, at_ms) in grows.iter_mut().zip(times) {
+                grow.0 = at_ms;
+            }
+            settings.grows = grows;
         }
+        settings
     }
 }
 
@@ -422,6 +448,9 @@ impl World {
             world.schedule(3 + manager as u64 * 7, SimEvent::ManagerTick(manager));
         }
         world.schedule(500, SimEvent::Fault);
+        for (at_ms, blocks) in world.settings.grows.clone() {
+            world.schedule(at_ms, SimEvent::Grow(blocks));
+        }
         world
     }
 
@@ -501,7 +530,8 @@ impl World {
         }
     }
 
-    /// Nothing left to do: no host command pending, every member in sync, a primary serving.
+    /// Nothing left to do: no host command pending, every member in sync, a primary serving,
+    /// every node grown to the volume's size.
     fn settled(&self) -> bool {
         let state = &self.store.volume().value;
         let Some(primary) = state.primary else { return false };
@@ -511,6 +541,10 @@ impl World {
             && node.up
             && node.volume.serving_epoch(self.now_ms) == Some(state.epoch)
             && self.nodes.iter().all(|node| node.disk_ops.is_empty())
+            && self
+                .nodes
+                .iter()
+                .all(|node| node.disk.len() as u64 == self.settings.config.volume_blocks)
     }
 
     fn final_checks(&mut self) {
@@ -522,6 +556,14 @@ impl World {
         }
         for member in &state.in_sync {
             let disk = &self.nodes[member.0 as usize].disk;
+            if disk.len() != reference.len() {
+                self.checker.violations.push(format!(
+                    "in-sync replica {member} holds {} blocks, primary {primary} {}",
+                    disk.len(),
+                    reference.len()
+                ));
+                continue;
+            }
             let differing: Vec<usize> =
                 (0..disk.len()).filter(|&lba| disk[lba] != reference[lba]).take(8).collect();
             if !differing.is_empty() {
@@ -663,7 +705,34 @@ impl World {
                     self.log(|| format!("partition {partition} heals"));
                 }
             }
+            SimEvent::Grow(blocks) => {
+                self.log(|| format!("the volume grows to {blocks} blocks"));
+                self.settings.config.volume_blocks = blocks;
+                for node in 0..self.nodes.len() {
+                    // Mostly soon, sometimes after a replica would be removed for its silence.
+                    let delay_ms = if self.rng.random_bool(0.2) {
+                        self.rng.random_range(150..1500)
+                    } else {
+                        self.rng.random_range(0..100)
+                    };
+                    self.schedule(delay_ms, SimEvent::NodeGrow(node));
+                }
+            }
+            SimEvent::NodeGrow(node) => self.grow(node),
         }
+    }
+
+    /// `node` grows to the record's size, as the node's reconciler does (a node that is down
+    /// grows when it restarts).
+    fn grow(&mut self, node: usize) {
+        let blocks = self.settings.config.volume_blocks;
+        let sim = &mut self.nodes[node];
+        if !sim.up || sim.disk.len() as u64 >= blocks {
+            return;
+        }
+        sim.disk.resize(blocks as usize, None);
+        sim.volume.grow(blocks);
+        self.log(|| format!("n{node} grows to {blocks} blocks"));
     }
 
     fn blocked(&self, from: Endpoint, to: Endpoint) -> bool {
@@ -1058,6 +1127,8 @@ impl World {
         sim.disk_fault_until_ms = 0;
         let id = NodeId(node as u32);
         let intent = sim.persisted_intent.clone();
+        // A node starts with the size its volume's record has now.
+        sim.disk.resize(config.volume_blocks as usize, None);
         sim.volume =
             VolumeNode::new(config.clone(), id, sim.incarnation, sim.persisted_epoch, intent);
         sim.lease = LeaseKeeper::new(id, sim.incarnation, &config);
@@ -1185,9 +1256,11 @@ impl World {
         let lba = if !written.is_empty() && self.rng.random_bool(0.5) {
             written[self.rng.random_range(0..written.len())]
         } else {
-            self.rng.random_range(0..self.settings.config.volume_blocks)
+            self.rng.random_range(0..self.nodes[node].disk.len() as u64)
         };
-        if self.nodes.iter().any(|sim| sim.damaged.contains(&lba)) {
+        if lba >= self.nodes[node].disk.len() as u64
+            || self.nodes.iter().any(|sim| sim.damaged.contains(&lba))
+        {
             return;
         }
         self.nodes[node].damaged.insert(lba);
@@ -1387,6 +1460,16 @@ impl World {
                 self.host.remove(&op);
             }
             Err(HostError::NotPrimary | HostError::Busy) => {
+                if attempt as usize + 1 == command.attempt_sent_ms.len() {
+                    command.retry_at_ms = Some(now_ms + HOST_RETRY_MS);
+                }
+            }
+            // Within the record's size, beyond the primary's: it has not learned of the grow
+            // yet (a host sees the new size from it only once it has), so ask again.
+            Err(HostError::OutOfRange { lba, count, .. })
+                if lba + count <= self.settings.config.volume_blocks
+                    && !self.settings.grows.is_empty() =>
+            {
                 if attempt as usize + 1 == command.attempt_sent_ms.len() {
                     command.retry_at_ms = Some(now_ms + HOST_RETRY_MS);
                 }
