@@ -225,6 +225,10 @@ impl ResyncProgress {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LocalReplica {
     pub node: String,
+    /// The volume's size as this node serves it (its replication takes writes up to there);
+    /// behind the record's for a moment after a resize. 0 from nodes that do not say.
+    #[serde(default)]
+    pub size_bytes: u64,
     /// The newest epoch this node knows.
     pub epoch: u64,
     /// This node serves the volume now.
@@ -809,10 +813,13 @@ pub enum ErrorCode {
     /// 409: the operation is not available here (a cluster node does not do it, or a single
     /// node cannot); the message says what instead.
     NotSupported,
+    /// 503: a replicated volume's record has its new size, but a node holding a replica has
+    /// not grown yet (the message names it); the same resize again waits once more.
+    ResizePending,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 24] = [
+    pub const ALL: [ErrorCode; 25] = [
         Self::VolumeExists,
         Self::VolumeNotFound,
         Self::InvalidSize,
@@ -837,6 +844,7 @@ impl ErrorCode {
         Self::InvalidDrive,
         Self::PlacementFailed,
         Self::NotSupported,
+        Self::ResizePending,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -865,6 +873,7 @@ impl ErrorCode {
             Self::InvalidDrive => "invalid_drive",
             Self::PlacementFailed => "placement_failed",
             Self::NotSupported => "not_supported",
+            Self::ResizePending => "resize_pending",
         }
     }
 
@@ -891,7 +900,7 @@ impl ErrorCode {
             Self::NoSpace => 507,
             Self::RequestTooLarge => 413,
             Self::MethodNotAllowed => 405,
-            Self::Busy | Self::PlacementFailed => 503,
+            Self::Busy | Self::PlacementFailed | Self::ResizePending => 503,
             Self::Internal => 500,
         }
     }
@@ -934,7 +943,8 @@ mod tests {
                 "replace_refused",
                 "invalid_drive",
                 "placement_failed",
-                "not_supported"
+                "not_supported",
+                "resize_pending"
             ]
         );
         for code in ErrorCode::ALL {

@@ -527,8 +527,8 @@ struct UpArgs {
     ///
     /// Without it the node is a single node with its metadata in DATA-DIR/meta.redb. With it,
     /// volumes live in etcd and are replicated across the cluster's nodes (`ferrite volume
-    /// create --replicas N`); the node needs --node-name. Snapshots, clones and growing
-    /// volumes are single-node features for now.
+    /// create --replicas N`); the node needs --node-name. Snapshots and clones are
+    /// single-node features for now.
     #[arg(long, value_name = "URLS", value_delimiter = ',', help_heading = "Cluster")]
     cluster_etcd: Vec<String>,
     /// The cluster's name; nodes with the same etcd and name form one cluster.
@@ -730,7 +730,10 @@ enum VolumeCommand {
     Delete { name: String },
     /// Grow a volume to a new size; volumes never shrink.
     ///
-    /// Connected hosts may need `nvme ns-rescan` to see the new size.
+    /// Connected hosts may need `nvme ns-rescan` to see the new size; NBD clients see it when
+    /// they connect again. On a cluster, every node holding a replica grows its copy, and the
+    /// command returns once they all serve the new size (each needs the growth free on its
+    /// drives); if one has not within 15 s it says which, and running it again waits again.
     #[command(after_long_help = "Example:\n  ferrite volume resize db 20G")]
     Resize {
         name: String,

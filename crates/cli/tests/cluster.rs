@@ -22,6 +22,11 @@
 //! client's I/O. A one-node cluster's primary is frozen past its lease and continued while a
 //! qemu-io writes and reads through its NBD export.
 //!
+//! A three-replica volume grown with `ferrite volume resize` must serve the new size on every
+//! node when the command returns, tell a connected host (namespace notice) and NBD, take writes
+//! beyond the old end with every replica in sync, and serve them from the next primary after
+//! the old one is killed; a shrink, and a grow the nodes have no room for, change nothing.
+//!
 //! A node started before its etcd answers must wait for it (`--etcd-wait-s`) and join once it
 //! does, instead of exiting; told not to wait, it must fail at once and say why.
 //!
@@ -701,9 +706,6 @@ fn a_cluster_refuses_what_it_cannot_do_and_shows_its_nodes() {
     let stderr = ferrite_fails(&api_url, &["snapshot", "create", "single", "snap"]);
     assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
     assert_code(client.create_snapshot("single", "snap"), api::ErrorCode::NotSupported);
-    let stderr = ferrite_fails(&api_url, &["volume", "resize", "single", "32M"]);
-    assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
-    assert_code(client.resize_volume("single", 32 << 20), api::ErrorCode::NotSupported);
     let stderr = ferrite_fails(
         &api_url,
         &["volume", "set-path", "single", "--port", "1", "--state", "optimized"],
@@ -783,6 +785,97 @@ fn a_cluster_refuses_what_it_cannot_do_and_shows_its_nodes() {
     ferrite_ok(&api_url, &["volume", "create", "two", "--size", "16M", "--replicas", "2"]);
     let two = cluster.wait_serving("two", 2, &[]);
     assert!(!two.members.contains(&killed), "placed on live nodes only: {two:?}");
+    cluster.assert_no_error_lines(&[]);
+}
+
+// ----- Growing a replicated volume -----
+
+/// The test volume grown: 96 MiB.
+const GROWN_SIZE: &str = "96M";
+const GROWN_BLOCKS: u64 = (96 << 20) / BLOCK_BYTES as u64;
+/// Written before the grow, up to the old end, and after it, beyond the old end.
+const BEFORE_GROW: Range<u64> = VOLUME_BLOCKS - 1024..VOLUME_BLOCKS;
+const TAG_BEFORE_GROW: u64 = 0xb4;
+const AFTER_GROW: Range<u64> = VOLUME_BLOCKS - 64..VOLUME_BLOCKS + 2048;
+const TAG_AFTER_GROW: u64 = 0xaf;
+
+/// `ferrite volume resize` of a three-replica volume: every node grows its copy and the
+/// command returns once all serve the new size; hosts see it through NVMe/TCP and NBD, write
+/// beyond the old end with every replica staying in sync, and after the primary is killed the
+/// new primary serves those blocks; the killed node comes back at the new size and is resynced.
+/// A shrink and a grow the nodes have no room for are refused and change nothing.
+#[test]
+fn a_replicated_volume_grows_on_every_node_and_keeps_its_blocks_across_a_failover() {
+    let mut cluster = Cluster::start(&resync_options());
+    let created = create_volume(&cluster, VOLUME, 3);
+    let api_url = cluster.node(0).api_url().to_owned();
+    write_blocks(&cluster, BEFORE_GROW, TAG_BEFORE_GROW);
+
+    let stderr = ferrite_fails(&api_url, &["volume", "resize", VOLUME, "32M"]);
+    assert!(stderr.contains("cannot shrink"), "{stderr}");
+    let stderr = ferrite_fails(&api_url, &["volume", "resize", VOLUME, "64G"]);
+    assert!(stderr.contains("not enough free space to grow volume replicated"), "{stderr}");
+    assert!(stderr.contains("free; free space there"), "{stderr}");
+    assert_code(cluster.client().resize_volume(VOLUME, 64 << 30), api::ErrorCode::NoSpace);
+    assert_eq!(cluster.client().volume(VOLUME).unwrap().size_bytes, 64 << 20);
+
+    // A host connected before the grow learns the new size from the namespace notice.
+    let paths = reachable_paths(&cluster);
+    let host = runtime();
+    let connected = host.block_on(connect_sequential(&paths));
+    assert_eq!(connected.size_blocks(), VOLUME_BLOCKS);
+    let started = Instant::now();
+    let out = ferrite_ok(&api_url, &["volume", "resize", VOLUME, GROWN_SIZE]);
+    println!("resize in {} ms: {}", started.elapsed().as_millis(), out.trim());
+    let deadline = Instant::now() + CONVERGE_TIMEOUT;
+    while connected.size_blocks() != GROWN_BLOCKS {
+        let seen = connected.size_blocks();
+        assert!(Instant::now() < deadline, "the connected host still sees {seen} blocks");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(connected);
+    drop(host);
+    for index in 0..3 {
+        let info = cluster.node(index).client().volume(VOLUME).unwrap();
+        assert_eq!(info.size_bytes, 96 << 20, "{info:?}");
+        let local = info.replication.and_then(|replication| replication.local);
+        assert_eq!(local.map(|local| local.size_bytes), Some(96 << 20), "node {index}");
+    }
+    // The same size again changes nothing and returns at once.
+    ferrite_ok(&api_url, &["volume", "resize", VOLUME, GROWN_SIZE]);
+
+    // A host that connects now sees the new size, and writes across the old end.
+    let paths = reachable_paths(&cluster);
+    let size_blocks = runtime().block_on(async { connect_sequential(&paths).await.size_blocks() });
+    assert_eq!(size_blocks, GROWN_BLOCKS);
+    let primary_name = primary(&created);
+    let primary_index = cluster.index(&primary_name);
+    let nbd = cluster.node(primary_index).nbd_uri(VOLUME);
+    let mut nbdinfo = std::process::Command::new("nbdinfo");
+    nbdinfo.args(["--size", &nbd]);
+    let size = run_ok(nbdinfo);
+    assert_eq!(size.trim(), (96u64 << 20).to_string(), "{nbd}");
+    write_blocks(&cluster, AFTER_GROW, TAG_AFTER_GROW);
+    let state = cluster.replication(VOLUME).expect("the volume's replication");
+    assert_eq!(state.in_sync.len(), 3, "no replica left the in-sync set: {state:?}");
+    let local = cluster.replication_at(primary_index, VOLUME).and_then(|state| state.local);
+    assert_eq!(local.map(|local| local.replicas_removed), Some(0));
+
+    // The primary goes: another serves every block, the old and the new.
+    cluster.kill9(primary_index);
+    let after = cluster.wait_serving(VOLUME, 2, &[&primary_name]);
+    assert!(after.epoch > created.epoch, "{after:?}");
+    let expected = [(AFTER_GROW, TAG_AFTER_GROW), (BEFORE_GROW, TAG_BEFORE_GROW)];
+    assert_eq!(check_blocks_to(&cluster, GROWN_BLOCKS, &expected), Vec::<String>::new());
+
+    // The killed node starts at the new size and is copied what it missed.
+    cluster.restart(primary_index);
+    cluster.wait_serving(VOLUME, 3, &[]);
+    let local = cluster
+        .wait_local(primary_index, VOLUME, "the new size", |local| local.size_bytes == 96 << 20);
+    println!("the restarted node's replica: {local:?}");
+    leave_only_quiet(&mut cluster, primary_index);
+    assert_eq!(check_blocks_to(&cluster, GROWN_BLOCKS, &expected), Vec::<String>::new());
     cluster.assert_no_error_lines(&[]);
 }
 
@@ -881,14 +974,23 @@ fn write_blocks(cluster: &Cluster, blocks: Range<u64>, tag: u64) {
 /// do not hold what `expected` says (the tag of the pattern of the first range holding the
 /// block; zeros outside every range).
 fn check_blocks(cluster: &Cluster, expected: &[(Range<u64>, u64)]) -> Vec<String> {
+    check_blocks_to(cluster, VOLUME_BLOCKS, expected)
+}
+
+/// [`check_blocks`] of the first `volume_blocks` blocks.
+fn check_blocks_to(
+    cluster: &Cluster,
+    volume_blocks: u64,
+    expected: &[(Range<u64>, u64)],
+) -> Vec<String> {
     let paths = reachable_paths(cluster);
     let mut wrong = Vec::new();
     let mut wrong_total = 0u64;
     runtime().block_on(async {
         let mut device = connect_sequential(&paths).await;
         let mut lba = 0;
-        while lba < VOLUME_BLOCKS {
-            let count = SEQUENTIAL_IO_BLOCKS.min(VOLUME_BLOCKS - lba);
+        while lba < volume_blocks {
+            let count = SEQUENTIAL_IO_BLOCKS.min(volume_blocks - lba);
             let mut read = Err(String::new());
             for _ in 0..SEQUENTIAL_READ_ATTEMPTS_MAX {
                 read = device

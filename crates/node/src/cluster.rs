@@ -31,7 +31,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
-use types::VolumeName;
+use types::{ByteSize, VolumeName};
 
 /// How often the reconciler compares the cluster's volumes with what this node serves.
 pub const RECONCILE_INTERVAL_MS: u64 = 250;
@@ -44,6 +44,12 @@ pub const REPLICAS_MAX: u8 = 3;
 /// `volume show` on a node that is not the volume's primary asks the primary how its copies
 /// stand for at most this long.
 pub const RESYNC_ASK_TIMEOUT_MS: u64 = 1_000;
+/// How often a resize asks the volume's members whether they serve the new size yet.
+const GROW_POLL_MS: u64 = 100;
+/// How long one such question may take.
+const GROW_ASK_TIMEOUT_MS: u64 = 1_000;
+/// How long a resize of a replicated volume waits for every member to serve the new size.
+pub const GROW_WAIT_MS: u64 = 15_000;
 /// The label that names a node's failure domain; replicas go to distinct values when nodes
 /// carry it.
 pub const FAILURE_DOMAIN_LABEL: &str = "zone";
@@ -354,6 +360,88 @@ impl Cluster {
         Ok(placed)
     }
 
+    /// Refuses a grow of `record` to `size_bytes` that a member holding a replica has no room
+    /// for, as its member record last said (each node refreshes it every few seconds). Each
+    /// replica needs the growth on its node: volumes are thin, but their size is reserved.
+    pub fn check_grow(&self, record: &VolumeRecord, size_bytes: u64) -> Result<(), ControlError> {
+        let Some(state) = self.volume_state(record.id) else {
+            return Err(ControlError::NotOnCluster(format!(
+                "volume {} has no replication state in the cluster",
+                record.name
+            )));
+        };
+        let needed = size_bytes - record.size_bytes;
+        let members = self.store.members().map_err(ControlError::Meta)?;
+        for (member, _) in
+            members.iter().filter(|(member, _)| state.value.members.contains(&member.id))
+        {
+            if member.free_bytes < needed {
+                return Err(ControlError::GrowNoSpace {
+                    name: record.name.clone(),
+                    node: member.name.clone(),
+                    requested_bytes: needed,
+                    free_bytes: member.free_bytes,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every member of volume `name` (id `id`) serves at least `size_bytes`, for
+    /// at most `timeout`: asked of each member's API (this node's own answer is its status).
+    /// Returns the members still behind, with the size each serves (`None`: it did not
+    /// answer).
+    pub fn wait_grown(
+        &self,
+        id: u64,
+        name: &str,
+        size_bytes: u64,
+        timeout: Duration,
+    ) -> Vec<(String, Option<u64>)> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let behind = self.members_behind(id, name, size_bytes);
+            if behind.is_empty() || std::time::Instant::now() >= deadline {
+                return behind;
+            }
+            std::thread::sleep(Duration::from_millis(GROW_POLL_MS));
+        }
+    }
+
+    fn members_behind(&self, id: u64, name: &str, size_bytes: u64) -> Vec<(String, Option<u64>)> {
+        let Some(state) = self.volume_state(id) else { return Vec::new() };
+        let members: Vec<MemberRecord> = match self.store.members() {
+            Ok(members) => members.into_iter().map(|(member, _)| member).collect(),
+            Err(_) => return vec![("the cluster's member list".to_owned(), None)],
+        };
+        let mut behind = Vec::new();
+        for node in &state.value.members {
+            let Some(member) = members.iter().find(|member| member.id == *node) else {
+                behind.push((node.to_string(), None));
+                continue;
+            };
+            let served = if *node == self.me {
+                self.status
+                    .volume(id)
+                    .map(|local| local.volume_blocks * u64::from(types::LOGICAL_BLOCK_SIZE_BYTES))
+            } else {
+                api::Client::with_timeout_ms(
+                    &format!("http://{}", member.api_addr),
+                    GROW_ASK_TIMEOUT_MS,
+                )
+                .and_then(|client| client.volume(name))
+                .ok()
+                .and_then(|info| info.replication)
+                .and_then(|replication| replication.local)
+                .map(|local| local.size_bytes)
+            };
+            if served.is_none_or(|served| served < size_bytes) {
+                behind.push((member.name.clone(), served));
+            }
+        }
+        behind
+    }
+
     /// Deletes a volume's replication state after its record (members then drop their
     /// replicas).
     pub fn forget_volume(&self, id: u64) {
@@ -383,9 +471,11 @@ impl Cluster {
         let mut served: BTreeMap<u64, VolumeRecord> =
             served.into_iter().map(|record| (record.id, record)).collect();
         let mut last_error = String::new();
+        // Volumes that could not grow here, with the last reason said in the log.
+        let mut grow_failures: BTreeMap<u64, String> = BTreeMap::new();
         let mut last_member_refresh = std::time::Instant::now();
         while !*stop.borrow() {
-            match self.reconcile_once(&*data_plane, &metrics, &mut served) {
+            match self.reconcile_once(&*data_plane, &metrics, &mut served, &mut grow_failures) {
                 Ok(()) => last_error.clear(),
                 Err(error) => {
                     let text = error.to_string();
@@ -415,6 +505,7 @@ impl Cluster {
         data_plane: &dyn DataPlane,
         metrics: &Registry,
         served: &mut BTreeMap<u64, VolumeRecord>,
+        grow_failures: &mut BTreeMap<u64, String>,
     ) -> Result<(), MetaError> {
         self.refresh_peers();
         let states = self.states()?;
@@ -450,6 +541,38 @@ impl Cluster {
                     }
                     if current.compression != record.compression {
                         data_plane.set_compression(&record);
+                    }
+                    let mut record = record;
+                    if record.size_bytes > current.size_bytes {
+                        match data_plane.grow_replicated(current, record.size_bytes) {
+                            Ok(()) => {
+                                grow_failures.remove(&id);
+                                tracing::info!(
+                                    volume = %record.name,
+                                    id,
+                                    from = %ByteSize(current.size_bytes),
+                                    to = %ByteSize(record.size_bytes),
+                                    "the volume grew"
+                                );
+                            }
+                            Err(error) => {
+                                // Tried again at the next round; said once per reason.
+                                let text = error.to_string();
+                                if grow_failures.get(&id) != Some(&text) {
+                                    tracing::warn!(
+                                        volume = %record.name,
+                                        id,
+                                        to = %ByteSize(record.size_bytes),
+                                        %error,
+                                        "cannot grow the volume here; its replica keeps the old size \
+                                         until it can (a primary that grew removes it from the \
+                                         in-sync set once it misses writes beyond the old end)"
+                                    );
+                                    grow_failures.insert(id, text);
+                                }
+                                record.size_bytes = current.size_bytes;
+                            }
+                        }
                     }
                     served.insert(id, record);
                 }
@@ -518,6 +641,7 @@ impl Cluster {
         let local_status = self.status.volume(id);
         let local = local_status.as_ref().map(|local| api::LocalReplica {
             node: self.config.node_name.clone(),
+            size_bytes: local.volume_blocks * u64::from(types::LOGICAL_BLOCK_SIZE_BYTES),
             epoch: local.epoch,
             serving: local.serving,
             failed: local.latched,

@@ -52,7 +52,7 @@ use meta::{
 use nvmf::target::AnaState;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use types::{ByteSize, InvalidInput, Nqn, VolumeName};
 
 /// Why a volume operation failed. Messages are shown to users as is.
@@ -77,6 +77,19 @@ pub enum ControlError {
         ByteSize(*requested_bytes), ByteSize(*free_bytes)
     )]
     NoSpace { name: VolumeName, requested_bytes: u64, free_bytes: u64 },
+    #[error(
+        "not enough free space to grow volume {name}: each of its replicas needs {} more, and \
+         node {node} has {} free; free space there or grow by less",
+        ByteSize(*requested_bytes), ByteSize(*free_bytes)
+    )]
+    GrowNoSpace { name: VolumeName, node: String, requested_bytes: u64, free_bytes: u64 },
+    #[error(
+        "volume {name} is {} in the cluster's record, but {waiting} after {seconds} s; each \
+         node grows when it can (see its log), hosts see the new size once the primary serves \
+         it, and the same resize again waits once more",
+        ByteSize(*size_bytes)
+    )]
+    GrowPending { name: VolumeName, size_bytes: u64, waiting: String, seconds: u64 },
     #[error(
         "{0}; give the host's NQN (on a Linux host, the contents of /etc/nvme/hostnqn), or `any` \
          for every host"
@@ -350,8 +363,12 @@ impl VolumeService {
     }
 
     /// Grows a volume to `size_bytes`. Asking for its current size changes nothing.
+    ///
+    /// On a cluster node it writes the grown record to the cluster, where every node holding a
+    /// replica sees it and grows its copy (the volume's replication takes writes beyond the old
+    /// end once every in-sync replica has), and waits until they all serve the new size
+    /// (`GrowPending` after [`crate::cluster::GROW_WAIT_MS`]; asking again waits again).
     pub fn resize(&self, name: &str, size_bytes: u64) -> Result<VolumeRecord, ControlError> {
-        self.single_node_only("growing a volume")?;
         let name = parse_name(name)?;
         let size_bytes =
             types::validate_volume_size(size_bytes).map_err(ControlError::InvalidSize)?;
@@ -366,6 +383,43 @@ impl VolumeService {
                 name,
                 current_bytes: current.size_bytes,
                 requested_bytes: size_bytes,
+            });
+        }
+        if let Some(cluster) = &self.cluster {
+            let grown = if size_bytes == current.size_bytes {
+                current
+            } else {
+                cluster.check_grow(&current, size_bytes)?;
+                let grown = VolumeRecord { size_bytes, ..current.clone() };
+                self.meta.update_volume(&grown).map_err(ControlError::from_meta)?;
+                tracing::info!(
+                    volume = %grown.name,
+                    id = grown.id,
+                    from = %ByteSize(current.size_bytes),
+                    to = %ByteSize(size_bytes),
+                    "growing replicated volume"
+                );
+                grown
+            };
+            drop(_serialised);
+            let wait = Duration::from_millis(crate::cluster::GROW_WAIT_MS);
+            let behind = cluster.wait_grown(grown.id, grown.name.as_str(), size_bytes, wait);
+            if behind.is_empty() {
+                return Ok(grown);
+            }
+            let waiting = behind
+                .iter()
+                .map(|(node, served)| match served {
+                    Some(served) => format!("node {node} serves {}", ByteSize(*served)),
+                    None => format!("node {node} did not answer"),
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(ControlError::GrowPending {
+                name: grown.name,
+                size_bytes,
+                waiting,
+                seconds: wait.as_secs(),
             });
         }
         if size_bytes == current.size_bytes {

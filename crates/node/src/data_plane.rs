@@ -381,6 +381,22 @@ pub trait DataPlane: Send + Sync {
         )))
     }
 
+    /// The replicated volume `volume`, served here, grew to `size_bytes` in its record (cluster
+    /// nodes; the reconciler calls it when it sees the record grow): reserve the space, grow the
+    /// volume here, let its replication take writes up to the new end, then tell hosts. On
+    /// failure nothing grew here and the reconciler tries again.
+    fn grow_replicated(
+        &self,
+        volume: &VolumeRecord,
+        size_bytes: u64,
+    ) -> Result<(), DataPlaneError> {
+        let _ = size_bytes;
+        Err(DataPlaneError::failed(format!(
+            "volume {}: this data path does not replicate",
+            volume.name
+        )))
+    }
+
     /// The volume's record with a changed `host_access` is durable: from now on only the hosts
     /// it allows may connect to the volume's subsystem or see it in the discovery log, and
     /// controllers of hosts it no longer allows are disconnected. (Published volumes, and those

@@ -2113,6 +2113,35 @@ impl DataPlane for NvmeDataPlane {
         Ok(())
     }
 
+    fn grow_replicated(
+        &self,
+        volume: &VolumeRecord,
+        size_bytes: u64,
+    ) -> Result<(), DataPlaneError> {
+        let Some(link) = &self.shared.replication else {
+            return Err(DataPlaneError::failed("this node is not part of a cluster"));
+        };
+        let Some(handle) = self.catalog.get(volume.id) else {
+            return Err(DataPlaneError::failed(format!("volume {} is not served", volume.name)));
+        };
+        assert!(size_bytes > volume.size_bytes, "the reconciler grows only");
+        self.volumes
+            .reserve_grow(VolumeId(volume.id), size_bytes)
+            .map_err(DataPlaneError::failed)?;
+        let grown = VolumeRecord { size_bytes, ..volume.clone() };
+        // The map grows in place: every block beyond the old end reads as unmapped.
+        self.volumes.publish(layout_of(&grown));
+        let size_blocks = size_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES);
+        let command = crate::replicate::ServiceCommand::Grow { volume: volume.id, size_blocks };
+        if !link.command_blocking(command) {
+            return Err(DataPlaneError::failed("the replication service has stopped"));
+        }
+        // Hosts learn the size last: their commands reach the replication service after it.
+        handle.size_blocks.store(size_blocks, Ordering::Release);
+        self.target.notify_namespace_changed(&volume.name.subsystem_nqn());
+        Ok(())
+    }
+
     fn snapshot(
         &self,
         volume: &VolumeRecord,

@@ -127,6 +127,8 @@ pub struct VolumeReplication {
     pub stats: replication::Stats,
     /// The copies this node makes as the volume's primary.
     pub resync: Vec<replication::ResyncProgress>,
+    /// Blocks of the volume as its state machine here knows it.
+    pub volume_blocks: u64,
 }
 
 /// The service's published state, read by the control plane.
@@ -283,6 +285,10 @@ pub(crate) enum ServiceCommand {
     Add { handle: Arc<VolumeHandle>, size_blocks: u64 },
     /// Stop replicating the volume (it is being deleted here); its waiting host commands fail.
     Remove { volume: u64 },
+    /// The volume grew to `size_blocks` blocks and its storage here holds them: take commands
+    /// and entries up to the new end (`VolumeNode::grow`). Sent before hosts learn the new
+    /// size, through the inbox their commands take, so none reaches the state machine first.
+    Grow { volume: u64, size_blocks: u64 },
     /// Every replicated volume of the cluster (this node's or not): the ones the manager looks
     /// after while this node holds the manager key.
     ClusterVolumes { volumes: Vec<u64> },
@@ -1154,6 +1160,18 @@ impl Service {
                 self.managers.retain(|volume, _| volumes.contains(volume));
                 self.cluster_volumes = volumes;
             }
+            Input::Command(ServiceCommand::Grow { volume, size_blocks }) => {
+                if let Some(replica) = self.volumes.get_mut(&volume) {
+                    if size_blocks > replica.node.volume_blocks() {
+                        replica.node.grow(size_blocks);
+                        tracing::info!(
+                            volume = %replica.handle.name,
+                            blocks = size_blocks,
+                            "the volume grew: replicating up to its new end"
+                        );
+                    }
+                }
+            }
             Input::Command(ServiceCommand::Remove { volume }) => {
                 if let Some(replica) = self.volumes.remove(&volume) {
                     fail_all(replica);
@@ -1691,6 +1709,7 @@ impl Service {
                     latched: replica.node.latched(),
                     stats: replica.node.stats().clone(),
                     resync: replica.node.resync_progress(),
+                    volume_blocks: replica.node.volume_blocks(),
                 },
             );
         }

@@ -656,6 +656,11 @@ impl VolumeNode {
         self.shared.damaged.contains(&lba)
     }
 
+    /// Blocks in the volume as this node knows it: where it takes commands and entries up to.
+    pub fn volume_blocks(&self) -> u64 {
+        self.shared.config.volume_blocks
+    }
+
     /// The volume grew to `volume_blocks` blocks (never fewer than it has: volumes only grow);
     /// its storage already holds them. From now on this node takes host commands, stream
     /// entries and reads up to the new end.
