@@ -513,6 +513,7 @@ impl Cluster {
         let wanted = self.member_volumes(&states)?;
         let gone: Vec<u64> = served.keys().filter(|id| !wanted.contains_key(id)).copied().collect();
         for id in gone {
+            grow_failures.remove(&id);
             if let Some(record) = served.remove(&id) {
                 tracing::info!(volume = %record.name, id, "no longer a member: dropping the replica");
                 data_plane.remove(&record);
