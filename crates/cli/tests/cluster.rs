@@ -25,7 +25,9 @@
 //! A three-replica volume grown with `ferrite volume resize` must serve the new size on every
 //! node when the command returns, tell a connected host (namespace notice) and NBD, take writes
 //! beyond the old end with every replica in sync, and serve them from the next primary after
-//! the old one is killed; a shrink, and a grow the nodes have no room for, change nothing.
+//! the old one is killed; a shrink, and a grow the nodes have no room for, change nothing. A
+//! replica whose node is down during the grow is named by the resize and, restarted, catches
+//! up at the new size.
 //!
 //! A node started before its etcd answers must wait for it (`--etcd-wait-s`) and join once it
 //! does, instead of exiting; told not to wait, it must fail at once and say why.
@@ -875,6 +877,42 @@ fn a_replicated_volume_grows_on_every_node_and_keeps_its_blocks_across_a_failove
         .wait_local(primary_index, VOLUME, "the new size", |local| local.size_bytes == 96 << 20);
     println!("the restarted node's replica: {local:?}");
     leave_only_quiet(&mut cluster, primary_index);
+    assert_eq!(check_blocks_to(&cluster, GROWN_BLOCKS, &expected), Vec::<String>::new());
+    cluster.assert_no_error_lines(&[]);
+}
+
+/// A replica whose node is down when the volume grows: the resize names it and says the
+/// record has the new size; writes beyond the old end go on without it; restarted, the node
+/// starts at the new size and is resynced, those blocks included, and the same resize then
+/// returns at once.
+#[test]
+fn a_replica_down_during_a_grow_is_named_then_catches_up_at_the_new_size() {
+    let mut cluster = Cluster::start(&resync_options());
+    let created = create_volume(&cluster, VOLUME, 3);
+    let primary_name = primary(&created);
+    let api_url = cluster.node(cluster.index(&primary_name)).api_url().to_owned();
+    write_blocks(&cluster, BEFORE_GROW, TAG_BEFORE_GROW);
+    let down = (0..3).find(|index| cluster.node(*index).name != primary_name).unwrap();
+    let down_name = cluster.node(down).name.clone();
+    cluster.kill9(down);
+
+    let stderr = ferrite_fails(&api_url, &["volume", "resize", VOLUME, GROWN_SIZE]);
+    assert!(stderr.contains("is 96MiB in the cluster's record"), "{stderr}");
+    assert!(stderr.contains(&format!("node {down_name} did not answer")), "{stderr}");
+    assert_eq!(cluster.client().volume(VOLUME).unwrap().size_bytes, 96 << 20);
+    write_blocks(&cluster, AFTER_GROW, TAG_AFTER_GROW);
+
+    cluster.restart(down);
+    cluster.wait_serving(VOLUME, 3, &[]);
+    let local =
+        cluster.wait_local(down, VOLUME, "the new size", |local| local.size_bytes == 96 << 20);
+    println!("the restarted replica: {local:?}");
+    let started = Instant::now();
+    ferrite_ok(&api_url, &["volume", "resize", VOLUME, GROWN_SIZE]);
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+
+    leave_only_quiet(&mut cluster, down);
+    let expected = [(AFTER_GROW, TAG_AFTER_GROW), (BEFORE_GROW, TAG_BEFORE_GROW)];
     assert_eq!(check_blocks_to(&cluster, GROWN_BLOCKS, &expected), Vec::<String>::new());
     cluster.assert_no_error_lines(&[]);
 }
