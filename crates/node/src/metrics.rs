@@ -53,7 +53,8 @@
 //!   then stopped serving the volume, as on an I/O error);
 //!   `ferrite_replication_entries_refused_total` (counter, cluster nodes): writes refused as a
 //!   replica because their blocks lay beyond this node's copy of the volume (a size that
-//!   differs from the primary's) or their length was invalid;
+//!   differs from the primary's: for a moment after a grow, until this node has grown too,
+//!   and the primary sends them again) or their length was invalid;
 //!   `ferrite_lease_lapses_total`, `ferrite_lease_renewals_failed_total` (counters, cluster
 //!   nodes): times this node's lease lapsed (it then served no volume as primary until a
 //!   renewal was answered; the log has a warning for each) and renewals that failed;
