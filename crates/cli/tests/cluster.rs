@@ -20,7 +20,8 @@
 //! NBD has no second path (no ANA): a request that reaches the primary while its lease has
 //! lapsed must wait for the node to serve again instead of failing, which would end the
 //! client's I/O. A one-node cluster's primary is frozen past its lease and continued while a
-//! qemu-io writes and reads through its NBD export.
+//! qemu-io writes and reads through its NBD export. But once another node serves the volume,
+//! the old primary must fail such a request at once, not hold it for 10 s.
 //!
 //! A three-replica volume grown with `ferrite volume resize` must serve the new size on every
 //! node when the command returns, tell a connected host (namespace notice) and NBD, take writes
@@ -1408,6 +1409,61 @@ fn an_nbd_request_during_a_lapsed_lease_waits_for_the_primary_instead_of_failing
     assert!(!finished.text.contains("failed"), "{}", finished.text);
     let after = cluster.wait_serving(VOLUME, 1, &[]);
     assert!(after.epoch > before.epoch, "the lease did not lapse: {before:?} -> {after:?}");
+}
+
+/// An old primary that knows another node serves the volume now (it was frozen past its
+/// lease and another was promoted) fails an NBD request at once, so its client can go to the
+/// new primary, instead of holding each request for `NOT_SERVING_WAIT_MS_MAX` (10 s) as it does
+/// while its own lease has lapsed and no other node took over.
+#[test]
+fn an_nbd_request_to_a_replaced_primary_fails_at_once() {
+    let mut cluster = Cluster::start(&ClusterOptions::nodes(2));
+    let before = create_volume(&cluster, VOLUME, 2);
+    let old = primary(&before);
+    let old_index = cluster.index(&old);
+    let uri = cluster.node(old_index).nbd_uri(VOLUME);
+    let qemu_io = |commands: &[&str]| {
+        let mut command = common::client("qemu-io", "qemu-utils");
+        command.args(["-f", "raw"]);
+        for each in commands {
+            command.args(["-c", each]);
+        }
+        command.arg(&uri);
+        command
+    };
+    let served = common::run_ok(qemu_io(&["write -P 0x11 0 64k", "read -P 0x11 0 64k"]));
+    assert!(!served.contains("failed"), "{served}");
+
+    cluster.pause(old_index);
+    let after = cluster.wait_serving(VOLUME, 1, &[&old]);
+    assert!(after.epoch > before.epoch, "{before:?} -> {after:?}");
+    cluster.resume(old_index);
+    // It learns of the new epoch at its next poll of the store.
+    let deadline = Instant::now() + CONVERGE_TIMEOUT;
+    while cluster
+        .replication_at(old_index, VOLUME)
+        .and_then(|state| state.local)
+        .is_none_or(|local| local.epoch < after.epoch)
+    {
+        assert!(Instant::now() < deadline, "{old} never saw epoch {}", after.epoch);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let asked = Instant::now();
+    let finished = common::run(qemu_io(&["write -P 0x22 0 64k"]));
+    let took = asked.elapsed();
+    eprintln!("qemu-io on the replaced primary finished in {took:?}: {}", finished.text);
+    assert!(
+        !finished.status.success() || finished.text.contains("failed"),
+        "a write to the replaced primary succeeded:\n{}",
+        finished.text
+    );
+    assert!(took < Duration::from_secs(5), "the request was held {took:?}");
+    // The new primary serves what the old one completed.
+    let new_uri = cluster.node(cluster.index(&primary(&after))).nbd_uri(VOLUME);
+    let mut read = common::client("qemu-io", "qemu-utils");
+    read.args(["-f", "raw", "-c", "read -P 0x11 0 64k", &new_uri]);
+    let text = common::run_ok(read);
+    assert!(!text.contains("failed"), "{text}");
 }
 
 /// Forwards every connection `listener` accepts to `target`, both ways, until the test ends:

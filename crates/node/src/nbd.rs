@@ -44,7 +44,8 @@
 //! serving is sent again every [`NOT_SERVING_POLL_MS`] until it is served or that time has
 //! passed since it arrived (then EIO): a lease renewal held up by a stalled disk or etcd costs
 //! the client that much latency, not an error. A node that never served the volume (a replica's
-//! NBD port) refuses at once, as does a volume being deleted.
+//! NBD port), or that knows another node serves it now (a failover), refuses at once, as does a
+//! volume being deleted.
 
 use crate::metrics::VolumeMetrics;
 use crate::nvme::{

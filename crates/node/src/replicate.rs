@@ -49,7 +49,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -386,11 +386,19 @@ pub(crate) struct ServingGate {
     until_ms: AtomicU64,
     /// The latest `until_ms` it was ever opened to; 0 if never.
     served_until_ms: AtomicU64,
+    /// The newest view this node has of the volume names another node primary: it serves the
+    /// volume again only if a later epoch names it, so a request is not worth waiting for.
+    moved: AtomicBool,
 }
 
 impl ServingGate {
     fn new(origin: Instant) -> Self {
-        Self { origin, until_ms: AtomicU64::new(0), served_until_ms: AtomicU64::new(0) }
+        Self {
+            origin,
+            until_ms: AtomicU64::new(0),
+            served_until_ms: AtomicU64::new(0),
+            moved: AtomicBool::new(false),
+        }
     }
 
     fn now_ms(&self) -> u64 {
@@ -402,10 +410,13 @@ impl ServingGate {
         self.now_ms() < self.until_ms.load(Ordering::Acquire)
     }
 
-    /// Whether this node served the volume at some time in the last `window_ms`, or does now.
+    /// Whether this node served the volume at some time in the last `window_ms`, or does now,
+    /// and no other node serves it since as far as this node knows.
     pub(crate) fn served_within_ms(&self, window_ms: u64) -> bool {
         let served_until_ms = self.served_until_ms.load(Ordering::Acquire);
-        served_until_ms != 0 && self.now_ms() < served_until_ms.saturating_add(window_ms)
+        served_until_ms != 0
+            && self.now_ms() < served_until_ms.saturating_add(window_ms)
+            && !self.moved.load(Ordering::Acquire)
     }
 
     fn set(&self, until_ms: Option<u64>) {
@@ -1510,6 +1521,7 @@ impl Service {
         let Some(replica) = self.volumes.get_mut(&volume) else { return };
         let until = replica.node.serving_until(now);
         replica.gate.set(until);
+        replica.gate.moved.store(replica.node.primary_elsewhere(), Ordering::Release);
         let state = if until.is_some() { AnaState::Optimized } else { AnaState::Inaccessible };
         if replica.ana == Some(state) {
             return;

@@ -555,6 +555,17 @@ impl VolumeNode {
         Some(lease.valid_until_ms)
     }
 
+    /// Whether the newest view of the store this node has names another node primary, in an
+    /// epoch at least as new as this node's: the volume moved away (a failover, or a step-down),
+    /// and this node serves it again only if a later epoch names it.
+    pub fn primary_elsewhere(&self) -> bool {
+        let shared = &self.shared;
+        shared.view.as_ref().is_some_and(|view| {
+            view.value.epoch >= shared.epoch
+                && view.value.primary.is_some_and(|primary| primary != shared.me)
+        })
+    }
+
     /// Whether this node holds the primary role (in any phase of its term, serving or not).
     pub fn is_primary(&self) -> bool {
         matches!(self.role, Role::Primary(_))

@@ -1284,8 +1284,13 @@ fn old_primary_away_while(cluster: &mut Cluster, written: &[u64], away: Away) ->
 fn a_partitioned_old_primary_gets_only_the_blocks_changed_while_away() {
     let mut cluster = Cluster::started(config());
     let written = [3, 5, 6, 30];
+    assert!(!cluster.nodes[0].volume.primary_elsewhere(), "node 0 is the primary");
     let pending = old_primary_away_while(&mut cluster, &written, Away::Alive);
     assert_eq!(cluster.result(pending), Err(HostError::NotPrimary));
+    // The old primary knows the volume moved; the new one does not think so of itself.
+    assert!(cluster.nodes[0].volume.primary_elsewhere());
+    assert!(cluster.nodes[2].volume.primary_elsewhere());
+    assert!(!cluster.nodes[1].volume.primary_elsewhere());
     let stats = cluster.nodes[1].volume.stats();
     assert_eq!((stats.resyncs_started, stats.resyncs_full, stats.resyncs_completed), (1, 0, 1));
     assert_eq!((stats.returns_incremental, stats.returns_full), (1, 0));
