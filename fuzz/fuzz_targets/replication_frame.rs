@@ -19,7 +19,7 @@ use replication::WriteIntent;
 /// pathological inputs.
 const FRAMES_PER_INPUT_MAX: usize = 4096;
 
-/// Header offsets of docs/replication-wire.md (version 6).
+/// Header offsets of docs/replication-wire.md (version 7).
 const PAYLOAD_BYTES_AT: usize = 8;
 const PAYLOAD_BYTES_END: usize = 12;
 /// Offsets of the write-intent file.
