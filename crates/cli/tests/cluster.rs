@@ -801,9 +801,12 @@ const BEFORE_GROW: Range<u64> = VOLUME_BLOCKS - 1024..VOLUME_BLOCKS;
 const TAG_BEFORE_GROW: u64 = 0xb4;
 const AFTER_GROW: Range<u64> = VOLUME_BLOCKS - 64..VOLUME_BLOCKS + 2048;
 const TAG_AFTER_GROW: u64 = 0xaf;
+/// A range [`check_blocks`] reads but does not check.
+const TAG_UNCHECKED: u64 = u64::MAX;
 
-/// `ferrite volume resize` of a three-replica volume: every node grows its copy and the
-/// command returns once all serve the new size; hosts see it through NVMe/TCP and NBD, write
+/// `ferrite volume resize` of a three-replica volume under the verifying workload: every node
+/// grows its copy and the command returns once all serve the new size; hosts see it through
+/// NVMe/TCP and NBD, write
 /// beyond the old end with every replica staying in sync, and after the primary is killed the
 /// new primary serves those blocks; the killed node comes back at the new size and is resynced.
 /// A shrink and a grow the nodes have no room for are refused and change nothing.
@@ -813,6 +816,9 @@ fn a_replicated_volume_grows_on_every_node_and_keeps_its_blocks_across_a_failove
     let created = create_volume(&cluster, VOLUME, 3);
     let api_url = cluster.node(0).api_url().to_owned();
     write_blocks(&cluster, BEFORE_GROW, TAG_BEFORE_GROW);
+    // The verifying workload writes and reads BLOCKS all along, across the grow.
+    let workload = start_workload(&cluster);
+    step(&workload, "before the grow");
 
     let stderr = ferrite_fails(&api_url, &["volume", "resize", VOLUME, "32M"]);
     assert!(stderr.contains("cannot shrink"), "{stderr}");
@@ -830,6 +836,7 @@ fn a_replicated_volume_grows_on_every_node_and_keeps_its_blocks_across_a_failove
     let started = Instant::now();
     let out = ferrite_ok(&api_url, &["volume", "resize", VOLUME, GROWN_SIZE]);
     println!("resize in {} ms: {}", started.elapsed().as_millis(), out.trim());
+    step(&workload, "after the grow");
     let deadline = Instant::now() + CONVERGE_TIMEOUT;
     while connected.size_blocks() != GROWN_BLOCKS {
         let seen = connected.size_blocks();
@@ -864,11 +871,16 @@ fn a_replicated_volume_grows_on_every_node_and_keeps_its_blocks_across_a_failove
     let local = cluster.replication_at(primary_index, VOLUME).and_then(|state| state.local);
     assert_eq!(local.map(|local| local.replicas_removed), Some(0));
 
-    // The primary goes: another serves every block, the old and the new.
-    cluster.kill9(primary_index);
+    // The primary goes under the workload: another serves every block, the old and the new.
+    let pause = pause_across(&workload, "kill -9 of the primary", || {
+        cluster.kill9(primary_index);
+    });
+    assert!(pause < PAUSE_MAX, "writes paused {pause:?}");
     let after = cluster.wait_serving(VOLUME, 2, &[&primary_name]);
     assert!(after.epoch > created.epoch, "{after:?}");
-    let expected = [(AFTER_GROW, TAG_AFTER_GROW), (BEFORE_GROW, TAG_BEFORE_GROW)];
+    stop_and_check(workload);
+    let expected =
+        [(BLOCKS, TAG_UNCHECKED), (AFTER_GROW, TAG_AFTER_GROW), (BEFORE_GROW, TAG_BEFORE_GROW)];
     assert_eq!(check_blocks_to(&cluster, GROWN_BLOCKS, &expected), Vec::<String>::new());
 
     // The killed node starts at the new size and is copied what it missed.
@@ -1011,7 +1023,8 @@ fn write_blocks(cluster: &Cluster, blocks: Range<u64>, tag: u64) {
 
 /// Reads every block of the volume through the reachable nodes' paths and returns those that
 /// do not hold what `expected` says (the tag of the pattern of the first range holding the
-/// block; zeros outside every range).
+/// block, any data for [`TAG_UNCHECKED`]: the workload's blocks, which it checks itself; zeros
+/// outside every range).
 fn check_blocks(cluster: &Cluster, expected: &[(Range<u64>, u64)]) -> Vec<String> {
     check_blocks_to(cluster, VOLUME_BLOCKS, expected)
 }
@@ -1046,6 +1059,7 @@ fn check_blocks_to(
                     .zip(lba..)
                     .filter_map(|(bytes, block)| {
                         match expected.iter().find(|(range, _)| range.contains(&block)) {
+                            Some((_, TAG_UNCHECKED)) => None,
                             Some((_, tag)) => pattern_mismatch(bytes, block, *tag),
                             None => bytes.iter().any(|byte| *byte != 0).then(|| {
                                 format!("block {block}: not zeros, but nothing was written there")
