@@ -1383,6 +1383,17 @@ fn a_restarted_old_primary_gets_an_incremental_copy_not_a_full_one() {
     }
 }
 
+/// qemu-io running `commands` (each a `-c`) on the NBD export `uri`.
+fn qemu_io(uri: &str, commands: &[&str]) -> std::process::Command {
+    let mut command = common::client("qemu-io", "qemu-utils");
+    command.args(["-f", "raw"]);
+    for each in commands {
+        command.args(["-c", each]);
+    }
+    command.arg(uri);
+    command
+}
+
 /// A one-node cluster's primary frozen for twice its lease loses the lease at the store; once
 /// continued it cannot serve until the manager (itself) promotes it again, in a new epoch. A
 /// qemu-io that connected while it was frozen writes and reads a pattern over NBD meanwhile:
@@ -1394,15 +1405,7 @@ fn an_nbd_request_during_a_lapsed_lease_waits_for_the_primary_instead_of_failing
     let mut cluster = Cluster::start(&ClusterOptions::nodes(1));
     let before = create_volume(&cluster, VOLUME, 1);
     let uri = cluster.node(0).nbd_uri(VOLUME);
-    let qemu_io = |commands: &[&str]| {
-        let mut command = common::client("qemu-io", "qemu-utils");
-        command.args(["-f", "raw"]);
-        for each in commands {
-            command.args(["-c", each]);
-        }
-        command.arg(&uri);
-        command
-    };
+    let qemu_io = |commands: &[&str]| qemu_io(&uri, commands);
     let served = common::run_ok(qemu_io(&["write -P 0x11 0 64k", "read -P 0x11 0 64k"]));
     assert!(!served.contains("failed"), "{served}");
 
@@ -1436,16 +1439,8 @@ fn an_nbd_request_to_a_replaced_primary_fails_at_once() {
     let old = primary(&before);
     let old_index = cluster.index(&old);
     let uri = cluster.node(old_index).nbd_uri(VOLUME);
-    let qemu_io = |commands: &[&str]| {
-        let mut command = common::client("qemu-io", "qemu-utils");
-        command.args(["-f", "raw"]);
-        for each in commands {
-            command.args(["-c", each]);
-        }
-        command.arg(&uri);
-        command
-    };
-    let served = common::run_ok(qemu_io(&["write -P 0x11 0 64k", "read -P 0x11 0 64k"]));
+    let old_io = |commands: &[&str]| qemu_io(&uri, commands);
+    let served = common::run_ok(old_io(&["write -P 0x11 0 64k", "read -P 0x11 0 64k"]));
     assert!(!served.contains("failed"), "{served}");
 
     cluster.pause(old_index);
@@ -1463,7 +1458,7 @@ fn an_nbd_request_to_a_replaced_primary_fails_at_once() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let asked = Instant::now();
-    let finished = common::run(qemu_io(&["write -P 0x22 0 64k"]));
+    let finished = common::run(old_io(&["write -P 0x22 0 64k"]));
     let took = asked.elapsed();
     eprintln!("qemu-io on the replaced primary finished in {took:?}: {}", finished.text);
     assert!(
@@ -1474,9 +1469,7 @@ fn an_nbd_request_to_a_replaced_primary_fails_at_once() {
     assert!(took < Duration::from_secs(5), "the request was held {took:?}");
     // The new primary serves what the old one completed.
     let new_uri = cluster.node(cluster.index(&primary(&after))).nbd_uri(VOLUME);
-    let mut read = common::client("qemu-io", "qemu-utils");
-    read.args(["-f", "raw", "-c", "read -P 0x11 0 64k", &new_uri]);
-    let text = common::run_ok(read);
+    let text = common::run_ok(qemu_io(&new_uri, &["read -P 0x11 0 64k"]));
     assert!(!text.contains("failed"), "{text}");
 }
 
