@@ -359,6 +359,31 @@ pub fn volume_changed(json: bool, verb: &str, volume: &VolumeInfo) -> anyhow::Re
     Ok(())
 }
 
+/// What `volume show` adds about this node's replica when its size lags the volume's record
+/// (`served_bytes`, 0 from a node that does not say) or it refused writes from the primary.
+fn replica_notes(served_bytes: u64, entries_refused: u64, volume_bytes: u64) -> Vec<String> {
+    let mut lines = Vec::new();
+    if served_bytes != 0 && served_bytes < volume_bytes {
+        lines.push(format!(
+            "{:<13}this node serves {} of the volume's {}: it grows when it can (see its log); \
+             `ferrite volume resize` with the new size waits for it",
+            "GROWING:",
+            ByteSize(served_bytes),
+            ByteSize(volume_bytes),
+        ));
+    }
+    if entries_refused > 0 {
+        lines.push(format!(
+            "{:<13}{entries_refused} writes from the primary refused: their blocks lay beyond \
+             this node's copy of the volume (for a moment after a grow, until this node grew \
+             too, and the primary sent them again; otherwise its size here differs from the \
+             primary's)",
+            "refused:",
+        ));
+    }
+    lines
+}
+
 pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
     if json {
         return print_json(volume);
@@ -457,12 +482,8 @@ pub fn volume(json: bool, volume: &VolumeInfo) -> anyhow::Result<()> {
                     local.reconcile_unrecovered,
                 );
             }
-            if local.entries_refused > 0 {
-                println!(
-                    "{:<13}{} writes from the primary refused: their blocks lie beyond this \
-                     node's copy of the volume (its size here differs from the primary's)",
-                    "REFUSED:", local.entries_refused,
-                );
+            for line in replica_notes(local.size_bytes, local.entries_refused, volume.size_bytes) {
+                println!("{line}");
             }
         }
     }
@@ -781,6 +802,19 @@ fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replica_behind_the_record_or_refusing_writes_says_so() {
+        assert_eq!(replica_notes(96 << 20, 0, 96 << 20), Vec::<String>::new());
+        assert_eq!(replica_notes(0, 0, 96 << 20), Vec::<String>::new(), "a node that does not say");
+        let growing = replica_notes(64 << 20, 0, 96 << 20);
+        assert_eq!(growing.len(), 1, "{growing:?}");
+        assert!(growing[0].starts_with("GROWING:     this node serves 64MiB of the volume's 96MiB"));
+        let refused = replica_notes(96 << 20, 3, 96 << 20);
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(refused[0].starts_with("refused:     3 writes from the primary refused"));
+        assert_eq!(replica_notes(64 << 20, 3, 96 << 20).len(), 2);
+    }
 
     fn progress(
         node: &str,
