@@ -425,15 +425,12 @@ impl Cluster {
                     .volume(id)
                     .map(|local| local.volume_blocks * u64::from(types::LOGICAL_BLOCK_SIZE_BYTES))
             } else {
-                api::Client::with_timeout_ms(
-                    &format!("http://{}", member.api_addr),
-                    GROW_ASK_TIMEOUT_MS,
-                )
-                .and_then(|client| client.volume(name))
-                .ok()
-                .and_then(|info| info.replication)
-                .and_then(|replication| replication.local)
-                .map(|local| local.size_bytes)
+                member_api(member, GROW_ASK_TIMEOUT_MS)
+                    .and_then(|client| client.volume(name))
+                    .ok()
+                    .and_then(|info| info.replication)
+                    .and_then(|replication| replication.local)
+                    .map(|local| local.size_bytes)
             };
             if served.is_none_or(|served| served < size_bytes) {
                 behind.push((member.name.clone(), served));
@@ -614,11 +611,8 @@ impl Cluster {
         let Some(member) = members.iter().find(|member| member.id == primary) else {
             return Vec::new();
         };
-        let asked = api::Client::with_timeout_ms(
-            &format!("http://{}", member.api_addr),
-            RESYNC_ASK_TIMEOUT_MS,
-        )
-        .and_then(|client| client.volume_resync(name));
+        let asked =
+            member_api(member, RESYNC_ASK_TIMEOUT_MS).and_then(|client| client.volume_resync(name));
         match asked {
             Ok(resync) => resync,
             Err(error) => {
@@ -731,6 +725,11 @@ impl Cluster {
             volumes_degraded: degraded,
         })
     }
+}
+
+/// A client of `member`'s REST API whose calls give up after `timeout_ms`.
+fn member_api(member: &MemberRecord, timeout_ms: u64) -> Result<api::Client, api::ClientError> {
+    api::Client::with_timeout_ms(&format!("http://{}", member.api_addr), timeout_ms)
 }
 
 /// Chooses `replicas` nodes for a volume: live members only, distinct failure domains (the

@@ -372,7 +372,7 @@ impl VolumeService {
         let name = parse_name(name)?;
         let size_bytes =
             types::validate_volume_size(size_bytes).map_err(ControlError::InvalidSize)?;
-        let _serialised = self.lock_mutations();
+        let serialised = self.lock_mutations();
 
         let current = match self.meta.volume(&name).map_err(ControlError::from_meta)? {
             Some(record) => record,
@@ -401,7 +401,8 @@ impl VolumeService {
                 );
                 grown
             };
-            drop(_serialised);
+            // Other mutations need not wait while the members grow.
+            drop(serialised);
             let wait = Duration::from_millis(crate::cluster::GROW_WAIT_MS);
             let behind = cluster.wait_grown(grown.id, grown.name.as_str(), size_bytes, wait);
             if behind.is_empty() {

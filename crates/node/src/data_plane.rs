@@ -388,9 +388,8 @@ pub trait DataPlane: Send + Sync {
     fn grow_replicated(
         &self,
         volume: &VolumeRecord,
-        size_bytes: u64,
+        _size_bytes: u64,
     ) -> Result<(), DataPlaneError> {
-        let _ = size_bytes;
         Err(DataPlaneError::failed(format!(
             "volume {}: this data path does not replicate",
             volume.name
