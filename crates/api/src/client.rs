@@ -5,9 +5,10 @@
 //! sees, so callers print it as is.
 
 use crate::wire::{
-    AnaState, CreateSnapshot, CreateVolume, DriveInfo, ErrorBody, ErrorCode, HostAccess, NodeInfo,
-    ReplaceDrive, ResizeVolume, ResyncList, ResyncProgress, RollbackVolume, SetCompression,
-    SetPathState, SnapshotInfo, SnapshotList, VolumeInfo, VolumeList, VolumePaths,
+    AnaState, CreateSnapshot, CreateVolume, DriveInfo, ErrorBody, ErrorCode, FreezePoint,
+    FreezeVolume, HostAccess, LocalSnapshot, NodeInfo, ReplaceDrive, ResizeVolume, ResyncList,
+    ResyncProgress, RollbackVolume, SetCompression, SetPathState, SnapshotInfo, SnapshotList,
+    ThawVolume, VolumeInfo, VolumeList, VolumePaths,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -222,6 +223,35 @@ impl Client {
         self.call("POST", &format!("/v1/drives/{index}/replace"), Some(body))
     }
 
+    /// Holds the replicated volume's host writes on its serving primary (this node) for a
+    /// snapshot of every copy, for at most `hold_ms` ([`crate::paths::CLUSTER_VOLUME_FREEZE`]).
+    pub fn freeze_volume(&self, volume: &str, hold_ms: u64) -> Result<FreezePoint, ClientError> {
+        let body = json(&FreezeVolume { hold_ms });
+        self.call("POST", &cluster_volume_path(volume, "/freeze"), Some(body))
+    }
+
+    /// Ends the hold `token` names; an error if it did not last until now.
+    pub fn thaw_volume(&self, volume: &str, token: u64) -> Result<(), ClientError> {
+        let body = json(&ThawVolume { token });
+        self.send("POST", &cluster_volume_path(volume, "/thaw"), Some(body)).map(drop)
+    }
+
+    /// Takes snapshot `id` of this node's copy of a replicated volume
+    /// ([`crate::paths::CLUSTER_SNAPSHOT`]).
+    pub fn take_local_snapshot(
+        &self,
+        id: u64,
+        snapshot: &LocalSnapshot,
+    ) -> Result<(), ClientError> {
+        let path = format!("/v1/cluster/snapshots/{id}");
+        self.send("PUT", &path, Some(json(snapshot))).map(drop)
+    }
+
+    /// Drops this node's copy of snapshot `id`, if it has one.
+    pub fn drop_local_snapshot(&self, id: u64) -> Result<(), ClientError> {
+        self.send("DELETE", &format!("/v1/cluster/snapshots/{id}"), None).map(drop)
+    }
+
     /// The Prometheus text exposition of the node's metrics.
     pub fn metrics(&self) -> Result<String, ClientError> {
         let response = self.send("GET", crate::paths::METRICS, None)?;
@@ -345,6 +375,13 @@ fn host_path(volume: &str, host: &str) -> String {
 }
 
 /// The path of one snapshot of a volume, each name one percent-encoded segment.
+fn cluster_volume_path(name: &str, suffix: &str) -> String {
+    let mut path = String::from("/v1/cluster/volumes/");
+    push_segment(&mut path, name);
+    path.push_str(suffix);
+    path
+}
+
 fn snapshot_path(volume: &str, snapshot: &str) -> String {
     let mut path = volume_path(volume, "/snapshots/");
     push_segment(&mut path, snapshot);

@@ -49,6 +49,17 @@ pub mod paths {
     /// makes as the volume's primary, without asking any other node (`volume show` on another
     /// node asks the primary here).
     pub const VOLUME_RESYNC: &str = "/v1/volumes/{name}/resync";
+    /// `POST` with a [`FreezeVolume`](crate::FreezeVolume), between cluster nodes: the
+    /// volume's serving primary holds its host writes for a snapshot of every copy; answers a
+    /// [`FreezePoint`](crate::FreezePoint).
+    pub const CLUSTER_VOLUME_FREEZE: &str = "/v1/cluster/volumes/{name}/freeze";
+    /// `POST` with a [`ThawVolume`](crate::ThawVolume): ends that hold (204), or says it
+    /// lapsed (`snapshot_unavailable`).
+    pub const CLUSTER_VOLUME_THAW: &str = "/v1/cluster/volumes/{name}/thaw";
+    /// `PUT` with a [`LocalSnapshot`](crate::LocalSnapshot), between cluster nodes: takes
+    /// snapshot `{id}` of this node's copy of the volume (204); `DELETE`: drops this node's
+    /// copy of it, if any (204).
+    pub const CLUSTER_SNAPSHOT: &str = "/v1/cluster/snapshots/{id}";
     pub const NODE: &str = "/v1/node";
     /// The cluster's nodes (cluster nodes only).
     pub const CLUSTER: &str = "/v1/cluster";

@@ -349,6 +349,48 @@ pub struct CreateSnapshot {
     pub name: String,
 }
 
+/// `POST /v1/cluster/volumes/{name}/freeze` (between cluster nodes, for a snapshot): the
+/// volume's serving primary holds its host writes until every write it took completed, for at
+/// most `hold_ms`, and answers a [`FreezePoint`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreezeVolume {
+    pub hold_ms: u64,
+}
+
+/// Where a held replicated volume stands: the copies of the nodes named hold exactly what the
+/// primary's holds (every completed write, none in flight), until the hold ends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreezePoint {
+    /// Names this hold: `POST /v1/cluster/volumes/{name}/thaw` with it ends it.
+    pub token: u64,
+    /// The epoch the primary serves.
+    pub epoch: u64,
+    /// The node ids (`ClusterNode::id`) of the replicas alike the primary, the primary not
+    /// included.
+    pub copies: Vec<u32>,
+}
+
+/// `POST /v1/cluster/volumes/{name}/thaw`: ends the hold `token` names. Answers 204 if the
+/// primary served the same epoch under the same lease, holding the writes, from the hold to
+/// now; `snapshot_unavailable` otherwise (the hold lapsed or the node stopped serving).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThawVolume {
+    pub token: u64,
+}
+
+/// `PUT /v1/cluster/snapshots/{id}` (between cluster nodes): take snapshot `id` of this node's
+/// copy of `volume` now, under these names; its record is written once every copy has it.
+/// `DELETE /v1/cluster/snapshots/{id}`: drop this node's copy of snapshot `id`, if it has one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalSnapshot {
+    pub volume: String,
+    pub name: String,
+    pub size_bytes: u64,
+    /// The snapshot's namespace UUID, the same on every node (hosts see one namespace).
+    pub uuid: [u8; 16],
+    pub created_unix_ms: u64,
+}
+
 /// A snapshot, as returned by every snapshot endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotInfo {
@@ -816,10 +858,14 @@ pub enum ErrorCode {
     /// 503: a replicated volume's record has its new size, but a node holding a replica has
     /// not grown yet (the message names it); the same resize again waits once more.
     ResizePending,
+    /// 503: a snapshot of a replicated volume could not be taken on its copies now (the
+    /// primary changed or a replica did not answer while the volume's writes were held; the
+    /// message says which); nothing was kept, and taking it again may succeed.
+    SnapshotUnavailable,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 25] = [
+    pub const ALL: [ErrorCode; 26] = [
         Self::VolumeExists,
         Self::VolumeNotFound,
         Self::InvalidSize,
@@ -845,6 +891,7 @@ impl ErrorCode {
         Self::PlacementFailed,
         Self::NotSupported,
         Self::ResizePending,
+        Self::SnapshotUnavailable,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -874,6 +921,7 @@ impl ErrorCode {
             Self::PlacementFailed => "placement_failed",
             Self::NotSupported => "not_supported",
             Self::ResizePending => "resize_pending",
+            Self::SnapshotUnavailable => "snapshot_unavailable",
         }
     }
 
@@ -900,7 +948,10 @@ impl ErrorCode {
             Self::NoSpace => 507,
             Self::RequestTooLarge => 413,
             Self::MethodNotAllowed => 405,
-            Self::Busy | Self::PlacementFailed | Self::ResizePending => 503,
+            Self::Busy
+            | Self::PlacementFailed
+            | Self::ResizePending
+            | Self::SnapshotUnavailable => 503,
             Self::Internal => 500,
         }
     }
@@ -944,7 +995,8 @@ mod tests {
                 "invalid_drive",
                 "placement_failed",
                 "not_supported",
-                "resize_pending"
+                "resize_pending",
+                "snapshot_unavailable"
             ]
         );
         for code in ErrorCode::ALL {

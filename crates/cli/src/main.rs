@@ -336,6 +336,12 @@ enum SnapshotCommand {
     /// Hosts may keep writing: the snapshot holds every write completed before it was taken,
     /// and for writes in flight either the old or the new data, as after a power cut. To
     /// capture a file system cleanly, freeze it first (`fsfreeze -f MOUNTPOINT`, then `-u`).
+    ///
+    /// On a cluster the volume's primary holds host writes for a moment (milliseconds; at most
+    /// 5 s) until every write it took completed, and each copy in sync then takes the snapshot:
+    /// the same point in time on every node, each of which serves it read-only. A replica out
+    /// of sync then gets none. If the primary changes meanwhile the command fails with
+    /// snapshot_unavailable, keeps nothing, and may be run again.
     #[command(after_long_help = "Example:\n  ferrite snapshot create db before-upgrade")]
     Create {
         /// The volume to snapshot.
@@ -527,8 +533,9 @@ struct UpArgs {
     ///
     /// Without it the node is a single node with its metadata in DATA-DIR/meta.redb. With it,
     /// volumes live in etcd and are replicated across the cluster's nodes (`ferrite volume
-    /// create --replicas N`); the node needs --node-name. Snapshots and clones are
-    /// single-node features for now.
+    /// create --replicas N`); the node needs --node-name. Snapshots of a replicated volume are
+    /// taken on every copy in sync at one point in time; clones and rollbacks are single-node
+    /// features for now.
     #[arg(long, value_name = "URLS", value_delimiter = ',', help_heading = "Cluster")]
     cluster_etcd: Vec<String>,
     /// The cluster's name; nodes with the same etcd and name form one cluster.

@@ -30,6 +30,12 @@
 //! replica whose node is down during the grow is named by the resize and, restarted, catches
 //! up at the new size.
 //!
+//! A snapshot of a three-replica volume taken while the workload writes through every node must
+//! be one point in time: every node serves a copy, and the copies read the same bytes (they
+//! differ without the primary's hold on writes); it holds what was written before and not
+//! after, outlives a kill -9 of the primary and a restart, lives only on the copies in sync when
+//! taken, and deleting it drops every copy.
+//!
 //! A node started before its etcd answers must wait for it (`--etcd-wait-s`) and join once it
 //! does, instead of exiting; told not to wait, it must fail at once and say why.
 //!
@@ -706,9 +712,9 @@ fn a_cluster_refuses_what_it_cannot_do_and_shows_its_nodes() {
     assert_eq!(single.members.len(), 1, "{single:?}");
 
     // Single-node features are refused with not_supported, and the CLI says why.
-    let stderr = ferrite_fails(&api_url, &["snapshot", "create", "single", "snap"]);
+    let stderr = ferrite_fails(&api_url, &["volume", "rollback", "single", "--to", "snap"]);
     assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
-    assert_code(client.create_snapshot("single", "snap"), api::ErrorCode::NotSupported);
+    assert_code(client.rollback_volume("single", "snap"), api::ErrorCode::NotSupported);
     let stderr = ferrite_fails(
         &api_url,
         &["volume", "set-path", "single", "--port", "1", "--state", "optimized"],
@@ -1394,6 +1400,17 @@ fn qemu_io(uri: &str, commands: &[&str]) -> std::process::Command {
     command
 }
 
+/// qemu-io opening the NBD export `uri` read-only (a snapshot's), running `commands`.
+fn qemu_io_read_only(uri: &str, commands: &[&str]) -> std::process::Command {
+    let mut command = common::client("qemu-io", "qemu-utils");
+    command.args(["-r", "-f", "raw"]);
+    for each in commands {
+        command.args(["-c", each]);
+    }
+    command.arg(uri);
+    command
+}
+
 /// A one-node cluster's primary frozen for twice its lease loses the lease at the store; once
 /// continued it cannot serve until the manager (itself) promotes it again, in a new epoch. A
 /// qemu-io that connected while it was frozen writes and reads a pattern over NBD meanwhile:
@@ -1588,4 +1605,146 @@ fn a_node_started_before_its_etcd_waits_for_it_then_joins() {
     unsafe { libc::kill(child.0.id() as libc::pid_t, libc::SIGTERM) };
     let status = child.wait_timeout(NODE_TIMEOUT).expect("ferrite up stops on SIGTERM");
     assert!(status.success(), "{status:?}: {}", stderr.lock().expect("stderr"));
+}
+
+// ----- Snapshots of a replicated volume -----
+
+/// Where the snapshot tests write a known pattern: 1 MiB at 32 MiB, beyond the workload's
+/// blocks.
+const PATTERN_AT: &str = "32M";
+
+/// Whether the two NBD exports read the same bytes (`qemu-img compare`: 0 the same, 1 not).
+fn same_image(a: &str, b: &str) -> bool {
+    let mut command = common::client("qemu-img", "qemu-utils");
+    command.args(["compare", "-f", "raw", "-F", "raw", a, b]);
+    let finished = common::run(command);
+    match finished.status.code() {
+        Some(0) => true,
+        Some(1) => false,
+        _ => panic!("qemu-img compare {a} {b} failed:\n{}", finished.text),
+    }
+}
+
+/// Whether node `index` serves `export` over NBD (qemu-io opens it and reads its first block),
+/// and what qemu-io said.
+fn serves_export(cluster: &Cluster, index: usize, export: &str) -> (bool, String) {
+    let uri = cluster.node(index).nbd_uri(export);
+    let finished = common::run(qemu_io_read_only(&uri, &["read 0 4k"]));
+    (finished.status.success() && !finished.text.contains("failed"), finished.text)
+}
+
+/// Waits until node `index` serves `export` over NBD, or stops serving it.
+#[track_caller]
+fn wait_export(cluster: &Cluster, index: usize, export: &str, served: bool) {
+    let deadline = Instant::now() + CONVERGE_TIMEOUT;
+    loop {
+        let (serves, text) = serves_export(cluster, index, export);
+        if serves == served {
+            return;
+        }
+        let node = &cluster.node(index).name;
+        assert!(Instant::now() < deadline, "{node} serving {export}: never {served}: {text}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `ferrite snapshot create` of a three-replica volume while the verifying workload writes
+/// through every node: the snapshot is taken on every copy at one point in time, so each node
+/// serves it read-only over NBD with the same bytes, holding the pattern written before it and
+/// not what was written after; it outlives the primary (kill -9), the restarted node serves its
+/// copy again, a snapshot taken while that node was down lives on the two others only, and
+/// deleting them drops every copy. Clones and rollbacks are still refused on a cluster.
+#[test]
+fn a_snapshot_of_a_replicated_volume_is_one_point_in_time_on_every_copy() {
+    let mut cluster = Cluster::start(&ClusterOptions::nodes(3));
+    let created = create_volume(&cluster, VOLUME, 3);
+    let api_url = cluster.api_url();
+    let write = |index: usize, byte: &str| {
+        let uri = cluster.node(index).nbd_uri(VOLUME);
+        let command = format!("write -P {byte} {PATTERN_AT} 1M");
+        let text = common::run_ok(qemu_io(&uri, &[&command]));
+        assert!(!text.contains("failed"), "{text}");
+    };
+    let first_primary = cluster.index(&primary(&created));
+    write(first_primary, "0x11");
+    let workload = start_workload(&cluster);
+    step(&workload, "before the snapshot");
+
+    let taken = ferrite_ok(&api_url, &["snapshot", "create", VOLUME, "first"]);
+    assert!(taken.contains("first"), "{taken}");
+    step(&workload, "after the snapshot");
+    write(first_primary, "0x22");
+    let export = format!("{VOLUME}@first");
+    for index in 0..3 {
+        wait_export(&cluster, index, &export, true);
+        let uri = cluster.node(index).nbd_uri(&export);
+        let read = format!("read -P 0x11 {PATTERN_AT} 1M");
+        let text = common::run_ok(qemu_io_read_only(&uri, &[&read]));
+        assert!(!text.contains("failed"), "{}: {text}", cluster.node(index).name);
+        let written = common::run(qemu_io(&uri, &["write -P 0x33 0 4k"]));
+        assert!(
+            !written.status.success() || written.text.contains("failed"),
+            "a snapshot took a write on {}:\n{}",
+            cluster.node(index).name,
+            written.text
+        );
+    }
+    // The same point in time on every copy, although hosts wrote all along.
+    let uris: Vec<String> = (0..3).map(|index| cluster.node(index).nbd_uri(&export)).collect();
+    assert!(same_image(&uris[0], &uris[1]), "node1 and node2 copies of the snapshot differ");
+    assert!(same_image(&uris[0], &uris[2]), "node1 and node3 copies of the snapshot differ");
+    assert!(!same_image(&uris[0], &cluster.node(first_primary).nbd_uri(VOLUME)));
+
+    // Clones and rollbacks are not there yet on a cluster, and say so.
+    let stderr = ferrite_fails(
+        &api_url,
+        &["volume", "create", "copy", "--from-snapshot", &format!("{VOLUME}@first")],
+    );
+    assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
+    let stderr = ferrite_fails(&api_url, &["volume", "rollback", VOLUME, "--to", "first"]);
+    assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
+
+    // The snapshot outlives its primary.
+    let old = primary(&created);
+    let after = {
+        let old_index = cluster.index(&old);
+        cluster.kill9(old_index);
+        cluster.wait_serving(VOLUME, 2, &[&old])
+    };
+    step(&workload, "after the failover");
+    let old_index = cluster.index(&old);
+    let survivors: Vec<usize> = (0..3).filter(|index| *index != old_index).collect();
+    assert!(same_image(&uris[survivors[0]], &uris[survivors[1]]));
+
+    // Taken while a replica is down: on the two copies in sync only.
+    let api_url = cluster.api_url();
+    ferrite_ok(&api_url, &["snapshot", "create", VOLUME, "second"]);
+    let second = format!("{VOLUME}@second");
+    for &index in &survivors {
+        wait_export(&cluster, index, &second, true);
+    }
+    let listed = ferrite_ok(&api_url, &["snapshot", "list", VOLUME]);
+    assert!(listed.contains("first") && listed.contains("second"), "{listed}");
+
+    // Restarted, the old primary serves its copy of the first snapshot again, not the second.
+    cluster.restart(old_index);
+    cluster.wait_serving(VOLUME, 3, &[]);
+    wait_export(&cluster, old_index, &export, true);
+    assert!(same_image(&uris[old_index], &uris[survivors[0]]));
+    assert!(!serves_export(&cluster, old_index, &second).0);
+    step(&workload, "with the old primary back");
+    stop_and_check(workload);
+
+    // Deleting drops every copy.
+    for name in ["first", "second"] {
+        ferrite_ok(&api_url, &["snapshot", "delete", VOLUME, name]);
+    }
+    for index in 0..3 {
+        wait_export(&cluster, index, &export, false);
+        wait_export(&cluster, index, &second, false);
+    }
+    let listed = ferrite_ok(&api_url, &["snapshot", "list", VOLUME]);
+    assert!(!listed.contains("first"), "{listed}");
+    assert!(after.epoch > created.epoch);
+    cluster.assert_no_error_lines(&[]);
 }

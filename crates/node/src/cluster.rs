@@ -50,6 +50,18 @@ const GROW_POLL_MS: u64 = 100;
 const GROW_ASK_TIMEOUT_MS: u64 = 1_000;
 /// How long a resize of a replicated volume waits for every member to serve the new size.
 pub const GROW_WAIT_MS: u64 = 15_000;
+/// How long a snapshot of a replicated volume holds the volume's host writes at most while
+/// each copy is snapshotted (the copies are taken in well under a second; beyond this the
+/// snapshot fails and hosts write again).
+pub const SNAPSHOT_HOLD_MS: u64 = 5_000;
+/// How long one node is given to answer a step of a snapshot (a hold, one copy's snapshot).
+const SNAPSHOT_CALL_TIMEOUT_MS: u64 = SNAPSHOT_HOLD_MS + 2_000;
+/// How long a node waits to be told to drop its copy of a deleted snapshot.
+const SNAPSHOT_DROP_TIMEOUT_MS: u64 = 2_000;
+/// How long data no record names (a snapshot copy whose record was deleted while this node
+/// was away, or whose taking failed) stays before the reconciler drops it: longer than taking
+/// a snapshot can last, since a copy has no record until every copy is taken.
+pub const UNNAMED_DATA_GRACE_MS: u64 = 60_000;
 /// The label that names a node's failure domain; replicas go to distinct values when nodes
 /// carry it.
 pub const FAILURE_DOMAIN_LABEL: &str = "zone";
@@ -471,8 +483,13 @@ impl Cluster {
         // Volumes that could not grow here, with the last reason said in the log.
         let mut grow_failures: BTreeMap<u64, String> = BTreeMap::new();
         let mut last_member_refresh = std::time::Instant::now();
+        // Data no record names, by id: since when it has been seen so.
+        let mut unnamed: BTreeMap<u64, std::time::Instant> = BTreeMap::new();
         while !*stop.borrow() {
-            match self.reconcile_once(&*data_plane, &metrics, &mut served, &mut grow_failures) {
+            let reconciled = self
+                .reconcile_once(&*data_plane, &metrics, &mut served, &mut grow_failures)
+                .and_then(|()| self.reconcile_snapshots(&*data_plane, &mut unnamed));
+            match reconciled {
                 Ok(()) => last_error.clear(),
                 Err(error) => {
                     let text = error.to_string();
@@ -574,6 +591,157 @@ impl Cluster {
                     }
                     served.insert(id, record);
                 }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Cluster {
+    /// Takes `snapshot` of the replicated `volume` on every copy alike the primary's (crate
+    /// replication's docs, "Snapshots"): the primary holds the volume's host writes until
+    /// every write it took completed, each replica named then snapshots its copy, the primary
+    /// its own, and the hold ends; the snapshot stands only if the primary served the same term
+    /// holding the writes throughout. Its record is the caller's to write. Returns the names of
+    /// the nodes holding a copy; on failure every copy taken is dropped again.
+    pub fn take_snapshot(
+        &self,
+        volume: &VolumeRecord,
+        snapshot: &SnapshotRecord,
+    ) -> Result<Vec<String>, ControlError> {
+        let unavailable = |reason: String| {
+            ControlError::SnapshotUnavailable(format!(
+                "snapshot {} was not taken: {reason}; nothing was kept, try again",
+                api::snapshot_ref(volume.name.as_str(), snapshot.name.as_str())
+            ))
+        };
+        let state = self
+            .volume_state(volume.id)
+            .ok_or_else(|| unavailable("the volume has no replication state".to_owned()))?;
+        let members: BTreeMap<NodeId, MemberRecord> = self
+            .store
+            .members()
+            .map_err(ControlError::Meta)?
+            .into_iter()
+            .map(|(member, _)| (member.id, member))
+            .collect();
+        let Some(primary) = state.value.primary.and_then(|primary| members.get(&primary)) else {
+            return Err(unavailable("the volume has no primary now (a failover?)".to_owned()));
+        };
+        let client = |member: &MemberRecord| {
+            member_api(member, SNAPSHOT_CALL_TIMEOUT_MS)
+                .map_err(|error| format!("node {}: {error}", member.name))
+        };
+        let name = volume.name.as_str();
+        let held = client(primary)
+            .and_then(|api| {
+                api.freeze_volume(name, SNAPSHOT_HOLD_MS)
+                    .map_err(|error| format!("node {}: {error}", primary.name))
+            })
+            .map_err(|reason| {
+                unavailable(format!("the primary could not hold the volume's writes: {reason}"))
+            })?;
+        let local = api::LocalSnapshot {
+            volume: name.to_owned(),
+            name: snapshot.name.to_string(),
+            size_bytes: snapshot.size_bytes,
+            uuid: snapshot.uuid,
+            created_unix_ms: snapshot.created_unix_ms,
+        };
+        let mut taken: Vec<&MemberRecord> = Vec::new();
+        let mut failure = None;
+        let copies = held.copies.iter().map(|id| (NodeId(*id), members.get(&NodeId(*id))));
+        for (id, member) in copies.chain([(primary.id, Some(primary))]) {
+            let Some(member) = member else {
+                failure = Some(format!("replica {id} is not a known member"));
+                break;
+            };
+            let result = client(member).and_then(|api| {
+                api.take_local_snapshot(snapshot.id, &local)
+                    .map_err(|error| format!("node {}: {error}", member.name))
+            });
+            match result {
+                Ok(()) => taken.push(member),
+                Err(reason) => {
+                    failure = Some(reason);
+                    break;
+                }
+            }
+        }
+        // Hosts write again in any case; the snapshot stands only if the hold lasted.
+        let thawed = client(primary).and_then(|api| {
+            api.thaw_volume(name, held.token)
+                .map_err(|error| format!("node {}: {error}", primary.name))
+        });
+        if let (None, Err(reason)) = (&failure, thawed) {
+            failure = Some(reason);
+        }
+        if let Some(reason) = failure {
+            for member in taken {
+                self.drop_snapshot_copy(member, snapshot.id);
+            }
+            return Err(unavailable(reason));
+        }
+        Ok(taken.iter().map(|member| member.name.clone()).collect())
+    }
+
+    /// Tells every member to drop its copy of snapshot `id` (its record is gone, or was never
+    /// written). A member that does not answer drops it itself once its reconciler has seen
+    /// it unnamed for [`UNNAMED_DATA_GRACE_MS`].
+    pub fn drop_snapshot_copies(&self, id: u64) {
+        let members = match self.store.members() {
+            Ok(members) => members,
+            Err(error) => {
+                tracing::warn!(id, %error, "cannot list the members to drop a snapshot's copies; \
+                                            each drops its own later");
+                return;
+            }
+        };
+        for (member, _) in members {
+            self.drop_snapshot_copy(&member, id);
+        }
+    }
+
+    fn drop_snapshot_copy(&self, member: &MemberRecord, id: u64) {
+        let dropped = member_api(member, SNAPSHOT_DROP_TIMEOUT_MS)
+            .and_then(|client| client.drop_local_snapshot(id));
+        if let Err(error) = dropped {
+            tracing::warn!(
+                node = %member.name,
+                id,
+                %error,
+                "cannot tell the node to drop its copy of a snapshot; it drops it itself later"
+            );
+        }
+    }
+
+    /// Serves the snapshots whose copies this node holds, and drops data no record names once
+    /// it has stayed unnamed for [`UNNAMED_DATA_GRACE_MS`] (`unnamed`: since when each such id
+    /// has been seen).
+    fn reconcile_snapshots(
+        &self,
+        data_plane: &dyn DataPlane,
+        unnamed: &mut BTreeMap<u64, std::time::Instant>,
+    ) -> Result<(), MetaError> {
+        let Some(stored) = data_plane.stored_ids() else { return Ok(()) };
+        let stored: BTreeSet<u64> = stored.into_iter().collect();
+        let volumes: BTreeMap<VolumeName, u64> =
+            self.volumes.volumes()?.into_iter().map(|record| (record.name, record.id)).collect();
+        let snapshots = self.volumes.all_snapshots()?;
+        for snapshot in snapshots.iter().filter(|snapshot| stored.contains(&snapshot.id)) {
+            if let Some(&volume_id) = volumes.get(&snapshot.volume) {
+                data_plane.publish_snapshot(volume_id, snapshot);
+            }
+        }
+        let named: BTreeSet<u64> =
+            volumes.values().copied().chain(snapshots.iter().map(|snapshot| snapshot.id)).collect();
+        let now = std::time::Instant::now();
+        unnamed.retain(|id, _| stored.contains(id) && !named.contains(id));
+        for &id in stored.difference(&named) {
+            let since = *unnamed.entry(id).or_insert(now);
+            if now.duration_since(since) >= Duration::from_millis(UNNAMED_DATA_GRACE_MS) {
+                data_plane.drop_unnamed(id);
+                unnamed.remove(&id);
             }
         }
         Ok(())

@@ -43,7 +43,7 @@
 //! reserve-write-publish sequence atomic with respect to the others. Reads do not take it.
 //! Every method blocks (metadata commits fsync); the HTTP layer calls them off the runtime.
 
-use crate::data_plane::{Capacity, DataPlane, DataPlaneError, VolumePath, VolumeSpace};
+use crate::data_plane::{Capacity, DataPlane, DataPlaneError, HeldWrites, VolumePath, VolumeSpace};
 use crate::metrics::Registry;
 use meta::{
     Compression, HostAccess, MetaError, MetaStore, PathState, SnapshotRecord, VolumeOrigin,
@@ -166,6 +166,9 @@ pub enum ControlError {
     /// Something a single node does that a cluster node does not (yet).
     #[error("{0}")]
     NotOnCluster(String),
+    /// A snapshot of a replicated volume could not be taken on its copies now; nothing kept.
+    #[error("{0}")]
+    SnapshotUnavailable(String),
 }
 
 impl ControlError {
@@ -575,7 +578,6 @@ impl VolumeService {
         volume: &str,
         snapshot: &str,
     ) -> Result<SnapshotRecord, ControlError> {
-        self.single_node_only("taking a snapshot")?;
         let volume = parse_name(volume)?;
         let snapshot = parse_name(snapshot)?;
         let _serialised = self.lock_mutations();
@@ -596,6 +598,22 @@ impl VolumeService {
             uuid: new_uuid(),
             created_unix_ms: now_unix_ms(),
         };
+        if let Some(cluster) = &self.cluster {
+            // Every copy first, the record last: a record names a snapshot every copy took.
+            let holders = cluster.take_snapshot(&source, &record)?;
+            if let Err(error) = self.meta.create_snapshot(&record) {
+                cluster.drop_snapshot_copies(record.id);
+                return Err(ControlError::from_meta(error));
+            }
+            tracing::info!(
+                volume = %record.volume,
+                snapshot = %record.name,
+                id,
+                nodes = %holders.join(", "),
+                "took snapshot of every copy"
+            );
+            return Ok(record);
+        }
         self.meta.create_snapshot(&record).map_err(ControlError::from_meta)?;
         if let Err(error) = self.data_plane.snapshot(&source, &record) {
             if let Err(meta_error) = self.meta.delete_snapshot(&record.volume, &record.name) {
@@ -610,6 +628,75 @@ impl VolumeService {
         }
         tracing::info!(volume = %record.volume, snapshot = %record.name, id, "took snapshot");
         Ok(record)
+    }
+
+    /// Holds the replicated volume's host writes on this node, its serving primary, for a
+    /// snapshot of every copy (between cluster nodes: `Cluster::take_snapshot`).
+    pub fn freeze_volume(&self, volume: &str, hold_ms: u64) -> Result<HeldWrites, ControlError> {
+        let record = self.cluster_volume(volume)?;
+        self.data_plane
+            .freeze_replicated(&record, hold_ms)
+            .map_err(|error| ControlError::SnapshotUnavailable(error.to_string()))
+    }
+
+    /// Ends the hold `token` names; an error if it did not last until now.
+    pub fn thaw_volume(&self, volume: &str, token: u64) -> Result<(), ControlError> {
+        let record = self.cluster_volume(volume)?;
+        self.data_plane
+            .thaw_replicated(&record, token)
+            .map_err(|error| ControlError::SnapshotUnavailable(error.to_string()))
+    }
+
+    /// Takes snapshot `id` of this node's copy of a replicated volume, under `snapshot`'s
+    /// names, and serves it (between cluster nodes, while the volume's primary holds its
+    /// writes). Its record is written once every copy has it.
+    pub fn take_local_snapshot(
+        &self,
+        id: u64,
+        snapshot: &api::LocalSnapshot,
+    ) -> Result<(), ControlError> {
+        let volume = self.cluster_volume(&snapshot.volume)?;
+        let record = SnapshotRecord {
+            id,
+            volume: volume.name.clone(),
+            name: parse_name(&snapshot.name)?,
+            size_bytes: snapshot.size_bytes,
+            uuid: snapshot.uuid,
+            created_unix_ms: snapshot.created_unix_ms,
+        };
+        self.data_plane
+            .snapshot(&volume, &record)
+            .map_err(|error| ControlError::from_data_plane(&volume.name, error))
+    }
+
+    /// Drops this node's copy of snapshot `id` (between cluster nodes: its record was deleted,
+    /// or never written). Refused while a record names it.
+    pub fn drop_local_snapshot(&self, id: u64) -> Result<(), ControlError> {
+        if self.cluster.is_none() {
+            return Err(ControlError::NotOnCluster(
+                "this node is not part of a cluster; delete snapshots by name".to_owned(),
+            ));
+        }
+        let snapshots = self.meta.all_snapshots().map_err(ControlError::from_meta)?;
+        if let Some(named) = snapshots.iter().find(|snapshot| snapshot.id == id) {
+            return Err(ControlError::SnapshotExists {
+                volume: named.volume.clone(),
+                snapshot: named.name.clone(),
+            });
+        }
+        self.data_plane.drop_unnamed(id);
+        Ok(())
+    }
+
+    /// The record of a replicated volume, on a cluster node.
+    fn cluster_volume(&self, volume: &str) -> Result<VolumeRecord, ControlError> {
+        if self.cluster.is_none() {
+            return Err(ControlError::NotOnCluster(
+                "this node is not part of a cluster; start it with --cluster-etcd to join one"
+                    .to_owned(),
+            ));
+        }
+        self.volume_record(&parse_name(volume)?)
     }
 
     /// The snapshots of `volume`, oldest first.
@@ -648,7 +735,11 @@ impl VolumeService {
     ) -> Result<SnapshotRecord, ControlError> {
         let record =
             self.meta.delete_snapshot(volume, snapshot).map_err(ControlError::from_meta)?;
-        self.data_plane.remove_snapshot(&record);
+        match &self.cluster {
+            // Each node holding a copy drops it (or, away now, once it sees it unnamed).
+            Some(cluster) => cluster.drop_snapshot_copies(record.id),
+            None => self.data_plane.remove_snapshot(&record),
+        }
         tracing::info!(volume = %record.volume, snapshot = %record.name, id = record.id, "deleted snapshot");
         Ok(record)
     }

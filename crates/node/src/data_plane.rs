@@ -305,7 +305,9 @@ pub struct DataPathContext {
     /// not among them (deleted just before a crash) is dropped. The volume service publishes only later changes.
     pub volumes: Vec<VolumeRecord>,
     /// Every snapshot in the metadata store: the engine keeps their data too (ids of neither a
-    /// volume nor a snapshot are dropped).
+    /// volume nor a snapshot are dropped). A single node serves each from the start; a cluster
+    /// node (its store names every snapshot of the cluster) serves those whose copy it holds
+    /// once its reconciler has seen them.
     pub snapshots: Vec<SnapshotRecord>,
     /// Where to record per-volume I/O metrics; every volume in `volumes` is registered already.
     pub metrics: Arc<Registry>,
@@ -330,6 +332,18 @@ pub trait DataPathBuilder: Send {
         self: Box<Self>,
         context: DataPathContext,
     ) -> Result<Arc<dyn DataPlane>, DataPlaneError>;
+}
+
+/// A replicated volume whose host writes this node holds for a snapshot
+/// ([`DataPlane::freeze_replicated`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldWrites {
+    /// Names the hold, for [`DataPlane::thaw_replicated`].
+    pub token: u64,
+    /// The epoch this node serves the volume in.
+    pub epoch: u64,
+    /// The node ids of the replicas whose copies hold exactly what this node's holds.
+    pub copies: Vec<u32>,
 }
 
 /// The refusal of a data path that serves no snapshots.
@@ -395,6 +409,40 @@ pub trait DataPlane: Send + Sync {
             volume.name
         )))
     }
+
+    /// Holds the replicated volume's host writes on this node, its serving primary (cluster
+    /// nodes), for a snapshot of every copy: answers once every write taken before completed,
+    /// with the replicas whose copies then hold exactly what this node's holds. The hold lasts
+    /// until [`DataPlane::thaw_replicated`] or `hold_ms` (at most 10 s), whichever comes first.
+    fn freeze_replicated(
+        &self,
+        volume: &VolumeRecord,
+        _hold_ms: u64,
+    ) -> Result<HeldWrites, DataPlaneError> {
+        Err(DataPlaneError::failed(format!(
+            "volume {}: this data path does not replicate",
+            volume.name
+        )))
+    }
+
+    /// Ends the hold `token` names: `Ok` if it lasted until now, in the term it began in (so
+    /// every copy snapshotted meanwhile is the same point in time).
+    fn thaw_replicated(&self, volume: &VolumeRecord, _token: u64) -> Result<(), DataPlaneError> {
+        Err(DataPlaneError::failed(format!(
+            "volume {}: this data path does not replicate",
+            volume.name
+        )))
+    }
+
+    /// Serves snapshot `snapshot` of the volume `volume_id`, whose data this node holds
+    /// (cluster nodes: the reconciler serves each snapshot the node's engine holds a copy of).
+    /// Does nothing if it is served already.
+    fn publish_snapshot(&self, _volume_id: u64, _snapshot: &SnapshotRecord) {}
+
+    /// Drops this node's data of `id` (a snapshot or volume no record names any more: a
+    /// cluster node's copy of a snapshot deleted while it was away, or one whose taking failed),
+    /// and stops serving it.
+    fn drop_unnamed(&self, _id: u64) {}
 
     /// The volume's record with a changed `host_access` is durable: from now on only the hosts
     /// it allows may connect to the volume's subsystem or see it in the discovery log, and

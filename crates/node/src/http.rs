@@ -77,6 +77,9 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::VOLUME_RESYNC, get(show_resync))
         .route(api::paths::NODE, get(node_info))
         .route(api::paths::CLUSTER, get(cluster_info))
+        .route(api::paths::CLUSTER_VOLUME_FREEZE, post(freeze_volume))
+        .route(api::paths::CLUSTER_VOLUME_THAW, post(thaw_volume))
+        .route(api::paths::CLUSTER_SNAPSHOT, put(take_local_snapshot).delete(drop_local_snapshot))
         .route(api::paths::DRIVE_REPLACE, post(replace_drive))
         .route(api::paths::METRICS, get(render_metrics))
         .route(api::paths::HEALTHZ, get(healthz))
@@ -131,6 +134,7 @@ impl From<ControlError> for ApiError {
             }
             ControlError::Placement { .. } => ErrorCode::PlacementFailed,
             ControlError::NotOnCluster(_) => ErrorCode::NotSupported,
+            ControlError::SnapshotUnavailable(_) => ErrorCode::SnapshotUnavailable,
             ControlError::DataPlane { .. } | ControlError::Meta(_) => {
                 tracing::error!(%error, "volume operation failed");
                 ErrorCode::Internal
@@ -499,6 +503,57 @@ async fn delete_snapshot(
     })
     .await?;
     Ok(Json(info))
+}
+
+/// `POST /v1/cluster/volumes/{name}/freeze` (between cluster nodes).
+async fn freeze_volume(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<api::FreezePoint>, ApiError> {
+    let name = parse_name(path)?;
+    let request: api::FreezeVolume = parse_body(body)?;
+    let held = call(&state, move |service| service.freeze_volume(&name, request.hold_ms)).await?;
+    Ok(Json(api::FreezePoint { token: held.token, epoch: held.epoch, copies: held.copies }))
+}
+
+/// `POST /v1/cluster/volumes/{name}/thaw` (between cluster nodes).
+async fn thaw_volume(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<StatusCode, ApiError> {
+    let name = parse_name(path)?;
+    let request: api::ThawVolume = parse_body(body)?;
+    call(&state, move |service| service.thaw_volume(&name, request.token)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `PUT /v1/cluster/snapshots/{id}` (between cluster nodes).
+async fn take_local_snapshot(
+    State(state): State<ApiState>,
+    path: Result<Path<u64>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_id(path)?;
+    let request: api::LocalSnapshot = parse_body(body)?;
+    call(&state, move |service| service.take_local_snapshot(id, &request)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `DELETE /v1/cluster/snapshots/{id}` (between cluster nodes).
+async fn drop_local_snapshot(
+    State(state): State<ApiState>,
+    path: Result<Path<u64>, PathRejection>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_id(path)?;
+    call(&state, move |service| service.drop_local_snapshot(id)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+fn parse_id(path: Result<Path<u64>, PathRejection>) -> Result<u64, ApiError> {
+    path.map(|Path(id)| id)
+        .map_err(|rejection| ApiError::new(ErrorCode::InvalidRequest, rejection.body_text()))
 }
 
 /// `POST /v1/volumes/{name}/rollback`.

@@ -338,10 +338,10 @@ impl Node {
             )?),
             None => None,
         };
-        // A cluster node serves the cluster's volumes it holds a replica of; snapshots are
-        // single-node only.
+        // A cluster node serves the cluster's volumes it holds a replica of, and keeps its
+        // copies of the cluster's snapshots.
         let (volumes, snapshots) = match &joined {
-            Some((cluster, _)) => (cluster.local_volumes()?, Vec::new()),
+            Some((cluster, _)) => (cluster.local_volumes()?, cluster.volumes.all_snapshots()?),
             None => (meta.volumes()?, meta.all_snapshots()?),
         };
         let (cluster, replication) = match joined {

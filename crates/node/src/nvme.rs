@@ -31,7 +31,9 @@ use crate::data_plane::VolumeSpace;
 use crate::data_plane::{
     Capacity, DataPathBuilder, DataPathContext, DataPlane, DataPlaneError, DriveSet,
 };
-use crate::data_plane::{DriveStatus, EngineCounters, ErasureReport, ScrubReport, VolumePath};
+use crate::data_plane::{
+    DriveStatus, EngineCounters, ErasureReport, HeldWrites, ScrubReport, VolumePath,
+};
 use crate::metrics::{Registry, VolumeMetrics};
 use crate::rebuild::{RebuildStatus, Rebuilder};
 use crate::scrub::{ScrubStatus, Scrubber};
@@ -403,7 +405,9 @@ impl DataPathBuilder for NvmeDataPathBuilder {
                 replicated.push((handle, record.size_bytes / u64::from(LOGICAL_BLOCK_SIZE_BYTES)));
             }
         }
-        for snapshot in &context.snapshots {
+        // A cluster node holds copies of some of the cluster's snapshots only: its reconciler
+        // serves those its engine holds, once it has recovered.
+        for snapshot in context.snapshots.iter().filter(|_| replication.is_none()) {
             if let Some(volume) = context.volumes.iter().find(|v| v.name == snapshot.volume) {
                 catalog.insert_snapshot(snapshot, context.metrics.volume(volume.id));
             }
@@ -1969,6 +1973,21 @@ impl NvmeDataPlane {
         self.run(EngineOperation::Delete { id })
     }
 
+    /// Stops serving snapshot `id` (hosts reading it are drained and disconnected first),
+    /// then deletes its data.
+    fn drop_snapshot_data(&self, id: u64) -> Result<(), DataPlaneError> {
+        if let Some(handle) = self.catalog.get(id).filter(|handle| handle.snapshot.is_some()) {
+            let drained = self.fence_and_drain(&handle);
+            self.target.disconnect_subsystem(&handle.nqn());
+            self.catalog.remove_snapshot(id);
+            self.target.notify_subsystems_changed();
+            drained.map_err(|error| {
+                DataPlaneError::failed(format!("the snapshot's reads did not drain: {error}"))
+            })?;
+        }
+        self.delete_data(id)
+    }
+
     /// Fences a served volume (new I/O is refused) and waits for its in-flight I/O to drain.
     /// On a timeout the volume stays fenced and the error says so; the caller unfences.
     fn fence_and_drain(&self, handle: &VolumeHandle) -> Result<(), DataPlaneError> {
@@ -2171,29 +2190,81 @@ impl DataPlane for NvmeDataPlane {
     }
 
     fn remove_snapshot(&self, snapshot: &SnapshotRecord) {
-        // Hosts reading the snapshot are drained and disconnected before its data goes.
-        if let Some(handle) = self.catalog.get(snapshot.id).filter(|h| h.snapshot.is_some()) {
-            let drained = self.fence_and_drain(&handle);
-            self.target.disconnect_subsystem(&handle.nqn());
-            self.catalog.remove_snapshot(snapshot.id);
-            self.target.notify_subsystems_changed();
-            if let Err(error) = drained {
-                tracing::error!(
-                    volume = %snapshot.volume,
-                    snapshot = %snapshot.name,
-                    %error,
-                    "the snapshot's reads did not drain; its data is dropped at the next start"
-                );
-                return;
-            }
-        }
-        if let Err(error) = self.delete_data(snapshot.id) {
+        if let Err(error) = self.drop_snapshot_data(snapshot.id) {
             tracing::error!(
                 volume = %snapshot.volume,
                 snapshot = %snapshot.name,
                 %error,
                 "could not delete the snapshot's data now; it is dropped at the next start"
             );
+        }
+    }
+
+    fn freeze_replicated(
+        &self,
+        volume: &VolumeRecord,
+        hold_ms: u64,
+    ) -> Result<HeldWrites, DataPlaneError> {
+        let Some(link) = &self.shared.replication else {
+            return Err(DataPlaneError::failed("this node is not part of a cluster"));
+        };
+        let hold_ms = hold_ms.min(crate::replicate::FREEZE_MS_MAX);
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        let command =
+            crate::replicate::ServiceCommand::Freeze { volume: volume.id, hold_ms, reply };
+        if !link.command_blocking(command) {
+            return Err(DataPlaneError::failed("the replication service has stopped"));
+        }
+        // The service answers within the hold, at the latest when it ends.
+        match answer.recv_timeout(Duration::from_millis(hold_ms + 1_000)) {
+            Ok(Ok(held)) => Ok(HeldWrites {
+                token: held.token,
+                epoch: held.epoch,
+                copies: held.copies.iter().map(|node| node.0).collect(),
+            }),
+            Ok(Err(reason)) => Err(DataPlaneError::failed(reason)),
+            Err(_) => Err(DataPlaneError::failed("the replication service did not answer")),
+        }
+    }
+
+    fn thaw_replicated(&self, volume: &VolumeRecord, token: u64) -> Result<(), DataPlaneError> {
+        let Some(link) = &self.shared.replication else {
+            return Err(DataPlaneError::failed("this node is not part of a cluster"));
+        };
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        let command = crate::replicate::ServiceCommand::Thaw { volume: volume.id, token, reply };
+        if !link.command_blocking(command) {
+            return Err(DataPlaneError::failed("the replication service has stopped"));
+        }
+        match answer.recv_timeout(Duration::from_millis(ENGINE_OPERATION_TIMEOUT_MS)) {
+            Ok(result) => result.map_err(DataPlaneError::failed),
+            Err(_) => Err(DataPlaneError::failed("the replication service did not answer")),
+        }
+    }
+
+    fn publish_snapshot(&self, volume_id: u64, snapshot: &SnapshotRecord) {
+        if self.catalog.get(snapshot.id).is_some() {
+            return;
+        }
+        self.catalog.insert_snapshot(snapshot, self.metrics.volume(volume_id));
+        self.target.notify_subsystems_changed();
+    }
+
+    fn drop_unnamed(&self, id: u64) {
+        if !self.engine.volume_ids().contains(&id) {
+            return;
+        }
+        if self.catalog.get(id).is_some_and(|handle| handle.snapshot.is_none()) {
+            tracing::error!(id, "a served volume has no record; its data is kept");
+            return;
+        }
+        match self.drop_snapshot_data(id) {
+            Ok(()) => tracing::info!(
+                id,
+                "dropped data no record names (a snapshot deleted, or \
+                                          one whose taking failed)"
+            ),
+            Err(error) => tracing::warn!(id, %error, "cannot drop data no record names"),
         }
     }
 

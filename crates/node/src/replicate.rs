@@ -68,6 +68,9 @@ const WRITES_QUEUED_MAX: usize = 256;
 /// Host commands of one volume waiting for a slot (the state machine takes at most
 /// `INFLIGHT_WRITES_MAX` writes and `INFLIGHT_READS_MAX` reads); more are refused as busy.
 const WAITING_HOST_COMMANDS_MAX: usize = 1024;
+/// The longest a snapshot may hold a replicated volume's host writes
+/// (`ServiceCommand::Freeze`): a caller that never ends its hold costs hosts this much.
+pub(crate) const FREEZE_MS_MAX: u64 = 10_000;
 /// Control store jobs queued for the store thread; beyond, a job is dropped (its state machine
 /// retries after its timeout).
 const STORE_JOBS_MAX: usize = 256;
@@ -296,6 +299,34 @@ pub(crate) enum ServiceCommand {
     /// store, so another replica takes over at once instead of after the lease), and `done`
     /// is answered once none is stepping down any more.
     StepDownAll { done: std::sync::mpsc::SyncSender<()> },
+    /// Hold the volume's host writes for a snapshot of every copy (this node must serve it as
+    /// primary), for at most `hold_ms` (capped at [`FREEZE_MS_MAX`]): `reply` is answered
+    /// once every write the state machine took completed (`VolumeNode::quiet_copies`), or
+    /// with why not (the node does not serve, another hold is on, the hold ended first).
+    Freeze { volume: u64, hold_ms: u64, reply: std::sync::mpsc::SyncSender<Result<Held, String>> },
+    /// End the hold `token` names: `reply` says whether it lasted until now in the term it
+    /// began in (crate replication's docs, "Snapshots").
+    Thaw { volume: u64, token: u64, reply: std::sync::mpsc::SyncSender<Result<(), String>> },
+}
+
+/// A replicated volume whose host writes are held, every write taken before completed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Held {
+    /// Names the hold, for `ServiceCommand::Thaw`.
+    pub token: u64,
+    /// The epoch this node serves the volume in.
+    pub epoch: u64,
+    /// The replicas whose copies hold exactly what this node's holds.
+    pub copies: Vec<NodeId>,
+}
+
+/// A hold on a volume's host writes (`ServiceCommand::Freeze`).
+struct Freeze {
+    token: u64,
+    epoch: u64,
+    until_ms: u64,
+    /// The freeze's caller, until the copies are quiet (or the hold ends first).
+    waiting: Option<std::sync::mpsc::SyncSender<Result<Held, String>>>,
 }
 
 /// Who asked the control store something.
@@ -777,6 +808,7 @@ pub(crate) fn spawn(
         managers: BTreeMap::new(),
         removed: BTreeSet::new(),
         next_generation: 1,
+        next_freeze_token: 0,
         cluster_volumes: Vec::new(),
         stepping_down: None,
         manager: None,
@@ -903,6 +935,8 @@ struct Replica {
     gate: Arc<ServingGate>,
     /// When each entry in flight to a replica was queued, for its acknowledgement's latency.
     acks: AckClock,
+    /// Host writes held for a snapshot: none is given to the state machine meanwhile.
+    freeze: Option<Freeze>,
 }
 
 /// When each entry in flight to each replica was queued, so that its acknowledgement's
@@ -995,6 +1029,8 @@ struct Service {
     removed: BTreeSet<u64>,
     /// The generation of the next `Replica`.
     next_generation: u64,
+    /// The token of the last hold on a volume's writes (`ServiceCommand::Freeze`).
+    next_freeze_token: u64,
     /// Every replicated volume of the cluster, as the reconciler last saw them.
     cluster_volumes: Vec<u64>,
     manager: Option<NodeId>,
@@ -1183,6 +1219,13 @@ impl Service {
                     }
                 }
             }
+            Input::Command(ServiceCommand::Freeze { volume, hold_ms, reply }) => {
+                self.freeze(volume, hold_ms, reply);
+            }
+            Input::Command(ServiceCommand::Thaw { volume, token, reply }) => {
+                let result = self.thaw(volume, token);
+                let _ = reply.try_send(result);
+            }
             Input::Command(ServiceCommand::Remove { volume }) => {
                 if let Some(replica) = self.volumes.remove(&volume) {
                     fail_all(replica);
@@ -1266,6 +1309,7 @@ impl Service {
                 generation: self.next_generation,
                 gate,
                 acks: AckClock::default(),
+                freeze: None,
             },
         );
         self.set_ana(volume);
@@ -1328,6 +1372,7 @@ impl Service {
                 Class::Write => {
                     replica.writes >= replication::INFLIGHT_WRITES_MAX
                         || !replica.node.admits_write()
+                        || replica.freeze.is_some()
                 }
                 Class::Read => replica.reads >= replication::INFLIGHT_READS_MAX,
                 Class::Other => false,
@@ -1396,8 +1441,11 @@ impl Service {
     /// Hands the blocks the scrub found damaged in a replicated volume to its state machine,
     /// which has them repaired from another copy (`replication` crate docs, "Read repair"):
     /// read from a replica and rewritten on a primary, sent by the primary to a replica. Each
-    /// finding once per scrub pass. A volume's blocks are found under its own label (a
-    /// replicated volume has no snapshots: a cluster refuses them).
+    /// finding once per scrub pass. A volume's blocks are found under its own label; a block
+    /// stored before one of the volume's snapshots was taken belongs to the snapshot's layer
+    /// and is found under that layer's label, which this does not look at (a host read of it
+    /// is still repaired from another copy; the snapshot's copy here stays damaged, and other
+    /// nodes' copies serve it).
     fn note_scrub_damage(&mut self) {
         for finding in self.store.engine().scrub_findings() {
             let engine::log::ScrubDamage::Block { label, block } = finding.damage else {
@@ -1508,10 +1556,101 @@ impl Service {
             }
         }
         self.set_ana(volume);
+        let thawed = self.check_freeze(volume);
         let waiting = self.volumes.get(&volume).is_some_and(|replica| !replica.waiting.is_empty());
-        if freed || waiting {
+        if freed || waiting || thawed {
             self.admit(volume);
         }
+    }
+
+    /// Starts holding the volume's host writes for a snapshot (`ServiceCommand::Freeze`).
+    fn freeze(
+        &mut self,
+        volume: u64,
+        hold_ms: u64,
+        reply: std::sync::mpsc::SyncSender<Result<Held, String>>,
+    ) {
+        let now = self.now_ms();
+        let Some(replica) = self.volumes.get_mut(&volume) else {
+            let _ = reply.try_send(Err("this node holds no replica of the volume".to_owned()));
+            return;
+        };
+        let Some(epoch) = replica.node.serving_epoch(now) else {
+            let _ = reply.try_send(Err("this node does not serve the volume now".to_owned()));
+            return;
+        };
+        if replica.freeze.is_some() {
+            let text = "another snapshot of the volume is being taken".to_owned();
+            let _ = reply.try_send(Err(text));
+            return;
+        }
+        self.next_freeze_token += 1;
+        replica.freeze = Some(Freeze {
+            token: self.next_freeze_token,
+            epoch,
+            until_ms: now + hold_ms.min(FREEZE_MS_MAX),
+            waiting: Some(reply),
+        });
+        self.check_freeze(volume);
+    }
+
+    /// Ends a hold whose time is up or whose term ended, and answers its caller once every
+    /// write taken before it completed. Returns whether it ended the hold (writes may go on).
+    fn check_freeze(&mut self, volume: u64) -> bool {
+        let now = self.now_ms();
+        let Some(replica) = self.volumes.get_mut(&volume) else { return false };
+        let Some(freeze) = &mut replica.freeze else { return false };
+        let ended = if now >= freeze.until_ms {
+            Some("the volume's writes were held for as long as a snapshot may hold them")
+        } else if replica.node.serving_epoch(now) != Some(freeze.epoch) {
+            Some("this node stopped serving the volume while its writes were held")
+        } else {
+            None
+        };
+        if let Some(reason) = ended {
+            tracing::warn!(
+                volume = %replica.handle.name,
+                reason,
+                "a snapshot's hold on the volume's writes ended before it was released"
+            );
+            if let Some(waiting) = replica.freeze.take().and_then(|freeze| freeze.waiting) {
+                let _ = waiting.try_send(Err(reason.to_owned()));
+            }
+            return true;
+        }
+        if freeze.waiting.is_some() {
+            if let Some((epoch, copies)) = replica.node.quiet_copies(now) {
+                debug_assert_eq!(epoch, freeze.epoch, "a term serves one epoch");
+                if let Some(waiting) = freeze.waiting.take() {
+                    let held = Held { token: freeze.token, epoch, copies };
+                    let _ = waiting.try_send(Ok(held));
+                }
+            }
+        }
+        false
+    }
+
+    /// Ends the hold `token` names (`ServiceCommand::Thaw`).
+    fn thaw(&mut self, volume: u64, token: u64) -> Result<(), String> {
+        // A hold whose time is up or whose term ended is gone before the answer.
+        self.check_freeze(volume);
+        let now = self.now_ms();
+        let Some(replica) = self.volumes.get_mut(&volume) else {
+            return Err("this node holds no replica of the volume".to_owned());
+        };
+        let Some(freeze) = replica.freeze.take_if(|freeze| freeze.token == token) else {
+            return Err("the hold on the volume's writes had already ended (its time ran out, \
+                        or this node stopped serving the volume)"
+                .to_owned());
+        };
+        let result = if freeze.waiting.is_some() {
+            Err("the volume's writes in flight had not completed".to_owned())
+        } else {
+            debug_assert_eq!(replica.node.serving_epoch(now), Some(freeze.epoch));
+            Ok(())
+        };
+        self.admit(volume);
+        result
     }
 
     /// Publishes whether (and until when) this node serves the volume: the serving gate and

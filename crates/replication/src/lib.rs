@@ -349,6 +349,24 @@
 //!   short it no longer counts as held, so a write there waits for a persist that lists it
 //!   whole. A copy under way (resync, reconciliation) reaches the new end.
 //!
+//! # Snapshots
+//!
+//! A snapshot of a replicated volume is taken on each copy by the copy's own storage; the
+//! protocol's part is to say when those copies are alike. The wiring of the serving primary
+//! stops giving host writes to its `VolumeNode` (reads go on) and waits until
+//! [`VolumeNode::quiet_copies`] answers: the primary serves, no write it took is pending, and
+//! the replicas it names (those in sync, or caught up and being added) acknowledged every
+//! completed write, with no entry in flight to any of them. Those copies then hold exactly
+//! what the primary's holds, and stay so while writes are held and the term lasts: nothing
+//! but the primary's stream changes a replica's copy within its term, and any later term
+//! starts only once this one's lease has lapsed. So the wiring snapshots each of those
+//! replicas, then the primary's own copy, and keeps the snapshot only if, still holding the
+//! writes, the primary serves the same epoch under the same lease at the end: then no other
+//! term served in between, and every snapshot taken is the same point in time, one that
+//! holds every write completed before the snapshot was asked for and none given after.
+//! A replica out of sync at that moment gets no snapshot (its resync copies the volume, not
+//! its snapshots), so a snapshot lives on the copies that were alike when it was taken.
+//!
 //! # What the wiring must provide
 //!
 //! - Storage: a write completes only when durable; the machine never has two writes to one block

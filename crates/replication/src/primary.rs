@@ -441,6 +441,20 @@ impl Term {
         })
     }
 
+    /// The peers that hold exactly what this node holds, while no host write is pending (none
+    /// admitted and not completed): every write completed on each peer in `InSync` or
+    /// `Adding`, and none is in flight to any. `None` while a write is pending or the term does
+    /// not serve yet. See `VolumeNode::quiet_copies`.
+    pub fn quiet_copies(&self) -> Option<Vec<NodeId>> {
+        if self.phase != Phase::Serving || !self.pending.is_empty() {
+            return None;
+        }
+        let copies = self.peers.iter().filter_map(|(&node, peer)| {
+            matches!(peer.state, PeerState::InSync | PeerState::Adding).then_some(node)
+        });
+        Some(copies.collect())
+    }
+
     pub fn serving(&self, shared: &Shared, now_ms: u64) -> bool {
         self.phase == Phase::Serving
             && !shared.latched

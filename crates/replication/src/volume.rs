@@ -636,6 +636,17 @@ impl VolumeNode {
         }
     }
 
+    /// While this node serves the volume and no host write it took is still pending: the epoch
+    /// it serves and the replicas whose copies hold exactly what its own holds (each
+    /// acknowledged every completed write, none has an entry in flight). The wiring takes a
+    /// snapshot of a replicated volume by holding host writes back until this answers, then
+    /// snapshotting this node's copy and those replicas' (crate docs, "Snapshots").
+    pub fn quiet_copies(&self, now_ms: u64) -> Option<(u64, Vec<NodeId>)> {
+        let epoch = self.serving_epoch(now_ms)?;
+        let Role::Primary(term) = &self.role else { return None };
+        Some((epoch, term.quiet_copies()?))
+    }
+
     /// The copies this node is making as primary, one per replica being resynced, rebuilt or
     /// reconciled (for `ferrite volume show`); empty on a replica or when nothing is copied.
     pub fn resync_progress(&self) -> Vec<ResyncProgress> {

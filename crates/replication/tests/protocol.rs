@@ -1868,3 +1868,48 @@ fn a_primary_smaller_than_a_member_copies_its_divergence_only_once_grown() {
     assert_eq!(cluster.nodes[1].disk[40], None, "the write that never completed is undone");
     assert_eq!(cluster.nodes[1].disk, cluster.nodes[2].disk);
 }
+
+/// A snapshot of a replicated volume is taken when `quiet_copies` answers: only while no
+/// write is pending, and naming exactly the replicas whose copies match the primary's.
+#[test]
+fn quiet_copies_names_the_replicas_alike_only_while_no_write_is_pending() {
+    let mut cluster = Cluster::started(config());
+    let ids = [NodeId(1), NodeId(2)];
+    assert_eq!(cluster.nodes[0].volume.quiet_copies(cluster.now_ms), Some((1, ids.to_vec())));
+    assert_eq!(cluster.nodes[1].volume.quiet_copies(cluster.now_ms), None, "not on a replica");
+
+    // A write in flight on the primary's own storage: not quiet until it completes.
+    cluster.storage_held.insert(0);
+    let write = cluster.write(0, 4, 9);
+    cluster.run(20);
+    assert_eq!(cluster.nodes[0].volume.quiet_copies(cluster.now_ms), None);
+    cluster.storage_held.clear();
+    cluster.finish_write(0);
+    cluster.run(20);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    assert_eq!(cluster.nodes[0].volume.quiet_copies(cluster.now_ms), Some((1, ids.to_vec())));
+    for node in 1..3 {
+        assert_eq!(cluster.nodes[node].disk, cluster.nodes[0].disk);
+    }
+
+    // Node 2 misses writes and leaves the in-sync set: no longer named, nor while it is
+    // copied back, until it is in sync again.
+    cluster.cut_link(0, 2);
+    cluster.write(0, 5, 1);
+    cluster.run(300);
+    assert_eq!(cluster.nodes[0].volume.quiet_copies(cluster.now_ms), Some((1, vec![NodeId(1)])));
+    assert_ne!(cluster.nodes[2].disk, cluster.nodes[0].disk);
+    cluster.heal();
+    let mut named_while_different = false;
+    for _ in 0..100 {
+        cluster.run(5);
+        if let Some((_, copies)) = cluster.nodes[0].volume.quiet_copies(cluster.now_ms) {
+            for node in copies {
+                let node = node.0 as usize;
+                named_while_different |= cluster.nodes[node].disk != cluster.nodes[0].disk;
+            }
+        }
+    }
+    assert!(!named_while_different, "a replica is named only once its copy matches");
+    assert_eq!(cluster.nodes[0].volume.quiet_copies(cluster.now_ms), Some((1, ids.to_vec())));
+}

@@ -457,7 +457,10 @@ impl ClusterNode {
                 }
                 Err(exit) => {
                     self.earlier_stderr.push_str(&exit.stderr);
-                    let retry = exit.stderr.contains("cannot listen");
+                    // A port picked free was taken meanwhile (by another test, or by this
+                    // node's own replication listener, which binds port 0).
+                    let retry = exit.stderr.contains("cannot listen")
+                        || exit.stderr.contains(" in use on ");
                     assert!(
                         retry && attempt < START_ATTEMPTS_MAX,
                         "`ferrite up` of node {} exited with {} before serving (attempt \
