@@ -6,9 +6,9 @@
 
 use crate::wire::{
     AnaState, CreateSnapshot, CreateVolume, DriveInfo, ErrorBody, ErrorCode, FreezePoint,
-    FreezeVolume, HostAccess, LocalSnapshot, NodeInfo, ReplaceDrive, ResizeVolume, ResyncList,
-    ResyncProgress, RollbackVolume, SetCompression, SetPathState, SnapshotInfo, SnapshotList,
-    ThawVolume, VolumeInfo, VolumeList, VolumePaths,
+    FreezeVolume, HostAccess, LocalClone, LocalSnapshot, NodeInfo, ReplaceDrive, ResizeVolume,
+    ResyncList, ResyncProgress, RollbackVolume, SetCompression, SetPathState, SnapshotInfo,
+    SnapshotList, ThawVolume, VolumeInfo, VolumeList, VolumePaths,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -245,6 +245,18 @@ impl Client {
     ) -> Result<(), ClientError> {
         let path = format!("/v1/cluster/snapshots/{id}");
         self.send("PUT", &path, Some(json(snapshot))).map(drop)
+    }
+
+    /// Whether this node holds a copy of snapshot `id` (`snapshot_not_found` if not).
+    pub fn holds_snapshot(&self, id: u64) -> Result<(), ClientError> {
+        self.send("GET", &format!("/v1/cluster/snapshots/{id}"), None).map(drop)
+    }
+
+    /// Makes volume `id` on this node a clone of its copy of snapshot `snapshot_id`
+    /// ([`crate::paths::CLUSTER_CLONE`]).
+    pub fn make_local_clone(&self, id: u64, snapshot_id: u64) -> Result<(), ClientError> {
+        let body = json(&LocalClone { snapshot_id });
+        self.send("PUT", &format!("/v1/cluster/clones/{id}"), Some(body)).map(drop)
     }
 
     /// Drops this node's copy of snapshot `id`, if it has one.

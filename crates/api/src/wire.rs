@@ -391,6 +391,13 @@ pub struct LocalSnapshot {
     pub created_unix_ms: u64,
 }
 
+/// `PUT /v1/cluster/clones/{id}` (between cluster nodes): make volume `id` on this node a
+/// writable clone of this node's copy of snapshot `snapshot_id`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalClone {
+    pub snapshot_id: u64,
+}
+
 /// A snapshot, as returned by every snapshot endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotInfo {

@@ -534,8 +534,8 @@ struct UpArgs {
     /// Without it the node is a single node with its metadata in DATA-DIR/meta.redb. With it,
     /// volumes live in etcd and are replicated across the cluster's nodes (`ferrite volume
     /// create --replicas N`); the node needs --node-name. Snapshots of a replicated volume are
-    /// taken on every copy in sync at one point in time; clones and rollbacks are single-node
-    /// features for now.
+    /// taken on every copy in sync at one point in time, and clones of them are replicated too;
+    /// rolling a volume back is a single-node feature for now.
     #[arg(long, value_name = "URLS", value_delimiter = ',', help_heading = "Cluster")]
     cluster_etcd: Vec<String>,
     /// The cluster's name; nodes with the same etcd and name form one cluster.
@@ -696,7 +696,9 @@ enum VolumeCommand {
         ///
         /// Every write completes only once all in-sync copies have it durably; the volume
         /// survives the loss of N-1 nodes, and a failed primary is replaced automatically.
-        /// Needs a cluster (`ferrite up --cluster-etcd`); a single node takes only 1.
+        /// Needs a cluster (`ferrite up --cluster-etcd`); a single node takes only 1. A clone's
+        /// copies go to nodes that hold a copy of its snapshot (those in sync when it was
+        /// taken), so it has at most as many.
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=3))]
         replicas: Option<u8>,
     },

@@ -34,7 +34,7 @@
 //! be one point in time: every node serves a copy, and the copies read the same bytes (they
 //! differ without the primary's hold on writes); it holds what was written before and not
 //! after, outlives a kill -9 of the primary and a restart, lives only on the copies in sync when
-//! taken, and deleting it drops every copy.
+//! taken, and deleting it drops every copy. A replicated clone of it lives on nodes holding it.
 //!
 //! A node started before its etcd answers must wait for it (`--etcd-wait-s`) and join once it
 //! does, instead of exiting; told not to wait, it must fail at once and say why.
@@ -1653,7 +1653,8 @@ fn wait_export(cluster: &Cluster, index: usize, export: &str, served: bool) {
 /// serves it read-only over NBD with the same bytes, holding the pattern written before it and
 /// not what was written after; it outlives the primary (kill -9), the restarted node serves its
 /// copy again, a snapshot taken while that node was down lives on the two others only, and
-/// deleting them drops every copy. Clones and rollbacks are still refused on a cluster.
+/// deleting them drops every copy. A clone of a snapshot is replicated on nodes holding a copy
+/// of it, starts with its bytes, and its writes change neither; rollbacks are still refused.
 #[test]
 fn a_snapshot_of_a_replicated_volume_is_one_point_in_time_on_every_copy() {
     let mut cluster = Cluster::start(&ClusterOptions::nodes(3));
@@ -1695,12 +1696,28 @@ fn a_snapshot_of_a_replicated_volume_is_one_point_in_time_on_every_copy() {
     assert!(same_image(&uris[0], &uris[2]), "node1 and node3 copies of the snapshot differ");
     assert!(!same_image(&uris[0], &cluster.node(first_primary).nbd_uri(VOLUME)));
 
-    // Clones and rollbacks are not there yet on a cluster, and say so.
-    let stderr = ferrite_fails(
+    // A clone of it on three nodes starts with the snapshot's bytes, every replica in sync,
+    // and its writes change neither the snapshot nor the volume.
+    ferrite_ok(
         &api_url,
-        &["volume", "create", "copy", "--from-snapshot", &format!("{VOLUME}@first")],
+        &["volume", "create", "copy", "--from-snapshot", &export, "--replicas", "3"],
     );
-    assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
+    let copy = cluster.wait_serving("copy", 3, &[]);
+    let copy_uri = cluster.node(cluster.index(&primary(&copy))).nbd_uri("copy");
+    assert!(same_image(&copy_uri, &uris[0]), "the clone does not read as its snapshot");
+    let text = common::run_ok(qemu_io(
+        &copy_uri,
+        &[&format!("write -P 0x44 {PATTERN_AT} 1M"), &format!("read -P 0x44 {PATTERN_AT} 1M")],
+    ));
+    assert!(!text.contains("failed"), "{text}");
+    let read = format!("read -P 0x11 {PATTERN_AT} 1M");
+    let text = common::run_ok(qemu_io_read_only(&uris[0], &[&read]));
+    assert!(!text.contains("failed"), "{text}");
+    let read = format!("read -P 0x22 {PATTERN_AT} 1M");
+    let text = common::run_ok(qemu_io(&cluster.node(first_primary).nbd_uri(VOLUME), &[&read]));
+    assert!(!text.contains("failed"), "{text}");
+
+    // Rollbacks are not there yet on a cluster, and say so.
     let stderr = ferrite_fails(&api_url, &["volume", "rollback", VOLUME, "--to", "first"]);
     assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
 
@@ -1725,6 +1742,18 @@ fn a_snapshot_of_a_replicated_volume_is_one_point_in_time_on_every_copy() {
     }
     let listed = ferrite_ok(&api_url, &["snapshot", "list", VOLUME]);
     assert!(listed.contains("first") && listed.contains("second"), "{listed}");
+    // So a clone of it has at most two replicas, on those nodes.
+    let stderr = ferrite_fails(
+        &api_url,
+        &["volume", "create", "copy2", "--from-snapshot", &second, "--replicas", "3"],
+    );
+    assert!(stderr.contains("holding a copy of its snapshot, and 2 do"), "{stderr}");
+    ferrite_ok(
+        &api_url,
+        &["volume", "create", "copy2", "--from-snapshot", &second, "--replicas", "2"],
+    );
+    let copy2 = cluster.wait_serving("copy2", 2, &[]);
+    assert!(!copy2.members.contains(&old), "{copy2:?}");
 
     // Restarted, the old primary serves its copy of the first snapshot again, not the second.
     cluster.restart(old_index);

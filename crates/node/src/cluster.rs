@@ -372,6 +372,86 @@ impl Cluster {
         Ok(placed)
     }
 
+    /// Creates the replicated clone `record` of snapshot `snapshot_id`: places its replicas on
+    /// live nodes holding a copy of the snapshot (asked through their API), has each make the
+    /// clone of its copy (the copies are alike, so every replica starts in sync), then writes
+    /// the replication state and the record. On failure the clones made are dropped again.
+    pub fn create_clone(
+        &self,
+        record: &VolumeRecord,
+        snapshot_id: u64,
+        replicas: u8,
+    ) -> Result<Vec<NodeId>, ControlError> {
+        let members = self.store.members().map_err(ControlError::Meta)?;
+        let holds = |member: &MemberRecord| {
+            member_api(member, SNAPSHOT_CALL_TIMEOUT_MS)
+                .and_then(|client| client.holds_snapshot(snapshot_id))
+                .is_ok()
+        };
+        let holders: Vec<(MemberRecord, bool)> = members
+            .iter()
+            .filter(|(member, live)| *live && holds(member))
+            .map(|(member, live)| (member.clone(), *live))
+            .collect();
+        let names: Vec<&str> = holders.iter().map(|(member, _)| member.name.as_str()).collect();
+        let placed = place(&holders, replicas, record.size_bytes).map_err(|reason| {
+            let reason = if holders.len() < usize::from(replicas) {
+                format!(
+                    "a clone's replicas go to live nodes holding a copy of its snapshot, and {} do ({}): at most {} replicas",
+                    holders.len(),
+                    names.join(", "),
+                    holders.len()
+                )
+            } else {
+                reason
+            };
+            ControlError::Placement { name: record.name.clone(), reason }
+        })?;
+        let mut made: Vec<&MemberRecord> = Vec::new();
+        for id in &placed {
+            let Some((member, _)) = holders.iter().find(|(member, _)| member.id == *id) else {
+                unreachable!("placed on a holder");
+            };
+            let result = member_api(member, SNAPSHOT_CALL_TIMEOUT_MS)
+                .and_then(|client| client.make_local_clone(record.id, snapshot_id));
+            if let Err(error) = result {
+                for made in made {
+                    self.drop_snapshot_copy(made, record.id);
+                }
+                return Err(ControlError::SnapshotUnavailable(format!(
+                    "clone {} was not made: node {}: {error}; nothing was kept, try again",
+                    record.name, member.name
+                )));
+            }
+            made.push(member);
+        }
+        let set: BTreeSet<NodeId> = placed.iter().copied().collect();
+        let state = VolumeState {
+            epoch: 0,
+            primary: None,
+            primary_lease: LeaseId::NONE,
+            in_sync: set.clone(),
+            members: set,
+        };
+        let written = self
+            .store
+            .create_replication_state(record.id, &state)
+            .map_err(ControlError::Meta)
+            .and_then(|_| {
+                self.volumes.create_volume(record).map_err(|error| {
+                    let _ = self.store.delete_replication_state(record.id);
+                    ControlError::from_meta_error(error)
+                })
+            });
+        if let Err(error) = written {
+            for made in made {
+                self.drop_snapshot_copy(made, record.id);
+            }
+            return Err(error);
+        }
+        Ok(placed)
+    }
+
     /// Refuses a grow of `record` to `size_bytes` that a member holding a replica has no room
     /// for, as its member record last said (each node refreshes it every few seconds). Each
     /// replica needs the growth on its node: volumes are thin, but their size is reserved.

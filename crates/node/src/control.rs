@@ -488,8 +488,26 @@ impl VolumeService {
         size_bytes: Option<u64>,
         compression: Option<&str>,
     ) -> Result<VolumeRecord, ControlError> {
-        self.single_node_only("cloning a snapshot")?;
+        self.create_clone_replicated(name, from, size_bytes, compression, None)
+    }
+
+    /// Creates a clone as [`Self::create_clone`] does, with `replicas` copies on a cluster
+    /// (1 when `None`), each on a node holding a copy of the snapshot; a single node takes 1.
+    pub fn create_clone_replicated(
+        &self,
+        name: &str,
+        from: &str,
+        size_bytes: Option<u64>,
+        compression: Option<&str>,
+        replicas: Option<u8>,
+    ) -> Result<VolumeRecord, ControlError> {
         let name = parse_name(name)?;
+        if self.cluster.is_none() && replicas.is_some_and(|count| count != 1) {
+            return Err(ControlError::NotOnCluster(format!(
+                "volume {name}: more than one replica needs a cluster; start the nodes with \
+                 --cluster-etcd (docs/ARCHITECTURE.md, \"Cluster\")"
+            )));
+        }
         let compression = compression.map(parse_compression).transpose()?;
         let Some((volume, snapshot)) = api::parse_snapshot_ref(from) else {
             return Err(ControlError::InvalidSnapshotRef(from.to_owned()));
@@ -523,10 +541,14 @@ impl VolumeService {
             });
         }
         let id = self.meta.allocate_volume_id().map_err(ControlError::from_meta)?;
-        let chunks = self
-            .data_plane
-            .reserve_create(id, size_bytes)
-            .map_err(|error| ControlError::from_data_plane(&name, error))?;
+        let chunks = match &self.cluster {
+            // Each member reserves its own when its reconciler serves the clone.
+            Some(_) => Vec::new(),
+            None => self
+                .data_plane
+                .reserve_create(id, size_bytes)
+                .map_err(|error| ControlError::from_data_plane(&name, error))?,
+        };
         let record = VolumeRecord {
             id,
             name,
@@ -544,6 +566,18 @@ impl VolumeService {
             // A clone is a volume of its own: every path starts optimized.
             path_states: Default::default(),
         };
+        if let Some(cluster) = &self.cluster {
+            let placed = cluster.create_clone(&record, source.id, replicas.unwrap_or(1))?;
+            tracing::info!(
+                volume = %record.name,
+                id,
+                origin = %api::snapshot_ref(source.volume.as_str(), source.name.as_str()),
+                size = %ByteSize(size_bytes),
+                replicas = ?placed,
+                "created replicated clone"
+            );
+            return Ok(record);
+        }
         if let Err(error) = self.meta.create_volume(&record) {
             self.data_plane.cancel(&record);
             return Err(ControlError::from_meta(error));
@@ -669,8 +703,9 @@ impl VolumeService {
             .map_err(|error| ControlError::from_data_plane(&volume.name, error))
     }
 
-    /// Drops this node's copy of snapshot `id` (between cluster nodes: its record was deleted,
-    /// or never written). Refused while a record names it.
+    /// Drops this node's data of `id`, a snapshot's copy or a clone being made (between
+    /// cluster nodes: its record was deleted, or never written). Refused while a record names
+    /// it.
     pub fn drop_local_snapshot(&self, id: u64) -> Result<(), ControlError> {
         if self.cluster.is_none() {
             return Err(ControlError::NotOnCluster(
@@ -684,8 +719,38 @@ impl VolumeService {
                 snapshot: named.name.clone(),
             });
         }
+        let volumes = self.meta.volumes().map_err(ControlError::from_meta)?;
+        if let Some(named) = volumes.iter().find(|volume| volume.id == id) {
+            return Err(ControlError::VolumeExists(named.name.clone()));
+        }
         self.data_plane.drop_unnamed(id);
         Ok(())
+    }
+
+    /// Whether this node holds a copy of snapshot `id` (between cluster nodes, to place a
+    /// clone's replicas).
+    pub fn holds_snapshot(&self, id: u64) -> Result<(), ControlError> {
+        let snapshots = self.meta.all_snapshots().map_err(ControlError::from_meta)?;
+        let Some(record) = snapshots.into_iter().find(|snapshot| snapshot.id == id) else {
+            return Err(ControlError::NotOnCluster(format!("no snapshot has id {id}")));
+        };
+        if self.data_plane.stored_ids().is_some_and(|ids| ids.contains(&id)) {
+            return Ok(());
+        }
+        Err(ControlError::SnapshotNotFound { volume: record.volume, snapshot: record.name })
+    }
+
+    /// Makes volume `id` on this node a clone of its copy of snapshot `snapshot_id` (between
+    /// cluster nodes, before the clone's record exists: `Cluster::create_clone`).
+    pub fn make_local_clone(&self, id: u64, snapshot_id: u64) -> Result<(), ControlError> {
+        self.holds_snapshot(snapshot_id)?;
+        let volumes = self.meta.volumes().map_err(ControlError::from_meta)?;
+        if let Some(named) = volumes.iter().find(|volume| volume.id == id) {
+            return Err(ControlError::VolumeExists(named.name.clone()));
+        }
+        self.data_plane.clone_unnamed(id, snapshot_id).map_err(|error| {
+            ControlError::SnapshotUnavailable(format!("cannot make the clone here: {error}"))
+        })
     }
 
     /// The record of a replicated volume, on a cluster node.

@@ -444,6 +444,14 @@ pub trait DataPlane: Send + Sync {
     /// and stops serving it.
     fn drop_unnamed(&self, _id: u64) {}
 
+    /// Makes volume `id`, which no record names yet, a clone of snapshot `snapshot_id` here,
+    /// durably (cluster nodes: every member of a new clone makes its copy before the clone's
+    /// record is written; the reconciler then serves it as any replica).
+    fn clone_unnamed(&self, id: u64, snapshot_id: u64) -> Result<(), DataPlaneError> {
+        let _ = (id, snapshot_id);
+        Err(DataPlaneError::failed("this data path serves no snapshots"))
+    }
+
     /// The volume's record with a changed `host_access` is durable: from now on only the hosts
     /// it allows may connect to the volume's subsystem or see it in the discovery log, and
     /// controllers of hosts it no longer allows are disconnected. (Published volumes, and those

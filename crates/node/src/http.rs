@@ -79,7 +79,11 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::CLUSTER, get(cluster_info))
         .route(api::paths::CLUSTER_VOLUME_FREEZE, post(freeze_volume))
         .route(api::paths::CLUSTER_VOLUME_THAW, post(thaw_volume))
-        .route(api::paths::CLUSTER_SNAPSHOT, put(take_local_snapshot).delete(drop_local_snapshot))
+        .route(
+            api::paths::CLUSTER_SNAPSHOT,
+            get(holds_snapshot).put(take_local_snapshot).delete(drop_local_snapshot),
+        )
+        .route(api::paths::CLUSTER_CLONE, put(make_local_clone))
         .route(api::paths::DRIVE_REPLACE, post(replace_drive))
         .route(api::paths::METRICS, get(render_metrics))
         .route(api::paths::HEALTHZ, get(healthz))
@@ -339,15 +343,15 @@ async fn create_volume(
     let compression = request.compression;
     let replicas = request.replicas;
     let record = match (request.from_snapshot, request.size_bytes) {
-        (Some(_), _) if replicas.is_some() => {
-            return Err(ApiError::new(
-                ErrorCode::InvalidRequest,
-                "a clone takes no replicas: clones are single-node volumes",
-            ));
-        }
         (Some(from), size_bytes) => {
             call(&state, move |service| {
-                service.create_clone(&request.name, &from, size_bytes, compression.as_deref())
+                service.create_clone_replicated(
+                    &request.name,
+                    &from,
+                    size_bytes,
+                    compression.as_deref(),
+                    replicas,
+                )
             })
             .await?
         }
@@ -548,6 +552,28 @@ async fn drop_local_snapshot(
 ) -> Result<StatusCode, ApiError> {
     let id = parse_id(path)?;
     call(&state, move |service| service.drop_local_snapshot(id)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /v1/cluster/snapshots/{id}` (between cluster nodes).
+async fn holds_snapshot(
+    State(state): State<ApiState>,
+    path: Result<Path<u64>, PathRejection>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_id(path)?;
+    call(&state, move |service| service.holds_snapshot(id)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `PUT /v1/cluster/clones/{id}` (between cluster nodes).
+async fn make_local_clone(
+    State(state): State<ApiState>,
+    path: Result<Path<u64>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_id(path)?;
+    let request: api::LocalClone = parse_body(body)?;
+    call(&state, move |service| service.make_local_clone(id, request.snapshot_id)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -2250,6 +2250,10 @@ impl DataPlane for NvmeDataPlane {
         self.target.notify_subsystems_changed();
     }
 
+    fn clone_unnamed(&self, id: u64, snapshot_id: u64) -> Result<(), DataPlaneError> {
+        self.run(EngineOperation::Clone { volume: id, snapshot: snapshot_id })
+    }
+
     fn drop_unnamed(&self, id: u64) {
         if !self.engine.volume_ids().contains(&id) {
             return;
