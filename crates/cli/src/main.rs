@@ -568,6 +568,12 @@ struct UpArgs {
     /// the first refusal. The node serves nothing until it has joined.
     #[arg(long, value_name = "S", default_value_t = node::cluster::DEFAULT_ETCD_WAIT_S, help_heading = "Cluster")]
     etcd_wait_s: u64,
+    /// How long this node keeps data that no record names before dropping it, in seconds (at
+    /// least 10): its copy of a snapshot deleted while it could not be told (down, paused, cut
+    /// off), or of one whose taking failed. A snapshot's copies have no record until every
+    /// copy is taken, so keep it well above how long that may take (seconds).
+    #[arg(long, value_name = "S", default_value_t = node::cluster::DEFAULT_UNNAMED_DATA_GRACE_S, help_heading = "Cluster")]
+    unnamed_data_grace_s: u64,
 }
 
 /// `--cluster-*` options as the node takes them; `None` without --cluster-etcd.
@@ -599,6 +605,7 @@ fn cluster_config(args: &UpArgs) -> anyhow::Result<Option<node::cluster::Cluster
         rebuild_grace_s: args.rebuild_grace_s,
         resync_mb_per_s: args.resync_mb_per_s,
         etcd_wait_s: args.etcd_wait_s,
+        unnamed_data_grace_s: args.unnamed_data_grace_s,
     };
     config.validate().map_err(anyhow::Error::msg)?;
     Ok(Some(config))

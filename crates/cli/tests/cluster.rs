@@ -1612,6 +1612,8 @@ fn a_node_started_before_its_etcd_waits_for_it_then_joins() {
 /// Where the snapshot tests write a known pattern: 1 MiB at 32 MiB, beyond the workload's
 /// blocks.
 const PATTERN_AT: &str = "32M";
+/// `--unnamed-data-grace-s` of the snapshot test's nodes: the shortest allowed.
+const UNNAMED_GRACE_S: u64 = 10;
 
 /// Whether the two NBD exports read the same bytes (`qemu-img compare`: 0 the same, 1 not).
 fn same_image(a: &str, b: &str) -> bool {
@@ -1653,11 +1655,14 @@ fn wait_export(cluster: &Cluster, index: usize, export: &str, served: bool) {
 /// serves it read-only over NBD with the same bytes, holding the pattern written before it and
 /// not what was written after; it outlives the primary (kill -9), the restarted node serves its
 /// copy again, a snapshot taken while that node was down lives on the two others only, and
-/// deleting them drops every copy. A clone of a snapshot is replicated on nodes holding a copy
+/// deleting them drops every copy; a copy no record names (its taking died half way) is
+/// dropped once its node has seen it so for `--unnamed-data-grace-s`. A clone of a snapshot is replicated on nodes holding a copy
 /// of it, starts with its bytes, and its writes change neither; rollbacks are still refused.
 #[test]
 fn a_snapshot_of_a_replicated_volume_is_one_point_in_time_on_every_copy() {
-    let mut cluster = Cluster::start(&ClusterOptions::nodes(3));
+    let mut options = ClusterOptions::nodes(3);
+    options.up_args = vec!["--unnamed-data-grace-s".to_owned(), UNNAMED_GRACE_S.to_string()];
+    let mut cluster = Cluster::start(&options);
     let created = create_volume(&cluster, VOLUME, 3);
     let api_url = cluster.api_url();
     let write = |index: usize, byte: &str| {
@@ -1773,7 +1778,24 @@ fn a_snapshot_of_a_replicated_volume_is_one_point_in_time_on_every_copy() {
         wait_export(&cluster, index, &second, false);
     }
     let listed = ferrite_ok(&api_url, &["snapshot", "list", VOLUME]);
-    assert!(!listed.contains("first"), "{listed}");
+    assert!(!listed.contains("first") && !listed.contains("second"), "{listed}");
+
+    // A copy whose record never came (the node taking the snapshot died before writing it)
+    // is served until the node has seen it unnamed for the grace, then dropped.
+    let orphan = api::LocalSnapshot {
+        volume: VOLUME.to_owned(),
+        name: "orphan".to_owned(),
+        size_bytes: 64 << 20,
+        uuid: [0x5a; 16],
+        created_unix_ms: 0,
+    };
+    cluster.node(old_index).client().take_local_snapshot(1_000_000, &orphan).expect("a copy");
+    let taken = Instant::now();
+    let orphan_export = format!("{VOLUME}@orphan");
+    assert!(serves_export(&cluster, old_index, &orphan_export).0, "dropped at once");
+    wait_export(&cluster, old_index, &orphan_export, false);
+    let dropped_after = taken.elapsed();
+    assert!(dropped_after >= Duration::from_secs(UNNAMED_GRACE_S), "{dropped_after:?}");
     assert!(after.epoch > created.epoch);
     cluster.assert_no_error_lines(&[]);
 }

@@ -59,9 +59,12 @@ const SNAPSHOT_CALL_TIMEOUT_MS: u64 = SNAPSHOT_HOLD_MS + 2_000;
 /// How long a node waits to be told to drop its copy of a deleted snapshot.
 const SNAPSHOT_DROP_TIMEOUT_MS: u64 = 2_000;
 /// How long data no record names (a snapshot copy whose record was deleted while this node
-/// was away, or whose taking failed) stays before the reconciler drops it: longer than taking
-/// a snapshot can last, since a copy has no record until every copy is taken.
-pub const UNNAMED_DATA_GRACE_MS: u64 = 60_000;
+/// was away, or whose taking failed) stays before the reconciler drops it, by default: longer
+/// than taking a snapshot or making a clone can last (each step's call is bounded by
+/// `SNAPSHOT_CALL_TIMEOUT_MS`), since a copy has no record until every copy is made.
+pub const DEFAULT_UNNAMED_DATA_GRACE_S: u64 = 60;
+/// The shortest grace `--unnamed-data-grace-s` takes.
+pub const UNNAMED_DATA_GRACE_S_MIN: u64 = 10;
 /// The label that names a node's failure domain; replicas go to distinct values when nodes
 /// carry it.
 pub const FAILURE_DOMAIN_LABEL: &str = "zone";
@@ -98,6 +101,9 @@ pub struct ClusterConfig {
     /// How long joining waits for etcd to answer, retrying every second (a node started
     /// with, or before, its etcd); 0 fails at the first refusal.
     pub etcd_wait_s: u64,
+    /// How long data no record names stays before the reconciler drops it
+    /// ([`DEFAULT_UNNAMED_DATA_GRACE_S`]).
+    pub unnamed_data_grace_s: u64,
 }
 
 impl ClusterConfig {
@@ -124,6 +130,13 @@ impl ClusterConfig {
                 "--lease-ms {} must be whole seconds of at least {LEASE_MS_MIN} ms (etcd leases \
                  count in seconds)",
                 self.lease_ms
+            ));
+        }
+        if self.unnamed_data_grace_s < UNNAMED_DATA_GRACE_S_MIN {
+            return Err(format!(
+                "--unnamed-data-grace-s {} must be at least {UNNAMED_DATA_GRACE_S_MIN}: a \
+                 snapshot's copies have no record until all are taken",
+                self.unnamed_data_grace_s
             ));
         }
         if self.resync_mb_per_s == 0 {
@@ -767,7 +780,7 @@ impl Cluster {
 
     /// Tells every member to drop its copy of snapshot `id` (its record is gone, or was never
     /// written). A member that does not answer drops it itself once its reconciler has seen
-    /// it unnamed for [`UNNAMED_DATA_GRACE_MS`].
+    /// it unnamed for `unnamed_data_grace_s`.
     pub fn drop_snapshot_copies(&self, id: u64) {
         let members = match self.store.members() {
             Ok(members) => members,
@@ -796,7 +809,7 @@ impl Cluster {
     }
 
     /// Serves the snapshots whose copies this node holds, and drops data no record names once
-    /// it has stayed unnamed for [`UNNAMED_DATA_GRACE_MS`] (`unnamed`: since when each such id
+    /// it has stayed unnamed for `unnamed_data_grace_s` (`unnamed`: since when each such id
     /// has been seen).
     fn reconcile_snapshots(
         &self,
@@ -819,7 +832,7 @@ impl Cluster {
         unnamed.retain(|id, _| stored.contains(id) && !named.contains(id));
         for &id in stored.difference(&named) {
             let since = *unnamed.entry(id).or_insert(now);
-            if now.duration_since(since) >= Duration::from_millis(UNNAMED_DATA_GRACE_MS) {
+            if now.duration_since(since) >= Duration::from_secs(self.config.unnamed_data_grace_s) {
                 data_plane.drop_unnamed(id);
                 unnamed.remove(&id);
             }

@@ -368,6 +368,7 @@ mod tests {
                 rebuild_grace_s: 60,
                 resync_mb_per_s: 100,
                 etcd_wait_s: 0,
+                unnamed_data_grace_s: crate::cluster::DEFAULT_UNNAMED_DATA_GRACE_S,
             }),
             ..NodeConfig::default()
         };
