@@ -696,12 +696,14 @@ impl Cluster {
     /// every write it took completed, each replica named then snapshots its copy, the primary
     /// its own, and the hold ends; the snapshot stands only if the primary served the same term
     /// holding the writes throughout. Its record is the caller's to write. Returns the names of
-    /// the nodes holding a copy; on failure every copy taken is dropped again.
+    /// the nodes holding a copy, and how long hosts' writes were held (from the primary's
+    /// answer that they were to the end of the hold, as this node saw it); on failure every
+    /// copy taken is dropped again.
     pub fn take_snapshot(
         &self,
         volume: &VolumeRecord,
         snapshot: &SnapshotRecord,
-    ) -> Result<Vec<String>, ControlError> {
+    ) -> Result<(Vec<String>, Duration), ControlError> {
         let unavailable = |reason: String| {
             ControlError::SnapshotUnavailable(format!(
                 "snapshot {} was not taken: {reason}; nothing was kept, try again",
@@ -734,6 +736,7 @@ impl Cluster {
             .map_err(|reason| {
                 unavailable(format!("the primary could not hold the volume's writes: {reason}"))
             })?;
+        let held_at = std::time::Instant::now();
         let local = api::LocalSnapshot {
             volume: name.to_owned(),
             name: snapshot.name.to_string(),
@@ -766,6 +769,7 @@ impl Cluster {
             api.thaw_volume(name, held.token)
                 .map_err(|error| format!("node {}: {error}", primary.name))
         });
+        let held = held_at.elapsed();
         if let (None, Err(reason)) = (&failure, thawed) {
             failure = Some(reason);
         }
@@ -775,7 +779,7 @@ impl Cluster {
             }
             return Err(unavailable(reason));
         }
-        Ok(taken.iter().map(|member| member.name.clone()).collect())
+        Ok((taken.iter().map(|member| member.name.clone()).collect(), held))
     }
 
     /// Tells every member to drop its copy of snapshot `id` (its record is gone, or was never

@@ -634,7 +634,7 @@ impl VolumeService {
         };
         if let Some(cluster) = &self.cluster {
             // Every copy first, the record last: a record names a snapshot every copy took.
-            let holders = cluster.take_snapshot(&source, &record)?;
+            let (holders, held) = cluster.take_snapshot(&source, &record)?;
             if let Err(error) = self.meta.create_snapshot(&record) {
                 cluster.drop_snapshot_copies(record.id);
                 return Err(ControlError::from_meta(error));
@@ -644,6 +644,7 @@ impl VolumeService {
                 snapshot = %record.name,
                 id,
                 nodes = %holders.join(", "),
+                writes_held_ms = held.as_millis(),
                 "took snapshot of every copy"
             );
             return Ok(record);
@@ -732,7 +733,9 @@ impl VolumeService {
     pub fn holds_snapshot(&self, id: u64) -> Result<(), ControlError> {
         let snapshots = self.meta.all_snapshots().map_err(ControlError::from_meta)?;
         let Some(record) = snapshots.into_iter().find(|snapshot| snapshot.id == id) else {
-            return Err(ControlError::NotOnCluster(format!("no snapshot has id {id}")));
+            return Err(ControlError::SnapshotUnavailable(format!(
+                "no snapshot record has id {id} (deleted meanwhile?)"
+            )));
         };
         if self.data_plane.stored_ids().is_some_and(|ids| ids.contains(&id)) {
             return Ok(());
