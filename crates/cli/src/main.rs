@@ -337,8 +337,9 @@ enum SnapshotCommand {
     /// and for writes in flight either the old or the new data, as after a power cut. To
     /// capture a file system cleanly, freeze it first (`fsfreeze -f MOUNTPOINT`, then `-u`).
     ///
-    /// On a cluster the volume's primary holds host writes for a moment (milliseconds; at most
-    /// 5 s) until every write it took completed, and each copy in sync then takes the snapshot:
+    /// On a cluster the volume's primary holds host writes for a moment (about as long as the
+    /// writes in flight take to complete; at most 5 s) until every write it took completed,
+    /// and each copy in sync then takes the snapshot:
     /// the same point in time on every node, each of which serves it read-only. A replica out
     /// of sync then gets none. If the primary changes meanwhile the command fails with
     /// snapshot_unavailable, keeps nothing, and may be run again.

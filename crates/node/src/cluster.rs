@@ -696,9 +696,9 @@ impl Cluster {
     /// every write it took completed, each replica named then snapshots its copy, the primary
     /// its own, and the hold ends; the snapshot stands only if the primary served the same term
     /// holding the writes throughout. Its record is the caller's to write. Returns the names of
-    /// the nodes holding a copy, and how long hosts' writes were held (from the primary's
-    /// answer that they were to the end of the hold, as this node saw it); on failure every
-    /// copy taken is dropped again.
+    /// the nodes holding a copy, and about how long hosts' writes were held (from asking the
+    /// primary to hold them, which includes waiting for the writes in flight, to the end of
+    /// the hold, as this node saw it); on failure every copy taken is dropped again.
     pub fn take_snapshot(
         &self,
         volume: &VolumeRecord,
@@ -728,6 +728,8 @@ impl Cluster {
                 .map_err(|error| format!("node {}: {error}", member.name))
         };
         let name = volume.name.as_str();
+        // Writes are held from the moment the primary takes the request.
+        let held_at = std::time::Instant::now();
         let held = client(primary)
             .and_then(|api| {
                 api.freeze_volume(name, SNAPSHOT_HOLD_MS)
@@ -736,7 +738,6 @@ impl Cluster {
             .map_err(|reason| {
                 unavailable(format!("the primary could not hold the volume's writes: {reason}"))
             })?;
-        let held_at = std::time::Instant::now();
         let local = api::LocalSnapshot {
             volume: name.to_owned(),
             name: snapshot.name.to_string(),
