@@ -47,3 +47,28 @@ node_layout() {
     "$1" node show | sed -n 's/^drives: *\(.*\)$/drives \1/p; s/^erasure coding: *\(.*\)$/erasure coding \1/p' |
         awk 'NR > 1 { printf "; " } { printf "%s", $0 } END { print "" }'
 }
+
+# Starts a private single-member etcd in the background, its data in DIR and its output in LOG;
+# sets etcd_port (its client port on 127.0.0.1) and appends its PID to the array `pids`.
+# Usage: start_etcd DIR LOG
+start_etcd() {
+    local peer_port
+    etcd_port=$(port)
+    peer_port=$(port)
+    etcd --name bench --data-dir "$1" \
+        --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
+        --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
+        --initial-cluster "bench=http://127.0.0.1:$peer_port" >"$2" 2>&1 &
+    pids+=($!)
+}
+
+# Stops every process whose PID is in the array `pids`: SIGTERM to all, then waits for each.
+stop_pids() {
+    local pid
+    for pid in "${pids[@]}"; do
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    for pid in "${pids[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+}

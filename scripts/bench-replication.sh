@@ -58,23 +58,11 @@ fi
 
 pids=()
 cleanup() {
-    for pid in "${pids[@]}"; do
-        kill -TERM "$pid" 2>/dev/null || true
-    done
-    for pid in "${pids[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
+    stop_pids
     rm -rf "$OUT/etcd" "$OUT"/node*/
 }
 trap cleanup EXIT
-
-etcd_port=$(port)
-peer_port=$(port)
-etcd --name bench --data-dir "$OUT/etcd" \
-    --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
-    --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
-    --initial-cluster "bench=http://127.0.0.1:$peer_port" >"$OUT/etcd.log" 2>&1 &
-pids+=($!)
+start_etcd "$OUT/etcd" "$OUT/etcd.log"
 
 declare -A api nvme pid_of
 start_node() {  # name

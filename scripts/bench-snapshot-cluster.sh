@@ -44,26 +44,14 @@ command -v jq >/dev/null || { echo "jq is not installed (apt-get install jq)" >&
 
 pids=()
 cleanup() {
-    for pid in "${pids[@]}"; do
-        kill -TERM "$pid" 2>/dev/null || true
-    done
-    for pid in "${pids[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
+    stop_pids
     rm -rf "$etcd_dir" "$OUT"/node*/
 }
 trap cleanup EXIT
 # etcd syncs every write: kept in RAM where there is /dev/shm, so a pause of the disk the nodes
 # share does not also lapse their leases.
 etcd_dir=$(mktemp -d /dev/shm/ferrite-bench-etcd.XXXXXX 2>/dev/null || echo "$OUT/etcd")
-
-etcd_port=$(port)
-peer_port=$(port)
-etcd --name bench --data-dir "$etcd_dir" \
-    --listen-client-urls "http://127.0.0.1:$etcd_port" --advertise-client-urls "http://127.0.0.1:$etcd_port" \
-    --listen-peer-urls "http://127.0.0.1:$peer_port" --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" \
-    --initial-cluster "bench=http://127.0.0.1:$peer_port" >"$OUT/etcd.log" 2>&1 &
-pids+=($!)
+start_etcd "$etcd_dir" "$OUT/etcd.log"
 
 declare -A api nvme
 for name in node1 node2 node3; do

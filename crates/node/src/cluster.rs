@@ -369,6 +369,18 @@ impl Cluster {
         let members = self.store.members().map_err(ControlError::Meta)?;
         let placed = place(&members, replicas, record.size_bytes)
             .map_err(|reason| ControlError::Placement { name: record.name.clone(), reason })?;
+        self.write_new_volume(record, &placed)?;
+        Ok(placed)
+    }
+
+    /// Writes a new volume's replication state, with every member in `placed` in sync at
+    /// epoch 0 (their copies are alike), then its record; the state goes again if the record
+    /// cannot be written.
+    fn write_new_volume(
+        &self,
+        record: &VolumeRecord,
+        placed: &[NodeId],
+    ) -> Result<(), ControlError> {
         let set: BTreeSet<NodeId> = placed.iter().copied().collect();
         let state = VolumeState {
             epoch: 0,
@@ -382,7 +394,7 @@ impl Cluster {
             let _ = self.store.delete_replication_state(record.id);
             return Err(ControlError::from_meta_error(error));
         }
-        Ok(placed)
+        Ok(())
     }
 
     /// Creates the replicated clone `record` of snapshot `snapshot_id`: places its replicas on
@@ -438,25 +450,7 @@ impl Cluster {
             }
             made.push(member);
         }
-        let set: BTreeSet<NodeId> = placed.iter().copied().collect();
-        let state = VolumeState {
-            epoch: 0,
-            primary: None,
-            primary_lease: LeaseId::NONE,
-            in_sync: set.clone(),
-            members: set,
-        };
-        let written = self
-            .store
-            .create_replication_state(record.id, &state)
-            .map_err(ControlError::Meta)
-            .and_then(|_| {
-                self.volumes.create_volume(record).map_err(|error| {
-                    let _ = self.store.delete_replication_state(record.id);
-                    ControlError::from_meta_error(error)
-                })
-            });
-        if let Err(error) = written {
+        if let Err(error) = self.write_new_volume(record, &placed) {
             for made in made {
                 self.drop_snapshot_copy(made, record.id);
             }
