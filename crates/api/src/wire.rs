@@ -279,6 +279,10 @@ pub struct LocalReplica {
     /// volume (its size differs from the primary's) or their length was invalid.
     #[serde(default)]
     pub entries_refused: u64,
+    /// Write intents this node persisted as primary only to learn whether its own storage
+    /// takes writes while a replica was late (a replica is removed as late only once it does).
+    #[serde(default)]
+    pub storage_probes: u64,
 }
 
 /// `GET /v1/cluster`: the cluster's nodes as the answering node sees them.

@@ -622,6 +622,7 @@ fn a_pause_of_the_disk_all_nodes_share_removes_no_replica() {
     assert_eq!(after.epoch, state.epoch, "no failover: {after:?}");
     assert_eq!(after.in_sync.len(), 3, "every replica stayed in sync: {after:?}");
     let local = after.local.as_ref().expect("the primary holds a replica");
+    println!("the primary probed its own storage {} times", local.storage_probes);
     assert_eq!((local.replicas_removed, local.resyncs_started), (0, 0), "{after:?}");
     stop_and_check(workload);
     drop(cluster);

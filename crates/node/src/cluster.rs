@@ -916,6 +916,7 @@ impl Cluster {
             reconcile_blocks_repaired: local.stats.reconcile_repaired,
             reconcile_unrecovered: local.stats.reconcile_unrecovered,
             entries_refused: local.stats.entries_refused,
+            storage_probes: local.stats.storage_probes,
         });
         Some(api::ReplicationInfo {
             epoch: state.epoch,

@@ -963,6 +963,7 @@ async fn render_metrics(State(state): State<ApiState>) -> Result<Response, ApiEr
                     reconcile_blocks_repaired: sum(|stats| stats.reconcile_repaired),
                     reconcile_unrecovered: sum(|stats| stats.reconcile_unrecovered),
                     entries_refused: sum(|stats| stats.entries_refused),
+                    storage_probes: sum(|stats| stats.storage_probes),
                     lease_lapses: status.lease_lapses.load(Ordering::Relaxed),
                     lease_renewals_failed: status.lease_renewals_failed.load(Ordering::Relaxed),
                     frames_sent: status.frames_sent.load(Ordering::Relaxed),

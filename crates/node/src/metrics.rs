@@ -55,6 +55,9 @@
 //!   replica because their blocks lay beyond this node's copy of the volume (a size that
 //!   differs from the primary's: for a moment after a grow, until this node has grown too,
 //!   and the primary sends them again) or their length was invalid;
+//!   `ferrite_replication_storage_probes_total` (counter, cluster nodes): write intents this
+//!   node persisted as primary only to learn whether its own storage takes writes while a
+//!   replica was late (a pause of storage the nodes share removes no replica);
 //!   `ferrite_lease_lapses_total`, `ferrite_lease_renewals_failed_total` (counters, cluster
 //!   nodes): times this node's lease lapsed (it then served no volume as primary until a
 //!   renewal was answered; the log has a warning for each) and renewals that failed;
@@ -350,6 +353,8 @@ pub struct ReplicationGauges {
     pub reconcile_unrecovered: u64,
     /// Stream entries refused as a replica: blocks beyond this node's copy of the volume.
     pub entries_refused: u64,
+    /// Storage probes this node made as primary while a replica was late.
+    pub storage_probes: u64,
     /// Times this node's lease lapsed, and lease renewals that failed, since the process started.
     pub lease_lapses: u64,
     pub lease_renewals_failed: u64,
@@ -712,6 +717,12 @@ impl Registry {
                      copy of the volume (its size differs from the primary's) or their length \
                      was invalid.",
                     replication.entries_refused,
+                ),
+                (
+                    "ferrite_replication_storage_probes_total",
+                    "Write intents persisted as primary only to learn whether this node's own \
+                     storage takes writes while a replica was late.",
+                    replication.storage_probes,
                 ),
                 (
                     "ferrite_lease_lapses_total",
@@ -1130,6 +1141,7 @@ mod tests {
                 reconcile_blocks_repaired: 6,
                 reconcile_unrecovered: 7,
                 entries_refused: 9,
+                storage_probes: 8,
                 lease_lapses: 2,
                 lease_renewals_failed: 5,
                 member_names: BTreeMap::new(),
@@ -1208,6 +1220,7 @@ mod tests {
         assert_eq!(value(&text, "ferrite_replication_reconcile_blocks_repaired_total"), 6);
         assert_eq!(value(&text, "ferrite_replication_reconcile_unrecovered_total"), 7);
         assert_eq!(value(&text, "ferrite_replication_entries_refused_total"), 9);
+        assert_eq!(value(&text, "ferrite_replication_storage_probes_total"), 8);
         assert_eq!(value(&text, "ferrite_lease_lapses_total"), 2);
         assert_eq!(value(&text, "ferrite_lease_renewals_failed_total"), 5);
         assert_eq!(value(&text, "ferrite_replication_damaged_blocks_found_total"), 4);

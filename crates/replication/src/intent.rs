@@ -210,6 +210,22 @@ impl IntentSet {
         }
     }
 
+    /// Issues a persist of the intent as it stands, unless one is in flight; returns its
+    /// version. The primary's storage probe (crate docs, "Writes").
+    pub fn probe(
+        &mut self,
+        divergence_lost: bool,
+        stats: &mut Stats,
+        out: &mut Vec<Action>,
+    ) -> Option<u64> {
+        if self.in_flight.is_some() {
+            return None;
+        }
+        let version = self.next_version;
+        self.issue(self.target(divergence_lost), stats, out);
+        Some(version)
+    }
+
     fn issue(&mut self, target: Snapshot, stats: &mut Stats, out: &mut Vec<Action>) {
         assert!(self.in_flight.is_none(), "at most one persist in flight");
         let version = self.next_version;

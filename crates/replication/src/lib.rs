@@ -51,7 +51,11 @@
 //! local write of the primary's own has been in flight for half that time, its storage
 //! paused too, and for an ack timeout after, only after [`OWN_STALL_LATE_FACTOR`] times as
 //! long: a pause of a disk the nodes share is nobody's lag, and a peer whose storage hangs
-//! alone still goes): the primary
+//! alone still goes; nor while the primary has no evidence that its own storage takes writes:
+//! a write of its own issued half a timeout or more after the peer's oldest unacknowledged
+//! entry, completed (a write issued before a pause began may complete, one issued after it
+//! cannot); without one, once the peer is half late, the primary persists its write intent as
+//! it stands, a storage probe, counted in `Stats::storage_probes`): the primary
 //! CASes it out of `in_sync` under its own epoch and only after the store confirms completes the
 //! writes waiting for it. If the CAS finds another epoch or another primary, or any node
 //! answers `Stale`, the primary is deposed: pending writes fail with

@@ -299,9 +299,15 @@ pub(crate) struct Term {
     /// The pending writes durable here (`Local::Durable`), so that completing looks only at
     /// those: writes still in flight locally cannot complete, however many peers acked them.
     durable: BTreeSet<u64>,
-    /// When a local write that had been in flight for half the ack timeout or more last
-    /// finished: this node's own storage was stalled until then.
+    /// When a local write (or storage probe) that had been in flight for half the ack timeout
+    /// or more last finished: this node's own storage was stalled until then.
     own_stall_ended_ms: Option<u64>,
+    /// When the latest-issued local write or storage probe that completed was issued: this
+    /// node's own storage took writes issued then.
+    own_ok_issued_ms: Option<u64>,
+    /// The storage probe in flight (an intent persist this term asked for to learn whether its
+    /// own storage takes writes while a peer is late): its version and when it was issued.
+    probe: Option<(u64, u64)>,
     reads_in_flight: usize,
     /// Host reads being served from a replica's copy, by request number (counted in
     /// `reads_in_flight` until they complete).
@@ -358,6 +364,8 @@ impl Term {
             deferred: BTreeSet::new(),
             durable: BTreeSet::new(),
             own_stall_ended_ms: None,
+            own_ok_issued_ms: None,
+            probe: None,
             reads_in_flight: 0,
             repairs: BTreeMap::new(),
             next_repair: 1,
@@ -749,11 +757,30 @@ impl Term {
             assert_eq!(write.local, Local::InFlight);
             write.local = Local::Durable;
             self.durable.insert(op);
-            if write.issued_ms + shared.config.ack_timeout_ms / 2 <= now_ms {
-                self.own_stall_ended_ms = Some(now_ms);
-            }
+            let issued_ms = write.issued_ms;
+            self.own_write_done(shared, issued_ms, now_ms);
         }
         self.try_complete(shared, now_ms, out);
+    }
+
+    /// A local write or storage probe issued at `issued_ms` completed.
+    fn own_write_done(&mut self, shared: &Shared, issued_ms: u64, now_ms: u64) {
+        if issued_ms + shared.config.ack_timeout_ms / 2 <= now_ms {
+            self.own_stall_ended_ms = Some(now_ms);
+        }
+        self.own_ok_issued_ms =
+            Some(self.own_ok_issued_ms.map_or(issued_ms, |ok| ok.max(issued_ms)));
+    }
+
+    /// An intent persist of `version` completed; if it was this term's storage probe, this
+    /// node's own storage took a write issued when the probe was.
+    pub fn on_intent_persisted(&mut self, shared: &Shared, version: u64, now_ms: u64) {
+        if let Some((probe, issued_ms)) = self.probe {
+            if probe == version {
+                self.probe = None;
+                self.own_write_done(shared, issued_ms, now_ms);
+            }
+        }
     }
 
     /// A storage request finished: writes waiting for its blocks may go, and so may copies.
@@ -1725,8 +1752,11 @@ impl Term {
             (config.ack_timeout_ms, config.retransmit_ms, config.heartbeat_ms);
         let mut laggards = Vec::new();
         // Whether this node's own storage is stalled too (worked out once, when needed).
-        let (pending, own_stall_ended_ms) = (&self.pending, self.own_stall_ended_ms);
+        let (pending, own_stall_ended_ms, probe) =
+            (&self.pending, self.own_stall_ended_ms, self.probe);
         let mut own_stalled = None;
+        let own_ok_issued_ms = self.own_ok_issued_ms;
+        let mut want_probe = false;
         for (&node, peer) in self.peers.iter_mut() {
             if let PeerState::Probing { since_ms, last_sent_ms } = &mut peer.state {
                 if *since_ms + timeout <= now_ms {
@@ -1743,12 +1773,26 @@ impl Term {
             // A pause that holds this node's own writes too (a disk the nodes share) is not the
             // peer's lag: while it lasts, and for a timeout after, the peer is late only after
             // OWN_STALL_LATE_FACTOR timeouts, so a peer whose storage hangs alone still goes.
-            let lagging = late(timeout)
-                && (late(timeout * OWN_STALL_LATE_FACTOR)
-                    || !*own_stalled.get_or_insert_with(|| {
-                        own_stall_ended_ms.is_some_and(|ended| ended + timeout > now_ms)
-                            || own_writes_stalled(pending, timeout, now_ms)
-                    }));
+            // Nor is the peer late while this node does not know whether its own storage takes
+            // writes: that takes a write of its own issued half a timeout or more after the
+            // peer's oldest unacknowledged entry, completed (a write issued before a pause
+            // began may complete, one issued after it does not); without one, a storage probe
+            // is issued once the peer is half late.
+            let mut stalled = || {
+                *own_stalled.get_or_insert_with(|| {
+                    own_stall_ended_ms.is_some_and(|ended| ended + timeout > now_ms)
+                        || own_writes_stalled(pending, timeout, now_ms)
+                        || probe.is_some_and(|(_, issued)| issued + timeout / 2 <= now_ms)
+                })
+            };
+            let own_ok = oldest_sent_ms.is_some_and(|sent| {
+                own_ok_issued_ms.is_some_and(|issued| issued >= sent + timeout / 2)
+            });
+            if late(timeout / 2) && !own_ok && probe.is_none() && !stalled() {
+                want_probe = true;
+            }
+            let lagging =
+                late(timeout) && (late(timeout * OWN_STALL_LATE_FACTOR) || (own_ok && !stalled()));
             let silent = peer.last_heard_ms + timeout <= now_ms;
             if lagging || silent {
                 laggards.push(node);
@@ -1780,6 +1824,11 @@ impl Term {
                     entry: unacked.entry.clone(),
                 };
                 shared.send(node, message, out);
+            }
+        }
+        if want_probe {
+            if let Some(version) = shared.probe_storage(out) {
+                self.probe = Some((version, now_ms));
             }
         }
         for node in laggards {

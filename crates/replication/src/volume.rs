@@ -213,8 +213,12 @@ pub struct Stats {
     pub reconciled_full: u64,
     /// Planned moves (`VolumeNode::step_down`) this node began as the primary.
     pub step_downs: u64,
-    /// `PersistIntent` actions: write intents persisted (grown for a write, or shrunk).
+    /// `PersistIntent` actions: write intents persisted (grown for a write, or shrunk, or as a
+    /// storage probe).
     pub intent_persists: u64,
+    /// Of those, storage probes: a primary that had no evidence whether its own storage takes
+    /// writes while a replica was late persisted its intent to learn it.
+    pub storage_probes: u64,
     /// Host reads whose blocks were damaged here and were served from a replica's copy.
     pub reads_repaired: u64,
     /// Blocks this node rewrote from a replica's copy after such a read (none when a host
@@ -429,6 +433,14 @@ impl Shared {
     /// Persists the write intent if a write waits for it and no persist is in flight.
     pub fn flush_intent(&mut self, out: &mut Vec<Action>) {
         self.intent.flush(self.divergence.is_lost(), &mut self.stats, out);
+    }
+
+    /// Persists the write intent as it stands (a storage probe: a small durable write of this
+    /// node's own) unless a persist is in flight; returns the version asked for.
+    pub fn probe_storage(&mut self, out: &mut Vec<Action>) -> Option<u64> {
+        let version = self.intent.probe(self.divergence.is_lost(), &mut self.stats, out)?;
+        self.stats.storage_probes += 1;
+        Some(version)
     }
 
     fn persist_epoch_if_needed(&mut self, out: &mut Vec<Action>) {
@@ -740,7 +752,10 @@ impl VolumeNode {
                     // Writes waiting for their regions may go.
                     match &mut self.role {
                         Role::Replica(replica) => replica.pump(&mut self.shared, now_ms, out),
-                        Role::Primary(term) => term.on_storage_idle(&mut self.shared, now_ms, out),
+                        Role::Primary(term) => {
+                            term.on_intent_persisted(&self.shared, version, now_ms);
+                            term.on_storage_idle(&mut self.shared, now_ms, out);
+                        }
                     }
                 }
             }

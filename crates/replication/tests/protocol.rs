@@ -92,6 +92,10 @@ struct Cluster {
     storage_held: BTreeSet<usize>,
     /// The completions of those writes, in the order they were issued.
     held_writes: Vec<(usize, StorageOpId)>,
+    /// Nodes whose intent persists stay in flight until `finish_intents` (they still land).
+    intents_held: BTreeSet<usize>,
+    /// The completions of those persists: node and version.
+    held_intents: Vec<(usize, u64)>,
 }
 
 impl Cluster {
@@ -134,6 +138,8 @@ impl Cluster {
             progress: vec![Vec::new(); count as usize],
             storage_held: BTreeSet::new(),
             held_writes: Vec::new(),
+            intents_held: BTreeSet::new(),
+            held_intents: Vec::new(),
         }
     }
 
@@ -158,6 +164,16 @@ impl Cluster {
         let (node, id) = self.held_writes.remove(index);
         let event = Event::Storage { id, result: StorageResult::Written };
         self.queue.push_back(Input::Node(node, event));
+        self.drain();
+    }
+
+    /// Completes every intent persist of `node` held in flight, and what that causes.
+    fn finish_intents(&mut self, node: usize) {
+        let (done, held) = self.held_intents.drain(..).partition(|(held, _)| *held == node);
+        self.held_intents = held;
+        for (node, version) in done {
+            self.queue.push_back(Input::Node(node, Event::IntentPersisted { version }));
+        }
         self.drain();
     }
 
@@ -327,6 +343,10 @@ impl Cluster {
                 }
                 Action::PersistIntent { version, intent } => {
                     self.nodes[node].persisted_intent = Some(intent);
+                    if self.intents_held.contains(&node) {
+                        self.held_intents.push((node, version));
+                        continue;
+                    }
                     self.queue.push_back(Input::Node(node, Event::IntentPersisted { version }));
                 }
                 Action::Store { id, request } => {
@@ -554,6 +574,48 @@ fn a_replica_is_not_late_while_the_primary_s_own_storage_is_stalled_too() {
     assert_eq!(result, Ok(HostReply::Written));
     assert_eq!(cluster.state().in_sync, [NodeId(0), NodeId(1)].into_iter().collect());
     assert!((sent_ms + timeout..=sent_ms + timeout + 40).contains(&done_ms), "{done_ms}");
+}
+
+/// The disk under the primary and node 2 pauses just after the primary's copy of a write
+/// landed and before node 2's did, and no other write comes: the primary has no write of its
+/// own in flight to tell it that its storage stalled too. Its storage probe (an intent persist)
+/// stalls, so node 2 stays in sync; when the pause ends, the write completes with every copy.
+/// Without the pause on the primary, the probe completes and node 2 goes after one timeout.
+#[test]
+fn a_shared_pause_with_no_write_of_the_primary_s_own_in_flight_removes_no_replica() {
+    let timeout = config().ack_timeout_ms;
+    let mut cluster = Cluster::started(config());
+    cluster.storage_held.extend([0, 2]);
+    let write = cluster.write(0, 3, 7);
+    cluster.finish_write(held_write_of(&cluster, 0));
+    // The pause begins: the primary's intent persists stall from now on.
+    cluster.intents_held.insert(0);
+    let probes = cluster.nodes[0].volume.stats().storage_probes;
+    cluster.run(3 * timeout);
+    assert!(cluster.completion(write).is_none(), "node 2 has not acknowledged it");
+    assert_eq!(cluster.state().in_sync.len(), 3, "a pause the primary shares is no lag");
+    assert_eq!(cluster.nodes[0].volume.stats().storage_probes, probes + 1, "one probe, held");
+    // The pause ends for both.
+    cluster.intents_held.clear();
+    cluster.finish_intents(0);
+    cluster.storage_held.clear();
+    cluster.finish_write(held_write_of(&cluster, 2));
+    cluster.run(50);
+    assert_eq!(cluster.result(write), Ok(HostReply::Written));
+    assert_eq!(cluster.state().in_sync.len(), 3);
+    assert_eq!(cluster.nodes[0].volume.stats().replicas_removed, 0);
+
+    // Node 2's storage alone stops: the probe completes, and node 2 goes after one timeout.
+    let mut cluster = Cluster::started(config());
+    cluster.storage_held.insert(2);
+    let sent_ms = cluster.now_ms;
+    let write = cluster.write(0, 3, 7);
+    cluster.run(timeout + 40);
+    let (done_ms, _, _, result) = cluster.completion(write).expect("completed").clone();
+    assert_eq!(result, Ok(HostReply::Written));
+    assert_eq!(cluster.state().in_sync, [NodeId(0), NodeId(1)].into_iter().collect());
+    assert!((sent_ms + timeout..=sent_ms + timeout + 40).contains(&done_ms), "{done_ms}");
+    assert_eq!(cluster.nodes[0].volume.stats().storage_probes, 1);
 }
 
 #[test]
