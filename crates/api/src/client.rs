@@ -6,9 +6,9 @@
 
 use crate::wire::{
     AnaState, CreateSnapshot, CreateVolume, DriveInfo, ErrorBody, ErrorCode, FreezePoint,
-    FreezeVolume, HostAccess, LocalClone, LocalSnapshot, NodeInfo, ReplaceDrive, ResizeVolume,
-    ResyncList, ResyncProgress, RollbackVolume, SetCompression, SetPathState, SnapshotInfo,
-    SnapshotList, ThawVolume, VolumeInfo, VolumeList, VolumePaths,
+    FreezeVolume, HeldSnapshots, HostAccess, LocalClone, LocalSnapshot, NodeInfo, ReplaceDrive,
+    ResizeVolume, ResyncList, ResyncProgress, RollbackVolume, SetCompression, SetPathState,
+    SnapshotInfo, SnapshotList, ThawVolume, VolumeInfo, VolumeList, VolumePaths,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -247,9 +247,11 @@ impl Client {
         self.send("PUT", &path, Some(json(snapshot))).map(drop)
     }
 
-    /// Whether this node holds a copy of snapshot `id` (`snapshot_not_found` if not).
-    pub fn holds_snapshot(&self, id: u64) -> Result<(), ClientError> {
-        self.send("GET", &format!("/v1/cluster/snapshots/{id}"), None).map(drop)
+    /// The ids of the snapshots this node holds a copy of
+    /// ([`crate::paths::CLUSTER_SNAPSHOTS`]).
+    pub fn held_snapshots(&self) -> Result<Vec<u64>, ClientError> {
+        let held: HeldSnapshots = self.call("GET", crate::paths::CLUSTER_SNAPSHOTS, None)?;
+        Ok(held.ids)
     }
 
     /// Makes volume `id` on this node a clone of its copy of snapshot `snapshot_id`

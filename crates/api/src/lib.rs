@@ -57,10 +57,12 @@ pub mod paths {
     /// lapsed (`snapshot_unavailable`).
     pub const CLUSTER_VOLUME_THAW: &str = "/v1/cluster/volumes/{name}/thaw";
     /// `PUT` with a [`LocalSnapshot`](crate::LocalSnapshot), between cluster nodes: takes
-    /// snapshot `{id}` of this node's copy of the volume (204); `GET`: 204 if this node holds
-    /// a copy of snapshot `{id}`, `snapshot_not_found` if not; `DELETE`: drops this node's data
-    /// of `{id}` (a snapshot's copy, or a clone being made) if no record names it (204).
+    /// snapshot `{id}` of this node's copy of the volume (204); `DELETE`: drops this node's
+    /// data of `{id}` (a snapshot's copy, or a clone being made) if no record names it (204).
     pub const CLUSTER_SNAPSHOT: &str = "/v1/cluster/snapshots/{id}";
+    /// `GET`, between cluster nodes: the ids of the snapshots this node holds a copy of, as
+    /// a [`HeldSnapshots`](crate::HeldSnapshots).
+    pub const CLUSTER_SNAPSHOTS: &str = "/v1/cluster/snapshots";
     /// `PUT` with a [`LocalClone`](crate::LocalClone), between cluster nodes: makes volume
     /// `{id}` here a clone of this node's copy of a snapshot, before the clone's record exists
     /// (204). Dropped like a snapshot's copy if the clone is not made everywhere.

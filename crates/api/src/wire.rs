@@ -395,6 +395,13 @@ pub struct LocalSnapshot {
     pub created_unix_ms: u64,
 }
 
+/// `GET /v1/cluster/snapshots` (between cluster nodes): the snapshots whose copy this node
+/// holds, by id, ascending.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldSnapshots {
+    pub ids: Vec<u64>,
+}
+
 /// `PUT /v1/cluster/clones/{id}` (between cluster nodes): make volume `id` on this node a
 /// writable clone of this node's copy of snapshot `snapshot_id`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -423,6 +430,11 @@ pub struct SnapshotInfo {
     /// answering node serves NBD and the volume is open to every host. Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nbd_uri: Option<String>,
+    /// On a cluster: the live nodes holding a copy of the snapshot (each serves it), as they
+    /// answered when this answer was made. A copy lives on the replicas in sync when the
+    /// snapshot was taken. Absent on a single node and from a deletion's answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holders: Option<Vec<String>>,
 }
 
 /// `GET /v1/volumes/{name}/snapshots`: the volume's snapshots, oldest first.
@@ -1251,6 +1263,7 @@ mod tests {
             exclusive_bytes: 8192,
             nqn: None,
             nbd_uri: None,
+            holders: None,
         };
         let json = serde_json::to_value(&info).unwrap();
         assert_eq!(
@@ -1264,10 +1277,12 @@ mod tests {
         let served = SnapshotInfo {
             nqn: Some("nqn.2024-01.io.ferrite:snap:db:nightly".to_owned()),
             nbd_uri: Some("nbd://127.0.0.1:10809/db@nightly".to_owned()),
+            holders: Some(vec!["node-a".to_owned(), "node-c".to_owned()]),
             ..info.clone()
         };
         let json = serde_json::to_value(&served).unwrap();
         assert_eq!(json["nbd_uri"], "nbd://127.0.0.1:10809/db@nightly");
+        assert_eq!(json["holders"], serde_json::json!(["node-a", "node-c"]));
         assert_eq!(serde_json::from_value::<SnapshotInfo>(json).unwrap(), served);
         let list = SnapshotList { snapshots: vec![info] };
         let text = serde_json::to_string(&list).unwrap();

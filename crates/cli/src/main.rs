@@ -153,6 +153,12 @@ Use a snapshot to:
 Snapshot names follow the volume name rules and are unique per volume. Deleting a volume deletes
 its snapshots; its clones stay intact.
 
+On a cluster, host writes to a replicated volume are held for a moment (about as long as the
+writes in flight take) while every copy in sync takes the snapshot at the same point; each of
+those nodes then holds and serves a copy. `snapshot list` (COPIES ON) and `snapshot show` name
+the live nodes holding one: a replica out of sync when the snapshot was taken, or rebuilt later,
+holds none. Clones are placed on those nodes; rolling back is not supported on a cluster yet.
+
 Every command talks to a running node's REST API (see --api).";
 
 const SNAPSHOT_EXAMPLES: &str = "\

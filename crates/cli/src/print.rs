@@ -634,6 +634,9 @@ pub fn snapshot(json: bool, snapshot: &SnapshotInfo) -> anyhow::Result<()> {
     for (key, value) in rows {
         println!("{:<11}{value}", format!("{key}:"));
     }
+    if let Some(holders) = &snapshot.holders {
+        println!("{:<11}{}", "copies:", snapshot_holders(holders));
+    }
     // Read-only ways in, from nodes that report them.
     if let Some(nqn) = &snapshot.nqn {
         println!("{:<11}{nqn} (read-only, for the volume's hosts)", "nqn:");
@@ -658,20 +661,50 @@ pub fn snapshot_list(json: bool, volume: &str, snapshots: Vec<SnapshotInfo>) -> 
         return Ok(());
     }
     let header = ["NAME", "SIZE", "EXCLUSIVE", "ID", "CREATED"].map(str::to_owned);
-    let rows: Vec<[String; 5]> = snapshots
-        .iter()
-        .map(|snapshot| {
-            [
-                snapshot.name.clone(),
-                ByteSize(snapshot.size_bytes).to_string(),
-                ByteSize(snapshot.exclusive_bytes).to_string(),
-                snapshot.id.to_string(),
-                api::rfc3339_utc(snapshot.created_unix_ms),
-            ]
-        })
-        .collect();
-    print_table(&header, &rows);
+    let row = |snapshot: &SnapshotInfo| {
+        [
+            snapshot.name.clone(),
+            ByteSize(snapshot.size_bytes).to_string(),
+            ByteSize(snapshot.exclusive_bytes).to_string(),
+            snapshot.id.to_string(),
+            api::rfc3339_utc(snapshot.created_unix_ms),
+        ]
+    };
+    // On a cluster, also which live nodes hold a copy of each.
+    if snapshots.iter().any(|snapshot| snapshot.holders.is_some()) {
+        let [a, b, c, d, e] = header;
+        let header = [a, b, c, d, e, "COPIES ON".to_owned()];
+        let rows: Vec<[String; 6]> = snapshots
+            .iter()
+            .map(|snapshot| {
+                let [a, b, c, d, e] = row(snapshot);
+                let holders = snapshot.holders.as_deref().unwrap_or_default();
+                let copies =
+                    if holders.is_empty() { "no live node".to_owned() } else { holders.join(",") };
+                [a, b, c, d, e, copies]
+            })
+            .collect();
+        print_table(&header, &rows);
+    } else {
+        let rows: Vec<[String; 5]> = snapshots.iter().map(row).collect();
+        print_table(&header, &rows);
+    }
     Ok(())
+}
+
+/// The nodes holding a snapshot's copies, for `snapshot show` on a cluster.
+fn snapshot_holders(holders: &[String]) -> String {
+    match holders {
+        [] => "none on a live node: no node can serve it or clone it until one holding a copy \
+               returns"
+            .to_owned(),
+        holders => format!(
+            "{} ({} live node{} holding a copy, each serving it read-only)",
+            holders.join(", "),
+            holders.len(),
+            if holders.len() == 1 { "" } else { "s" }
+        ),
+    }
 }
 
 /// A size the node may not have reported (an older node).

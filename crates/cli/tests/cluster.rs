@@ -1767,6 +1767,31 @@ fn a_snapshot_of_a_replicated_volume_is_one_point_in_time_on_every_copy() {
     wait_export(&cluster, old_index, &export, true);
     assert!(same_image(&uris[old_index], &uris[survivors[0]]));
     assert!(!serves_export(&cluster, old_index, &second).0);
+    // Asked of the node without a copy, an answer names the nodes holding one, and its NBD URI
+    // a holder's export.
+    let names = |indexes: &[usize]| -> Vec<String> {
+        let mut names: Vec<String> =
+            indexes.iter().map(|index| cluster.node(*index).name.clone()).collect();
+        names.sort();
+        names
+    };
+    let client = cluster.node(old_index).client();
+    let info = client.snapshot(VOLUME, "second").expect("snapshot show");
+    let mut holders = info.holders.clone().expect("a cluster node names the holders");
+    holders.sort();
+    assert_eq!(holders, names(&survivors), "{info:?}");
+    let holder_uris: Vec<String> =
+        survivors.iter().map(|index| cluster.node(*index).nbd_uri(&second)).collect();
+    assert!(holder_uris.contains(info.nbd_uri.as_ref().expect("an NBD URI")), "{info:?}");
+    let listed = client.list_snapshots(VOLUME).expect("snapshot list");
+    let first_info = listed.iter().find(|info| info.name == "first").expect("first listed");
+    let mut holders = first_info.holders.clone().expect("holders");
+    holders.sort();
+    assert_eq!(holders, names(&[0, 1, 2]), "{first_info:?}");
+    assert_eq!(first_info.nbd_uri.as_deref(), Some(uris[old_index].as_str()), "{first_info:?}");
+    let shown =
+        ferrite_ok(cluster.node(old_index).api_url(), &["snapshot", "show", VOLUME, "second"]);
+    assert!(shown.contains("2 live nodes holding a copy"), "{shown}");
     step(&workload, "with the old primary back");
     stop_and_check(workload);
 

@@ -407,16 +407,10 @@ impl Cluster {
         snapshot_id: u64,
         replicas: u8,
     ) -> Result<Vec<NodeId>, ControlError> {
-        let members = self.store.members().map_err(ControlError::Meta)?;
-        let holds = |member: &MemberRecord| {
-            member_api(member, SNAPSHOT_CALL_TIMEOUT_MS)
-                .and_then(|client| client.holds_snapshot(snapshot_id))
-                .is_ok()
-        };
-        let holders: Vec<(MemberRecord, bool)> = members
-            .iter()
-            .filter(|(member, live)| *live && holds(member))
-            .map(|(member, live)| (member.clone(), *live))
+        let holders: Vec<(MemberRecord, bool)> = self
+            .snapshot_copies()?
+            .holders_of(snapshot_id)
+            .map(|member| (member.clone(), true))
             .collect();
         let names: Vec<&str> = holders.iter().map(|(member, _)| member.name.as_str()).collect();
         let placed = place(&holders, replicas, record.size_bytes).map_err(|reason| {
@@ -457,6 +451,22 @@ impl Cluster {
             return Err(error);
         }
         Ok(placed)
+    }
+
+    /// Which live members hold a copy of which snapshots, asked now (each within
+    /// `SNAPSHOT_CALL_TIMEOUT_MS`; a member that does not answer counts as holding none).
+    pub fn snapshot_copies(&self) -> Result<SnapshotCopies, ControlError> {
+        let members = self.store.members().map_err(ControlError::Meta)?;
+        let members = members
+            .into_iter()
+            .filter(|(_, live)| *live)
+            .filter_map(|(member, _)| {
+                let client = member_api(&member, SNAPSHOT_CALL_TIMEOUT_MS).ok()?;
+                let held = client.held_snapshots().ok()?;
+                Some((member, held.into_iter().collect()))
+            })
+            .collect();
+        Ok(SnapshotCopies { members, me: self.me })
     }
 
     /// Refuses a grow of `record` to `size_bytes` that a member holding a replica has no room
@@ -989,6 +999,24 @@ impl Cluster {
 }
 
 /// A client of `member`'s REST API whose calls give up after `timeout_ms`.
+/// The live members and the snapshots each holds a copy of (`Cluster::snapshot_copies`).
+pub struct SnapshotCopies {
+    members: Vec<(MemberRecord, BTreeSet<u64>)>,
+    me: NodeId,
+}
+
+impl SnapshotCopies {
+    /// The members holding a copy of snapshot `id`, by node id.
+    pub fn holders_of(&self, id: u64) -> impl Iterator<Item = &MemberRecord> {
+        self.members.iter().filter(move |(_, held)| held.contains(&id)).map(|(member, _)| member)
+    }
+
+    /// Whether this node holds a copy of snapshot `id`.
+    pub fn held_here(&self, id: u64) -> bool {
+        self.holders_of(id).any(|member| member.id == self.me)
+    }
+}
+
 fn member_api(member: &MemberRecord, timeout_ms: u64) -> Result<api::Client, api::ClientError> {
     api::Client::with_timeout_ms(&format!("http://{}", member.api_addr), timeout_ms)
 }

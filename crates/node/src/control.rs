@@ -728,8 +728,7 @@ impl VolumeService {
         Ok(())
     }
 
-    /// Whether this node holds a copy of snapshot `id` (between cluster nodes, to place a
-    /// clone's replicas).
+    /// Whether this node holds a copy of snapshot `id` (before making a clone of it).
     pub fn holds_snapshot(&self, id: u64) -> Result<(), ControlError> {
         let snapshots = self.meta.all_snapshots().map_err(ControlError::from_meta)?;
         let Some(record) = snapshots.into_iter().find(|snapshot| snapshot.id == id) else {
@@ -741,6 +740,22 @@ impl VolumeService {
             return Ok(());
         }
         Err(ControlError::SnapshotNotFound { volume: record.volume, snapshot: record.name })
+    }
+
+    /// The ids of the snapshots this node holds a copy of, ascending (between cluster nodes:
+    /// `Cluster::snapshot_copies`).
+    pub fn held_snapshots(&self) -> Result<Vec<u64>, ControlError> {
+        let snapshots = self.meta.all_snapshots().map_err(ControlError::from_meta)?;
+        let Some(stored) = self.data_plane.stored_ids() else { return Ok(Vec::new()) };
+        let mut held: Vec<u64> =
+            snapshots.iter().map(|snapshot| snapshot.id).filter(|id| stored.contains(id)).collect();
+        held.sort_unstable();
+        Ok(held)
+    }
+
+    /// Where the copies of snapshots are, on a cluster node (`None` on a single node).
+    pub fn snapshot_copies(&self) -> Option<Result<crate::cluster::SnapshotCopies, ControlError>> {
+        self.cluster.as_ref().map(|cluster| cluster.snapshot_copies())
     }
 
     /// Makes volume `id` on this node a clone of its copy of snapshot `snapshot_id` (between

@@ -6,6 +6,7 @@
 //! run at once; more are answered `503 busy` at once rather than queued without bound. Volume
 //! service calls block (metadata commits fsync), so they run on tokio's blocking pool.
 
+use crate::cluster::SnapshotCopies;
 use crate::config::DriveBackend;
 use crate::control::{ControlError, VolumeService};
 use crate::data_plane::{data_reduction, ErasureReport, ScrubReport, VolumePath, VolumeSpace};
@@ -79,10 +80,8 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::CLUSTER, get(cluster_info))
         .route(api::paths::CLUSTER_VOLUME_FREEZE, post(freeze_volume))
         .route(api::paths::CLUSTER_VOLUME_THAW, post(thaw_volume))
-        .route(
-            api::paths::CLUSTER_SNAPSHOT,
-            get(holds_snapshot).put(take_local_snapshot).delete(drop_local_snapshot),
-        )
+        .route(api::paths::CLUSTER_SNAPSHOT, put(take_local_snapshot).delete(drop_local_snapshot))
+        .route(api::paths::CLUSTER_SNAPSHOTS, get(held_snapshots))
         .route(api::paths::CLUSTER_CLONE, put(make_local_clone))
         .route(api::paths::DRIVE_REPLACE, post(replace_drive))
         .route(api::paths::METRICS, get(render_metrics))
@@ -292,14 +291,26 @@ fn volume_extras(
 }
 
 /// A snapshot's answer. `access` is its volume's host access while the snapshot is served
-/// (`None` for a deletion's answer: no longer served).
+/// (`None` for a deletion's answer: no longer served). `copies`: on a cluster, where the
+/// snapshots' copies are; the answer names their holders, and its NBD URI a holder's export
+/// when this node holds no copy.
 fn snapshot_info(
     record: &SnapshotRecord,
     exclusive_bytes: u64,
     node: &NodeView,
     access: Option<&HostAccess>,
+    copies: Option<&SnapshotCopies>,
 ) -> api::SnapshotInfo {
     let export = api::snapshot_ref(record.volume.as_str(), record.name.as_str());
+    let nbd = |access: &HostAccess| match copies {
+        Some(copies) if !copies.held_here(record.id) => {
+            let address = copies.holders_of(record.id).find_map(|member| member.nbd_addr.clone());
+            address.filter(|_| access.is_open()).map(|address| format!("nbd://{address}/{export}"))
+        }
+        _ => nbd_uri(node, access, &export),
+    };
+    let holders = copies
+        .map(|copies| copies.holders_of(record.id).map(|member| member.name.clone()).collect());
     api::SnapshotInfo {
         name: record.name.to_string(),
         volume: record.volume.to_string(),
@@ -308,7 +319,8 @@ fn snapshot_info(
         created_unix_ms: record.created_unix_ms,
         exclusive_bytes,
         nqn: access.map(|_| record.volume.snapshot_nqn(&record.name).to_string()),
-        nbd_uri: access.and_then(|access| nbd_uri(node, access, &export)),
+        nbd_uri: access.and_then(nbd),
+        holders: access.and(holders),
     }
 }
 
@@ -443,11 +455,12 @@ async fn list_snapshots(
     let snapshots = call(&state, move |service| {
         let records = service.snapshots(&name)?;
         let access = service.volume(&name)?.host_access;
+        let copies = service.snapshot_copies().transpose()?;
         Ok(records
             .iter()
             .map(|record| {
                 let exclusive_bytes = service.snapshot_exclusive_bytes(record.id);
-                snapshot_info(record, exclusive_bytes, &node, Some(&access))
+                snapshot_info(record, exclusive_bytes, &node, Some(&access), copies.as_ref())
             })
             .collect())
     })
@@ -468,7 +481,8 @@ async fn create_snapshot(
         let record = service.create_snapshot(&name, &request.name)?;
         let access = service.volume(&name)?.host_access;
         let exclusive_bytes = service.snapshot_exclusive_bytes(record.id);
-        Ok(snapshot_info(&record, exclusive_bytes, &node, Some(&access)))
+        let copies = service.snapshot_copies().transpose()?;
+        Ok(snapshot_info(&record, exclusive_bytes, &node, Some(&access), copies.as_ref()))
     })
     .await?;
     Ok((StatusCode::CREATED, Json(info)))
@@ -485,7 +499,8 @@ async fn show_snapshot(
         let record = service.snapshot(&name, &snapshot)?;
         let access = service.volume(&name)?.host_access;
         let exclusive_bytes = service.snapshot_exclusive_bytes(record.id);
-        Ok(snapshot_info(&record, exclusive_bytes, &node, Some(&access)))
+        let copies = service.snapshot_copies().transpose()?;
+        Ok(snapshot_info(&record, exclusive_bytes, &node, Some(&access), copies.as_ref()))
     })
     .await?;
     Ok(Json(info))
@@ -503,7 +518,7 @@ async fn delete_snapshot(
         let record = service.snapshot(&name, &snapshot)?;
         let exclusive_bytes = service.snapshot_exclusive_bytes(record.id);
         let deleted = service.delete_snapshot(&name, &snapshot)?;
-        Ok(snapshot_info(&deleted, exclusive_bytes, &node, None))
+        Ok(snapshot_info(&deleted, exclusive_bytes, &node, None, None))
     })
     .await?;
     Ok(Json(info))
@@ -555,14 +570,12 @@ async fn drop_local_snapshot(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// `GET /v1/cluster/snapshots/{id}` (between cluster nodes).
-async fn holds_snapshot(
+/// `GET /v1/cluster/snapshots` (between cluster nodes).
+async fn held_snapshots(
     State(state): State<ApiState>,
-    path: Result<Path<u64>, PathRejection>,
-) -> Result<StatusCode, ApiError> {
-    let id = parse_id(path)?;
-    call(&state, move |service| service.holds_snapshot(id)).await?;
-    Ok(StatusCode::NO_CONTENT)
+) -> Result<Json<api::HeldSnapshots>, ApiError> {
+    let ids = call(&state, |service| service.held_snapshots()).await?;
+    Ok(Json(api::HeldSnapshots { ids }))
 }
 
 /// `PUT /v1/cluster/clones/{id}` (between cluster nodes).
