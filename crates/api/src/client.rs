@@ -7,8 +7,8 @@
 use crate::wire::{
     AnaState, CreateSnapshot, CreateVolume, DriveInfo, ErrorBody, ErrorCode, FreezePoint,
     FreezeVolume, HeldSnapshots, HostAccess, LocalClone, LocalSnapshot, NodeInfo, ReplaceDrive,
-    ResizeVolume, ResyncList, ResyncProgress, RollbackVolume, SetCompression, SetPathState,
-    SnapshotInfo, SnapshotList, ThawVolume, VolumeInfo, VolumeList, VolumePaths,
+    ReplicatedRollback, ResizeVolume, ResyncList, ResyncProgress, RollbackVolume, SetCompression,
+    SetPathState, SnapshotInfo, SnapshotList, ThawVolume, VolumeInfo, VolumeList, VolumePaths,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -234,6 +234,13 @@ impl Client {
     pub fn thaw_volume(&self, volume: &str, token: u64) -> Result<(), ClientError> {
         let body = json(&ThawVolume { token });
         self.send("POST", &cluster_volume_path(volume, "/thaw"), Some(body)).map(drop)
+    }
+
+    /// Asks the volume's primary to roll it back to snapshot `snapshot_id`
+    /// ([`crate::paths::CLUSTER_VOLUME_ROLLBACK`]); answers once every block is rewritten.
+    pub fn rollback_replicated(&self, volume: &str, snapshot_id: u64) -> Result<(), ClientError> {
+        let body = json(&ReplicatedRollback { snapshot_id });
+        self.send("POST", &cluster_volume_path(volume, "/rollback"), Some(body)).map(drop)
     }
 
     /// Takes snapshot `id` of this node's copy of a replicated volume

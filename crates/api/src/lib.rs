@@ -56,6 +56,10 @@ pub mod paths {
     /// `POST` with a [`ThawVolume`](crate::ThawVolume): ends that hold (204), or says it
     /// lapsed (`snapshot_unavailable`).
     pub const CLUSTER_VOLUME_THAW: &str = "/v1/cluster/volumes/{name}/thaw";
+    /// `POST` with a [`ReplicatedRollback`](crate::ReplicatedRollback), to the volume's
+    /// primary: rewrites, through the volume's replication, the blocks that differ from the
+    /// snapshot, so every copy reads as it (204, once every block is rewritten).
+    pub const CLUSTER_VOLUME_ROLLBACK: &str = "/v1/cluster/volumes/{name}/rollback";
     /// `PUT` with a [`LocalSnapshot`](crate::LocalSnapshot), between cluster nodes: takes
     /// snapshot `{id}` of this node's copy of the volume (204); `DELETE`: drops this node's
     /// data of `{id}` (a snapshot's copy, or a clone being made) if no record names it (204).

@@ -382,6 +382,13 @@ pub struct ThawVolume {
     pub token: u64,
 }
 
+/// `POST /v1/cluster/volumes/{name}/rollback` (between cluster nodes, to the volume's
+/// primary): roll the volume back to snapshot `snapshot_id` by rewriting what differs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicatedRollback {
+    pub snapshot_id: u64,
+}
+
 /// `PUT /v1/cluster/snapshots/{id}` (between cluster nodes): take snapshot `id` of this node's
 /// copy of `volume` now, under these names; its record is written once every copy has it.
 /// `DELETE /v1/cluster/snapshots/{id}`: drop this node's copy of snapshot `id`, if it has one.

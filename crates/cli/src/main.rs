@@ -131,6 +131,10 @@ Examples:
   ferrite host allow db any          # back to open: every host may connect
   ferrite host deny db any           # lock down: no host may connect";
 
+/// How long `volume rollback` waits for its answer: on a cluster, the rewrite of every block
+/// changed since the snapshot (the node waits as long for the volume's primary).
+const ROLLBACK_TIMEOUT_MS: u64 = 30 * 60 * 1_000;
+
 const SNAPSHOT_ABOUT: &str = "\
 Take, list, show and delete snapshots of a volume.
 
@@ -157,7 +161,8 @@ On a cluster, host writes to a replicated volume are held for a moment (about as
 writes in flight take) while every copy in sync takes the snapshot at the same point; each of
 those nodes then holds and serves a copy. `snapshot list` (COPIES ON) and `snapshot show` name
 the live nodes holding one: a replica out of sync when the snapshot was taken, or rebuilt later,
-holds none. Clones are placed on those nodes; rolling back is not supported on a cluster yet.
+holds none. Clones are placed on those nodes; a rollback is done by the volume's primary,
+which must hold one (see `ferrite volume rollback --help`).
 
 Every command talks to a running node's REST API (see --api).";
 
@@ -733,6 +738,13 @@ enum VolumeCommand {
     /// take another snapshot first if you may want them back. Hosts should stop using the
     /// volume first (unmount it): I/O is paused during the rollback, and a host's cache would
     /// still hold the dropped data.
+    ///
+    /// On a cluster, the volume's primary rewrites every block written since the snapshot
+    /// with the snapshot's data, through replication, so every copy in sync reads as the
+    /// snapshot: this takes as long as writing what changed, I/O is not paused (stop the
+    /// hosts' writes first), and a rollback interrupted half way leaves some blocks rolled
+    /// back and others not (run it again to finish). The primary needs a copy of the
+    /// snapshot (`ferrite snapshot show` names the nodes holding one).
     #[command(after_long_help = "Example:\n  ferrite volume rollback db --to before-upgrade")]
     Rollback {
         name: String,
@@ -921,6 +933,8 @@ fn volume(args: VolumeArgs) -> anyhow::Result<()> {
             print::volume_changed(json, "created", &volume)
         }
         VolumeCommand::Rollback { name, to } => {
+            // On a cluster the answer comes once every changed block is rewritten.
+            let client = api::Client::with_timeout_ms(&args.api, ROLLBACK_TIMEOUT_MS)?;
             let volume = client.rollback_volume(&name, &to)?;
             if !json {
                 println!("rolled volume {name} back to snapshot {to}");

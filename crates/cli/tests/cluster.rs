@@ -712,10 +712,11 @@ fn a_cluster_refuses_what_it_cannot_do_and_shows_its_nodes() {
     let single = cluster.wait_serving("single", 1, &[]);
     assert_eq!(single.members.len(), 1, "{single:?}");
 
-    // Single-node features are refused with not_supported, and the CLI says why.
+    // A rollback to a snapshot that does not exist names it.
     let stderr = ferrite_fails(&api_url, &["volume", "rollback", "single", "--to", "snap"]);
-    assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
-    assert_code(client.rollback_volume("single", "snap"), api::ErrorCode::NotSupported);
+    assert!(stderr.contains("snap"), "{stderr}");
+    assert_code(client.rollback_volume("single", "snap"), api::ErrorCode::SnapshotNotFound);
+    // Single-node features are refused with not_supported, and the CLI says why.
     let stderr = ferrite_fails(
         &api_url,
         &["volume", "set-path", "single", "--port", "1", "--state", "optimized"],
@@ -1658,7 +1659,9 @@ fn wait_export(cluster: &Cluster, index: usize, export: &str, served: bool) {
 /// copy again, a snapshot taken while that node was down lives on the two others only, and
 /// deleting them drops every copy; a copy no record names (its taking died half way) is
 /// dropped once its node has seen it so for `--unnamed-data-grace-s`. A clone of a snapshot is replicated on nodes holding a copy
-/// of it, starts with its bytes, and its writes change neither; rollbacks are still refused.
+/// of it, starts with its bytes, and its writes change neither. Rolled back (asked of a node
+/// that is not the primary, then of the primary), every copy reads as the snapshot, also the
+/// copy of a node that holds no copy of that snapshot.
 #[test]
 fn a_snapshot_of_a_replicated_volume_is_one_point_in_time_on_every_copy() {
     let mut options = ClusterOptions::nodes(3);
@@ -1722,10 +1725,6 @@ fn a_snapshot_of_a_replicated_volume_is_one_point_in_time_on_every_copy() {
     let read = format!("read -P 0x22 {PATTERN_AT} 1M");
     let text = common::run_ok(qemu_io(&cluster.node(first_primary).nbd_uri(VOLUME), &[&read]));
     assert!(!text.contains("failed"), "{text}");
-
-    // Rollbacks are not there yet on a cluster, and say so.
-    let stderr = ferrite_fails(&api_url, &["volume", "rollback", VOLUME, "--to", "first"]);
-    assert!(stderr.contains("not supported on a cluster node"), "{stderr}");
 
     // The snapshot outlives its primary.
     let old = primary(&created);
@@ -1795,8 +1794,32 @@ fn a_snapshot_of_a_replicated_volume_is_one_point_in_time_on_every_copy() {
     step(&workload, "with the old primary back");
     stop_and_check(workload);
 
+    // Rolled back with no host writing, every copy reads as the snapshot: the primary rewrote
+    // what differed through replication. Each node's copy of a snapshot taken after says so.
+    let state = cluster.wait_serving(VOLUME, 3, &[]);
+    let primary_index = cluster.index(&primary(&state));
+    assert_ne!(primary_index, old_index, "the primary moved back: {state:?}");
+    let volume_uri = cluster.node(primary_index).nbd_uri(VOLUME);
+    let rolled_back_to = |target: &str, check: &str, api: &str| {
+        ferrite_ok(api, &["volume", "rollback", VOLUME, "--to", target]);
+        let target_uri = cluster.node(primary_index).nbd_uri(&format!("{VOLUME}@{target}"));
+        assert!(same_image(&volume_uri, &target_uri), "the volume does not read as {target}");
+        ferrite_ok(api, &["snapshot", "create", VOLUME, check]);
+        let check = format!("{VOLUME}@{check}");
+        for index in 0..3 {
+            wait_export(&cluster, index, &check, true);
+            let copy = cluster.node(index).nbd_uri(&check);
+            let name = &cluster.node(index).name;
+            assert!(same_image(&copy, &target_uri), "{name}'s copy differs from {target}");
+        }
+    };
+    // Asked of the node that is not the primary; then of the primary, to a snapshot that node
+    // holds no copy of.
+    rolled_back_to("first", "check1", cluster.node(old_index).api_url());
+    rolled_back_to("second", "check2", cluster.node(primary_index).api_url());
+
     // Deleting drops every copy.
-    for name in ["first", "second"] {
+    for name in ["first", "second", "check1", "check2"] {
         ferrite_ok(&api_url, &["snapshot", "delete", VOLUME, name]);
     }
     for index in 0..3 {

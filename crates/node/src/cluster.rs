@@ -56,6 +56,9 @@ pub const GROW_WAIT_MS: u64 = 15_000;
 pub const SNAPSHOT_HOLD_MS: u64 = 5_000;
 /// How long one node is given to answer a step of a snapshot (a hold, one copy's snapshot).
 const SNAPSHOT_CALL_TIMEOUT_MS: u64 = SNAPSHOT_HOLD_MS + 2_000;
+/// How long the node handling a rollback waits for the volume's primary to rewrite what
+/// differs from the snapshot (as long as what changed since it takes to write).
+const ROLLBACK_CALL_TIMEOUT_MS: u64 = 30 * 60 * 1_000;
 /// How long a node waits to be told to drop its copy of a deleted snapshot.
 const SNAPSHOT_DROP_TIMEOUT_MS: u64 = 2_000;
 /// How long data no record names (a snapshot copy whose record was deleted while this node
@@ -451,6 +454,43 @@ impl Cluster {
             return Err(error);
         }
         Ok(placed)
+    }
+
+    /// Rolls replicated `volume` back to `snapshot`: the volume's primary rewrites the blocks
+    /// that differ through the volume's replication. `Ok(false)` if this node is the primary
+    /// (the caller does it here); `Ok(true)` once the primary did.
+    pub fn rollback_on_primary(
+        &self,
+        volume: &VolumeRecord,
+        snapshot: &SnapshotRecord,
+    ) -> Result<bool, ControlError> {
+        let unavailable = |reason: String| {
+            ControlError::SnapshotUnavailable(format!(
+                "rolling {} back to {} failed: {reason}",
+                volume.name,
+                api::snapshot_ref(volume.name.as_str(), snapshot.name.as_str())
+            ))
+        };
+        let state = self
+            .volume_state(volume.id)
+            .ok_or_else(|| unavailable("the volume has no replication state".to_owned()))?;
+        let Some(primary) = state.value.primary else {
+            return Err(unavailable(
+                "the volume has no primary now (a failover?); nothing was changed, try again"
+                    .to_owned(),
+            ));
+        };
+        if primary == self.me {
+            return Ok(false);
+        }
+        let members = self.store.members().map_err(ControlError::Meta)?;
+        let Some((member, _)) = members.iter().find(|(member, _)| member.id == primary) else {
+            return Err(unavailable(format!("its primary, node {primary}, is not a member")));
+        };
+        member_api(member, ROLLBACK_CALL_TIMEOUT_MS)
+            .and_then(|client| client.rollback_replicated(volume.name.as_str(), snapshot.id))
+            .map_err(|error| unavailable(format!("its primary, node {}: {error}", member.name)))?;
+        Ok(true)
     }
 
     /// Which live members hold a copy of which snapshots, asked now (each within

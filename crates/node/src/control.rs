@@ -55,6 +55,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use types::{ByteSize, InvalidInput, Nqn, VolumeName};
 
+/// How often a long rollback of a replicated volume logs its progress.
+const ROLLBACK_PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
+
 /// Why a volume operation failed. Messages are shown to users as is.
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -233,17 +236,6 @@ impl VolumeService {
     /// The cluster this node belongs to, if any.
     pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
         self.cluster.as_ref()
-    }
-
-    /// Refuses what a cluster node does not do yet.
-    fn single_node_only(&self, what: &str) -> Result<(), ControlError> {
-        match self.cluster {
-            Some(_) => Err(ControlError::NotOnCluster(format!(
-                "{what} is not supported on a cluster node yet (replicated volumes); use a \
-                 single node for it"
-            ))),
-            None => Ok(()),
-        }
     }
 
     /// Creates an empty volume of `size_bytes` whose writes are stored with `compression` (a
@@ -830,7 +822,6 @@ impl VolumeService {
     /// Rolls `volume` back to its snapshot `snapshot`: the writes since the snapshot are
     /// dropped. `snapshot` may also be written `VOLUME@SNAPSHOT`, naming this volume.
     pub fn rollback(&self, volume: &str, snapshot: &str) -> Result<VolumeRecord, ControlError> {
-        self.single_node_only("rolling back to a snapshot")?;
         let volume = parse_name(volume)?;
         let snapshot = match api::parse_snapshot_ref(snapshot) {
             Some((snapshot_volume, name)) => {
@@ -847,6 +838,15 @@ impl VolumeService {
             }
             None => parse_name(snapshot)?,
         };
+        if let Some(cluster) = &self.cluster {
+            // A replicated volume's primary rewrites what differs, through replication.
+            let record = self.volume_record(&volume)?;
+            let target = self.snapshot_record(&volume, &snapshot)?;
+            if !cluster.rollback_on_primary(&record, &target)? {
+                self.rollback_here(&record, &target)?;
+            }
+            return Ok(record);
+        }
         let _serialised = self.lock_mutations();
         let Some(record) = self.meta.volume(&volume).map_err(ControlError::from_meta)? else {
             return Err(ControlError::VolumeNotFound(volume));
@@ -857,6 +857,72 @@ impl VolumeService {
             .map_err(|error| ControlError::from_data_plane(&record.name, error))?;
         tracing::info!(volume = %record.name, snapshot = %target.name, "rolled volume back");
         Ok(record)
+    }
+
+    /// Rolls replicated `volume`, which this node serves as primary, back to its snapshot
+    /// `snapshot_id` (between cluster nodes: `Cluster::rollback_on_primary`).
+    pub fn rollback_replicated(&self, volume: &str, snapshot_id: u64) -> Result<(), ControlError> {
+        let record = self.cluster_volume(volume)?;
+        let snapshots = self.meta.snapshots(&record.name).map_err(ControlError::from_meta)?;
+        let Some(target) = snapshots.into_iter().find(|snapshot| snapshot.id == snapshot_id) else {
+            return Err(ControlError::SnapshotUnavailable(format!(
+                "volume {} has no snapshot with id {snapshot_id} (deleted meanwhile?)",
+                record.name
+            )));
+        };
+        self.rollback_here(&record, &target)
+    }
+
+    /// Rewrites, as the volume's primary, the blocks of replicated `record` that differ from
+    /// snapshot `target` with the snapshot's, through replication, logging progress.
+    fn rollback_here(
+        &self,
+        record: &VolumeRecord,
+        target: &SnapshotRecord,
+    ) -> Result<(), ControlError> {
+        let snapshot = api::snapshot_ref(record.name.as_str(), target.name.as_str());
+        if !self.data_plane.stored_ids().is_some_and(|ids| ids.contains(&target.id)) {
+            return Err(ControlError::SnapshotUnavailable(format!(
+                "rolling {} back to {snapshot} failed: this node, the volume's primary, holds no \
+                 copy of the snapshot (copies live on the replicas in sync when it was taken: \
+                 `ferrite snapshot show` names them); nothing was changed",
+                record.name
+            )));
+        }
+        let started = std::time::Instant::now();
+        let mut logged = started;
+        let mut progress = |done: u64, total: u64| {
+            if done == 0 {
+                tracing::info!(
+                    volume = %record.name,
+                    snapshot = %target.name,
+                    blocks = total,
+                    "rolling a replicated volume back: rewriting the blocks that differ from the \
+                     snapshot on every copy in sync"
+                );
+            } else if done < total && logged.elapsed() >= ROLLBACK_PROGRESS_INTERVAL {
+                logged = std::time::Instant::now();
+                tracing::info!(volume = %record.name, done, total, "rolling back");
+            }
+        };
+        let rewritten = self
+            .data_plane
+            .rollback_replicated(record, target.id, &mut progress)
+            .map_err(|error| {
+                ControlError::SnapshotUnavailable(format!(
+                    "rolling {} back to {snapshot} did not finish: {error}; the volume may hold \
+                     some of the snapshot's blocks and not others: run the rollback again",
+                    record.name
+                ))
+            })?;
+        tracing::info!(
+            volume = %record.name,
+            snapshot = %target.name,
+            blocks = rewritten,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "rolled a replicated volume back"
+        );
+        Ok(())
     }
 
     /// The snapshot record, or why there is none (the volume or the snapshot is missing).

@@ -490,6 +490,21 @@ pub trait DataPlane: Send + Sync {
         Err(no_snapshots(&volume.name))
     }
 
+    /// Makes the replicated `volume`, which this node serves as primary, read what its
+    /// snapshot `snapshot_id` holds here, by rewriting through its replication (as host writes
+    /// and trims, so every copy in sync gets each) the blocks that may differ; `progress(done,
+    /// total)` after each piece. Returns the blocks rewritten. Not atomic: interrupted, the
+    /// volume holds some of the snapshot's blocks, and running it again finishes it.
+    fn rollback_replicated(
+        &self,
+        volume: &VolumeRecord,
+        snapshot_id: u64,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<u64, DataPlaneError> {
+        let _ = (snapshot_id, progress);
+        Err(no_snapshots(&volume.name))
+    }
+
     /// The snapshot's record is deleted: free its data (durably; blocks clones or the volume
     /// still read stay). Failures are logged: the data is then dropped at the next start.
     fn remove_snapshot(&self, _snapshot: &SnapshotRecord) {}

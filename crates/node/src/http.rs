@@ -80,6 +80,7 @@ pub fn router(service: Arc<VolumeService>, metrics: Arc<Registry>, node: NodeVie
         .route(api::paths::CLUSTER, get(cluster_info))
         .route(api::paths::CLUSTER_VOLUME_FREEZE, post(freeze_volume))
         .route(api::paths::CLUSTER_VOLUME_THAW, post(thaw_volume))
+        .route(api::paths::CLUSTER_VOLUME_ROLLBACK, post(rollback_replicated))
         .route(api::paths::CLUSTER_SNAPSHOT, put(take_local_snapshot).delete(drop_local_snapshot))
         .route(api::paths::CLUSTER_SNAPSHOTS, get(held_snapshots))
         .route(api::paths::CLUSTER_CLONE, put(make_local_clone))
@@ -534,6 +535,18 @@ async fn freeze_volume(
     let request: api::FreezeVolume = parse_body(body)?;
     let held = call(&state, move |service| service.freeze_volume(&name, request.hold_ms)).await?;
     Ok(Json(api::FreezePoint { token: held.token, epoch: held.epoch, copies: held.copies }))
+}
+
+/// `POST /v1/cluster/volumes/{name}/rollback` (between cluster nodes, to the primary).
+async fn rollback_replicated(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<StatusCode, ApiError> {
+    let name = parse_name(path)?;
+    let request: api::ReplicatedRollback = parse_body(body)?;
+    call(&state, move |service| service.rollback_replicated(&name, request.snapshot_id)).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// `POST /v1/cluster/volumes/{name}/thaw` (between cluster nodes).

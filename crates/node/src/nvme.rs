@@ -942,7 +942,7 @@ struct Command {
 }
 
 /// The engine operations the control plane asks for, each durable when reported done.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum EngineOperation {
     /// Deletes a fenced, drained volume's data, or a snapshot's.
     Delete {
@@ -966,6 +966,15 @@ enum EngineOperation {
     Replace {
         drive: u16,
     },
+    /// Rewrites replicated volume `volume`'s blocks `runs` (first block, count; at most
+    /// `ROLLBACK_BLOCKS_PER_OPERATION` in all) with what snapshot `snapshot` holds here,
+    /// through the volume's replication: written where the snapshot maps a block, trimmed
+    /// where it does not.
+    CopyFromSnapshot {
+        volume: u64,
+        snapshot: u64,
+        runs: Vec<(u64, u32)>,
+    },
 }
 
 impl EngineOperation {
@@ -988,6 +997,9 @@ impl EngineOperation {
                 })?;
                 store.begin_replace(drive, new).await
             }
+            Self::CopyFromSnapshot { volume, snapshot, runs } => {
+                return copy_from_snapshot(store, shared, volume, snapshot, &runs).await;
+            }
         };
         result.map_err(|error| match error {
             LogError::Layer(refusal @ LayerError::TooDeep { .. }) => {
@@ -999,6 +1011,63 @@ impl EngineOperation {
             other => DataPlaneError::failed(other.to_string()),
         })
     }
+}
+
+/// Blocks one `EngineOperation::CopyFromSnapshot` rewrites at most: a rollback of a replicated
+/// volume goes piece by piece, so thread 0's other background work runs between pieces.
+const ROLLBACK_BLOCKS_PER_OPERATION: u64 = 1024;
+
+/// `EngineOperation::CopyFromSnapshot`: each run's blocks are read from the snapshot (on this
+/// thread's log) and written, or trimmed where the snapshot maps none, through the volume's
+/// replication route, all runs at once.
+async fn copy_from_snapshot(
+    store: &LogHandle<DriveFile>,
+    shared: &ThreadShared,
+    volume: u64,
+    snapshot: u64,
+    runs: &[(u64, u32)],
+) -> Result<(), DataPlaneError> {
+    let handle = shared
+        .catalog
+        .get(volume)
+        .filter(|handle| handle.snapshot.is_none() && handle.route.is_some())
+        .ok_or_else(|| DataPlaneError::failed("the volume is not served here as replicated"))?;
+    let Some(route) = handle.route.as_ref() else { unreachable!("filtered above") };
+    let engine = store.engine();
+    let block = u64::from(types::LOGICAL_BLOCK_SIZE_BYTES);
+    let size_bytes = handle.map.size_bytes();
+    let snapshot_map = VolumeMap::standalone(VolumeId(snapshot), size_bytes);
+    // Each run splits into pieces the snapshot maps (read and written) and pieces it does
+    // not (trimmed).
+    let mut pieces: Vec<(u64, u64, bool)> = Vec::new();
+    for &(first, count) in runs {
+        for lba in first..first + u64::from(count) {
+            let mapped = engine::log::index::is_block(engine.lookup(snapshot, lba));
+            match pieces.last_mut() {
+                Some((start, length, kind)) if *kind == mapped && *start + *length == lba => {
+                    *length += 1;
+                }
+                _ => pieces.push((lba, 1, mapped)),
+            }
+        }
+    }
+    let (volume_map, snapshot_map) = (&handle.map, &snapshot_map);
+    let copies = pieces.into_iter().map(|(lba, count, mapped)| async move {
+        let (offset, length) = (lba * block, count * block);
+        if !mapped {
+            let trimmed = route.deallocate(volume_map, offset, length).await;
+            return trimmed.map_err(|error| format!("trimming blocks {lba}+{count}: {error}"));
+        }
+        let buf = AlignedBuf::new(usize::try_from(length).unwrap_or(usize::MAX));
+        let (read, buf) = store.read_blocks(snapshot_map, offset, buf).await;
+        read.map_err(|error| format!("reading the snapshot's blocks {lba}+{count}: {error}"))?;
+        let (written, _) = route.write(volume_map, offset, buf).await;
+        written.map_err(|error| format!("writing blocks {lba}+{count}: {error}"))
+    });
+    for result in futures_util::future::join_all(copies).await {
+        result.map_err(DataPlaneError::failed)?;
+    }
+    Ok(())
 }
 
 /// The current path of drive `index`.
@@ -1956,6 +2025,7 @@ impl NvmeDataPlane {
 
     /// Runs an engine operation through thread 0 and waits until it is durable.
     fn run(&self, operation: EngineOperation) -> Result<(), DataPlaneError> {
+        let what = format!("{operation:?}");
         let (done, result) = std::sync::mpsc::sync_channel(1);
         self.commands
             .blocking_send(Command { operation, done })
@@ -1963,7 +2033,7 @@ impl NvmeDataPlane {
         match result.recv_timeout(Duration::from_millis(ENGINE_OPERATION_TIMEOUT_MS)) {
             Ok(outcome) => outcome,
             Err(_) => Err(DataPlaneError::failed(format!(
-                "the engine did not finish {operation:?} within {ENGINE_OPERATION_TIMEOUT_MS} ms"
+                "the engine did not finish {what} within {ENGINE_OPERATION_TIMEOUT_MS} ms"
             ))),
         }
     }
@@ -2187,6 +2257,51 @@ impl DataPlane for NvmeDataPlane {
         });
         handle.fenced.store(false, Ordering::SeqCst);
         result
+    }
+
+    fn rollback_replicated(
+        &self,
+        volume: &VolumeRecord,
+        snapshot_id: u64,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<u64, DataPlaneError> {
+        if self.catalog.get(volume.id).is_none_or(|handle| handle.route.is_none()) {
+            return Err(DataPlaneError::failed(format!(
+                "volume {} is not served here as a replicated volume",
+                volume.name
+            )));
+        }
+        let blocks = self
+            .engine
+            .blocks_differing(volume.id, snapshot_id)
+            .map_err(|error| DataPlaneError::failed(error.to_string()))?;
+        let total = blocks.len() as u64;
+        let mut done = 0u64;
+        progress(done, total);
+        // Runs of consecutive blocks, ROLLBACK_BLOCKS_PER_OPERATION blocks per operation.
+        let mut runs: Vec<(u64, u32)> = Vec::new();
+        let mut in_runs = 0u64;
+        let mut blocks = blocks.into_iter().peekable();
+        while let Some(lba) = blocks.next() {
+            match runs.last_mut() {
+                Some((first, count)) if *first + u64::from(*count) == lba => *count += 1,
+                _ => runs.push((lba, 1)),
+            }
+            in_runs += 1;
+            if in_runs == ROLLBACK_BLOCKS_PER_OPERATION || blocks.peek().is_none() {
+                let runs = std::mem::take(&mut runs);
+                let operation = EngineOperation::CopyFromSnapshot {
+                    volume: volume.id,
+                    snapshot: snapshot_id,
+                    runs,
+                };
+                self.run(operation)?;
+                done += in_runs;
+                in_runs = 0;
+                progress(done, total);
+            }
+        }
+        Ok(total)
     }
 
     fn remove_snapshot(&self, snapshot: &SnapshotRecord) {

@@ -518,6 +518,14 @@ impl LogEngine {
         self.index.exclusive_blocks(snapshot) * BLOCK_BYTES_U64
     }
 
+    /// The blocks that may read differently in volume `volume` than in snapshot `snapshot`,
+    /// ascending: those written or trimmed in either since they parted. Rewriting each with
+    /// the snapshot's contents makes the volume read as the snapshot (a rollback by copying,
+    /// as a replicated volume takes one).
+    pub fn blocks_differing(&self, volume: u64, snapshot: u64) -> Result<Vec<u64>, LayerError> {
+        self.index.blocks_differing(volume, snapshot)
+    }
+
     /// The entry a read of `block` of volume or snapshot `id` sees (0 if none); for tests and
     /// tools.
     pub fn lookup(&self, id: u64, block: u64) -> u64 {

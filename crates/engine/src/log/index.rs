@@ -860,6 +860,40 @@ impl Index {
         Ok(())
     }
 
+    /// The blocks that may read differently in volume `volume` than in snapshot `snapshot`,
+    /// ascending: every block with an entry (data or a trim) in a layer of either chain above
+    /// the lowest layer both chains share. A volume never written reads as an empty chain.
+    pub fn blocks_differing(&self, volume: u64, snapshot: u64) -> Result<Vec<u64>, LayerError> {
+        let Some(snapshot_top) = self.resolve(snapshot, false) else {
+            return Err(LayerError::SnapshotUnknown { snapshot });
+        };
+        let chain = |top: Option<Arc<VolumeIndex>>| {
+            let mut layers = Vec::new();
+            let mut layer = top;
+            while let Some(current) = layer {
+                assert!(layers.len() <= LAYER_DEPTH_MAX + 1, "layer chain too long");
+                layer = current.parent();
+                layers.push(current);
+            }
+            layers
+        };
+        let volume_chain = chain(self.resolve(volume, false));
+        let snapshot_chain = chain(Some(snapshot_top));
+        let shared = |layer: &Arc<VolumeIndex>, other: &[Arc<VolumeIndex>]| {
+            other.iter().any(|candidate| Arc::ptr_eq(candidate, layer))
+        };
+        let mut blocks = Vec::new();
+        for (layers, other) in [(&volume_chain, &snapshot_chain), (&snapshot_chain, &volume_chain)]
+        {
+            for layer in layers.iter().take_while(|layer| !shared(layer, other)) {
+                layer.for_each_mapped(|block, _| blocks.push(block));
+            }
+        }
+        blocks.sort_unstable();
+        blocks.dedup();
+        Ok(blocks)
+    }
+
     /// Whether `volume` may be created as a clone of (or rolled back to) `snapshot`.
     pub fn check_layer_on(&self, volume: u64, snapshot: u64) -> Result<(), LayerError> {
         let Some(label) = self.table().bindings.get(&snapshot).copied() else {
