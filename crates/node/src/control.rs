@@ -891,18 +891,18 @@ impl VolumeService {
         }
         let started = std::time::Instant::now();
         let mut logged = started;
-        let mut progress = |done: u64, total: u64| {
-            if done == 0 {
+        let mut progress = |position: u64, blocks: u64| {
+            if position == 0 {
                 tracing::info!(
                     volume = %record.name,
                     snapshot = %target.name,
-                    blocks = total,
                     "rolling a replicated volume back: rewriting the blocks that differ from the \
-                     snapshot on every copy in sync"
+                     snapshot on every copy in sync, in block order"
                 );
-            } else if done < total && logged.elapsed() >= ROLLBACK_PROGRESS_INTERVAL {
+            } else if position < blocks && logged.elapsed() >= ROLLBACK_PROGRESS_INTERVAL {
                 logged = std::time::Instant::now();
-                tracing::info!(volume = %record.name, done, total, "rolling back");
+                let percent = position * 100 / blocks.max(1);
+                tracing::info!(volume = %record.name, position, blocks, percent, "rolling back");
             }
         };
         let rewritten = self

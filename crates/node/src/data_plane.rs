@@ -492,8 +492,8 @@ pub trait DataPlane: Send + Sync {
 
     /// Makes the replicated `volume`, which this node serves as primary, read what its
     /// snapshot `snapshot_id` holds here, by rewriting through its replication (as host writes
-    /// and trims, so every copy in sync gets each) the blocks that may differ; `progress(done,
-    /// total)` after each piece. Returns the blocks rewritten. Not atomic: interrupted, the
+    /// and trims, so every copy in sync gets each) the blocks that may differ, in block order;
+    /// `progress(position, volume_blocks)` after each piece. Returns the blocks rewritten. Not atomic: interrupted, the
     /// volume holds some of the snapshot's blocks, and running it again finishes it.
     fn rollback_replicated(
         &self,

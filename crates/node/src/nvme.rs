@@ -973,8 +973,19 @@ enum EngineOperation {
     CopyFromSnapshot {
         volume: u64,
         snapshot: u64,
-        runs: Vec<(u64, u32)>,
+        runs: BlockRuns,
     },
+}
+
+/// Runs of blocks (first block, count), shown by their number and total in messages.
+#[derive(Clone)]
+struct BlockRuns(Vec<(u64, u32)>);
+
+impl std::fmt::Debug for BlockRuns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let blocks: u64 = self.0.iter().map(|(_, count)| u64::from(*count)).sum();
+        write!(f, "{} runs of {blocks} blocks in all", self.0.len())
+    }
 }
 
 impl EngineOperation {
@@ -998,7 +1009,7 @@ impl EngineOperation {
                 store.begin_replace(drive, new).await
             }
             Self::CopyFromSnapshot { volume, snapshot, runs } => {
-                return copy_from_snapshot(store, shared, volume, snapshot, &runs).await;
+                return copy_from_snapshot(store, shared, volume, snapshot, &runs.0).await;
             }
         };
         result.map_err(|error| match error {
@@ -2271,37 +2282,40 @@ impl DataPlane for NvmeDataPlane {
                 volume.name
             )));
         }
-        let blocks = self
-            .engine
-            .blocks_differing(volume.id, snapshot_id)
-            .map_err(|error| DataPlaneError::failed(error.to_string()))?;
-        let total = blocks.len() as u64;
-        let mut done = 0u64;
-        progress(done, total);
-        // Runs of consecutive blocks, ROLLBACK_BLOCKS_PER_OPERATION blocks per operation.
-        let mut runs: Vec<(u64, u32)> = Vec::new();
-        let mut in_runs = 0u64;
-        let mut blocks = blocks.into_iter().peekable();
-        while let Some(lba) = blocks.next() {
-            match runs.last_mut() {
-                Some((first, count)) if *first + u64::from(*count) == lba => *count += 1,
-                _ => runs.push((lba, 1)),
-            }
-            in_runs += 1;
-            if in_runs == ROLLBACK_BLOCKS_PER_OPERATION || blocks.peek().is_none() {
-                let runs = std::mem::take(&mut runs);
+        // A piece at a time, in block order: the engine is asked for the next blocks that may
+        // differ, which are rewritten before it is asked again.
+        let volume_blocks = volume.size_bytes / u64::from(types::LOGICAL_BLOCK_SIZE_BYTES);
+        let limit = usize::try_from(ROLLBACK_BLOCKS_PER_OPERATION).unwrap_or(usize::MAX);
+        let mut rewritten = 0u64;
+        let mut from = Some(0u64);
+        progress(0, volume_blocks);
+        while let Some(start) = from {
+            let (blocks, next) = self
+                .engine
+                .blocks_differing(volume.id, snapshot_id, start, limit)
+                .map_err(|error| DataPlaneError::failed(error.to_string()))?;
+            for piece in blocks.chunks(limit) {
+                let mut runs: Vec<(u64, u32)> = Vec::new();
+                for &lba in piece {
+                    match runs.last_mut() {
+                        Some((first, count)) if *first + u64::from(*count) == lba => *count += 1,
+                        _ => runs.push((lba, 1)),
+                    }
+                }
+                let runs = BlockRuns(runs);
                 let operation = EngineOperation::CopyFromSnapshot {
                     volume: volume.id,
                     snapshot: snapshot_id,
                     runs,
                 };
                 self.run(operation)?;
-                done += in_runs;
-                in_runs = 0;
-                progress(done, total);
+                rewritten += piece.len() as u64;
             }
+            assert!(next.is_none_or(|next| next > start), "the engine's cursor moves on");
+            from = next;
+            progress(from.unwrap_or(volume_blocks).min(volume_blocks), volume_blocks);
         }
-        Ok(total)
+        Ok(rewritten)
     }
 
     fn remove_snapshot(&self, snapshot: &SnapshotRecord) {

@@ -518,12 +518,19 @@ impl LogEngine {
         self.index.exclusive_blocks(snapshot) * BLOCK_BYTES_U64
     }
 
-    /// The blocks that may read differently in volume `volume` than in snapshot `snapshot`,
-    /// ascending: those written or trimmed in either since they parted. Rewriting each with
-    /// the snapshot's contents makes the volume read as the snapshot (a rollback by copying,
-    /// as a replicated volume takes one).
-    pub fn blocks_differing(&self, volume: u64, snapshot: u64) -> Result<Vec<u64>, LayerError> {
-        self.index.blocks_differing(volume, snapshot)
+    /// The blocks at or after `from` that may read differently in volume `volume` than in
+    /// snapshot `snapshot`, ascending, about `limit` at most, and where to continue (`None`:
+    /// no more): those written or trimmed in either since they parted. Rewriting each with the
+    /// snapshot's contents makes the volume read as the snapshot (a rollback by copying, as a
+    /// replicated volume takes one).
+    pub fn blocks_differing(
+        &self,
+        volume: u64,
+        snapshot: u64,
+        from: u64,
+        limit: usize,
+    ) -> Result<(Vec<u64>, Option<u64>), LayerError> {
+        self.index.blocks_differing(volume, snapshot, from, limit)
     }
 
     /// The entry a read of `block` of volume or snapshot `id` sees (0 if none); for tests and

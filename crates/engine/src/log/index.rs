@@ -860,10 +860,19 @@ impl Index {
         Ok(())
     }
 
-    /// The blocks that may read differently in volume `volume` than in snapshot `snapshot`,
-    /// ascending: every block with an entry (data or a trim) in a layer of either chain above
-    /// the lowest layer both chains share. A volume never written reads as an empty chain.
-    pub fn blocks_differing(&self, volume: u64, snapshot: u64) -> Result<Vec<u64>, LayerError> {
+    /// The blocks at or after `from` that may read differently in volume `volume` than in
+    /// snapshot `snapshot`, ascending, at most about `limit` of them (a few more for a chain of
+    /// several layers), and where to continue (`None`: no more). They are the blocks with an
+    /// entry (data or a trim) in a layer of either chain above the lowest layer both chains
+    /// share. A volume never written reads as an empty chain.
+    pub fn blocks_differing(
+        &self,
+        volume: u64,
+        snapshot: u64,
+        from: u64,
+        limit: usize,
+    ) -> Result<(Vec<u64>, Option<u64>), LayerError> {
+        assert!(limit > 0);
         let Some(snapshot_top) = self.resolve(snapshot, false) else {
             return Err(LayerError::SnapshotUnknown { snapshot });
         };
@@ -882,16 +891,27 @@ impl Index {
         let shared = |layer: &Arc<VolumeIndex>, other: &[Arc<VolumeIndex>]| {
             other.iter().any(|candidate| Arc::ptr_eq(candidate, layer))
         };
+        // Each layer gives up to `limit` blocks from `from`; a layer that had more says where
+        // it stopped, and only blocks below the lowest such point are complete.
         let mut blocks = Vec::new();
+        let mut entries = Vec::new();
+        let mut next: Option<u64> = None;
         for (layers, other) in [(&volume_chain, &snapshot_chain), (&snapshot_chain, &volume_chain)]
         {
             for layer in layers.iter().take_while(|layer| !shared(layer, other)) {
-                layer.for_each_mapped(|block, _| blocks.push(block));
+                entries.clear();
+                if let Some(stop) = layer.collect_mapped(from, limit, &mut entries) {
+                    next = Some(next.map_or(stop, |next| next.min(stop)));
+                }
+                blocks.extend(entries.iter().map(|(block, _)| *block));
             }
+        }
+        if let Some(next) = next {
+            blocks.retain(|block| *block < next);
         }
         blocks.sort_unstable();
         blocks.dedup();
-        Ok(blocks)
+        Ok((blocks, next))
     }
 
     /// Whether `volume` may be created as a clone of (or rolled back to) `snapshot`.
